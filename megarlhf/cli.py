@@ -1,0 +1,88 @@
+"""The ``megarlhf`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megarlhf.config import Config, ConfigError, dump_config, load_config, validate_layout
+
+
+def _resolve(args) -> Config:
+    """Config file + overrides, with the vocabulary taken from the tokenizer when unset,
+    validated against the launcher's world size before any process group exists."""
+    from megarlhf.parallel.launch import read_dist_env
+
+    cfg = load_config(args.config, args.overrides)
+    tokenizer = None
+    if cfg.tokenizer.path is not None:
+        from megarlhf.data.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        if cfg.model.vocab_size is None:
+            cfg.model.vocab_size = tokenizer.vocab_size
+        elif cfg.model.vocab_size < tokenizer.vocab_size:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
+                              f"tokenizer's vocabulary ({tokenizer.vocab_size}, "
+                              f"{cfg.tokenizer.path}): tokenizer and model do not match")
+    validate_layout(cfg, read_dist_env().world_size)
+    args.tokenizer = tokenizer
+    return cfg
+
+
+def cmd_config_show(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    print(dump_config(cfg), end="")
+    return 0
+
+
+def cmd_score(args) -> int:
+    from megarlhf.stages.score import run_score
+
+    cfg = _resolve(args)
+    if cfg.model.vocab_size is None:
+        raise ConfigError("model.vocab_size is unset and no tokenizer.path is configured")
+    run_score(cfg, args.input, args.output, role=args.role,
+              micro_batch_size=args.micro_batch_size, temperature=args.temperature,
+              tokenizer=args.tokenizer)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megarlhf", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    config = sub.add_parser("config", help="inspect configs")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser("show", help="print the resolved config")
+    show.add_argument("config", nargs="?", help="YAML config (omit for defaults)")
+    show.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    show.set_defaults(func=cmd_config_show)
+
+    score = sub.add_parser("score", help="per-token log-probs / values of token sequences")
+    score.add_argument("--config", help="YAML config")
+    score.add_argument("--input", required=True, help="JSONL with 'tokens' or 'text' per row")
+    score.add_argument("--output", required=True, help="JSONL to write")
+    score.add_argument("--role", choices=["lm", "value"], default="lm",
+                       help="lm: log-probs (policy/reference); value: critic/RM values")
+    score.add_argument("--micro-batch-size", type=int, default=4)
+    score.add_argument("--temperature", type=float, default=1.0)
+    score.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    score.set_defaults(func=cmd_score)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        print(f"megarlhf: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if args.command not in ("config",):
+            from megarlhf.parallel.launch import shutdown
+            shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""Typed configuration: the dataclass tree, YAML loading and layout validation."""
+
+from megarlhf.config.loader import ConfigError, dump_config, load_config, parse_overrides
+from megarlhf.config.schema import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    FP8Config,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PPOConfig,
+    RolloutConfig,
+    RunConfig,
+    TokenizerConfig,
+    padded_vocab_size,
+    validate_layout,
+)
+
+__all__ = [
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FP8Config", "LoggingConfig",
+    "ModelConfig", "OptimizerConfig", "PPOConfig", "ParallelConfig", "RolloutConfig",
+    "RunConfig", "TokenizerConfig", "dump_config", "load_config", "padded_vocab_size",
+    "parse_overrides", "validate_layout",
+]

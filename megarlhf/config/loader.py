@@ -1,0 +1,159 @@
+"""YAML + ``key.sub=value`` overrides -> a validated :class:`Config`.
+
+Every value is checked against the dataclass field's type; an unknown key names the
+nearest valid key. Nothing here touches torch or process groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from typing import Any, Literal
+
+import yaml
+
+from megarlhf.config.schema import Config
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot become a valid :class:`Config`."""
+
+
+def _field_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if len(errors) == 1 else
+                          f"{key}={value!r} matches none of {hint}")
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is invalid: choose one of "
+                              f"{', '.join(map(repr, allowed))}")
+        return value
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value!r} has the wrong type: expected a list")
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} has the wrong type: expected true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r} has the wrong type: expected an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r} has the wrong type: expected a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}={value!r} has the wrong type: expected a string")
+        return value
+    raise AssertionError(f"unsupported config type {hint} at {key}")
+
+
+def _unknown_key(cls, name: str, prefix: str) -> ConfigError:
+    valid = [f.name for f in dataclasses.fields(cls)]
+    near = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean '{prefix}{near[0]}'?" if near else ""
+    section = prefix.rstrip(".") or "<root>"
+    return ConfigError(f"unknown config key '{prefix}{name}'{hint} "
+                       f"(valid keys under '{section}': {', '.join(valid)})")
+
+
+def _build(cls, data: Any, key: str = ""):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{key or 'config'} must be a mapping, got {type(data).__name__}")
+    prefix = f"{key}." if key else ""
+    hints = _field_types(cls)
+    kwargs = {}
+    for name, value in data.items():
+        if name not in hints:
+            raise _unknown_key(cls, str(name), prefix)
+        kwargs[name] = _coerce(value, hints[name], prefix + name)
+    try:
+        return cls(**kwargs)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _set_path(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    cls = Config
+    node = tree
+    for depth, part in enumerate(parts):
+        hints = _field_types(cls)
+        if part not in hints:
+            raise _unknown_key(cls, part, ".".join(parts[:depth]) + ("." if depth else ""))
+        hint = hints[part]
+        if depth == len(parts) - 1:
+            node[part] = value
+            return
+        if not dataclasses.is_dataclass(hint):
+            raise ConfigError(f"'{'.'.join(parts[:depth + 1])}' is a value, not a section")
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"'{'.'.join(parts[:depth + 1])}' must be a mapping")
+        cls = hint
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """``["ppo.clip_eps=0.1", "rollout.stop_token_ids=[2,3]"]`` -> (key, value) pairs;
+    values are read as YAML scalars."""
+    pairs = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key.sub=value")
+        key, raw = item.split("=", 1)
+        pairs.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+    return pairs
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    """Read ``path`` (YAML; None means all defaults), apply overrides, validate."""
+    tree: dict = {}
+    if path is not None:
+        if not os.path.exists(path):
+            raise ConfigError(f"config file not found: {path}")
+        with open(path) as f:
+            try:
+                tree = yaml.safe_load(f) or {}
+            except yaml.YAMLError as err:
+                raise ConfigError(f"{path} is not valid YAML: {err}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path} must hold a mapping at the top level")
+    for key, value in parse_overrides(list(overrides)):
+        _set_path(tree, key, value)
+    return _build(Config, tree)
+
+
+def config_to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)

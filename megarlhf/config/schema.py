@@ -1,0 +1,466 @@
+"""The typed config tree: one dataclass per component, a docstring under every field.
+
+YAML files in ``configs/`` set fields of this tree and nothing else; ``key.sub=value``
+overrides on the command line do the same. Validation that concerns one component lives
+in that component's ``__post_init__``; checks that span components (the parallel layout
+against the model shape and the world size) live in :func:`validate_layout`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def _require(ok: bool, name: str, value, valid: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: {valid}")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    name: str = "megarlhf"
+    """Run name; outputs go to ``{output_dir}/{name}``."""
+    output_dir: str = "runs"
+    """Parent folder of run directories (metrics, checkpoints, plots)."""
+    seed: int = 1234
+    """Seed for model initialisation, data order and sampling."""
+    deterministic: bool = False
+    """Use deterministic algorithms (bitwise-reproducible resumes on CPU)."""
+    num_threads: int = 0
+    """torch intra-op threads per process; 0 leaves torch's default."""
+
+    def __post_init__(self):
+        _require(bool(self.name) and "/" not in self.name, "run.name", self.name,
+                 "a non-empty name without '/'")
+        _require(self.num_threads >= 0, "run.num_threads", self.num_threads, "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class FP8Config:
+    enabled: bool = False
+    """Run linear layers in fp8 through TransformerEngine (GPU with TE only)."""
+    format: Literal["e4m3", "hybrid"] = "hybrid"
+    """fp8 format: e4m3 everywhere, or hybrid (e4m3 forward, e5m2 backward)."""
+    recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = "delayed"
+    """Scaling recipe passed to TransformerEngine."""
+    amax_history_len: int = 1024
+    """Length of the amax history window (delayed scaling)."""
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    """How the scale is derived from the amax history (delayed scaling)."""
+    margin: int = 0
+    """Scaling-factor margin (delayed scaling)."""
+    num_layers_at_start_in_bf16: int = 0
+    """Keep this many first transformer layers in bf16."""
+    num_layers_at_end_in_bf16: int = 0
+    """Keep this many last transformer layers in bf16."""
+
+    def __post_init__(self):
+        _require(self.amax_history_len >= 1, "model.fp8.amax_history_len",
+                 self.amax_history_len, "must be >= 1")
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "margin"):
+            _require(getattr(self, name) >= 0, f"model.fp8.{name}", getattr(self, name),
+                     "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    arch: Literal["llama", "gpt2"] = "llama"
+    """Llama-style (RMSNorm, SwiGLU, RoPE, untied) or GPT-2-style (LayerNorm, GELU,
+    learned positions, tied embeddings, biases)."""
+    num_layers: int = 2
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Model width."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention; None means one per query head."""
+    ffn_hidden_size: int | None = None
+    """MLP width; None means 4 x hidden (gpt2) or the Llama 8/3 x hidden rounded to 64."""
+    max_position_embeddings: int = 512
+    """Longest sequence the model handles (size of learned position table)."""
+    rotary_base: float = 10000.0
+    """RoPE theta (llama)."""
+    vocab_size: int | None = None
+    """Vocabulary size before TP padding; None takes it from the tokenizer."""
+    tie_word_embeddings: bool | None = None
+    """Share input embedding and LM head; None means the architecture's default."""
+    add_qkv_bias: bool | None = None
+    """Biases on the QKV projection (Qwen2); None means the architecture's default."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of LayerNorm / RMSNorm."""
+    init_method_std: float = 0.02
+    """Std of the normal weight initialisation."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention and MLP (keep 0 for RM and PPO)."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities (keep 0 for RM and PPO)."""
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter and compute dtype. CPU runs use float32."""
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    """Layer implementation: TransformerEngine when it imports and CUDA is present
+    (auto), megatron-core's local layers with SDPA attention otherwise."""
+    value_head_init: Literal["zero", "normal"] = "zero"
+    """Scalar head init for value models: zero (critic, lm-human-preferences) or
+    N(0, 1/sqrt(hidden+1)) (reward model)."""
+    fp8: FP8Config = field(default_factory=FP8Config)
+    """fp8 settings (GPU with TransformerEngine only)."""
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_attention_heads",
+                     "max_position_embeddings"):
+            _require(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), "must be >= 1")
+        _require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
+                 self.hidden_size,
+                 f"must be divisible by model.num_attention_heads={self.num_attention_heads}")
+        if self.num_query_groups is not None:
+            _require(self.num_query_groups >= 1
+                     and self.num_attention_heads % self.num_query_groups == 0,
+                     "model.num_query_groups", self.num_query_groups,
+                     f"must divide model.num_attention_heads={self.num_attention_heads}")
+        if self.vocab_size is not None:
+            _require(self.vocab_size >= 2, "model.vocab_size", self.vocab_size, "must be >= 2")
+        for name in ("hidden_dropout", "attention_dropout"):
+            _require(0.0 <= getattr(self, name) < 1.0, f"model.{name}", getattr(self, name),
+                     "must be in [0, 1)")
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.arch == "gpt2":
+            return 4 * self.hidden_size
+        return 64 * ((8 * self.hidden_size // 3 + 63) // 64)
+
+    @property
+    def tied(self) -> bool:
+        if self.tie_word_embeddings is not None:
+            return self.tie_word_embeddings
+        return self.arch == "gpt2"
+
+    @property
+    def qkv_bias(self) -> bool:
+        if self.add_qkv_bias is not None:
+            return self.add_qkv_bias
+        return self.arch == "gpt2"
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size of the training layout."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel size of the training layout."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline stage (interleaved 1F1B schedule); None disables."""
+    make_vocab_size_divisible_by: int = 128
+    """The vocabulary is padded to a multiple of this times the TP size."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend; auto picks NCCL with CUDA and gloo without."""
+    timeout_minutes: int = 30
+    """Collective timeout."""
+
+    def __post_init__(self):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "make_vocab_size_divisible_by", "timeout_minutes"):
+            _require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
+                     "must be >= 1")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None:
+            _require(vpp >= 2 and self.pipeline_model_parallel_size >= 2,
+                     "parallel.virtual_pipeline_model_parallel_size", vpp,
+                     "must be >= 2 and needs parallel.pipeline_model_parallel_size >= 2 "
+                     "(or null to disable)")
+
+
+@dataclass(kw_only=True)
+class TokenizerConfig:
+    type: Literal["sentencepiece", "hf"] = "sentencepiece"
+    """sentencepiece model file, or a Hugging Face ``tokenizer.json``."""
+    path: str | None = None
+    """Path of the tokenizer file; None allowed only with a random model and token input."""
+    add_bos: bool = True
+    """Prepend BOS when encoding prompts."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    train_path: str | None = None
+    """Training data: a .jsonl/.json or .parquet file (or a folder of them)."""
+    eval_path: str | None = None
+    """Held-out data; None splits ``eval_fraction`` off the training data."""
+    eval_fraction: float = 0.0
+    """Fraction of training rows held out for evaluation when eval_path is None."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt."""
+    response_key: str = "response"
+    """Column holding the SFT response."""
+    chosen_key: str = "chosen"
+    """Column holding the preferred response."""
+    rejected_key: str = "rejected"
+    """Column holding the dispreferred response."""
+    max_prompt_len: int = 128
+    """Prompts longer than this (in tokens) are dropped and counted."""
+    max_seq_len: int = 256
+    """Prompt+response longer than this are dropped and counted."""
+    packing: bool = False
+    """Pack several SFT samples into one sequence (attention isolated per sample)."""
+
+    def __post_init__(self):
+        _require(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", self.eval_fraction,
+                 "must be in [0, 1)")
+        _require(self.max_prompt_len >= 1, "data.max_prompt_len", self.max_prompt_len,
+                 "must be >= 1")
+        _require(self.max_seq_len > self.max_prompt_len, "data.max_seq_len", self.max_seq_len,
+                 f"must exceed data.max_prompt_len={self.max_prompt_len}")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    optimizer: Literal["adam", "adamw"] = "adamw"
+    """Adam with L2 or decoupled weight decay."""
+    lr: float = 1e-5
+    """Peak learning rate (the actor's in PPO)."""
+    min_lr: float = 0.0
+    """Floor of the decay schedules."""
+    critic_lr: float = 5e-6
+    """Peak learning rate of the critic in PPO (Qwen: 5e-6 with actor 1e-6)."""
+    weight_decay: float = 0.0
+    """Weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.95
+    """Adam beta2."""
+    adam_eps: float = 1e-5
+    """Adam epsilon (PyTorch form: applied after bias correction)."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Decay after warm-up."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
+
+    def __post_init__(self):
+        for name in ("lr", "critic_lr"):
+            _require(getattr(self, name) > 0, f"optimizer.{name}", getattr(self, name),
+                     "must be > 0")
+        _require(0 <= self.min_lr <= self.lr, "optimizer.min_lr", self.min_lr,
+                 f"must be in [0, optimizer.lr={self.lr}]")
+        for name in ("adam_beta1", "adam_beta2"):
+            _require(0 <= getattr(self, name) < 1, f"optimizer.{name}", getattr(self, name),
+                     "must be in [0, 1)")
+        _require(self.adam_eps > 0, "optimizer.adam_eps", self.adam_eps, "must be > 0")
+        _require(self.clip_grad >= 0, "optimizer.clip_grad", self.clip_grad, "must be >= 0")
+        _require(self.warmup_steps >= 0, "optimizer.warmup_steps", self.warmup_steps,
+                 "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class PPOConfig:
+    rollout_batch_size: int = 64
+    """Prompts per PPO iteration (global, all data-parallel ranks)."""
+    mini_batch_size: int = 16
+    """Samples per optimizer step (global)."""
+    micro_batch_size: int = 4
+    """Samples per forward/backward pass on one data-parallel rank."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    num_iterations: int = 100
+    """PPO iterations to run."""
+    clip_eps: float = 0.2
+    """Policy ratio clip (1 +- clip_eps)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 for negative advantages; None disables."""
+    cliprange_value: float | None = 0.2
+    """Value clip around the old values; None disables value clipping."""
+    value_loss_coef: float = 0.5
+    """Weight of the value loss (the 0.5 of 0.5 * squared error)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    gamma: float = 1.0
+    """Discount (InstructGPT: 1)."""
+    lam: float = 0.95
+    """GAE lambda."""
+    kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k1"
+    """Per-token KL estimator in the shaped reward."""
+    kl_controller: Literal["fixed", "adaptive"] = "fixed"
+    """KL coefficient controller (Ziegler et al. 2019)."""
+    init_kl_coef: float = 0.05
+    """Initial beta."""
+    kl_target: float = 6.0
+    """Adaptive controller target KL (per sequence)."""
+    kl_horizon: int = 10000
+    """Adaptive controller horizon."""
+    clip_reward_value: float = 5.0
+    """Reward-model score clip (DeepSpeed-Chat: 5)."""
+    missing_stop_penalty: float | None = -1.0
+    """Score given to responses without a stop token (lm-human-preferences); None disables."""
+    whiten_advantages: bool = True
+    """Whiten advantages (global across data-parallel ranks)."""
+    whiten_rewards: bool = False
+    """Scale rewards by their std (no mean shift)."""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    """How per-token losses are reduced."""
+    ptx_coef: float = 0.0
+    """PPO-ptx weight of next-token loss on pretraining data; 0 disables."""
+    critic_warmup_iterations: int = 0
+    """Iterations at the start that train the critic only (Qwen)."""
+    ema_decay: float | None = None
+    """Decay of an EMA copy of the actor for evaluation (0.992 in InstructGPT); None off."""
+    group_size: int = 1
+    """Responses per prompt (GRPO/RLOO)."""
+    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = "gae"
+    """GAE with a critic, or a critic-free group/global baseline."""
+
+    def __post_init__(self):
+        for name in ("rollout_batch_size", "mini_batch_size", "micro_batch_size",
+                     "ppo_epochs", "num_iterations", "group_size", "kl_horizon"):
+            _require(getattr(self, name) >= 1, f"ppo.{name}", getattr(self, name), "must be >= 1")
+        _require(self.rollout_batch_size % self.mini_batch_size == 0, "ppo.rollout_batch_size",
+                 self.rollout_batch_size,
+                 f"must be a multiple of ppo.mini_batch_size={self.mini_batch_size}")
+        _require(0 < self.clip_eps < 1, "ppo.clip_eps", self.clip_eps, "must be in (0, 1)")
+        if self.dual_clip is not None:
+            _require(self.dual_clip > 1, "ppo.dual_clip", self.dual_clip, "must be > 1 or null")
+        _require(0 <= self.gamma <= 1, "ppo.gamma", self.gamma, "must be in [0, 1]")
+        _require(0 <= self.lam <= 1, "ppo.lam", self.lam, "must be in [0, 1]")
+        _require(self.init_kl_coef >= 0, "ppo.init_kl_coef", self.init_kl_coef, "must be >= 0")
+        _require(self.kl_target > 0, "ppo.kl_target", self.kl_target, "must be > 0")
+        if self.ema_decay is not None:
+            _require(0 < self.ema_decay < 1, "ppo.ema_decay", self.ema_decay,
+                     "must be in (0, 1) or null")
+        if self.advantage_estimator in ("grpo", "rloo"):
+            _require(self.group_size >= 2, "ppo.group_size", self.group_size,
+                     f"must be >= 2 for ppo.advantage_estimator={self.advantage_estimator}")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    tensor_parallel_size: int = 1
+    """TP of the inference layout; data-parallel replicas follow from the world size."""
+    max_new_tokens: int = 32
+    """Longest response."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs are computed from logits / temperature."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 disables."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1 disables."""
+    greedy: bool = False
+    """Argmax decoding (evaluation)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a response (EOS always does)."""
+    stop_at_eos: bool = True
+    """Stop a sequence at EOS; false keeps sampling to max_new_tokens (OpenAI's first code)."""
+    min_response_tokens: int = 0
+    """Drop responses shorter than this (DeepSpeed-Chat drops <= 1)."""
+    recompute_logprobs: bool = True
+    """Recompute old log-probs with the training-layout actor instead of using the
+    sampler's."""
+
+    def __post_init__(self):
+        _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size",
+                 self.tensor_parallel_size, "must be >= 1")
+        _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens,
+                 "must be >= 1")
+        _require(self.temperature > 0, "rollout.temperature", self.temperature,
+                 "must be > 0 (use rollout.greedy=true for argmax)")
+        _require(self.top_k >= 0, "rollout.top_k", self.top_k, "must be >= 0")
+        _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    load: str | None = None
+    """Checkpoint directory to initialise from (a run's checkpoint folder or one step)."""
+    save_interval: int = 0
+    """Save every N steps; 0 saves only at the end."""
+    keep_last: int = 2
+    """How many checkpoints to keep."""
+
+    def __post_init__(self):
+        _require(self.save_interval >= 0, "checkpoint.save_interval", self.save_interval,
+                 "must be >= 0")
+        _require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    log_interval: int = 1
+    """Write metrics every N steps."""
+    tensorboard: bool = True
+    """Write TensorBoard event files."""
+    wandb_project: str | None = None
+    """Log to Weights & Biases under this project when wandb is installed."""
+    sample_table_interval: int = 10
+    """Print a table of sample prompts and responses every N iterations."""
+    progress_bar: bool = True
+    """Show a progress bar on rank 0."""
+
+
+@dataclass(kw_only=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    """Run identity and reproducibility."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model architecture."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Training layout."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """Tokenizer."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Datasets."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimisation."""
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    """PPO algorithm."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation and the inference layout."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics and progress."""
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Round the vocabulary up so every TP rank holds an equal slice that is a multiple
+    of ``divisible_by`` (Megatron's convention)."""
+    multiple = divisible_by * tp_size
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def validate_layout(cfg: Config, world_size: int) -> None:
+    """Check that the model can be split as the parallel config asks on ``world_size``
+    processes. Runs before any process group exists."""
+    par, model = cfg.parallel, cfg.model
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    _require(model.num_attention_heads % tp == 0, "parallel.tensor_model_parallel_size", tp,
+             f"must divide model.num_attention_heads={model.num_attention_heads}")
+    _require(model.query_groups % tp == 0, "parallel.tensor_model_parallel_size", tp,
+             f"must divide the number of query groups (model.num_query_groups="
+             f"{model.query_groups})")
+    _require(model.ffn_size % tp == 0, "parallel.tensor_model_parallel_size", tp,
+             f"must divide the MLP width {model.ffn_size}")
+    chunks = pp * (par.virtual_pipeline_model_parallel_size or 1)
+    _require(model.num_layers % chunks == 0, "model.num_layers", model.num_layers,
+             f"must be divisible by the number of pipeline chunks {chunks} "
+             "(parallel.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size)")
+    _require(world_size % (tp * pp) == 0, "world size", world_size,
+             f"must be a multiple of tensor x pipeline parallel size = {tp} x {pp} = {tp * pp}")
+    rollout_tp = cfg.rollout.tensor_parallel_size
+    _require(world_size % rollout_tp == 0, "rollout.tensor_parallel_size", rollout_tp,
+             f"must divide the world size {world_size}")
+    _require(model.num_attention_heads % rollout_tp == 0
+             and model.query_groups % rollout_tp == 0, "rollout.tensor_parallel_size",
+             rollout_tp, f"must divide model.num_attention_heads={model.num_attention_heads} "
+             f"and the query groups {model.query_groups}")
+    if model.fp8.enabled and model.params_dtype == "float32":
+        raise ValueError("model.fp8.enabled=true needs model.params_dtype bfloat16 or float16 "
+                         "(fp8 training keeps master weights in the optimizer)")

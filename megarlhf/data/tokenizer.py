@@ -1,0 +1,139 @@
+"""Tokenizers behind one small interface: sentencepiece models and Hugging Face
+``tokenizer.json`` files."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Protocol
+
+from megarlhf.config import TokenizerConfig
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int
+    pad_id: int
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece model; pad falls back to EOS when the model defines none."""
+
+    def __init__(self, path: str):
+        import sentencepiece as spm
+
+        self.path = path
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=path)
+        except Exception as err:  # sentencepiece raises OSError/RuntimeError variants
+            raise ValueError(f"{path} is not a readable sentencepiece model: {err}") from None
+        self.vocab_size = self.sp.get_piece_size()
+        self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+        if self.sp.eos_id() < 0:
+            raise ValueError(f"sentencepiece model {path} has no EOS piece (train it with "
+                             "eos_id set; tools/train_tokenizer.py does)")
+        self.eos_id = self.sp.eos_id()
+        self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else self.eos_id
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        ids = self.sp.encode(text)
+        if add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids + [self.eos_id] if add_eos else ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.sp.decode([i for i in ids if i < self.vocab_size])
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` JSON file (``tokenizer.json``), with the special
+    tokens read from ``tokenizer_config.json`` / ``special_tokens_map.json`` beside it
+    when present, else guessed from common names."""
+
+    _EOS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+    _BOS = ("<s>", "<|begin_of_text|>", "<bos>")
+    _PAD = ("<pad>", "<|pad|>", "[PAD]")
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as HFTok
+
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        try:
+            self.tok = HFTok.from_file(file)
+        except Exception as err:
+            raise ValueError(f"{file} is not a readable tokenizers JSON file: {err}") from None
+        self.path = file
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        named = self._special_tokens(os.path.dirname(file))
+        self.eos_id = self._find(named.get("eos_token"), self._EOS)
+        if self.eos_id is None:
+            raise ValueError(f"{file}: no EOS token found (looked for {named.get('eos_token')} "
+                             f"and {', '.join(self._EOS)})")
+        self.bos_id = self._find(named.get("bos_token"), self._BOS)
+        pad = self._find(named.get("pad_token"), self._PAD)
+        self.pad_id = self.eos_id if pad is None else pad
+
+    @staticmethod
+    def _special_tokens(folder: str) -> dict:
+        found: dict = {}
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):
+            path = os.path.join(folder, name)
+            if os.path.exists(path):
+                with open(path) as f:
+                    data = json.load(f)
+                for key in ("eos_token", "bos_token", "pad_token"):
+                    value = data.get(key)
+                    if isinstance(value, dict):
+                        value = value.get("content")
+                    if isinstance(value, str):
+                        found.setdefault(key, value)
+        return found
+
+    def _find(self, preferred: str | None, candidates: tuple) -> int | None:
+        for token in ((preferred,) if preferred else ()) + candidates:
+            token_id = self.tok.token_to_id(token)
+            if token_id is not None:
+                return token_id
+        return None
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids + [self.eos_id] if add_eos else ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode([i for i in ids if i < self.vocab_size],
+                               skip_special_tokens=False)
+
+
+def load_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
+    if cfg.path is None:
+        raise ValueError("tokenizer.path is unset: point it at a sentencepiece .model file "
+                         "or a tokenizer.json (tools/train_tokenizer.py makes one)")
+    if not os.path.exists(cfg.path):
+        raise FileNotFoundError(f"tokenizer.path={cfg.path!r} does not exist")
+    if cfg.type == "sentencepiece":
+        return SentencePieceTokenizer(cfg.path)
+    return HFTokenizer(cfg.path)
+
+
+def train_sentencepiece(text_files: list[str], model_prefix: str, vocab_size: int,
+                        model_type: str = "bpe") -> str:
+    """Train a sentencepiece model with pad=0, unk=1, bos=2, eos=3; returns its path."""
+    import sentencepiece as spm
+
+    for path in text_files:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"training text {path!r} does not exist")
+    spm.SentencePieceTrainer.train(
+        input=",".join(text_files), model_prefix=model_prefix, vocab_size=vocab_size,
+        model_type=model_type, pad_id=0, unk_id=1, bos_id=2, eos_id=3,
+        character_coverage=1.0, num_threads=2, minloglevel=2,
+        hard_vocab_limit=False, bos_piece="<s>", eos_piece="</s>", pad_piece="<pad>")
+    return model_prefix + ".model"

@@ -1,0 +1,216 @@
+"""GPT-family models on megatron-core ``GPTModel``: Llama-style and GPT-2-style trunks,
+with the LM head (policy, reference) or a scalar head (critic, reward model).
+
+Nothing here knows how the model is split: the layout arrives as a
+``ProcessGroupCollection`` and the pipeline stage flags.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megarlhf.config import Config, ModelConfig, padded_vocab_size
+from megarlhf.models.spec import activation, layer_spec, resolve_impl
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def transformer_config(cfg: Config, *, tp_size: int, pp_size: int,
+                       vpp_size: int | None = None) -> TransformerConfig:
+    """Megatron's ``TransformerConfig`` for ``cfg.model`` at one layout."""
+    model = cfg.model
+    dtype = _DTYPES[model.params_dtype]
+    impl = resolve_impl(model)
+    fp8 = {}
+    if model.fp8.enabled:
+        fp8 = dict(
+            fp8=model.fp8.format, fp8_recipe=model.fp8.recipe, fp8_margin=model.fp8.margin,
+            fp8_amax_history_len=model.fp8.amax_history_len,
+            fp8_amax_compute_algo=model.fp8.amax_compute_algo,
+            first_last_layers_bf16=bool(model.fp8.num_layers_at_start_in_bf16
+                                        or model.fp8.num_layers_at_end_in_bf16),
+            num_layers_at_start_in_bf16=model.fp8.num_layers_at_start_in_bf16,
+            num_layers_at_end_in_bf16=model.fp8.num_layers_at_end_in_bf16,
+        )
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.query_groups,
+        ffn_hidden_size=model.ffn_size,
+        kv_channels=model.hidden_size // model.num_attention_heads,
+        normalization="RMSNorm" if model.arch == "llama" else "LayerNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=model.arch == "llama",
+        activation_func=activation(model),
+        add_bias_linear=model.arch == "gpt2",
+        add_qkv_bias=model.qkv_bias,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        virtual_pipeline_model_parallel_size=vpp_size,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=True,
+        # Fused kernels are CUDA-only or need apex/TE; the unfused paths are exact.
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        batch_p2p_sync=False,
+        transformer_impl="transformer_engine" if impl == "transformer_engine" else "local",
+        **fp8,
+    )
+
+
+class ScalarHead(MegatronModule):
+    """Scalar output for critic and reward model, in place of ``GPTModel.output_layer``.
+
+    Replicated on every TP rank (its input is the full hidden state after the final
+    norm), so no TP communication is needed. Mimics ``ColumnParallelLinear``'s call
+    signature: ``(hidden (S, B, H), weight=None, runtime_gather_output=None)`` ->
+    ``((S, B, 1), None)``.
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__(config=config)
+        self.weight = torch.nn.Parameter(torch.zeros(1, config.hidden_size,
+                                                     dtype=config.params_dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype))
+        for p in (self.weight, self.bias):
+            p.tensor_model_parallel = False
+            p.sequence_parallel = False
+        self.sequence_parallel = False
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
+
+
+def build_model(cfg: Config, *, role: str, pg_collection, pre_process: bool,
+                post_process: bool, vp_stage: int | None = None,
+                vpp_size: int | None = None) -> GPTModel:
+    """One model chunk. ``role`` is ``"lm"`` (policy, reference) or ``"value"``
+    (critic, reward model). Weights are random; call :func:`init_weights` for the
+    layout-independent seeded initialisation."""
+    if role not in ("lm", "value"):
+        raise ValueError(f"role must be 'lm' or 'value', got {role!r}")
+    model_cfg = cfg.model
+    if model_cfg.vocab_size is None:
+        raise ValueError("model.vocab_size is unset: set it or configure a tokenizer")
+    tp_size, pp_size = pg_collection.tp.size(), pg_collection.pp.size()
+    tcfg = transformer_config(cfg, tp_size=tp_size, pp_size=pp_size, vpp_size=vpp_size)
+    vocab = padded_vocab_size(model_cfg.vocab_size, cfg.parallel.make_vocab_size_divisible_by,
+                              tp_size)
+    model = GPTModel(
+        config=tcfg,
+        transformer_layer_spec=layer_spec(model_cfg),
+        vocab_size=vocab,
+        max_sequence_length=model_cfg.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=model_cfg.tied and role == "lm",
+        position_embedding_type="rope" if model_cfg.arch == "llama" else "learned_absolute",
+        rotary_base=int(model_cfg.rotary_base),
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
+    )
+    if role == "value" and post_process:
+        model.output_layer = ScalarHead(tcfg)
+    model.megarlhf_role = role
+    model.megarlhf_true_vocab = model_cfg.vocab_size
+    return model
+
+
+def _param_seed(seed: int, key: str, layer_offsets: tuple) -> int:
+    digest = hashlib.sha256(f"{seed}|{key}|{layer_offsets}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % (2**63)
+
+
+def _init_rule(key: str, model_cfg: ModelConfig, role: str):
+    """(kind, std) for a global parameter name."""
+    leaf = key.rsplit(".", 1)[-1]
+    if key.startswith("output_layer") and role == "value":
+        if leaf == "bias" or model_cfg.value_head_init == "zero":
+            return "zeros", 0.0
+        return "normal", 1.0 / math.sqrt(model_cfg.hidden_size + 1)
+    if "norm" in key and leaf in ("weight", "layer_norm_weight"):
+        return "ones", 0.0
+    if leaf in ("bias", "layer_norm_bias") or leaf.endswith("_bias"):
+        return "zeros", 0.0
+    std = model_cfg.init_method_std
+    if key.endswith("linear_proj.weight") or key.endswith("linear_fc2.weight"):
+        std = std / math.sqrt(2.0 * model_cfg.num_layers)  # GPT-2 / Megatron scaled init
+    return "normal", std
+
+
+def _sharded_tensors(model) -> list[ShardedTensor]:
+    out = []
+    for item in model.sharded_state_dict().values():
+        if isinstance(item, ShardedTensorFactory):
+            built = item.build()
+            items = built.values() if isinstance(built, dict) else built
+            out.extend(t for t in items if isinstance(t, ShardedTensor))
+        elif isinstance(item, ShardedTensor):
+            out.append(item)
+    return out
+
+
+@torch.no_grad()
+def init_weights(model, cfg: Config) -> None:
+    """Seeded initialisation that gives every layout the same global weights.
+
+    Each global tensor (as named by megatron's sharded state dict, with its layer index)
+    is drawn from its own generator seeded by (run.seed, name, layer); this rank copies
+    its slice. TP=1, TP=2 and PP=2 therefore hold the same model for one seed.
+    """
+    role = getattr(model, "megarlhf_role", "lm")
+    for st in _sharded_tensors(model):
+        if st.data is None or not torch.is_floating_point(st.data):
+            continue
+        prepend = st.prepend_axis_num
+        layer_offsets = tuple(st.global_offset[:prepend])
+        full_shape = st.global_shape[prepend:]
+        kind, std = _init_rule(st.key, cfg.model, role)
+        if kind == "ones":
+            full = torch.ones(full_shape)
+        elif kind == "zeros":
+            full = torch.zeros(full_shape)
+        else:
+            gen = torch.Generator().manual_seed(_param_seed(cfg.run.seed, st.key, layer_offsets))
+            full = torch.empty(full_shape).normal_(0.0, std, generator=gen)
+        index = tuple(slice(off, off + size)
+                      for off, size in zip(st.global_offset[prepend:], st.data.shape))
+        st.data.copy_(full[index].to(st.data.dtype))
+    _zero_vocab_padding(model)
+
+
+def _zero_vocab_padding(model) -> None:
+    """Rows of the padded vocabulary hold zeros (they are masked out of every softmax)."""
+    true_vocab = model.megarlhf_true_vocab
+    tables = []
+    if model.pre_process:
+        tables.append(model.embedding.word_embeddings)
+    if model.post_process and model.megarlhf_role == "lm":
+        tables.append(model.output_layer)
+    for table in tables:
+        start = table.vocab_start_index if hasattr(table, "vocab_start_index") else None
+        if start is None:  # ColumnParallelLinear output layer: rows split evenly over TP
+            rows = table.weight.shape[0]
+            start = rows * table.tp_group.rank() if hasattr(table, "tp_group") else 0
+        rows = table.weight.shape[0]
+        first_pad = max(0, min(rows, true_vocab - start))
+        table.weight[first_pad:].zero_()

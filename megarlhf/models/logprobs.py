@@ -1,0 +1,84 @@
+"""Per-token log-probs and entropy from vocab-parallel logits, never gathering the full
+vocabulary onto one rank.
+
+megatron's ``vocab_parallel_cross_entropy`` reads the TP group from its global state;
+roles in an inference layout have their own group, so this module takes the group
+explicitly. It follows megatron's algorithm (global max, then summed exp) and also
+returns the entropy, which PPO logs and may add as a bonus.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_MASKED = -1e30  # finite, so 0 * log p stays 0 in the entropy
+
+
+def mask_padded_vocab(logits_BTV: torch.Tensor, true_vocab: int, tp_group) -> torch.Tensor:
+    """Set logits of vocabulary padding rows (ids >= ``true_vocab``) to a large negative."""
+    shard = logits_BTV.shape[-1]
+    start = shard * (tp_group.rank() if tp_group is not None else 0)
+    first_pad = true_vocab - start
+    if first_pad >= shard:
+        return logits_BTV
+    ids = torch.arange(shard, device=logits_BTV.device)
+    return logits_BTV.masked_fill(ids >= max(first_pad, 0), _MASKED)
+
+
+class _VocabParallelLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        world = 1 if group is None else group.size()
+        rank = 0 if group is None else group.rank()
+        logits_max = logits.max(dim=-1).values
+        if world > 1:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - logits_max.unsqueeze(-1)
+        shard = logits.shape[-1]
+        local_target = target - rank * shard
+        target_mask = (local_target < 0) | (local_target >= shard)  # True: not on this rank
+        local_target = local_target.masked_fill(target_mask, 0)
+        predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        predicted = predicted.masked_fill(target_mask, 0.0)
+        exp_logits = shifted.exp()
+        sums = torch.stack([predicted, exp_logits.sum(-1), (exp_logits * shifted).sum(-1)])
+        if world > 1:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        predicted, sum_exp, sum_exp_z = sums.unbind(0)
+        log_z = torch.log(sum_exp)
+        logprob = predicted - log_z
+        entropy = log_z - sum_exp_z / sum_exp
+        probs = exp_logits / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(probs, shifted, log_z, entropy, target_mask, local_target)
+        return logprob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        probs, shifted, log_z, entropy, target_mask, local_target = ctx.saved_tensors
+        # d logprob / dz = onehot - p ;  d H / dz_i = -p_i (log p_i + H)
+        grad = -probs * grad_logprob.unsqueeze(-1)
+        flat = grad.view(-1, grad.shape[-1])
+        rows = torch.arange(flat.shape[0], device=flat.device)
+        hit = (~target_mask).view(-1).to(flat.dtype)
+        flat[rows, local_target.reshape(-1)] += hit * grad_logprob.reshape(-1)
+        log_p = shifted - log_z.unsqueeze(-1)
+        grad = grad - probs * (log_p + entropy.unsqueeze(-1)) * grad_entropy.unsqueeze(-1)
+        return grad, None, None
+
+
+def vocab_parallel_logprobs(logits_BTV: torch.Tensor, target_BT: torch.Tensor, *,
+                            tp_group=None, temperature: float = 1.0,
+                            true_vocab: int | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of ``target`` and entropy under softmax(logits / temperature).
+
+    ``logits_BTV`` is this rank's vocabulary shard (B, T, V/tp); returns two fp32
+    (B, T) tensors, identical on every TP rank. Differentiable in the logits.
+    """
+    logits = logits_BTV.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if true_vocab is not None:
+        logits = mask_padded_vocab(logits, true_vocab, tp_group)
+    return _VocabParallelLogprob.apply(logits, target_BT, tp_group)

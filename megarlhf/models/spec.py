@@ -1,0 +1,138 @@
+"""Layer-spec selection: megatron-core local layers with SDPA attention, or
+TransformerEngine layers (required for fp8) where TE imports and CUDA is present.
+
+The model code never branches on the implementation: it receives a ``ModuleSpec``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megarlhf.config import ModelConfig
+
+
+class SDPACoreAttention(MegatronModule):
+    """Core attention on ``torch.nn.functional.scaled_dot_product_attention``.
+
+    A drop-in for megatron's ``DotProductAttention`` (same constructor and forward
+    signature), which allocates its score buffer on CUDA. Megatron's mask convention:
+    ``attention_mask`` is boolean with True where attention is *not* allowed.
+    Shapes: query (sq, B, heads, hd), key/value (sk, B, groups, hd) -> (sq, B, heads*hd).
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                 pg_collection=None):
+        super().__init__(config=config)
+        if pg_collection is not None:
+            tp_size = pg_collection.tp.size()
+        else:
+            from megatron.core import parallel_state
+            tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.attn_mask_type = attn_mask_type
+        self.heads = config.num_attention_heads // tp_size
+        self.groups = config.num_query_groups // tp_size
+        self.head_dim = config.kv_channels
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.head_dim)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise NotImplementedError("packed sequences use an explicit block-diagonal "
+                                      "attention_mask with the local layer spec")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        sq, sk = query.shape[0], key.shape[0]
+        q = query.permute(1, 2, 0, 3)  # (B, heads, sq, hd)
+        k = key.permute(1, 2, 0, 3)  # (B, groups, sk, hd)
+        v = value.permute(1, 2, 0, 3)
+        if self.groups != self.heads:
+            k = k.repeat_interleave(self.heads // self.groups, dim=1)
+            v = v.repeat_interleave(self.heads // self.groups, dim=1)
+        causal = mask_type == AttnMaskType.causal and sq > 1
+        if causal and attention_mask is None and sq == sk:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout_p if self.training else 0.0,
+                scale=self.softmax_scale)
+            return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], self.heads * self.head_dim)
+        allowed = None
+        if causal:
+            # Queries are the last sq of sk positions (sk > sq while prefilling on a cache).
+            allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        if attention_mask is not None:
+            allowed = ~attention_mask if allowed is None else allowed & ~attention_mask
+            # A query row with nothing allowed (a pad position) gives NaN in SDPA, and a
+            # NaN value row poisons every row through 0 * NaN: let each position see itself.
+            allowed = allowed | _diagonal(sq, sk, q.device)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            scale=self.softmax_scale)
+        # (B, heads, sq, hd) -> (sq, B, heads*hd)
+        return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], self.heads * self.head_dim)
+
+
+def _diagonal(sq: int, sk: int, device) -> torch.Tensor:
+    """(sq, sk) bool, True where query i meets its own key i + sk - sq."""
+    rows = torch.arange(sq, device=device)
+    out = torch.zeros(sq, sk, dtype=torch.bool, device=device)
+    out[rows, rows + (sk - sq)] = True
+    return out
+
+
+@functools.cache
+def transformer_engine_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # TE's import fails in many ways without a matching CUDA build
+        return False
+    return True
+
+
+def resolve_impl(model: ModelConfig) -> str:
+    """Pick ``local`` or ``transformer_engine``; reject what this machine cannot run."""
+    te = transformer_engine_available()
+    if model.fp8.enabled and not te:
+        raise ValueError(
+            "model.fp8.enabled=true needs TransformerEngine and a CUDA GPU "
+            f"(CUDA available: {torch.cuda.is_available()}); install the 'fp8' extra on a "
+            "GPU machine or set model.fp8.enabled=false")
+    if model.transformer_impl == "transformer_engine" and not te:
+        raise ValueError(
+            "model.transformer_impl=transformer_engine but TransformerEngine cannot be used "
+            f"here (CUDA available: {torch.cuda.is_available()}); use 'auto' or 'local'")
+    if model.transformer_impl == "local":
+        if model.fp8.enabled:
+            raise ValueError("model.fp8.enabled=true needs model.transformer_impl "
+                             "'auto' or 'transformer_engine'")
+        return "local"
+    return "transformer_engine" if te else "local"
+
+
+def layer_spec(model: ModelConfig) -> ModuleSpec:
+    norm = "RMSNorm" if model.arch == "llama" else "LayerNorm"
+    if resolve_impl(model) == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_local_spec(normalization=norm)
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+def activation(model: ModelConfig):
+    if model.arch == "llama":
+        return F.silu
+    # HF GPT-2's "gelu_new" is the tanh approximation.
+    return functools.partial(F.gelu, approximate="tanh")

@@ -1,0 +1,1 @@
+"""Process start-up, parallel layouts and the CPU backend for megatron-core."""

@@ -1,0 +1,103 @@
+"""The CPU backend: lets megatron-core's CUDA-only paths run on CPU over gloo.
+
+megatron-core's pipeline schedules, DDP buffers, distributed optimizer, gradient
+clipping and checkpoint saving allocate on ``"cuda"`` / ``torch.cuda.current_device()``,
+call ``torch.cuda.synchronize()`` and test ``param.type() == 'torch.cuda.FloatTensor'``.
+On a machine without CUDA this module redirects exactly those four things
+(measured against megatron-core 0.16.1, see DESIGN.md):
+
+1. ``torch.cuda.current_device()`` returns the CPU device;
+2. a ``TorchFunctionMode`` rewrites ``device="cuda..."`` arguments to CPU;
+3. ``torch.cuda.synchronize()`` is a no-op;
+4. inside that mode ``Tensor.type()`` reports the CUDA type name and ``Tensor.cuda()``
+   is the identity.
+
+It is the only place in megarlhf that special-cases CPU for megatron-core's sake, and
+it activates only when CUDA is absent. ``tests/test_cpu_backend.py`` fails loudly if
+the pinned megatron-core changes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+PINNED_MEGATRON_CORE = "0.16.1"
+
+_CPU = torch.device("cpu")
+_state = {"mode": None, "saved": {}}
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+def _cuda_type_name(tensor: torch.Tensor) -> str:
+    # 'torch.FloatTensor' -> 'torch.cuda.FloatTensor', as megatron's optimizers expect.
+    name = torch.Tensor.type(tensor)
+    return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            with torch._C.DisableTorchFunction():
+                return _cuda_type_name(args[0])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": _CPU}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+def _current_device():
+    return _CPU
+
+
+def _synchronize(device=None):
+    return None
+
+
+def needed() -> bool:
+    """True when megatron-core's CUDA paths must be redirected (no CUDA here)."""
+    return not torch.cuda.is_available()
+
+
+def is_active() -> bool:
+    return _state["mode"] is not None
+
+
+def activate() -> bool:
+    """Install the redirections if CUDA is absent. Idempotent; returns whether active."""
+    if not needed():
+        return False
+    if is_active():
+        return True
+    _state["saved"] = {
+        "current_device": torch.cuda.current_device,
+        "synchronize": torch.cuda.synchronize,
+    }
+    torch.cuda.current_device = _current_device
+    torch.cuda.synchronize = _synchronize
+    mode = _CudaToCpuMode()
+    mode.__enter__()
+    _state["mode"] = mode
+    return True
+
+
+def deactivate() -> None:
+    """Undo :func:`activate` (used by tests)."""
+    mode = _state["mode"]
+    if mode is None:
+        return
+    mode.__exit__(None, None, None)
+    torch.cuda.current_device = _state["saved"]["current_device"]
+    torch.cuda.synchronize = _state["saved"]["synchronize"]
+    _state["mode"] = None
