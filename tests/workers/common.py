@@ -1,0 +1,32 @@
+"""Helpers shared by the multi-rank test workers (run under torchrun)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megarlhf.config import load_config
+from megarlhf.parallel.launch import init_distributed, init_training_layout
+
+
+def make_config(arch: str, tp: int, pp: int, *, vocab: int = 300, layers: int = 4,
+                extra: tuple = ()):
+    return load_config(None, [
+        f"model.arch={arch}", f"model.vocab_size={vocab}", f"model.num_layers={layers}",
+        "model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
+        "model.max_position_embeddings=64", "parallel.make_vocab_size_divisible_by=16",
+        f"parallel.tensor_model_parallel_size={tp}",
+        f"parallel.pipeline_model_parallel_size={pp}", "run.seed=7", *extra])
+
+
+def start(cfg):
+    """First case: start the process group; later cases: only re-make the layout."""
+    if dist.is_initialized():
+        return init_training_layout(cfg)
+    return init_distributed(cfg)
+
+
+def fixed_sequences(num: int = 6, vocab: int = 300, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [5, 17, 9, 2, 13, 8, 11, 16][:num]
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
