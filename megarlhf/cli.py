@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from megarlhf.config import Config, ConfigError, dump_config, load_config, validate_layout
 
@@ -30,6 +31,8 @@ def _resolve(args) -> Config:
 
 
 def cmd_config_show(args) -> int:
+    if args.config is not None and "=" in args.config:  # no file, only overrides
+        args.overrides, args.config = [args.config, *args.overrides], None
     cfg = load_config(args.config, args.overrides)
     print(dump_config(cfg), end="")
     return 0
@@ -72,7 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    # megatron-core announces its torch fallbacks for Apex/TE on every import; on CPU they
+    # are expected, and the layer spec choice is printed by the stages themselves.
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
+    warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may come before or after options.
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a]
+    if unknown or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
     try:
         return args.func(args)
     except (ConfigError, ValueError, FileNotFoundError) as err:

@@ -207,10 +207,9 @@ def _zero_vocab_padding(model) -> None:
     if model.post_process and model.megarlhf_role == "lm":
         tables.append(model.output_layer)
     for table in tables:
-        start = table.vocab_start_index if hasattr(table, "vocab_start_index") else None
-        if start is None:  # ColumnParallelLinear output layer: rows split evenly over TP
-            rows = table.weight.shape[0]
-            start = rows * table.tp_group.rank() if hasattr(table, "tp_group") else 0
+        if table.weight is None:  # tied output layer on the embedding's stage
+            continue
         rows = table.weight.shape[0]
+        start = rows * table.tp_group.rank()  # both tables split rows evenly over TP
         first_pad = max(0, min(rows, true_vocab - start))
         table.weight[first_pad:].zero_()

@@ -1,0 +1,59 @@
+"""Shared test helpers: launching real multi-process gloo jobs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = os.path.join(ROOT, "tests", "workers")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script_or_args, nprocs: int, *args: str, timeout: int = 600,
+             env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``script`` (a path) or a megarlhf CLI argv (a list) under torchrun."""
+    base = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}",
+            f"--master-port={free_port()}"]
+    if isinstance(script_or_args, list):
+        cmd = base + ["-m", "megarlhf.cli", *script_or_args, *args]
+    else:
+        cmd = base + [script_or_args, *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+                **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
+                          cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def run_cli(*argv: str, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
+    """The real CLI in a subprocess (single process)."""
+    proc = subprocess.run([sys.executable, "-m", "megarlhf.cli", *argv], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"megarlhf {' '.join(argv)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,121 @@
+"""Config loading, overrides and every validation error (no process group needed)."""
+
+import textwrap
+
+import pytest
+
+from megarlhf.config import ConfigError, load_config, padded_vocab_size, validate_layout
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = write(tmp_path, """
+        model:
+          arch: gpt2
+          num_layers: 4
+        ppo:
+          clip_eps: 0.1
+    """)
+    cfg = load_config(path, ["model.num_layers=6", "rollout.stop_token_ids=[2, 3]",
+                             "model.num_query_groups=null"])
+    assert cfg.model.arch == "gpt2" and cfg.model.num_layers == 6
+    assert cfg.ppo.clip_eps == 0.1 and cfg.rollout.stop_token_ids == [2, 3]
+    assert cfg.model.tied and cfg.model.qkv_bias  # gpt2 defaults
+    assert isinstance(cfg.optimizer.lr, float)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.num_layer=3", "unknown config key 'model.num_layer'; did you mean 'model.num_layers'"),
+    ("modle.arch=llama", "did you mean 'model'"),
+    ("ppo.cliprange=0.1", "did you mean 'ppo.cliprange_value'"),
+    ("model.arch=gpt3", "model.arch='gpt3' is invalid: choose one of 'llama', 'gpt2'"),
+    ("model.hidden_size=abc", "model.hidden_size='abc' has the wrong type: expected an integer"),
+    ("model.hidden_size=1.5", "expected an integer"),
+    ("run.deterministic=3", "expected true or false"),
+    ("ppo.clip_eps=2", "ppo.clip_eps=2.0 is invalid: must be in (0, 1)"),
+    ("model.hidden_size=65", "model.hidden_size=65 is invalid: must be divisible by "
+                             "model.num_attention_heads=4"),
+    ("model.num_query_groups=3", "model.num_query_groups=3 is invalid: must divide "
+                                 "model.num_attention_heads=4"),
+    ("ppo.mini_batch_size=5", "ppo.rollout_batch_size=64 is invalid: must be a multiple of "
+                              "ppo.mini_batch_size=5"),
+    ("parallel.virtual_pipeline_model_parallel_size=2", "needs parallel.pipeline_model_parallel_size >= 2"),
+    ("rollout.temperature=0", "rollout.greedy=true"),
+    ("model.fp8=3", "model.fp8 must be a mapping"),
+    ("model=3", "model must be a mapping"),
+    ("model.arch.x=1", "'model.arch' is a value, not a section"),
+    ("noequals", "must look like key.sub=value"),
+])
+def test_config_errors(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "model: [1, 2\n"))
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(write(tmp_path, "- 1\n- 2\n"))
+    with pytest.raises(ConfigError, match="did you mean 'model.hidden_size'"):
+        load_config(write(tmp_path, "model:\n  hiden_size: 3\n"))
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["parallel.tensor_model_parallel_size=3"], 3,
+     "parallel.tensor_model_parallel_size=3 is invalid: must divide model.num_attention_heads=4"),
+    (["parallel.tensor_model_parallel_size=4", "model.num_query_groups=2"], 4,
+     "must divide the number of query groups (model.num_query_groups=2)"),
+    (["model.num_layers=3", "parallel.pipeline_model_parallel_size=2"], 2,
+     "model.num_layers=3 is invalid: must be divisible by the number of pipeline chunks 2"),
+    (["model.num_layers=4", "parallel.pipeline_model_parallel_size=2",
+      "parallel.virtual_pipeline_model_parallel_size=4"], 2,
+     "must be divisible by the number of pipeline chunks 8"),
+    (["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"], 2,
+     "world size=2 is invalid: must be a multiple of tensor x pipeline parallel size = 2 x 2"),
+    (["parallel.tensor_model_parallel_size=2"], 3, "world size=3 is invalid"),
+    (["rollout.tensor_parallel_size=4"], 2, "rollout.tensor_parallel_size=4 is invalid: must "
+                                            "divide the world size 2"),
+    (["model.ffn_hidden_size=33", "parallel.tensor_model_parallel_size=2"], 2,
+     "must divide the MLP width 33"),
+])
+def test_layout_errors(overrides, world, message):
+    cfg = load_config(None, overrides)
+    with pytest.raises(ValueError) as err:
+        validate_layout(cfg, world)
+    assert message in str(err.value)
+
+
+def test_valid_layouts_pass():
+    cfg = load_config(None, ["model.num_layers=4", "parallel.pipeline_model_parallel_size=2",
+                             "parallel.tensor_model_parallel_size=2"])
+    validate_layout(cfg, 4)
+    validate_layout(cfg, 8)
+
+
+def test_vocab_padding():
+    assert padded_vocab_size(300, 16, 1) == 304
+    assert padded_vocab_size(300, 16, 2) == 320
+    assert padded_vocab_size(32000, 128, 8) == 32768
+    assert padded_vocab_size(256, 128, 2) == 256
+
+
+def test_fp8_needs_low_precision():
+    cfg = load_config(None, ["model.fp8.enabled=true"])
+    with pytest.raises(ValueError, match="needs model.params_dtype bfloat16 or float16"):
+        validate_layout(cfg, 1)
+
+
+def test_config_show_cli(tmp_path):
+    from conftest import run_cli
+    proc = run_cli("config", "show", "model.num_layers=7")
+    assert "num_layers: 7" in proc.stdout
+    bad = run_cli("config", "show", "model.num_layrs=7", check=False)
+    assert bad.returncode == 2 and "did you mean 'model.num_layers'" in bad.stderr

@@ -1,0 +1,122 @@
+"""Per-token log-probs and values are the same at every parallel layout (fp32, 1e-5):
+both architectures with grouped-query attention, LM and value heads, temperature
+scaling; and the `megarlhf score` CLI at TP=1/PP=1, TP=2 and PP=2."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import WORKERS, run_cli, torchrun
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def layout_results(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("layouts"))
+    worker = os.path.join(WORKERS, "score_layouts.py")
+    torchrun(worker, 2, out)
+    torchrun(worker, 1, out)
+    return (torch.load(os.path.join(out, "layouts_world1.pt"), weights_only=False),
+            torch.load(os.path.join(out, "layouts_world2.pt"), weights_only=False))
+
+
+LAYOUT_CASES = [(arch, role, tp, pp, vpp, temp)
+                for arch in ("llama", "gpt2") for role in ("lm", "value")
+                for tp, pp, vpp in [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 2, 2)]
+                for temp in ((1.0, 0.7) if role == "lm" else (1.0,))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_layout_matches_single_process(layout_results, case):
+    ref_all, run_all = layout_results
+    arch, role, tp, pp, vpp, temp = case
+    ref, run = ref_all[(arch, role, 1, 1, 1, temp)], run_all[case]
+    field = "values" if role == "value" else "logprobs"
+    assert len(ref) == len(run) == 8
+    for a, b in zip(ref, run):
+        assert a["tokens"] == b["tokens"]
+        assert len(a[field]) == len(b[field]) == len(a["tokens"]) - (role == "lm")
+        assert max(abs(x - y) for x, y in zip(a[field], b[field])) < TOL
+    flat = [x for r in ref for x in r[field]]
+    assert max(flat) - min(flat) > 1e-3  # not a constant output
+    if role == "lm":
+        assert all(x < 0 for x in flat)
+
+
+@pytest.mark.slow
+def test_temperature_changes_logprobs(layout_results):
+    ref = layout_results[0]
+    a = ref[("llama", "lm", 1, 1, 1, 1.0)][0]["logprobs"]
+    b = ref[("llama", "lm", 1, 1, 1, 0.7)][0]["logprobs"]
+    assert max(abs(x - y) for x, y in zip(a, b)) > 1e-3
+
+
+def write_sequences(path):
+    gen = torch.Generator().manual_seed(3)
+    with open(path, "w") as f:
+        for n in (12, 5, 9, 16, 3, 7, 2):
+            f.write(json.dumps({"tokens": torch.randint(0, 500, (n,), generator=gen).tolist()})
+                    + "\n")
+
+
+def read_rows(path):
+    return [json.loads(line) for line in open(path)]
+
+
+@pytest.mark.slow
+def test_score_cli_same_logprobs_at_three_layouts(tmp_path):
+    seqs = tmp_path / "seqs.jsonl"
+    write_sequences(seqs)
+    common = ["model.vocab_size=500", "model.num_layers=4", "model.num_query_groups=2",
+              "run.seed=11"]
+    outs = {}
+    for name, nprocs, extra in [("tp1pp1", 1, []),
+                                ("tp2", 2, ["parallel.tensor_model_parallel_size=2"]),
+                                ("pp2", 2, ["parallel.pipeline_model_parallel_size=2"])]:
+        out = tmp_path / f"{name}.jsonl"
+        argv = ["score", "--input", str(seqs), "--output", str(out), *common, *extra]
+        if nprocs == 1:
+            run_cli(*argv)
+        else:
+            torchrun(argv, nprocs)
+        outs[name] = read_rows(out)
+    for name in ("tp2", "pp2"):
+        for a, b in zip(outs["tp1pp1"], outs[name]):
+            assert a["tokens"] == b["tokens"]
+            assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < TOL
+
+
+def test_read_sequences_errors(tmp_path):
+    from megarlhf.stages.score import read_sequences
+
+    bad = tmp_path / "bad.jsonl"
+    cases = [('{"tokens": [1, 2, 3]}\nnot json\n', "bad.jsonl:2: not valid JSON"),
+             ('{"tokens": [1, "a"]}\n', "bad.jsonl:1: 'tokens' must be a list of integers"),
+             ('{"tokens": [1]}\n', "bad.jsonl:1: a sequence needs at least 2 tokens"),
+             ('{"ids": [1, 2]}\n', "bad.jsonl:1: each row needs 'tokens' or 'text'"),
+             ('{"text": "hello"}\n', "bad.jsonl:1: a 'text' row needs tokenizer.path"),
+             ('\n\n', "holds no sequences")]
+    for text, message in cases:
+        bad.write_text(text)
+        with pytest.raises(ValueError) as err:
+            read_sequences(str(bad), None, 500)
+        assert message in str(err.value)
+    with pytest.raises(FileNotFoundError):
+        read_sequences(str(tmp_path / "none.jsonl"))
+
+
+def test_score_cli_rejects_bad_input(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"tokens": [1, 2, 3]}\n{"tokens": [1, 900]}\n')
+    proc = run_cli("score", "--input", str(bad), "--output", str(tmp_path / "o.jsonl"),
+                   "model.vocab_size=500", check=False)
+    assert proc.returncode == 2 and "bad.jsonl:2: token id out of range [0, 500)" in proc.stderr
+    proc = run_cli("score", "--input", str(bad), "--output", str(tmp_path / "o.jsonl"),
+                   "model.vocab_size=500", "parallel.tensor_model_parallel_size=2",
+                   check=False)
+    assert proc.returncode == 2 and "world size=1 is invalid" in proc.stderr
+    assert not (tmp_path / "o.jsonl").exists()
