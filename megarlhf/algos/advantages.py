@@ -1,0 +1,84 @@
+"""Advantage estimators: GAE with a critic, and critic-free group/global baselines."""
+
+from __future__ import annotations
+
+import torch
+
+from megarlhf.algos.masked import ReduceFn, masked_whiten
+
+
+def gae(rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor,
+        gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over left-aligned, variable-length responses.
+
+    delta_t = r_t + gamma V_{t+1} - V_t;  A_t = delta_t + gamma lam A_{t+1};  R = A + V.
+    Rewards and values after each response's end are zeroed first, so the value after the
+    last token is 0 (terminal) and nothing leaks across the end. Returns (advantages_BT,
+    returns_BT), both zero outside the mask.
+    """
+    mask = mask_BT.to(rewards_BT.dtype)
+    rewards, values = rewards_BT * mask, values_BT * mask
+    T = rewards.shape[-1]
+    last_gae = torch.zeros_like(rewards[:, 0])
+    advantages = torch.zeros_like(rewards)
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t < T - 1 else torch.zeros_like(last_gae)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last_gae = delta + gamma * lam * last_gae
+        advantages[:, t] = last_gae
+    advantages = advantages * mask
+    return advantages, (advantages + values) * mask
+
+
+def discounted_returns(rewards_BT: torch.Tensor, mask_BT: torch.Tensor,
+                       gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma G_{t+1}, zero after each response's end."""
+    mask = mask_BT.to(rewards_BT.dtype)
+    rewards = rewards_BT * mask
+    running = torch.zeros_like(rewards[:, 0])
+    returns = torch.zeros_like(rewards)
+    for t in reversed(range(rewards.shape[-1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+    return returns * mask
+
+
+def _groups(scores_B: torch.Tensor, group_size: int) -> torch.Tensor:
+    if group_size < 1 or scores_B.shape[0] % group_size != 0:
+        raise ValueError(f"batch of {scores_B.shape[0]} samples is not divisible by the group "
+                         f"size {group_size} (ppo.group_size)")
+    return scores_B.view(-1, group_size)
+
+
+def grpo_advantages(scores_B: torch.Tensor, group_size: int, scale_by_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """GRPO (DeepSeekMath): (score - group mean) / (group std + eps), per sample. Samples of
+    one prompt are consecutive. std is unbiased (torch's default, as TRL's GRPOTrainer)."""
+    groups = _groups(scores_B, group_size)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if scale_by_std:
+        centred = centred / (groups.std(dim=1, keepdim=True) + eps)
+    return centred.reshape(-1)
+
+
+def rloo_advantages(scores_B: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): score minus the mean of the other k-1 samples."""
+    if group_size < 2:
+        raise ValueError("RLOO needs ppo.group_size >= 2")
+    groups = _groups(scores_B, group_size)
+    baseline = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
+    return (groups - baseline).reshape(-1)
+
+
+def reinforce_pp_advantages(rewards_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float = 1.0,
+                            unbiased: bool = True,
+                            reduce_fn: ReduceFn | None = None) -> torch.Tensor:
+    """REINFORCE++ (OpenRLHF): discounted returns of the KL-shaped token rewards, whitened
+    over the whole (global) batch. Zero outside the mask."""
+    returns = discounted_returns(rewards_BT, mask_BT, gamma)
+    return masked_whiten(returns, mask_BT, unbiased=unbiased, reduce_fn=reduce_fn) * mask_BT
+
+
+def broadcast_to_tokens(advantages_B: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """A per-sample advantage on every response token."""
+    return advantages_B.unsqueeze(-1) * mask_BT.to(advantages_B.dtype)

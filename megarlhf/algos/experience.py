@@ -1,0 +1,134 @@
+"""The rollout batch and the batch arithmetic of a PPO iteration."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+def exact_div(numerator: int, denominator: int, what_num: str, what_den: str) -> int:
+    """``numerator // denominator``, raising when it does not divide exactly."""
+    if denominator <= 0 or numerator % denominator != 0:
+        raise ValueError(f"{what_num} ({numerator}) is not divisible by {what_den} "
+                         f"({denominator})")
+    return numerator // denominator
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    """rollout batch -> mini-batch -> micro-batch, per data-parallel rank.
+
+    ``rollout_batch_size`` counts prompts; each prompt gets ``group_size`` responses, so a
+    rollout holds ``rollout_batch_size * group_size`` samples. ``mini_batch_size`` (samples
+    per optimizer step) is global; ``micro_batch_size`` is per data-parallel rank.
+    """
+
+    rollout_batch_size: int
+    mini_batch_size: int
+    micro_batch_size: int
+    dp_size: int
+    group_size: int = 1
+
+    @property
+    def samples(self) -> int:
+        return self.rollout_batch_size * self.group_size
+
+    @property
+    def prompts_per_rank(self) -> int:
+        return exact_div(self.rollout_batch_size, self.dp_size, "ppo.rollout_batch_size",
+                         "the data-parallel size")
+
+    @property
+    def samples_per_rank(self) -> int:
+        return self.prompts_per_rank * self.group_size
+
+    @property
+    def num_mini_batches(self) -> int:
+        return exact_div(self.samples, self.mini_batch_size,
+                         "rollout samples (ppo.rollout_batch_size x ppo.group_size)",
+                         "ppo.mini_batch_size")
+
+    @property
+    def mini_batch_per_rank(self) -> int:
+        return exact_div(self.mini_batch_size, self.dp_size, "ppo.mini_batch_size",
+                         "the data-parallel size")
+
+    @property
+    def micro_batches_per_mini_batch(self) -> int:
+        return exact_div(self.mini_batch_per_rank, self.micro_batch_size,
+                         "ppo.mini_batch_size per data-parallel rank",
+                         "ppo.micro_batch_size")
+
+    def validate(self) -> "BatchSizes":
+        """Touch every derived size so a bad combination raises now."""
+        _ = (self.samples_per_rank, self.num_mini_batches, self.micro_batches_per_mini_batch)
+        return self
+
+    def describe(self) -> str:
+        return (f"rollout {self.rollout_batch_size} prompts x {self.group_size} = "
+                f"{self.samples} samples ({self.samples_per_rank} per DP rank x "
+                f"{self.dp_size}); {self.num_mini_batches} mini-batches of "
+                f"{self.mini_batch_size} ({self.mini_batch_per_rank} per rank = "
+                f"{self.micro_batches_per_mini_batch} micro-batches of "
+                f"{self.micro_batch_size})")
+
+
+@dataclass
+class Experience:
+    """One rollout batch on one data-parallel rank, computed once per iteration.
+
+    B samples; prompts are left-padded to P columns, responses right-padded to T columns,
+    so response token t of every sample sits at column P + t of the full sequence and its
+    log-prob is read from the logits at column P + t - 1.
+    """
+
+    # tokens and masks
+    prompt_tokens_BP: torch.Tensor  # left-padded prompt ids
+    prompt_mask_BP: torch.Tensor  # 1 on real prompt tokens
+    response_tokens_BT: torch.Tensor  # right-padded response ids
+    response_mask_BT: torch.Tensor  # 1 on real response tokens (stop token included)
+    # log-probs of the response tokens
+    rollout_logprobs_BT: torch.Tensor  # from the sampler (inference layout)
+    old_logprobs_BT: torch.Tensor  # behaviour policy used in the PPO ratio
+    ref_logprobs_BT: torch.Tensor  # reference (SFT) model
+    # critic
+    values_BT: torch.Tensor
+    # rewards
+    scores_B: torch.Tensor  # reward-model (or programmatic) score per sample
+    kl_BT: torch.Tensor  # per-token KL estimate to the reference
+    rewards_BT: torch.Tensor  # KL-shaped per-token rewards
+    # learning targets
+    advantages_BT: torch.Tensor
+    returns_BT: torch.Tensor
+
+    def __post_init__(self):
+        B, T = self.response_tokens_BT.shape
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            suffix = f.name.rsplit("_", 1)[-1]
+            expect = {"BT": (B, T), "B": (B,), "BP": (B, self.prompt_tokens_BP.shape[1])}[suffix]
+            if tuple(value.shape) != expect:
+                raise ValueError(f"Experience.{f.name} has shape {tuple(value.shape)}, "
+                                 f"expected {expect}")
+
+    def __len__(self) -> int:
+        return self.response_tokens_BT.shape[0]
+
+    def select(self, index: torch.Tensor | list[int]) -> "Experience":
+        index = torch.as_tensor(index, dtype=torch.long)
+        return Experience(**{f.name: getattr(self, f.name)[index]
+                             for f in dataclasses.fields(self)})
+
+    def mini_batches(self, size: int, generator: torch.Generator | None = None):
+        """Shuffled mini-batches of ``size`` samples (the last full one included)."""
+        exact_div(len(self), size, "samples on this rank", "the mini-batch size per rank")
+        order = torch.randperm(len(self), generator=generator)
+        for start in range(0, len(self), size):
+            yield self.select(order[start:start + size])
+
+    def micro_batches(self, size: int):
+        exact_div(len(self), size, "samples in the mini-batch", "ppo.micro_batch_size")
+        for start in range(0, len(self), size):
+            yield self.select(list(range(start, start + size)))
