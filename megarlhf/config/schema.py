@@ -301,11 +301,15 @@ class PPOConfig:
     clip_reward_value: float = 5.0
     """Reward-model score clip (DeepSpeed-Chat: 5)."""
     missing_stop_penalty: float | None = -1.0
-    """Score given to responses without a stop token (lm-human-preferences); None disables."""
+    """Score for responses without a stop token (lm-human-preferences: -1); None disables."""
+    missing_stop_mode: Literal["replace", "subtract"] = "replace"
+    """Replace the score by missing_stop_penalty, or subtract it (TRL's missing_eos_penalty)."""
     whiten_advantages: bool = True
     """Whiten advantages (global across data-parallel ranks)."""
     whiten_rewards: bool = False
     """Scale rewards by their std (no mean shift)."""
+    whiten_unbiased: bool = True
+    """Variance in whitening: unbiased n/(n-1) (torch, TRL) or biased (TF, lm-human-prefs)."""
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
     """How per-token losses are reduced."""
     ptx_coef: float = 0.0
