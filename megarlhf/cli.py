@@ -46,7 +46,32 @@ def cmd_score(args) -> int:
         raise ConfigError("model.vocab_size is unset and no tokenizer.path is configured")
     run_score(cfg, args.input, args.output, role=args.role,
               micro_batch_size=args.micro_batch_size, temperature=args.temperature,
-              tokenizer=args.tokenizer)
+              tokenizer=args.tokenizer, ckpt_role=args.ckpt_role)
+    return 0
+
+
+def _needs_tokenizer(cfg: Config, args) -> None:
+    if args.tokenizer is None:
+        raise ConfigError("tokenizer.path is required for this stage")
+    if cfg.data.train_path is None:
+        raise ConfigError("data.train_path is required for this stage")
+
+
+def cmd_sft(args) -> int:
+    from megarlhf.stages.sft import run_sft
+
+    cfg = _resolve(args)
+    _needs_tokenizer(cfg, args)
+    run_sft(cfg, args.tokenizer)
+    return 0
+
+
+def cmd_rm(args) -> int:
+    from megarlhf.stages.rm import run_rm
+
+    cfg = _resolve(args)
+    _needs_tokenizer(cfg, args)
+    run_rm(cfg, args.tokenizer)
     return 0
 
 
@@ -69,8 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="lm: log-probs (policy/reference); value: critic/RM values")
     score.add_argument("--micro-batch-size", type=int, default=4)
     score.add_argument("--temperature", type=float, default=1.0)
+    score.add_argument("--ckpt-role", default=None,
+                       help="role to read from checkpoint.load (default: its only role)")
     score.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     score.set_defaults(func=cmd_score)
+
+    for name, func, text in [("sft", cmd_sft, "supervised fine-tuning (response tokens only)"),
+                             ("rm", cmd_rm, "reward model: pairwise Bradley-Terry loss")]:
+        stage = sub.add_parser(name, help=text)
+        stage.add_argument("config", help="YAML config")
+        stage.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+        stage.set_defaults(func=func)
     return parser
 
 
@@ -79,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     # are expected, and the layer spec choice is printed by the stages themselves.
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
     warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed.*")
+    warnings.filterwarnings("ignore", message=".*The .grad attribute of a Tensor that is not a leaf.*")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # key=value overrides may come before or after options.

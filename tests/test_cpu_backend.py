@@ -80,6 +80,22 @@ def test_training_steps_match_single_process(backend_results, case):
 
 
 @pytest.mark.slow
+def test_nonfinite_gradients_skip_the_step_on_every_rank(backend_results):
+    """A NaN loss on one DP rank only: both ranks skip (weights unchanged, one skipped step
+    counted), and the next finite step applies."""
+    for applied, unchanged, applied2, changed, skipped in backend_results[1]["nonfinite"]:
+        assert (applied, unchanged, applied2, changed, skipped) == (0, 1, 1, 1, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["dp2", "pp2", "tp2"])
+def test_parameters_after_training_match_single_process(backend_results, case):
+    """The parallel run's trained weights, reloaded into one process, equal the
+    single-process run's (Adam amplifies fp32 reduction-order noise a little)."""
+    assert backend_results[0][f"reload_{case}"]["param_diff"] < 1e-4
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["dp2", "pp2", "tp2"])
 def test_checkpoint_saved_in_parallel_loads_in_one_process(backend_results, case):
     run = backend_results[1][case]

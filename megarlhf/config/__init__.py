@@ -14,6 +14,7 @@ from megarlhf.config.schema import (
     RolloutConfig,
     RunConfig,
     TokenizerConfig,
+    TrainConfig,
     padded_vocab_size,
     validate_layout,
 )
@@ -21,6 +22,6 @@ from megarlhf.config.schema import (
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FP8Config", "LoggingConfig",
     "ModelConfig", "OptimizerConfig", "PPOConfig", "ParallelConfig", "RolloutConfig",
-    "RunConfig", "TokenizerConfig", "dump_config", "load_config", "padded_vocab_size",
+    "RunConfig", "TokenizerConfig", "TrainConfig", "dump_config", "load_config", "padded_vocab_size",
     "parse_overrides", "validate_layout",
 ]

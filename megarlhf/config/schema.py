@@ -263,6 +263,33 @@ class OptimizerConfig:
 
 
 @dataclass(kw_only=True)
+class TrainConfig:
+    global_batch_size: int = 32
+    """Samples per optimizer step, all data-parallel ranks (SFT: sequences; RM: pairs)."""
+    micro_batch_size: int = 4
+    """Samples per forward/backward pass on one data-parallel rank."""
+    num_epochs: int = 1
+    """Passes over the training data."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (None: run all epochs)."""
+    eval_interval: int = 0
+    """Evaluate every N steps; 0 evaluates only at the end."""
+    rm_normalize_path: str | None = None
+    """RM stage: SFT-format data (prompt, response) whose scores are normalised to mean 0,
+    std 1 after training; None uses the training pairs' chosen and rejected responses."""
+
+    def __post_init__(self):
+        for name in ("global_batch_size", "micro_batch_size", "num_epochs"):
+            _require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name),
+                     "must be >= 1")
+        if self.max_steps is not None:
+            _require(self.max_steps >= 1, "train.max_steps", self.max_steps,
+                     "must be >= 1 or null")
+        _require(self.eval_interval >= 0, "train.eval_interval", self.eval_interval,
+                 "must be >= 0")
+
+
+@dataclass(kw_only=True)
 class PPOConfig:
     rollout_batch_size: int = 64
     """Prompts per PPO iteration (global, all data-parallel ranks)."""
@@ -383,7 +410,10 @@ class RolloutConfig:
 @dataclass(kw_only=True)
 class CheckpointConfig:
     load: str | None = None
-    """Checkpoint directory to initialise from (a run's checkpoint folder or one step)."""
+    """Checkpoint to initialise weights from (a run's checkpoint folder or one step)."""
+    resume: bool = True
+    """Continue from the run's own latest checkpoint (weights, optimizer, data position,
+    RNG) when one exists."""
     save_interval: int = 0
     """Save every N steps; 0 saves only at the end."""
     keep_last: int = 2
@@ -423,6 +453,8 @@ class Config:
     """Datasets."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimisation."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """SFT and reward-model training loops."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     """PPO algorithm."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

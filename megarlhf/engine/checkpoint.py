@@ -1,28 +1,70 @@
-"""Checkpoints through ``megatron.core.dist_checkpointing``: layout-independent, so a
-model saved at TP=2 loads at TP=1 or PP=2.
+"""Checkpoints through ``megatron.core.dist_checkpointing``.
 
-Atomicity: every rank writes into ``<dir>/.tmp-<tag>``; after a barrier rank 0 renames
-it to ``<dir>/<tag>`` and only then rewrites ``<dir>/latest`` (write + ``os.replace``).
-A crash at any point leaves the previous ``latest`` pointing at a complete checkpoint.
+A checkpoint holds one or more *roles* (``policy``, ``reward``, ``actor``, ``critic``...),
+each with its model and, for trained roles, the distributed-optimizer state (megatron's
+``fully_reshardable`` format: reshardable across TP, PP and DP) and LR schedule;
+plus per-rank RNG states and a JSON-able trainer state (step, data position, KL
+controller, reward normalisation). Tensors are stored under global names prefixed by the
+role, so a model saved at TP=2 loads at TP=1 or PP=2.
+
+Atomicity: every rank writes into ``<dir>/.tmp-<tag>``; after a barrier rank 0 writes the
+metadata, renames the folder to ``<dir>/<tag>`` and only then replaces ``<dir>/latest``
+(write + fsync + ``os.replace``). A crash at any point leaves the previous ``latest``
+pointing at a complete checkpoint; stale ``.tmp-*`` folders are removed by the next save.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
+from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
+import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 META_FILE = "megarlhf_meta.json"
 LATEST_FILE = "latest"
+# Optimizer state in canonical parameter space: loads at any TP/PP/DP. (0.16.1's default
+# "fully_sharded_model_space" fails with "flattened_range is not supported".)
+OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+# Fault injection for tests: "save_before_commit:N" kills the process (exit 137) during the
+# N-th save of this process, after every rank wrote its shards and before the commit.
+FAULT_ENV = "MEGARLHF_FAULT_INJECT"
+_saves_in_process = [0]
 
 
-def _model_state(model_chunks: list) -> dict:
-    if len(model_chunks) == 1:
-        return {"model": model_chunks[0].sharded_state_dict()}
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+@dataclass
+class RoleState:
+    """What one role contributes to a checkpoint."""
+
+    model: list  # model chunks (bare or DDP-wrapped)
+    optimizer: Any = None
+    scheduler: Any = None
+    extra: dict = field(default_factory=dict)  # JSON-able, e.g. reward normalisation
+
+
+def _bare(chunk):
+    return getattr(chunk, "module", chunk)
+
+
+def _model_sharded(role: str, chunks: list, skip_head: bool = False) -> dict:
+    prefix = f"{role}."
+
+    def one(chunk):
+        sd = _bare(chunk).sharded_state_dict(prefix=prefix)
+        if skip_head:
+            sd = {k: v for k, v in sd.items() if not k.startswith(f"{prefix}output_layer")}
+        return sd
+
+    if len(chunks) == 1:
+        return {"model": one(chunks[0])}
+    return {f"model{i}": one(c) for i, c in enumerate(chunks)}
 
 
 def _barrier() -> None:
@@ -34,6 +76,86 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _materialize_optimizer_state(optimizer) -> None:
+    """megatron's DistributedOptimizer builds its loading state dict from its current
+    state, which a fresh torch Adam does not have yet (``assert len(steps) == 1`` without
+    apex/TE). Take one zero-gradient step to allocate it; the load then overwrites both
+    the state and the weights."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if len(opt.optimizer.state) == 0 and hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def _keep_torch_adam_step(optimizer) -> None:
+    """Work around megatron-core 0.16.1 without apex/TE: loading the ``fully_reshardable``
+    format copies every state key of torch Adam, including ``step``, from tensors that
+    never hold it (KeyError: 'step'). ``step`` is restored from the param groups just
+    before, so the copy may keep it as it is."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not hasattr(opt, "_set_main_param_and_optimizer_states"):
+            continue
+        original = opt._set_main_param_and_optimizer_states
+
+        def patched(model_param, tensors, opt=opt, original=original):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+            state = opt.optimizer.state.get(main_param, {})
+            if "step" in state and "step" not in tensors:
+                tensors = {**tensors, "step": state["step"]}
+            return original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = patched
+
+
+def _unshare_torch_adam_step(optimizer) -> None:
+    """megatron-core 0.16.1 without apex/TE gives every parameter's torch Adam state the
+    *same* ``step`` tensor on load; torch increments it in place once per parameter, so
+    the bias correction of resumed runs drifts. Give each parameter its own copy."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for state in (inner.state.values() if inner is not None else ()):
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+def _sharded_state(roles: dict[str, RoleState], loading: bool, with_rng: bool,
+                   skip_head: bool = False) -> dict:
+    state: dict = {}
+    for name, role in roles.items():
+        entry = _model_sharded(name, role.model, skip_head)
+        if role.optimizer is not None:
+            if loading:
+                _materialize_optimizer_state(role.optimizer)
+            model_sd = dict(entry)
+            entry["optimizer"] = role.optimizer.sharded_state_dict(
+                model_sd, is_loading=loading, metadata=OPTIMIZER_FORMAT)
+        state[name] = entry
+    if with_rng:
+        state["rng"] = ShardedObject("rng_state", rng_state(), (_world(),), (_rank(),),
+                                     replica_id=0)
+    return state
+
+
 def resolve_checkpoint(path: str) -> str:
     """A run's checkpoint folder (holding ``latest``) or one checkpoint -> the checkpoint."""
     if not os.path.exists(path):
@@ -41,10 +163,10 @@ def resolve_checkpoint(path: str) -> str:
     latest = os.path.join(path, LATEST_FILE)
     if os.path.exists(latest):
         with open(latest) as f:
-            tag = f.read().strip()
-        path = os.path.join(path, tag)
+            path = os.path.join(path, f.read().strip())
     if not os.path.exists(os.path.join(path, META_FILE)):
-        raise FileNotFoundError(f"{path!r} is not a megarlhf checkpoint (no {META_FILE})")
+        raise FileNotFoundError(f"{path!r} is not a complete megarlhf checkpoint "
+                                f"(no {META_FILE})")
     return path
 
 
@@ -53,21 +175,42 @@ def read_meta(path: str) -> dict:
         return json.load(f)
 
 
-def save_checkpoint(save_dir: str, tag: str, model_chunks: list, meta: dict,
-                    keep_last: int | None = None) -> str:
-    """Write ``model_chunks`` (and ``meta``, a JSON-able dict) as ``save_dir/tag``."""
+def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
+                    trainer_state: dict | None = None, config: dict | None = None,
+                    layout: str = "", keep_last: int | None = None) -> str:
+    """Write ``roles`` and ``trainer_state`` as ``save_dir/tag``; returns its path."""
     final = os.path.join(save_dir, tag)
     tmp = os.path.join(save_dir, f".tmp-{tag}")
     if _rank() == 0:
         os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in os.listdir(save_dir):
+            if stale.startswith(".tmp-"):
+                shutil.rmtree(os.path.join(save_dir, stale), ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    dist_checkpointing.save(_model_state(model_chunks), tmp)
+    state = _sharded_state(roles, loading=False, with_rng=True)
+    for name, role in roles.items():
+        if role.scheduler is not None:
+            state[name]["scheduler"] = role.scheduler.state_dict()
+    dist_checkpointing.save(state, tmp)
     _barrier()
+    _saves_in_process[0] += 1
+    fault = os.environ.get(FAULT_ENV, "")
+    if fault.startswith("save_before_commit:") and \
+            int(fault.split(":")[1]) == _saves_in_process[0]:
+        os._exit(137)
     if _rank() == 0:
+        meta = {
+            "tag": tag,
+            "roles": {name: {"trained": role.optimizer is not None, **role.extra}
+                      for name, role in roles.items()},
+            "trainer": trainer_state or {},
+            "config": config or {},
+            "layout": layout,
+            "world_size": _world(),
+        }
         with open(os.path.join(tmp, META_FILE), "w") as f:
-            json.dump({**meta, "num_chunks": len(model_chunks)}, f, indent=1)
+            json.dump(meta, f, indent=1, default=str)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -92,15 +235,65 @@ def _prune(save_dir: str, keep_last: int, protect: str) -> None:
             shutil.rmtree(os.path.join(save_dir, old), ignore_errors=True)
 
 
-def load_checkpoint(path: str, model_chunks: list) -> dict:
-    """Load model weights from ``path`` into ``model_chunks`` (any layout); returns meta."""
+def checkpoint_role(meta: dict, wanted: str | None, path: str) -> str:
+    """The role to read: ``wanted``, or the only role the checkpoint holds."""
+    roles = list(meta.get("roles", {}))
+    if wanted is None:
+        if len(roles) != 1:
+            raise ValueError(f"checkpoint {path} holds roles {roles}; say which one to load")
+        return roles[0]
+    if wanted not in roles:
+        raise ValueError(f"checkpoint {path} has no role '{wanted}' (it holds {roles})")
+    return wanted
+
+
+def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: bool = True,
+                    load_rng: bool = True, layout: str = "",
+                    source_roles: dict[str, str] | None = None,
+                    skip_head: bool = False) -> dict:
+    """Load ``roles`` from ``path`` (any layout). ``source_roles`` maps a role here to the
+    role name in the checkpoint (e.g. critic <- reward). Optimizer state and RNG are read
+    only where asked and present; RNG only when the layout is unchanged. ``skip_head``
+    loads the trunk only (a value model from an LM checkpoint keeps its own fresh head).
+    Returns meta."""
     path = resolve_checkpoint(path)
     meta = read_meta(path)
-    # Tensors are matched by their global names (layer offsets included), so chunks
-    # of any pipeline split find their weights.
-    state = _model_state(model_chunks)
+    source_roles = source_roles or {}
+    targets = {name: checkpoint_role(meta, source_roles.get(name, name), path)
+               for name in roles}
+    state, use_opt = {}, {}
+    for name, role in roles.items():
+        src = targets[name]
+        trained = meta["roles"][src].get("trained", False)
+        use_opt[name] = load_optimizer and role.optimizer is not None and trained
+        sub = RoleState(role.model, role.optimizer if use_opt[name] else None)
+        state[src] = _sharded_state({src: sub}, loading=True, with_rng=False,
+                                    skip_head=skip_head)[src]
+    same_layout = meta.get("layout") == layout and meta.get("world_size") == _world()
+    if load_rng and same_layout:
+        state["rng"] = ShardedObject("rng_state", None, (_world(),), (_rank(),), replica_id=0)
     loaded = dist_checkpointing.load(state, path)
-    for i, chunk in enumerate(model_chunks):
-        key = "model" if len(model_chunks) == 1 else f"model{i}"
-        chunk.load_state_dict(loaded[key], strict=True)
+    for name, role in roles.items():
+        src = targets[name]
+        for i, chunk in enumerate(role.model):
+            key = "model" if len(role.model) == 1 else f"model{i}"
+            weights = _strip_prefix(loaded[src][key], f"{src}.")
+            if skip_head:
+                own = _bare(chunk).state_dict()
+                weights.update({k: v for k, v in own.items() if k.startswith("output_layer")})
+            _bare(chunk).load_state_dict(weights, strict=True)
+        if use_opt[name]:
+            _keep_torch_adam_step(role.optimizer)
+            role.optimizer.load_state_dict(loaded[src]["optimizer"])
+            _unshare_torch_adam_step(role.optimizer)
+            # The LR schedule is a common (non-sharded) item: it comes back from the file.
+            if role.scheduler is not None and loaded[src].get("scheduler") is not None:
+                role.scheduler.load_state_dict(loaded[src]["scheduler"])
+    if "rng" in loaded:
+        set_rng_state(loaded["rng"])
+    meta["rng_restored"] = "rng" in loaded
     return meta
+
+
+def _strip_prefix(state: dict, prefix: str) -> dict:
+    return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state.items()}

@@ -3,6 +3,7 @@ and one training step through the pipeline schedule."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -15,6 +16,7 @@ from megatron.core.distributed import (
 )
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megarlhf.config import OptimizerConfig
@@ -88,21 +90,63 @@ def build_optimizer(opt: OptimizerConfig, model: list, *, lr: float, total_steps
     return optimizer, scheduler
 
 
-def train_step(role: TrainedRole, forward_step: Callable, microbatches: list, *,
-               seq_length: int, micro_batch_size: int) -> tuple[list, bool, float]:
-    """Forward/backward over ``microbatches`` and one optimizer step.
-
-    Returns (the loss functions' logs from the last stage, whether the step was applied,
-    the gradient norm). A step with non-finite gradients is skipped and counted."""
+def forward_backward(role: TrainedRole, forward_step: Callable, microbatches: list, *,
+                     seq_length: int, micro_batch_size: int) -> list:
+    """Zero the gradients, then forward/backward every micro-batch through the pipeline
+    schedule; gradients end reduced over data-parallel ranks and divided by the number of
+    loss tokens. Returns the last stage's loss-function logs."""
     for chunk in role.model:
         chunk.train()
         chunk.zero_grad_buffer()
     role.optimizer.zero_grad()
-    logs = run_schedule(role.model, forward_step, microbatches, seq_length=seq_length,
+    return run_schedule(role.model, forward_step, microbatches, seq_length=seq_length,
                         micro_batch_size=micro_batch_size, forward_only=False)
-    applied, grad_norm, _ = role.optimizer.step()
-    if applied:
-        role.scheduler.step(increment=1)
-    else:
-        role.num_skipped_steps += 1
-    return logs, bool(applied), float(grad_norm) if grad_norm is not None else float("nan")
+
+
+def _sub_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+@torch.no_grad()
+def prepare_step(role: TrainedRole) -> tuple[bool, float]:
+    """Unscale (fp16) and measure the global gradient norm. Returns (finite, norm); the
+    norm is reduced over all ranks holding the model, so every rank gets the same verdict.
+    megatron's fp32 optimizer never reports non-finite gradients itself; the norm does."""
+    found_inf = bool(role.optimizer.prepare_grads())
+    norm = float(role.optimizer.get_grad_norm()) if not found_inf else float("inf")
+    return (not found_inf and math.isfinite(norm)), norm
+
+
+@torch.no_grad()
+def apply_step(role: TrainedRole, grad_norm: float) -> None:
+    """Clip by the measured norm and step (as megatron's ChainedOptimizer.step does)."""
+    for opt in _sub_optimizers(role.optimizer):
+        params = opt.get_parameters()
+        if params and opt.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad,
+                                         total_norm=grad_norm)
+    role.optimizer.step_with_ready_grads()
+    role.scheduler.step(increment=1)
+
+
+def step_together(roles: list[TrainedRole]) -> tuple[bool, list[float]]:
+    """One optimizer step for every role, or for none: when any role's gradients are not
+    finite, all skip (PPO: actor and critic together) and each counts a skipped step."""
+    verdicts = [prepare_step(role) for role in roles]
+    ok = all(finite for finite, _ in verdicts)
+    for role, (_, norm) in zip(roles, verdicts):
+        if ok:
+            apply_step(role, norm)
+        else:
+            role.num_skipped_steps += 1
+    return ok, [norm for _, norm in verdicts]
+
+
+def train_step(role: TrainedRole, forward_step: Callable, microbatches: list, *,
+               seq_length: int, micro_batch_size: int) -> tuple[list, bool, float]:
+    """Forward/backward over ``microbatches`` and one optimizer step (skipped and counted
+    when the gradients are not finite). Returns (logs, applied, gradient norm)."""
+    logs = forward_backward(role, forward_step, microbatches, seq_length=seq_length,
+                            micro_batch_size=micro_batch_size)
+    applied, norms = step_together([role])
+    return logs, applied, norms[0]

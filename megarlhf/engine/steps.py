@@ -7,6 +7,9 @@ optional megatron-style ``attention_mask`` (B, 1, T, T), True where attention is
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+
 from megarlhf.models.logprobs import vocab_parallel_logprobs
 
 
@@ -33,3 +36,64 @@ def make_score_step(role: str, *, tp_group, true_vocab: int, temperature: float 
         return output, loss_func
 
     return forward_step
+
+
+def make_lm_loss_step(*, tp_group, true_vocab: int):
+    """Next-token loss weighted by ``loss_mask`` (SFT: response tokens only). The loss
+    function returns (sum, number of tokens, logs) so megatron divides by the token count
+    over every micro-batch and data-parallel rank."""
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model_forward(model, batch)
+
+        def loss_func(logits_BSV, non_loss_data=False):
+            logprobs_BS, _ = vocab_parallel_logprobs(
+                logits_BSV[:, :-1], batch["tokens"][:, 1:], tp_group=tp_group,
+                true_vocab=true_vocab)
+            weights = batch["loss_mask"][:, :-1]
+            loss_sum = -(logprobs_BS * weights).sum()
+            num_tokens = weights.sum()
+            logs = {"lm": torch.stack([loss_sum.detach(), num_tokens])}
+            return loss_sum, num_tokens.to(torch.int), logs
+
+        return output, loss_func
+
+    return forward_step
+
+
+def make_pairwise_rm_step():
+    """Bradley-Terry loss -log sigmoid(r_chosen - r_rejected); rows alternate chosen,
+    rejected; the reward is the value head's output at each row's last real token."""
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model_forward(model, batch)
+
+        def loss_func(values_BS1, non_loss_data=False):
+            rows = torch.arange(values_BS1.shape[0])
+            rewards_B = values_BS1[rows, batch["last_index"], 0].float()
+            chosen, rejected = rewards_B[0::2], rewards_B[1::2]
+            real = batch["pair_mask"].float()  # 0 for padding pairs in a short micro-batch
+            loss_sum = -(torch.nn.functional.logsigmoid(chosen - rejected) * real).sum()
+            num_pairs = real.sum()
+            correct = ((chosen > rejected).float() * real).sum()
+            logs = {"rm": torch.stack([loss_sum.detach(), num_pairs, correct.detach(),
+                                       ((chosen - rejected).detach() * real).sum()])}
+            return loss_sum, num_pairs.to(torch.int), logs
+
+        return output, loss_func
+
+    return forward_step
+
+
+def sum_logs(logs: list[dict], key: str, size: int, layout) -> list[float]:
+    """Sum a logged vector over micro-batches and data-parallel ranks; every rank gets it.
+    Only the last pipeline stage's TP rank 0 contributes (TP ranks hold copies)."""
+    total = torch.zeros(size, dtype=torch.float64)
+    if layout.is_last_stage and layout.tp_rank == 0:
+        for entry in logs:
+            total += entry[key].double()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return total.tolist()

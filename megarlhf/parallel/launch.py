@@ -62,8 +62,19 @@ def read_dist_env(environ: dict | None = None) -> DistEnv:
                        master_addr=env.get("MASTER_ADDR", first_slurm_host(nodelist)),
                        master_port=int(env.get("MASTER_PORT", 20000 + job_id % 20000)),
                        launcher="slurm")
+    # A lone process needs a store only for itself: any free port, so that several
+    # single-process jobs can share a machine.
+    port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else _free_port()
     return DistEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
-                   master_port=int(env.get("MASTER_PORT", 29500)), launcher="single")
+                   master_port=port, launcher="single")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.config import Config
-from megarlhf.engine.checkpoint import load_checkpoint, read_meta
+from megarlhf.engine.checkpoint import RoleState, checkpoint_role, load_checkpoint, read_meta
 from megarlhf.engine.schedule import build_model_chunks, chunked, forward_only, set_eval
 from megarlhf.engine.steps import make_score_step
 from megarlhf.models.gpt import init_weights
@@ -107,40 +107,48 @@ def score_sequences(cfg: Config, layout: ParallelLayout, model_chunks: list,
     return merged
 
 
-def load_or_init(cfg: Config, model_chunks: list) -> str:
-    """Weights from ``checkpoint.load`` if set, else the seeded random initialisation."""
+def load_or_init(cfg: Config, model_chunks: list, ckpt_role: str | None = None) -> str:
+    """Weights from ``checkpoint.load`` if set (its only role, or ``ckpt_role``), else the
+    seeded random initialisation."""
     if cfg.checkpoint.load:
-        meta = load_checkpoint(cfg.checkpoint.load, model_chunks)
-        return f"checkpoint {cfg.checkpoint.load} (step {meta.get('step')})"
+        meta = read_meta(cfg.checkpoint.load)
+        role = checkpoint_role(meta, ckpt_role, cfg.checkpoint.load)
+        load_checkpoint(cfg.checkpoint.load, {role: RoleState(model_chunks)},
+                        load_optimizer=False, load_rng=False)
+        return f"checkpoint {cfg.checkpoint.load} (role {role}, step {meta['trainer'].get('step')})"
     for chunk in model_chunks:
         init_weights(chunk, cfg)
     return f"random init, seed {cfg.run.seed}"
 
 
-def check_checkpoint_matches(cfg: Config, role: str) -> None:
-    """Reject a checkpoint whose model shape or role disagrees with the config, before
-    building anything."""
+def check_checkpoint_matches(cfg: Config, kind: str, ckpt_role: str | None = None) -> None:
+    """Reject a checkpoint whose model shape or kind (lm/value) disagrees with the config,
+    before any process group or model exists."""
     if not cfg.checkpoint.load:
         return
     meta = read_meta(cfg.checkpoint.load)
-    saved = meta.get("model", {})
-    for key in ("arch", "num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+    role = checkpoint_role(meta, ckpt_role, cfg.checkpoint.load)
+    saved = meta.get("config", {}).get("model", {})
+    for key in ("arch", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                "ffn_hidden_size", "vocab_size"):
         want = getattr(cfg.model, key)
         if key in saved and saved[key] != want:
             raise ValueError(f"checkpoint {cfg.checkpoint.load} has model.{key}={saved[key]} "
                              f"but the config says {want}")
-    if meta.get("role") and meta["role"] != role:
-        raise ValueError(f"checkpoint {cfg.checkpoint.load} holds a '{meta['role']}' model, "
-                         f"asked to score as '{role}'")
+    saved_kind = meta["roles"][role].get("kind")
+    if saved_kind and saved_kind != kind:
+        raise ValueError(f"checkpoint {cfg.checkpoint.load} role '{role}' is a '{saved_kind}' "
+                         f"model; asked for '{kind}'")
 
 
 def run_score(cfg: Config, input_path: str, output_path: str, *, role: str,
-              micro_batch_size: int, temperature: float, tokenizer=None) -> None:
-    check_checkpoint_matches(cfg, role)
+              micro_batch_size: int, temperature: float, tokenizer=None,
+              ckpt_role: str | None = None) -> None:
+    check_checkpoint_matches(cfg, role, ckpt_role)
     seqs = read_sequences(input_path, tokenizer, cfg.model.vocab_size)
     layout = init_distributed(cfg)
     chunks = build_model_chunks(cfg, layout, "value" if role == "value" else "lm")
-    source = load_or_init(cfg, chunks)
+    source = load_or_init(cfg, chunks, ckpt_role)
     rows = score_sequences(cfg, layout, chunks, seqs, role=role,
                            micro_batch_size=micro_batch_size, temperature=temperature)
     if rows is not None:

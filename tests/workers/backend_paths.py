@@ -14,7 +14,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from common import fixed_sequences, make_config, start  # noqa: E402
 
-from megarlhf.engine.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from megarlhf.engine.checkpoint import RoleState, load_checkpoint, save_checkpoint  # noqa: E402
 from megarlhf.engine.optimizer import (  # noqa: E402
     TrainedRole, build_optimizer, train_step, wrap_ddp)
 from megarlhf.engine.schedule import build_model_chunks  # noqa: E402
@@ -26,7 +26,7 @@ SEQ_LEN = 17
 MICRO = 2
 
 
-def lm_step(layout, vocab):
+def lm_step(layout, vocab, poison=False):
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         output = model(batch["tokens"], batch["position_ids"], None)
@@ -37,6 +37,8 @@ def lm_step(layout, vocab):
                 true_vocab=vocab)
             mask = batch["loss_mask"][:, 1:]
             loss_sum = -(logprobs * mask).sum()
+            if poison:
+                loss_sum = loss_sum * float("nan")
             num_tokens = mask.sum().to(torch.int)
             return loss_sum, num_tokens, {"loss": torch.stack([loss_sum.detach(),
                                                                num_tokens.float()])}
@@ -83,17 +85,52 @@ def run_case(name, tp, pp, out_dir, results):
         losses.append((total[0] / total[1]).item())
     rows = score_sequences(cfg, layout, chunks, fixed_sequences(6), role="lm",
                            micro_batch_size=2)
-    ckpt = save_checkpoint(os.path.join(out_dir, f"ckpt_{name}"), "step_3", chunks,
-                           {"step": 3, "role": "lm"})
-    results[name] = {"losses": losses, "rows": rows, "ckpt": ckpt}
+    ckpt = save_checkpoint(os.path.join(out_dir, f"ckpt_{name}"), "step_3",
+                           {"policy": RoleState(model, optimizer, scheduler)},
+                           trainer_state={"step": 3}, layout=layout.describe())
+    results[name] = {"losses": losses, "rows": rows, "ckpt": ckpt,
+                     "params": [p.detach().clone() for p in chunks[0].parameters()]}
+
+
+def nonfinite_case(results):
+    """DP=2: a NaN loss on rank 1 only; both ranks must skip the step, weights unchanged."""
+    cfg = make_config("llama", 1, 1, extra=("optimizer.lr=0.01",))
+    layout = start(cfg)
+    chunks = build_model_chunks(cfg, layout, "lm")
+    for c in chunks:
+        init_weights(c, cfg)
+    model = wrap_ddp(chunks, True, layout.pg_collection)
+    optimizer, scheduler = build_optimizer(cfg.optimizer, model, lr=cfg.optimizer.lr,
+                                           total_steps=10)
+    role = TrainedRole(model, optimizer, scheduler)
+    seqs = fixed_sequences(8)
+    before = [p.detach().clone() for p in chunks[0].parameters()]
+    _, applied, norm = train_step(role, lm_step(layout, cfg.model.vocab_size,
+                                                poison=dist.get_rank() == 1),
+                                  microbatches(seqs, layout.dp_rank, layout.dp_size),
+                                  seq_length=SEQ_LEN, micro_batch_size=MICRO)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, chunks[0].parameters()))
+    _, applied2, _ = train_step(role, lm_step(layout, cfg.model.vocab_size),
+                                microbatches(seqs, layout.dp_rank, layout.dp_size),
+                                seq_length=SEQ_LEN, micro_batch_size=MICRO)
+    changed = not all(torch.equal(a, b) for a, b in zip(before, chunks[0].parameters()))
+    flags = torch.tensor([float(applied), float(unchanged), float(applied2), float(changed),
+                          float(role.num_skipped_steps)])
+    gathered = [torch.zeros(5) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flags)
+    results["nonfinite"] = [g.tolist() for g in gathered]
 
 
 def reload_and_score(name, ckpt, results):
     cfg = make_config("llama", 1, 1)
     layout = start(cfg)
     chunks = build_model_chunks(cfg, layout, "lm")
-    load_checkpoint(ckpt, chunks)
-    results[f"reload_{name}"] = {"rows": score_sequences(cfg, layout, chunks,
+    load_checkpoint(ckpt, {"policy": RoleState(chunks)}, load_optimizer=False)
+    ref_params = results["ref"]["params"]
+    results[f"reload_{name}"] = {
+        "param_diff": max((a - b).abs().max().item() for a, b in
+                          zip(ref_params, [p.detach().clone() for p in chunks[0].parameters()])),
+        "rows": score_sequences(cfg, layout, chunks,
                                                          fixed_sequences(6), role="lm",
                                                          micro_batch_size=2)}
 
@@ -110,6 +147,7 @@ def main():
         run_case("dp2", 1, 1, out_dir, results)
         run_case("pp2", 1, 2, out_dir, results)
         run_case("tp2", 2, 1, out_dir, results)
+        nonfinite_case(results)
     if dist.get_rank() == 0:
         torch.save(results, os.path.join(out_dir, f"results_world{world}.pt"))
     dist.destroy_process_group()

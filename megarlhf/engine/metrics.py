@@ -1,0 +1,85 @@
+"""Metrics to JSONL and TensorBoard (and W&B when installed and configured), from
+global rank 0 only; every other rank gets a logger that does nothing."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str, *, tensorboard: bool = True,
+                 wandb_project: str | None = None, config: dict | None = None,
+                 resume_step: int | None = None):
+        self.active = _rank() == 0
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._tb = None
+        self._wandb = None
+        if not self.active:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if resume_step is not None and os.path.exists(self.path):
+            # Drop records past the checkpoint we resume from: the resumed run rewrites them.
+            with open(self.path) as f:
+                kept = [line for line in f if line.strip()
+                        and json.loads(line).get("step", 0) <= resume_step]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+        elif resume_step is None and os.path.exists(self.path):
+            os.replace(self.path, self.path + f".{int(time.time())}.old")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                print("logging.wandb_project is set but wandb is not installed; skipping W&B")
+            else:
+                self._wandb = wandb.init(project=wandb_project, config=config,
+                                         name=os.path.basename(run_dir))
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.active:
+            return
+        clean = {k: _scalar(v) for k, v in metrics.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **clean}) + "\n")
+        if self._tb is not None:
+            for key, value in clean.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        if self.active and self._tb is not None:
+            self._tb.add_text(tag, text, step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _scalar(value):
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    return value
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,152 @@
+"""The training engine through the real CLI: SFT and reward-model stages at 1 and 2
+processes, resume (bitwise on CPU), resume at a changed layout, and a crash in the middle
+of a checkpoint save."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_cli, torchrun
+from megarlhf.data.synthetic import write_task
+from megarlhf.engine.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return write_task(str(tmp_path_factory.mktemp("task")), seed=0)
+
+
+def sft_args(task, out, name, *extra):
+    return ["sft", "configs/sft_tiny.yaml", f"tokenizer.path={task['tokenizer']}",
+            f"data.train_path={task['sft']}", f"run.output_dir={out}", f"run.name={name}",
+            "logging.progress_bar=false", "run.deterministic=true", *extra]
+
+
+def losses(out, name, key="train/loss"):
+    return {r["step"]: r[key] for r in read_metrics(os.path.join(out, name)) if key in r}
+
+
+def test_sft_loss_falls(task, tmp_path):
+    proc = run_cli(*sft_args(task, tmp_path, "sft", "train.max_steps=40",
+                             "train.eval_interval=20"))
+    evals = losses(tmp_path, "sft", "eval/loss")
+    assert evals[0] - evals[40] > 0.4, evals
+    assert "[sft] done" in proc.stdout
+    assert os.path.exists(os.path.join(tmp_path, "sft", "tensorboard"))
+    ckpts = os.path.join(tmp_path, "sft", "checkpoints")
+    assert open(os.path.join(ckpts, "latest")).read() == "step_0000040"
+    assert sorted(d for d in os.listdir(ckpts) if d.startswith("step_")) == [
+        "step_0000020", "step_0000040"]
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("dp2", []),
+    ("pp2", ["parallel.pipeline_model_parallel_size=2"]),
+    ("tp2", ["parallel.tensor_model_parallel_size=2", "optimizer.use_distributed_optimizer=false"]),
+])
+def test_sft_two_processes_match_one(task, tmp_path, name, extra):
+    """DP=2 (distributed optimizer), PP=2 (1F1B) and TP=2 reproduce the 1-process losses."""
+    common = ("train.max_steps=8", "checkpoint.save_interval=0", "data.packing=true")
+    run_cli(*sft_args(task, tmp_path, "ref", *common))
+    torchrun(sft_args(task, tmp_path, name, *common, *extra), 2)
+    ref, got = losses(tmp_path, "ref"), losses(tmp_path, name)
+    assert sorted(ref) == sorted(got) == list(range(1, 9))
+    for step in ref:
+        assert abs(ref[step] - got[step]) < 2e-4, (step, ref[step], got[step])
+
+
+def test_rm_accuracy_on_separable_preferences(task, tmp_path):
+    run_cli("rm", "configs/rm_tiny.yaml", f"tokenizer.path={task['tokenizer']}",
+            f"data.train_path={task['prefs_clean']}", f"run.output_dir={tmp_path}",
+            "run.name=rm", "logging.progress_bar=false", "data.eval_fraction=0.2")
+    records = read_metrics(os.path.join(tmp_path, "rm"))
+    final_acc = [r["eval/accuracy"] for r in records if "eval/accuracy" in r][-1]
+    assert final_acc > 0.9, records[-3:]
+    ckpts = os.path.join(tmp_path, "rm", "checkpoints")
+    latest = open(os.path.join(ckpts, "latest")).read()
+    meta = json.load(open(os.path.join(ckpts, latest, "megarlhf_meta.json")))
+    reward = meta["roles"]["reward"]
+    assert reward["kind"] == "value" and reward["score_gain"] > 0
+
+
+def test_resume_is_bitwise_and_reshardable(task, tmp_path):
+    common = ("optimizer.lr_schedule=constant", "optimizer.warmup_steps=0",
+              "checkpoint.save_interval=6", "data.packing=false")
+    run_cli(*sft_args(task, tmp_path, "unbroken", "train.max_steps=12", *common))
+    run_cli(*sft_args(task, tmp_path, "broken", "train.max_steps=6", *common))
+    proc = run_cli(*sft_args(task, tmp_path, "broken", "train.max_steps=12", *common))
+    assert "resumed step_0000006" in proc.stdout and "RNG restored" in proc.stdout
+    unbroken, broken = losses(tmp_path, "unbroken"), losses(tmp_path, "broken")
+    assert [broken[s] for s in range(1, 13)] == [unbroken[s] for s in range(1, 13)]
+
+    # The step-6 checkpoint scores the same at TP=1 and TP=2 / PP=2.
+    ckpt = os.path.join(tmp_path, "broken", "checkpoints", "step_0000006")
+    seqs = tmp_path / "seqs.jsonl"
+    seqs.write_text("".join(json.dumps({"text": t}) + "\n" for t in
+                            ["words: cat red dog", "words: blue tree one two", "old house"]))
+    score = ["score", "--config", "configs/sft_tiny.yaml", "--input", str(seqs),
+             f"tokenizer.path={task['tokenizer']}", f"checkpoint.load={ckpt}"]
+    run_cli(*score, "--output", str(tmp_path / "tp1.jsonl"))
+    torchrun(score + ["--output", str(tmp_path / "tp2.jsonl"),
+                      "parallel.tensor_model_parallel_size=2"], 2)
+    a = [json.loads(line) for line in open(tmp_path / "tp1.jsonl")]
+    b = [json.loads(line) for line in open(tmp_path / "tp2.jsonl")]
+    assert max(abs(x - y) for r, s in zip(a, b) for x, y in zip(r["logprobs"], s["logprobs"])) < 1e-5
+
+    # Resume the same run at DP=2 (optimizer state resharded): the trajectory continues.
+    os.makedirs(os.path.join(tmp_path, "dp2", "checkpoints"))
+    for item in ("step_0000006",):
+        subprocess.run(["cp", "-r", ckpt, os.path.join(tmp_path, "dp2", "checkpoints", item)],
+                       check=True)
+    open(os.path.join(tmp_path, "dp2", "checkpoints", "latest"), "w").write("step_0000006")
+    proc = torchrun(sft_args(task, tmp_path, "dp2", "train.max_steps=12", *common), 2)
+    assert "re-seeded: layout changed" in proc.stdout
+    dp2 = losses(tmp_path, "dp2")
+    for step in range(7, 13):
+        assert abs(dp2[step] - unbroken[step]) < 2e-4, (step, dp2[step], unbroken[step])
+
+
+def test_crash_during_save_keeps_previous_checkpoint(task, tmp_path):
+    args = sft_args(task, tmp_path, "crash", "train.max_steps=8", "checkpoint.save_interval=4")
+    # Killed mid-save, like a job whose node dies: the checkpoint writer's helper processes
+    # (multiprocessing manager) are killed with it, as a scheduler kills the job's group.
+    with open(tmp_path / "crash.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "megarlhf.cli", *args], cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ,
+                                     "MEGARLHF_FAULT_INJECT": "save_before_commit:2"})
+        returncode = proc.wait(timeout=600)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    assert returncode == 137, open(tmp_path / "crash.log").read()[-3000:]
+    ckpts = os.path.join(tmp_path, "crash", "checkpoints")
+    assert open(os.path.join(ckpts, "latest")).read() == "step_0000004"
+    assert os.path.isdir(os.path.join(ckpts, ".tmp-step_0000008"))
+    assert not os.path.exists(os.path.join(ckpts, "step_0000008"))
+    # The surviving checkpoint loads, and the run resumes from it and finishes.
+    proc = run_cli(*args)
+    assert "resumed step_0000004" in proc.stdout
+    assert open(os.path.join(ckpts, "latest")).read() == "step_0000008"
+    assert not [d for d in os.listdir(ckpts) if d.startswith(".tmp")]
+
+
+def test_stage_input_errors(task, tmp_path):
+    proc = run_cli(*sft_args(task, tmp_path, "bad", "train.global_batch_size=15"), check=False)
+    assert proc.returncode == 2
+    assert "train.global_batch_size per data-parallel rank (15) is not divisible by " \
+           "train.micro_batch_size (4)" in proc.stderr
+    proc = run_cli(*sft_args(task, tmp_path, "bad", f"data.train_path={task['prefs']}"),
+                   check=False)
+    assert proc.returncode == 2 and "has no column 'response'" in proc.stderr
+    proc = run_cli("rm", "configs/rm_tiny.yaml", f"tokenizer.path={task['tokenizer']}",
+                   f"data.train_path={task['prefs']}", "train.global_batch_size=4096",
+                   check=False)
+    assert proc.returncode == 2 and "fewer than one global batch" in proc.stderr
