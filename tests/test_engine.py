@@ -37,6 +37,9 @@ def test_sft_loss_falls(task, tmp_path):
                              "train.eval_interval=20"))
     evals = losses(tmp_path, "sft", "eval/loss")
     assert evals[0] - evals[40] > 0.4, evals
+    lr = losses(tmp_path, "sft", "train/lr")  # 5 warm-up steps to 3e-3, cosine to 3e-4
+    assert lr[1] < lr[2] < lr[5] and abs(lr[5] - 3e-3) < 1e-9
+    assert lr[5] > lr[20] > lr[40] >= 3e-4
     assert "[sft] done" in proc.stdout
     assert os.path.exists(os.path.join(tmp_path, "sft", "tensorboard"))
     ckpts = os.path.join(tmp_path, "sft", "checkpoints")
@@ -45,17 +48,29 @@ def test_sft_loss_falls(task, tmp_path):
         "step_0000020", "step_0000040"]
 
 
+TWO_PROC_COMMON = ("train.max_steps=8", "checkpoint.save_interval=0", "data.packing=true",
+                   "model.num_layers=4")
+
+
+@pytest.fixture(scope="module")
+def one_process_ref(task, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref")
+    run_cli(*sft_args(task, out, "ref", *TWO_PROC_COMMON))
+    return losses(out, "ref")
+
+
 @pytest.mark.parametrize("name, extra", [
     ("dp2", []),
     ("pp2", ["parallel.pipeline_model_parallel_size=2"]),
     ("tp2", ["parallel.tensor_model_parallel_size=2", "optimizer.use_distributed_optimizer=false"]),
+    ("vpp2", ["parallel.pipeline_model_parallel_size=2",
+              "parallel.virtual_pipeline_model_parallel_size=2"]),
 ])
-def test_sft_two_processes_match_one(task, tmp_path, name, extra):
-    """DP=2 (distributed optimizer), PP=2 (1F1B) and TP=2 reproduce the 1-process losses."""
-    common = ("train.max_steps=8", "checkpoint.save_interval=0", "data.packing=true")
-    run_cli(*sft_args(task, tmp_path, "ref", *common))
-    torchrun(sft_args(task, tmp_path, name, *common, *extra), 2)
-    ref, got = losses(tmp_path, "ref"), losses(tmp_path, name)
+def test_sft_two_processes_match_one(task, one_process_ref, tmp_path, name, extra):
+    """DP=2 (distributed optimizer), PP=2 (1F1B), TP=2 and PP=2 x VPP=2 (interleaved 1F1B)
+    reproduce the 1-process losses."""
+    torchrun(sft_args(task, tmp_path, name, *TWO_PROC_COMMON, *extra), 2)
+    ref, got = one_process_ref, losses(tmp_path, name)
     assert sorted(ref) == sorted(got) == list(range(1, 9))
     for step in ref:
         assert abs(ref[step] - got[step]) < 2e-4, (step, ref[step], got[step])
@@ -73,6 +88,23 @@ def test_rm_accuracy_on_separable_preferences(task, tmp_path):
     meta = json.load(open(os.path.join(ckpts, latest, "megarlhf_meta.json")))
     reward = meta["roles"]["reward"]
     assert reward["kind"] == "value" and reward["score_gain"] > 0
+    # The reward checkpoint scores as a value model (how a critic is initialised from it):
+    # chosen responses outscore rejected ones at their last token.
+    rows = [json.loads(line) for line in open(task["prefs_clean"])][:40]
+    from megarlhf.data.tokenizer import SentencePieceTokenizer
+    tok = SentencePieceTokenizer(task["tokenizer"])
+    seqs = tmp_path / "pairs.jsonl"
+    with open(seqs, "w") as f:
+        for r in rows:
+            for key in ("chosen", "rejected"):
+                ids = tok.encode(r["prompt"], add_bos=True) + tok.encode(r[key], add_eos=True)
+                f.write(json.dumps({"tokens": ids}) + "\n")
+    run_cli("score", "--config", "configs/rm_tiny.yaml", "--input", str(seqs), "--output",
+            str(tmp_path / "values.jsonl"), "--role", "value", f"tokenizer.path={task['tokenizer']}",
+            f"checkpoint.load={ckpts}")
+    values = [json.loads(line)["values"][-1] for line in open(tmp_path / "values.jsonl")]
+    wins = sum(c > r for c, r in zip(values[0::2], values[1::2]))
+    assert wins / len(rows) > 0.85
 
 
 def test_resume_is_bitwise_and_reshardable(task, tmp_path):

@@ -40,6 +40,11 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
         return []
     vpp = len(model_chunks)
     if vpp > 1:
+        # The interleaved schedule needs a multiple of the pipeline size; top up with
+        # copies that carry no loss weight (their outputs are ignored by the callers).
+        pp = model_chunks[0].config.pipeline_model_parallel_size
+        microbatches = list(microbatches) + [weightless(microbatches[-1])] * (
+            -len(microbatches) % pp)
         # Interleaved schedule: one iterator per chunk, each seeing every micro-batch.
         data_iterator: Any = [iter(list(microbatches)) for _ in range(vpp)]
         model: Any = model_chunks
@@ -57,6 +62,14 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
         forward_only=forward_only,
         collect_non_loss_data=collect_non_loss_data,
     )
+
+
+WEIGHT_KEYS = ("loss_mask", "pair_mask", "weight_mask")
+
+
+def weightless(batch: dict) -> dict:
+    """A copy of a micro-batch whose loss weights are all zero."""
+    return {k: torch.zeros_like(v) if k in WEIGHT_KEYS else v for k, v in batch.items()}
 
 
 def chunked(items: list, size: int) -> Iterable[list]:
