@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     # are expected, and the layer spec choice is printed by the stages themselves.
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
     warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")
-    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed.*")
+    warnings.filterwarnings("ignore", module=r"megatron\..*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*The .grad attribute of a Tensor that is not a leaf.*")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh test
-exec .venv/bin/python scripts/layout_demo.py
+exec .venv/bin/python scripts/demo.py
