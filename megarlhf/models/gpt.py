@@ -122,8 +122,12 @@ def build_model(cfg: Config, *, role: str, pg_collection, pre_process: bool,
         raise ValueError("model.vocab_size is unset: set it or configure a tokenizer")
     tp_size, pp_size = pg_collection.tp.size(), pg_collection.pp.size()
     tcfg = transformer_config(cfg, tp_size=tp_size, pp_size=pp_size, vpp_size=vpp_size)
+    # One padded size for every layout of this config (training TP, rollout TP), so that
+    # resharding between them maps tensors of equal global shape.
+    vocab_tp = math.lcm(tp_size, cfg.parallel.tensor_model_parallel_size,
+                        cfg.rollout.tensor_parallel_size)
     vocab = padded_vocab_size(model_cfg.vocab_size, cfg.parallel.make_vocab_size_divisible_by,
-                              tp_size)
+                              vocab_tp)
     model = GPTModel(
         config=tcfg,
         transformer_layer_spec=layer_spec(model_cfg),

@@ -1,0 +1,145 @@
+"""Batched, KV-cached sampling on a megatron ``GPTModel`` (inference layout, no PP).
+
+Our own loop over megatron's ``StaticInferenceContext`` (megatron's engines need CUDA
+events); it runs on CPU and GPU alike. Prompts are left-padded so every response starts at
+the same column; pad positions are masked out of attention and position ids count real
+tokens only. The returned log-probs are those of the sampled tokens under
+softmax(logits / temperature) - before top-k/top-p filtering - which is what the training
+side recomputes, so the two can be compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.inference.contexts import StaticInferenceContext
+
+_NEG = -1e30
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # ends a response (EOS is added when stop_at_eos)
+
+
+@dataclass
+class Generation:
+    """(B, P) left-padded prompts and (B, T) right-padded responses."""
+
+    prompt_tokens_BP: torch.Tensor
+    prompt_mask_BP: torch.Tensor
+    response_tokens_BT: torch.Tensor
+    response_mask_BT: torch.Tensor  # 1 on generated tokens (stop token included)
+    logprobs_BT: torch.Tensor  # of the sampled tokens under softmax(logits / temperature)
+    finished_B: torch.Tensor  # ended with a stop token
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    P = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), P, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        tokens[i, P - len(p):] = torch.tensor(p)
+        mask[i, P - len(p):] = 1
+    return tokens, mask
+
+
+def filter_logits(logits_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Keep the ``top_k`` largest logits and the smallest set whose probability reaches
+    ``top_p`` (the most likely token always survives); the rest get a large negative."""
+    out = logits_BV
+    if top_k and top_k < out.shape[-1]:
+        kth = torch.topk(out, top_k, dim=-1).values[..., -1:]
+        out = out.masked_fill(out < kth, _NEG)
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(out, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        out = out.masked_fill(drop, _NEG)
+    return out
+
+
+def _attention_blocked(key_mask_BK: torch.Tensor, num_queries: int) -> torch.Tensor:
+    """(B, 1, Q, K) bool, True where a query may not look: padding keys, and (for several
+    queries) keys in the future."""
+    B, K = key_mask_BK.shape
+    blocked = (key_mask_BK == 0).view(B, 1, 1, K).expand(B, 1, num_queries, K)
+    if num_queries > 1:
+        causal = torch.ones(num_queries, K, dtype=torch.bool).tril(K - num_queries)
+        blocked = blocked | ~causal.view(1, 1, num_queries, K)
+    return blocked
+
+
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id: int,
+             pad_id: int, true_vocab: int, stop_at_eos: bool = True,
+             generator: torch.Generator | None = None, use_cache: bool = True) -> Generation:
+    """Sample up to ``max_new_tokens`` per prompt. Every TP rank of one replica must pass
+    the same prompts and an identically seeded ``generator``."""
+    prompt_tokens, prompt_mask = left_pad(prompts, pad_id)
+    B, P = prompt_tokens.shape
+    T = params.max_new_tokens
+    stops = set(params.stop_token_ids) | ({eos_id} if stop_at_eos else set())
+    stop_tensor = torch.tensor(sorted(stops), dtype=torch.long)
+    tokens = torch.cat([prompt_tokens, torch.full((B, T), pad_id, dtype=torch.long)], dim=1)
+    key_mask = torch.cat([prompt_mask, torch.zeros(B, T, dtype=torch.long)], dim=1)
+    # Position ids count real tokens only: prompt tokens 0..n-1, then n, n+1, ...
+    positions = torch.cat([(prompt_mask.cumsum(dim=1) - 1).clamp(min=0),
+                           prompt_mask.sum(dim=1, keepdim=True) + torch.arange(T)], dim=1)
+    response = torch.full((B, T), pad_id, dtype=torch.long)
+    response_mask = torch.zeros(B, T, dtype=torch.long)
+    logprobs = torch.zeros(B, T)
+    finished = torch.zeros(B, dtype=torch.bool)
+    ctx = StaticInferenceContext(B, P + T) if use_cache else None
+
+    def last_logits(length: int, new: int) -> torch.Tensor:
+        """Logits at column ``length - 1`` after feeding the last ``new`` columns."""
+        start = length - new
+        inp = tokens[:, start:length].masked_fill(key_mask[:, start:length] == 0, pad_id)
+        pos = positions[:, start:length]
+        blocked = _attention_blocked(key_mask[:, :length], new)
+        if ctx is None:
+            out = model(inp, pos, blocked, runtime_gather_output=True)
+        else:
+            out = model(inp, pos, blocked, inference_context=ctx, runtime_gather_output=True)
+            ctx.sequence_len_offset += new
+            ctx.enable_decode_mode()
+        return out[:, -1, :true_vocab].float()
+
+    logits = last_logits(P, P)
+    for t in range(T):
+        scaled = logits / params.temperature
+        if params.greedy:
+            next_token = scaled.argmax(dim=-1)
+        else:
+            filtered = filter_logits(scaled, params.top_k, params.top_p)
+            next_token = torch.multinomial(torch.softmax(filtered, dim=-1), 1,
+                                           generator=generator).squeeze(-1)
+        token_logprob = torch.log_softmax(scaled, dim=-1).gather(
+            -1, next_token.unsqueeze(-1)).squeeze(-1)
+        active = ~finished
+        next_token = torch.where(active, next_token, torch.full_like(next_token, pad_id))
+        response[:, t] = next_token
+        response_mask[:, t] = active.long()
+        logprobs[:, t] = torch.where(active, token_logprob, torch.zeros_like(token_logprob))
+        finished = finished | (active & torch.isin(next_token, stop_tensor))
+        if finished.all() or t == T - 1:
+            break
+        col = P + t
+        tokens[:, col] = next_token
+        key_mask[:, col] = active.long()
+        if ctx is None:
+            logits = last_logits(col + 1, col + 1)
+        else:
+            logits = last_logits(col + 1, 1)
+    return Generation(prompt_tokens, prompt_mask, response, response_mask, logprobs, finished)
