@@ -395,6 +395,13 @@ class RolloutConfig:
     recompute_logprobs: bool = True
     """Recompute old log-probs with the training-layout actor instead of using the
     sampler's."""
+    reward_fn: str | None = None
+    """Programmatic reward 'package.module:function(prompt_ids, response_ids) -> float' used
+    instead of a reward model; None uses the reward model."""
+    offload_frozen_models: bool = True
+    """Offload reference and reward models between experience phases."""
+    ref_cache_path: str | None = None
+    """Reuse / write reference log-probs keyed by token sequence at this path."""
 
     def __post_init__(self):
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size",

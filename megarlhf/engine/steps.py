@@ -97,3 +97,29 @@ def sum_logs(logs: list[dict], key: str, size: int, layout) -> list[float]:
     if dist.is_initialized():
         dist.all_reduce(total)
     return total.tolist()
+
+
+def make_sequence_step(kind: str, *, prompt_len: int, tp_group=None, true_vocab: int = 0,
+                       temperature: float = 1.0):
+    """Forward-only step over prompt+response batches (prompts left-padded to
+    ``prompt_len``): per response token, log-probs and entropy (``lm``) or the values of the
+    states before each token and the value at ``last_index`` (``value``)."""
+    P = prompt_len
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model_forward(model, batch)
+
+        def loss_func(out, non_loss_data=True):
+            if kind == "value":
+                rows = torch.arange(out.shape[0])
+                return {"values": out[:, P - 1:-1, 0].float(),
+                        "last": out[rows, batch["last_index"], 0].float()}
+            logprobs_BT, entropy_BT = vocab_parallel_logprobs(
+                out[:, P - 1:-1], batch["tokens"][:, P:], tp_group=tp_group,
+                temperature=temperature, true_vocab=true_vocab)
+            return {"logprobs": logprobs_BT, "entropy": entropy_BT}
+
+        return output, loss_func
+
+    return forward_step

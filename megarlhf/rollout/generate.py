@@ -83,9 +83,14 @@ def _attention_blocked(key_mask_BK: torch.Tensor, num_queries: int) -> torch.Ten
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id: int,
              pad_id: int, true_vocab: int, stop_at_eos: bool = True,
-             generator: torch.Generator | None = None, use_cache: bool = True) -> Generation:
+             generator: torch.Generator | None = None, row_seeds: list[int] | None = None,
+             use_cache: bool = True) -> Generation:
     """Sample up to ``max_new_tokens`` per prompt. Every TP rank of one replica must pass
-    the same prompts and an identically seeded ``generator``."""
+    the same prompts and an identically seeded ``generator``.
+
+    With ``row_seeds`` each row samples by the Gumbel-max trick from its own generator, so
+    a prompt's response depends on its seed only - not on which replica, batch or layout
+    generated it (PPO runs at different layouts then see the same samples)."""
     prompt_tokens, prompt_mask = left_pad(prompts, pad_id)
     B, P = prompt_tokens.shape
     T = params.max_new_tokens
@@ -101,6 +106,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     logprobs = torch.zeros(B, T)
     finished = torch.zeros(B, dtype=torch.bool)
     ctx = StaticInferenceContext(B, P + T) if use_cache else None
+    row_gens = [torch.Generator().manual_seed(int(s)) for s in row_seeds] if row_seeds else None
 
     def last_logits(length: int, new: int) -> torch.Tensor:
         """Logits at column ``length - 1`` after feeding the last ``new`` columns."""
@@ -123,8 +129,14 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
             next_token = scaled.argmax(dim=-1)
         else:
             filtered = filter_logits(scaled, params.top_k, params.top_p)
-            next_token = torch.multinomial(torch.softmax(filtered, dim=-1), 1,
-                                           generator=generator).squeeze(-1)
+            if row_gens is not None:
+                uniform = torch.stack([torch.rand(filtered.shape[-1], generator=g)
+                                       for g in row_gens])
+                gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1.0 - 1e-7)))
+                next_token = (filtered + gumbel).argmax(dim=-1)
+            else:
+                next_token = torch.multinomial(torch.softmax(filtered, dim=-1), 1,
+                                               generator=generator).squeeze(-1)
         token_logprob = torch.log_softmax(scaled, dim=-1).gather(
             -1, next_token.unsqueeze(-1)).squeeze(-1)
         active = ~finished

@@ -1,0 +1,83 @@
+"""Experience making: one call from prompts to an Experience batch, at 1 and 2 processes
+and several training/inference layout pairs; offloading on and off; the log-prob cache."""
+
+import os
+
+import pytest
+import torch
+
+from conftest import WORKERS, torchrun
+from megarlhf.rollout.experience import SequenceCache, load_reward_fn
+
+pytestmark = pytest.mark.slow
+FIELDS = ["response_tokens_BT", "response_mask_BT", "rollout_logprobs_BT", "old_logprobs_BT",
+          "ref_logprobs_BT", "values_BT", "scores_B", "kl_BT", "rewards_BT", "advantages_BT",
+          "returns_BT"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("experience"))
+    worker = os.path.join(WORKERS, "experience_paths.py")
+    torchrun(worker, 1, out)
+    torchrun(worker, 2, out)
+    return (torch.load(os.path.join(out, "experience_world1.pt"), weights_only=False),
+            torch.load(os.path.join(out, "experience_world2.pt"), weights_only=False))
+
+
+def single(results, offload=True):
+    return results[0]["single"][offload]["experience"][0][3]
+
+
+def test_offloading_does_not_change_experience(results):
+    on, off = single(results, True), single(results, False)
+    for name in FIELDS:
+        assert torch.equal(on[name], off[name]), name
+    assert on["scores_B"].std() > 0 and on["advantages_BT"].abs().sum() > 0
+
+
+def test_cache_hits_return_stored_values(results):
+    run = results[0]["single"][True]
+    assert run["metrics"]["rollout/ref_cache_hit_rate"] == 0.0
+    assert run["metrics2"]["rollout/ref_cache_hit_rate"] == 0.5  # second call: all hits
+    assert run["ref_equal_on_hit"]
+
+
+@pytest.mark.parametrize("case", ["tp2_rollout_tp1x2", "pp2_rollout_tp2"])
+def test_experience_same_at_other_layouts(results, case):
+    ref = single(results)
+    rows = {dp: full for dp, tp, pp, full in results[1][case][True]["experience"]
+            if tp == 0 and pp == 0}
+    for name in FIELDS:
+        got = torch.cat([rows[i][name] for i in sorted(rows)])
+        assert torch.allclose(got.float(), ref[name].float(), atol=1e-5), name
+    metrics = results[1][case][True]["metrics"]
+    assert metrics["rollout/logprob_diff_max"] < 1e-5 and metrics["perf/reshard_bytes"] > 0
+    assert metrics["rollout/response_len_mean"] > 0
+
+
+def test_metrics_present(results):
+    metrics = results[0]["single"][True]["metrics"]
+    for key in ("timing/reshard", "perf/reshard_bytes", "timing/rollout", "timing/experience",
+                "rollout/logprob_diff_mean", "rollout/logprob_diff_max", "objective/score",
+                "objective/kl", "rollout/response_len_mean", "rollout/eos_fraction"):
+        assert key in metrics, key
+
+
+def test_sequence_cache_disk_round_trip(tmp_path):
+    cache = SequenceCache()
+    cache.put([1, 2, 3], torch.tensor([-0.5, -1.25]))
+    assert cache.get([1, 2, 4]) is None
+    path = str(tmp_path / "ref_logprobs.pt")
+    cache.save(path)
+    loaded = SequenceCache(path)
+    assert torch.equal(loaded.get([1, 2, 3]), torch.tensor([-0.5, -1.25]))
+    assert loaded.hit_rate == 1.0
+
+
+def test_reward_fn_import_errors():
+    assert load_reward_fn("megarlhf.data.synthetic:gold_reward")("red blue") > 0
+    with pytest.raises(ValueError, match="must look like"):
+        load_reward_fn("megarlhf.data.synthetic.gold_reward")
+    with pytest.raises(ValueError, match="cannot import reward function"):
+        load_reward_fn("megarlhf.data.synthetic:nope")

@@ -1,0 +1,80 @@
+"""One experience call from prompts at several layouts, offloading on and off, and the
+reference log-prob cache. Results -> OUT/experience_world{N}.pt on rank 0."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import make_config, start  # noqa: E402
+
+from megarlhf.engine.schedule import build_model_chunks  # noqa: E402
+from megarlhf.models.gpt import init_weights  # noqa: E402
+from megarlhf.rollout.experience import ExperienceMaker, RewardSource, SequenceCache  # noqa: E402
+from megarlhf.rollout.reshard import build_inference_model, inference_layout  # noqa: E402
+
+PROMPTS = [[5, 17, 42, 8], [9, 3], [100, 101, 102, 103, 104, 105], [7], [11, 12, 13],
+           [200, 3], [4, 4, 4, 4, 4], [60]]
+
+
+def build(cfg, layout, kind, seed_offset=0):
+    chunks = build_model_chunks(cfg, layout, kind)
+    local = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, seed=cfg.run.seed + seed_offset))
+    for c in chunks:
+        init_weights(c, local)
+    return chunks
+
+
+def case(name, tp, pp, rollout_tp, results, offload_variants=(True,)):
+    cfg = make_config("llama", tp, pp, extra=(
+        f"rollout.tensor_parallel_size={rollout_tp}", "rollout.max_new_tokens=6",
+        "rollout.temperature=0.9", "rollout.top_k=40", "model.value_head_init=normal",
+        "ppo.init_kl_coef=0.1", "rollout.recompute_logprobs=true",
+        "ppo.missing_stop_penalty=null"))
+    layout = start(cfg)
+    actor = build(cfg, layout, "lm")
+    reference = build(cfg, layout, "lm", seed_offset=1)
+    critic = build(cfg, layout, "value", seed_offset=2)
+    reward = build(cfg, layout, "value", seed_offset=3)
+    inf_layout = inference_layout(rollout_tp)
+    inf_model = build_inference_model(cfg, inf_layout)
+    out = {}
+    for offload in offload_variants:
+        maker = ExperienceMaker(cfg, layout, inf_layout, actor, inf_model, reference,
+                                RewardSource(chunks=reward, gain=0.5, bias=0.1), critic,
+                                eos_id=2, pad_id=0, offload=offload, micro_batch_size=2,
+                                ref_cache=SequenceCache())
+        exp, gen, metrics = maker.make(PROMPTS, seed=5, kl_coef=0.1)
+        assert maker.ref_offloader.offloaded == offload
+        exp2, _, metrics2 = maker.make(PROMPTS, seed=5, kl_coef=0.1)  # same samples: all hits
+        full = {f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (layout.dp_rank, layout.tp_rank, layout.pp_rank, full))
+        out[offload] = {"experience": gathered, "metrics": metrics, "metrics2": metrics2,
+                        "ref_equal_on_hit": torch.equal(exp.ref_logprobs_BT, exp2.ref_logprobs_BT),
+                        "generation": gen}
+        maker.restore_frozen_models()
+    results[name] = out
+
+
+def main():
+    out_dir = sys.argv[1]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    results = {}
+    if world == 1:
+        case("single", 1, 1, 1, results, offload_variants=(True, False))
+    else:
+        case("tp2_rollout_tp1x2", 2, 1, 1, results)
+        case("pp2_rollout_tp2", 1, 2, 2, results)
+    if dist.get_rank() == 0:
+        torch.save(results, os.path.join(out_dir, f"experience_world{world}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
