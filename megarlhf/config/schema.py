@@ -391,7 +391,7 @@ class RolloutConfig:
     stop_at_eos: bool = True
     """Stop a sequence at EOS; false keeps sampling to max_new_tokens (OpenAI's first code)."""
     min_response_tokens: int = 0
-    """Drop responses shorter than this (DeepSpeed-Chat drops <= 1)."""
+    """Responses shorter than this get no trainable tokens (DeepSpeed-Chat drops <= 1)."""
     recompute_logprobs: bool = True
     """Recompute old log-probs with the training-layout actor instead of using the
     sampler's."""

@@ -272,6 +272,10 @@ class ExperienceMaker:
         t1 = time.perf_counter()
         rows = _rank_rows(len(prompts), self.layout)
         mask = gen.response_mask_BT[rows].float()
+        # DeepSpeed-Chat drops responses of <= 1 token; here they stay in the batch (fixed
+        # batch arithmetic) with no trainable tokens.
+        short = mask.sum(dim=1) < self.cfg.rollout.min_response_tokens
+        mask[short] = 0.0
         responses, mask_trunc, has_stop = algos.truncate_after_stop(
             gen.response_tokens_BT[rows], mask, sorted(set(self.cfg.rollout.stop_token_ids)
                                                        | {self.eos_id}), self.pad_id)
@@ -311,7 +315,8 @@ class ExperienceMaker:
             advantages_BT=advantages, returns_BT=returns)
         gap = (rollout_lp - old_lp).abs() * mask
         sums = torch.tensor([gap.sum(), mask.sum(), float(gap.max()), scores.sum(),
-                             len(rows), kl.sum(), float(has_stop.sum())], dtype=torch.float64)
+                             len(rows), kl.sum(), float(has_stop.sum()), float(short.sum())],
+                            dtype=torch.float64)
         maxes = sums[2:3].clone()
         if dist.is_initialized():
             dist.all_reduce(sums)
@@ -323,6 +328,7 @@ class ExperienceMaker:
             "rollout/logprob_diff_max": float(maxes[0]),
             "rollout/response_len_mean": float(n_tokens / n_rows),
             "rollout/eos_fraction": float(sums[6] / tp_pp / n_rows),
+            "rollout/short_responses_masked": float(sums[7] / tp_pp),
             "objective/score": float(sums[3] / tp_pp / n_rows),
             "objective/kl": float(sums[5] / tp_pp / n_rows),
             "rollout/ref_cache_hit_rate": self.ref_cache.hit_rate if self.ref_cache else 0.0,
