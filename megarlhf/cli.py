@@ -75,6 +75,23 @@ def cmd_rm(args) -> int:
     return 0
 
 
+def cmd_ppo(args) -> int:
+    from megarlhf.stages.ppo import run_ppo
+
+    cfg = _resolve(args)
+    _needs_tokenizer(cfg, args)
+    run_ppo(cfg, args.tokenizer)
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from megarlhf.stages.plot import plot_run
+
+    for path in plot_run(args.run_dir):
+        print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarlhf", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,11 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     score.set_defaults(func=cmd_score)
 
     for name, func, text in [("sft", cmd_sft, "supervised fine-tuning (response tokens only)"),
-                             ("rm", cmd_rm, "reward model: pairwise Bradley-Terry loss")]:
+                             ("rm", cmd_rm, "reward model: pairwise Bradley-Terry loss"),
+                             ("ppo", cmd_ppo, "PPO with reward model and critic")]:
         stage = sub.add_parser(name, help=text)
         stage.add_argument("config", help="YAML config")
         stage.add_argument("overrides", nargs="*", help="key.sub=value overrides")
         stage.set_defaults(func=func)
+    plot = sub.add_parser("plot", help="PNG curves from a run's metrics.jsonl")
+    plot.add_argument("run_dir")
+    plot.set_defaults(func=cmd_plot)
     return parser
 
 
@@ -130,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megarlhf: error: {err}", file=sys.stderr)
         return 2
     finally:
-        if args.command not in ("config",):
+        if args.command not in ("config", "plot"):
             from megarlhf.parallel.launch import shutdown
             shutdown()
 

@@ -349,6 +349,19 @@ class PPOConfig:
     """Responses per prompt (GRPO/RLOO)."""
     advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = "gae"
     """GAE with a critic, or a critic-free group/global baseline."""
+    sft_checkpoint: str | None = None
+    """Checkpoint the actor and the reference model start from (an SFT run's folder)."""
+    reward_checkpoint: str | None = None
+    """Reward-model checkpoint (also the critic's start); None needs rollout.reward_fn."""
+    critic_init: Literal["reward", "sft", "random"] = "reward"
+    """Critic trunk from the reward model (InstructGPT), the SFT model, or random."""
+    gold_reward_fn: str | None = None
+    """Evaluation-only reward 'module:function(prompt, response) -> float' on held-out
+    prompts (known gold reward of synthetic tasks)."""
+    eval_interval: int = 5
+    """Evaluate on held-out prompts every N iterations (and before the first and at the end)."""
+    num_eval_prompts: int = 64
+    """Held-out prompts per evaluation."""
 
     def __post_init__(self):
         for name in ("rollout_batch_size", "mini_batch_size", "micro_batch_size",

@@ -96,4 +96,11 @@ def write_task(folder: str, seed: int = 0, num_sft: int = 512, num_pairs: int = 
                                    preference_rows(rng, num_pairs, 0.0, min_margin=0.9)),
         "prompts": write_jsonl(os.path.join(folder, "prompts.jsonl"),
                                [{"prompt": make_prompt(rng)} for _ in range(256)]),
+        "eval_prompts": write_jsonl(os.path.join(folder, "eval_prompts.jsonl"),
+                                    [{"prompt": make_prompt(rng)} for _ in range(64)]),
     }
+
+
+def gold_reward_pair(prompt: str, response: str) -> float:
+    """The gold reward in the (prompt, response) form PPO's evaluation calls."""
+    return gold_reward(response)

@@ -123,3 +123,61 @@ def make_sequence_step(kind: str, *, prompt_len: int, tp_group=None, true_vocab:
         return output, loss_func
 
     return forward_step
+
+
+def make_policy_step(*, prompt_len: int, tp_group, true_vocab: int, temperature: float,
+                     clip_eps: float, dual_clip: float | None, agg: str,
+                     entropy_coef: float):
+    """Clipped PPO policy loss (+ entropy bonus) on experience micro-batches."""
+    from megarlhf.algos import entropy_bonus, policy_loss
+
+    P = prompt_len
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model_forward(model, batch)
+
+        def loss_func(logits, non_loss_data=False):
+            logprobs_BT, entropy_BT = vocab_parallel_logprobs(
+                logits[:, P - 1:-1], batch["tokens"][:, P:], tp_group=tp_group,
+                temperature=temperature, true_vocab=true_vocab)
+            mask = batch["response_mask"]
+            total, count, stats = policy_loss(logprobs_BT, batch["old_logprobs"],
+                                              batch["advantages"], mask, clip_eps, dual_clip,
+                                              agg)
+            if entropy_coef:
+                ent_total, _ = entropy_bonus(entropy_BT, mask, entropy_coef, agg)
+                total = total + ent_total
+            n = mask.sum()
+            logs = {"policy": torch.stack([
+                total.detach(), count, stats["clipfrac"] * n, stats["approxkl"] * n,
+                (entropy_BT.detach() * mask).sum(), n])}
+            return total, count.to(torch.int), logs
+
+        return output, loss_func
+
+    return forward_step
+
+
+def make_value_step(*, prompt_len: int, cliprange_value: float | None, agg: str):
+    """Clipped value loss on experience micro-batches."""
+    from megarlhf.algos import value_loss
+
+    P = prompt_len
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model_forward(model, batch)
+
+        def loss_func(values_BS1, non_loss_data=False):
+            values_BT = values_BS1[:, P - 1:-1, 0].float()
+            mask = batch["response_mask"]
+            total, count, stats = value_loss(values_BT, batch["old_values"], batch["returns"],
+                                             mask, cliprange_value, agg)
+            n = mask.sum()
+            logs = {"value": torch.stack([total.detach(), count, stats["clipfrac"] * n, n])}
+            return total, count.to(torch.int), logs
+
+        return output, loss_func
+
+    return forward_step

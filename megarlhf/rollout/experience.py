@@ -140,12 +140,13 @@ def sequence_batches(gen: Generation, rows: list[int], micro_batch_size: int,
 @dataclass
 class RewardSource:
     """A reward model (frozen value-model chunks with its normalisation) or a
-    programmatic reward ``fn(prompt_tokens, response_tokens) -> float`` by import path."""
+    programmatic reward ``fn(prompt_text, response_text) -> float`` by import path."""
 
     chunks: list | None = None
     gain: float = 1.0
     bias: float = 0.0
     fn: Callable | None = None
+    decode: Callable | None = None  # token ids -> text, for ``fn``
 
 
 def load_reward_fn(path: str) -> Callable:
@@ -253,10 +254,8 @@ class ExperienceMaker:
 
     def _scores(self, gen: Generation, rows: list[int]) -> torch.Tensor:
         if self.reward.fn is not None:
-            return torch.tensor([float(self.reward.fn(
-                gen.prompt_tokens_BP[r][gen.prompt_mask_BP[r] == 1].tolist(),
-                gen.response_tokens_BT[r][gen.response_mask_BT[r] == 1].tolist()))
-                for r in rows])
+            return torch.tensor([float(self.reward.fn(*decode_sample(gen, r, self.reward.decode)))
+                                 for r in rows])
         self.rm_offloader.reload()
         scored = self._score(self.reward.chunks, "value", gen, rows)
         self.rm_offloader.offload()
@@ -303,8 +302,18 @@ class ExperienceMaker:
             rewards = algos.masked_whiten(rewards, mask, shift_mean=False,
                                           unbiased=ppo.whiten_unbiased,
                                           reduce_fn=reduce_fn) * mask
-        advantages, returns = algos.gae(rewards, values, mask, ppo.gamma, ppo.lam)
-        if ppo.whiten_advantages:
+        if ppo.advantage_estimator == "gae":
+            advantages, returns = algos.gae(rewards, values, mask, ppo.gamma, ppo.lam)
+        elif ppo.advantage_estimator == "reinforce_pp":
+            advantages = algos.reinforce_pp_advantages(rewards, mask, ppo.gamma,
+                                                       ppo.whiten_unbiased, reduce_fn)
+            returns = advantages.clone()
+        else:  # group baselines on the sequence score; samples of a prompt are adjacent
+            group_fn = algos.grpo_advantages if ppo.advantage_estimator == "grpo" \
+                else algos.rloo_advantages
+            advantages = algos.broadcast_to_tokens(group_fn(scores, ppo.group_size), mask)
+            returns = advantages.clone()
+        if ppo.whiten_advantages and ppo.advantage_estimator in ("gae", "rloo"):
             advantages = algos.masked_whiten(advantages, mask, unbiased=ppo.whiten_unbiased,
                                              reduce_fn=reduce_fn) * mask
         exp = algos.Experience(
@@ -335,6 +344,15 @@ class ExperienceMaker:
             "timing/experience": time.perf_counter() - t1,
         })
         return exp, gen, metrics
+
+
+def decode_sample(gen: Generation, row: int, decode: Callable) -> tuple[str, str]:
+    """(prompt text, response text without the stop token)."""
+    prompt = gen.prompt_tokens_BP[row][gen.prompt_mask_BP[row] == 1].tolist()
+    response = gen.response_tokens_BT[row][gen.response_mask_BT[row] == 1].tolist()
+    if response and bool(gen.finished_B[row]):
+        response = response[:-1]
+    return decode(prompt), decode(response)
 
 
 def gen_sequence(gen: Generation, row: int) -> list[int]:
