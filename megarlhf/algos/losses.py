@@ -57,6 +57,14 @@ def _ratio_stats(log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Tenso
     return stats
 
 
+def _clipped_surrogate(log_ratio, advantages_BT, clip_eps):
+    """max(-A r, -A clip(r)), and whether the clipped branch was taken."""
+    ratio = torch.exp(log_ratio)
+    surr1 = -advantages_BT * ratio
+    surr2 = -advantages_BT * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    return ratio, torch.max(surr1, surr2), surr2 > surr1
+
+
 def policy_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor,
                 advantages_BT: torch.Tensor, mask_BT: torch.Tensor, clip_eps: float = 0.2,
                 dual_clip: float | None = None, agg: str = "token_mean"):
@@ -66,11 +74,8 @@ def policy_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor,
     huge ratio on a bad action cannot dominate. Returns (total, count, stats)."""
     mask = mask_BT.to(logprobs_BT.dtype)
     log_ratio = logprobs_BT - old_logprobs_BT
-    ratio = torch.exp(log_ratio)
-    surr1 = -advantages_BT * ratio
-    surr2 = -advantages_BT * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
-    loss = torch.max(surr1, surr2)
-    stats = {"clipfrac": masked_mean((surr2 > surr1).to(mask.dtype), mask)}
+    ratio, loss, clipped = _clipped_surrogate(log_ratio, advantages_BT, clip_eps)
+    stats = {"clipfrac": masked_mean(clipped.to(mask.dtype), mask)}
     if dual_clip is not None:
         if dual_clip <= 1.0:
             raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
@@ -94,17 +99,14 @@ def decoupled_policy_loss(logprobs_BT: torch.Tensor, proximal_logprobs_BT: torch
     exceeds ``behavior_weight_cap`` are dropped from the loss (weight 0), as in AReaL."""
     mask = mask_BT.to(logprobs_BT.dtype)
     log_ratio = logprobs_BT - proximal_logprobs_BT
-    ratio = torch.exp(log_ratio)
-    surr1 = -advantages_BT * ratio
-    surr2 = -advantages_BT * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
-    loss = torch.max(surr1, surr2)
+    ratio, loss, clipped = _clipped_surrogate(log_ratio, advantages_BT, clip_eps)
     behavior_weight = torch.exp(proximal_logprobs_BT - behavior_logprobs_BT).detach()
     kept = mask.bool()
     if behavior_weight_cap is not None:
         kept = kept & (behavior_weight <= behavior_weight_cap)
     behavior_weight = torch.where(kept, behavior_weight, torch.zeros_like(behavior_weight))
     loss = loss * behavior_weight
-    stats = {"clipfrac": masked_mean((surr2 > surr1).to(mask.dtype), mask),
+    stats = {"clipfrac": masked_mean(clipped.to(mask.dtype), mask),
              "behavior_weight_mean": masked_mean(behavior_weight, kept.to(mask.dtype)),
              "behavior_capped_frac": masked_mean((mask.bool() & ~kept).to(mask.dtype), mask)}
     stats.update(_ratio_stats(log_ratio.detach(), ratio.detach(), mask))

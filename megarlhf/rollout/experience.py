@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megarlhf import algos
 from megarlhf.config import Config
+from megarlhf.data.batching import prompt_response_batch
 from megarlhf.engine.schedule import forward_only
 from megarlhf.engine.steps import make_sequence_step
 from megarlhf.parallel.launch import ParallelLayout
@@ -117,21 +118,11 @@ def sequence_batches(gen: Generation, rows: list[int], micro_batch_size: int,
     counting real tokens), topped up to full micro-batches with copies of row 0."""
     rows = rows + [rows[0]] * (-len(rows) % micro_batch_size)
     out = []
-    P = gen.prompt_tokens_BP.shape[1]
     for start in range(0, len(rows), micro_batch_size):
         idx = torch.tensor(rows[start:start + micro_batch_size])
-        tokens = torch.cat([gen.prompt_tokens_BP[idx], gen.response_tokens_BT[idx]], dim=1)
-        mask = torch.cat([gen.prompt_mask_BP[idx], gen.response_mask_BT[idx]], dim=1)
-        S = tokens.shape[1]
-        causal = torch.ones(S, S, dtype=torch.bool).tril()
-        allowed = causal.view(1, 1, S, S) & (mask == 1).view(-1, 1, 1, S)
-        lengths = gen.response_mask_BT[idx].sum(dim=1)
-        out.append({
-            "tokens": tokens.masked_fill(mask == 0, pad_id),
-            "position_ids": (mask.cumsum(dim=1) - 1).clamp(min=0),
-            "attention_mask": ~allowed,
-            "last_index": (P + lengths - 1).clamp(min=P - 1),
-        })
+        out.append(prompt_response_batch(gen.prompt_tokens_BP[idx], gen.prompt_mask_BP[idx],
+                                         gen.response_tokens_BT[idx],
+                                         gen.response_mask_BT[idx], pad_id))
     return out
 
 

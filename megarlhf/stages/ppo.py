@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megarlhf import algos
 from megarlhf.config import Config
+from megarlhf.data.batching import prompt_response_batch
 from megarlhf.data.datasets import tokenize_dataset
 from megarlhf.engine.checkpoint import LATEST_FILE, RoleState, load_checkpoint, read_meta, \
     save_checkpoint, checkpoint_role
@@ -68,17 +69,12 @@ def _trained(cfg, layout, kind, lr, total, init_path, role_hint):
 def experience_batches(exp: algos.Experience, micro: int, pad_id: int) -> list[dict]:
     out = []
     for mb in exp.micro_batches(micro):
-        tokens = torch.cat([mb.prompt_tokens_BP, mb.response_tokens_BT], dim=1)
-        mask = torch.cat([mb.prompt_mask_BP, mb.response_mask_BT.long()], dim=1)
-        S = tokens.shape[1]
-        allowed = torch.ones(S, S, dtype=torch.bool).tril().view(1, 1, S, S) \
-            & (mask == 1).view(-1, 1, 1, S)
-        out.append({"tokens": tokens.masked_fill(mask == 0, pad_id),
-                    "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
-                    "attention_mask": ~allowed,
-                    "response_mask": mb.response_mask_BT.float(),
-                    "old_logprobs": mb.old_logprobs_BT, "advantages": mb.advantages_BT,
-                    "old_values": mb.values_BT, "returns": mb.returns_BT})
+        batch = prompt_response_batch(mb.prompt_tokens_BP, mb.prompt_mask_BP,
+                                      mb.response_tokens_BT, mb.response_mask_BT, pad_id)
+        batch.update({"response_mask": mb.response_mask_BT.float(),
+                      "old_logprobs": mb.old_logprobs_BT, "advantages": mb.advantages_BT,
+                      "old_values": mb.values_BT, "returns": mb.returns_BT})
+        out.append(batch)
     return out
 
 
@@ -90,6 +86,13 @@ def run_ppo(cfg: Config, tokenizer) -> dict:
         raise ValueError("ppo.sft_checkpoint is required (the actor and reference start there)")
     if ppo.reward_checkpoint is None and r.reward_fn is None:
         raise ValueError("set ppo.reward_checkpoint or rollout.reward_fn")
+    if ppo.ptx_coef > 0:
+        raise ValueError("ppo.ptx_coef > 0: PPO-ptx is available as algos.ppo_ptx_objective but "
+                         "not wired into `megarlhf ppo` yet; set ppo.ptx_coef=0")
+    if cfg.model.hidden_dropout or cfg.model.attention_dropout:
+        # Dropout makes the ratio's numerator and denominator come from different networks.
+        print0("[ppo] dropout is turned off for RL (model.hidden_dropout/attention_dropout)")
+        cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
     prompts_ds = tokenize_dataset(cfg.data.train_path, "prompt", cfg.data, tokenizer)
     eval_ds = tokenize_dataset(cfg.data.eval_path, "prompt", cfg.data, tokenizer) \
         if cfg.data.eval_path else None
