@@ -1,6 +1,7 @@
 """Typed configuration: the dataclass tree, YAML loading and layout validation."""
 
-from megarlhf.config.loader import ConfigError, dump_config, load_config, parse_overrides
+from megarlhf.config.loader import (
+    ConfigError, config_from_dict, dump_config, load_config, parse_overrides)
 from megarlhf.config.schema import (
     CheckpointConfig,
     Config,
@@ -21,7 +22,7 @@ from megarlhf.config.schema import (
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FP8Config", "LoggingConfig",
-    "ModelConfig", "OptimizerConfig", "PPOConfig", "ParallelConfig", "RolloutConfig",
+    "ModelConfig", "OptimizerConfig", "config_from_dict", "PPOConfig", "ParallelConfig", "RolloutConfig",
     "RunConfig", "TokenizerConfig", "TrainConfig", "dump_config", "load_config", "padded_vocab_size",
     "parse_overrides", "validate_layout",
 ]

@@ -151,6 +151,11 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
     return _build(Config, tree)
 
 
+def config_from_dict(tree: dict) -> Config:
+    """A validated :class:`Config` from a nested dict (same rules as YAML files)."""
+    return _build(Config, tree)
+
+
 def config_to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 

@@ -1,0 +1,238 @@
+"""Hugging Face <-> megarlhf (megatron-core GPTModel, TP=1/PP=1 names) weight mappings for
+Llama-family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) and GPT-2.
+
+Pure tensor code, one layer at a time, so conversion streams: a converter never needs more
+than one layer's tensors in flight. Every HF key must be consumed and every megatron key
+produced, or the conversion fails naming the key.
+
+Layout facts (megatron-core):
+- ``linear_qkv`` rows are grouped per query group g: [q heads of g, k_g, v_g], each head
+  ``head_dim`` rows.
+- ``linear_fc1`` of a gated MLP is [gate; up] (megatron applies act(first) * second).
+- HF GPT-2 stores Conv1D weights as (in, out): transposed relative to nn.Linear.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED = sorted(list(LLAMA_FAMILY) + ["gpt2"])
+
+
+class ConversionError(ValueError):
+    """A checkpoint that cannot be converted; the message names the key or option."""
+
+
+def model_overrides(hf: dict) -> dict:
+    """HF ``config.json`` -> megarlhf ``model.*`` values."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED:
+        raise ConversionError(f"unsupported model_type {model_type!r}; supported: "
+                              f"{', '.join(SUPPORTED)}")
+    if model_type == "gpt2":
+        act = hf.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ConversionError(f"GPT-2 activation_function {act!r} is not supported "
+                                  "(gelu_new / gelu_pytorch_tanh only)")
+        if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
+            raise ConversionError("GPT-2 options scale_attn_by_inverse_layer_idx / "
+                                  "reorder_and_upcast_attn are not supported")
+        hidden = hf["n_embd"]
+        return dict(arch="gpt2", num_layers=hf["n_layer"], hidden_size=hidden,
+                    num_attention_heads=hf["n_head"], num_query_groups=None,
+                    ffn_hidden_size=hf.get("n_inner") or 4 * hidden,
+                    max_position_embeddings=hf["n_positions"], vocab_size=hf["vocab_size"],
+                    norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+                    tie_word_embeddings=True, add_qkv_bias=True)
+    rope = hf.get("rope_parameters") or {}
+    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default"
+                                         else rope)
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        raise ConversionError(f"rope scaling {scaling} is not supported by megarlhf yet")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConversionError(f"hidden_act {act!r} is not supported (silu only)")
+    heads = hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
+        raise ConversionError(f"head_dim={hf['head_dim']} != hidden_size / num_attention_heads "
+                              "is not supported")
+    if model_type == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
+        raise ConversionError("Llama attention_bias / mlp_bias are not supported")
+    return dict(arch="llama", num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+                num_attention_heads=heads,
+                num_query_groups=hf.get("num_key_value_heads") or heads,
+                ffn_hidden_size=hf["intermediate_size"],
+                max_position_embeddings=hf.get("max_position_embeddings", 4096),
+                rotary_base=float(theta), vocab_size=hf["vocab_size"],
+                norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                add_qkv_bias=model_type == "qwen2")
+
+
+def _hf_prefix(model_type: str) -> str:
+    return "transformer" if model_type == "gpt2" else "model"
+
+
+def _interleave_qkv(q, k, v, heads: int, groups: int, head_dim: int) -> torch.Tensor:
+    per = heads // groups
+    q = q.reshape(groups, per * head_dim, *q.shape[1:])
+    k = k.reshape(groups, head_dim, *k.shape[1:])
+    v = v.reshape(groups, head_dim, *v.shape[1:])
+    return torch.cat([q, k, v], dim=1).reshape(-1, *q.shape[2:])
+
+
+def _split_qkv(qkv, heads: int, groups: int, head_dim: int):
+    per = heads // groups
+    grouped = qkv.reshape(groups, (per + 2) * head_dim, *qkv.shape[1:])
+    q, k, v = torch.split(grouped, [per * head_dim, head_dim, head_dim], dim=1)
+    return (q.reshape(-1, *qkv.shape[1:]), k.reshape(-1, *qkv.shape[1:]),
+            v.reshape(-1, *qkv.shape[1:]))
+
+
+def _checked(get: Callable[[str], torch.Tensor], name: str, shape: tuple) -> torch.Tensor:
+    tensor = get(name)
+    if tuple(tensor.shape) != shape:
+        raise ConversionError(f"shape mismatch for HF '{name}': {tuple(tensor.shape)}, "
+                              f"config.json implies {shape}")
+    return tensor
+
+
+def hf_to_megatron_layer(model_type: str, i: int, get: Callable[[str], torch.Tensor],
+                         m: dict) -> dict[str, torch.Tensor]:
+    """Megatron tensors of transformer layer ``i``; ``get(name)`` returns an HF tensor and
+    records it as consumed. Attention projections are shape-checked before reshaping."""
+    heads, groups = m["num_attention_heads"], m["num_query_groups"] or m["num_attention_heads"]
+    hd = m["hidden_size"] // heads
+    h = m["hidden_size"]
+    out = f"decoder.layers.{i}."
+    if model_type == "gpt2":
+        p = f"transformer.h.{i}."
+        w = _checked(get, p + "attn.c_attn.weight", (h, 3 * h)).t()
+        b = _checked(get, p + "attn.c_attn.bias", (3 * h,))
+        q, k, v = w.chunk(3, dim=0)
+        qb, kb, vb = b.chunk(3, dim=0)
+        return {
+            out + "input_layernorm.weight": get(p + "ln_1.weight"),
+            out + "input_layernorm.bias": get(p + "ln_1.bias"),
+            out + "self_attention.linear_qkv.weight": _interleave_qkv(q, k, v, heads, heads, hd),
+            out + "self_attention.linear_qkv.bias": _interleave_qkv(qb, kb, vb, heads, heads, hd),
+            out + "self_attention.linear_proj.weight": get(p + "attn.c_proj.weight").t(),
+            out + "self_attention.linear_proj.bias": get(p + "attn.c_proj.bias"),
+            out + "pre_mlp_layernorm.weight": get(p + "ln_2.weight"),
+            out + "pre_mlp_layernorm.bias": get(p + "ln_2.bias"),
+            out + "mlp.linear_fc1.weight": get(p + "mlp.c_fc.weight").t(),
+            out + "mlp.linear_fc1.bias": get(p + "mlp.c_fc.bias"),
+            out + "mlp.linear_fc2.weight": get(p + "mlp.c_proj.weight").t(),
+            out + "mlp.linear_fc2.bias": get(p + "mlp.c_proj.bias"),
+        }
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    tensors = {
+        out + "input_layernorm.weight": get(p + "input_layernorm.weight"),
+        out + "self_attention.linear_qkv.weight": _interleave_qkv(
+            _checked(get, a + "q_proj.weight", (heads * hd, h)),
+            _checked(get, a + "k_proj.weight", (groups * hd, h)),
+            _checked(get, a + "v_proj.weight", (groups * hd, h)), heads, groups, hd),
+        out + "self_attention.linear_proj.weight": get(a + "o_proj.weight"),
+        out + "pre_mlp_layernorm.weight": get(p + "post_attention_layernorm.weight"),
+        out + "mlp.linear_fc1.weight": torch.cat([get(p + "mlp.gate_proj.weight"),
+                                                  get(p + "mlp.up_proj.weight")], dim=0),
+        out + "mlp.linear_fc2.weight": get(p + "mlp.down_proj.weight"),
+    }
+    if model_type == "qwen2":
+        tensors[out + "self_attention.linear_qkv.bias"] = _interleave_qkv(
+            _checked(get, a + "q_proj.bias", (heads * hd,)),
+            _checked(get, a + "k_proj.bias", (groups * hd,)),
+            _checked(get, a + "v_proj.bias", (groups * hd,)), heads, groups, hd)
+    return tensors
+
+
+def hf_to_megatron_outer(model_type: str, get: Callable[[str], torch.Tensor], m: dict,
+                         has: Callable[[str], bool], role: str) -> dict[str, torch.Tensor]:
+    """Embeddings, final norm and the head (LM head, or ``score`` for value models)."""
+    if model_type == "gpt2":
+        out = {"embedding.word_embeddings.weight": get("transformer.wte.weight"),
+               "embedding.position_embeddings.weight": get("transformer.wpe.weight"),
+               "decoder.final_layernorm.weight": get("transformer.ln_f.weight"),
+               "decoder.final_layernorm.bias": get("transformer.ln_f.bias")}
+        if has("lm_head.weight"):
+            get("lm_head.weight")  # tied to wte in GPT-2
+    else:
+        out = {"embedding.word_embeddings.weight": get("model.embed_tokens.weight"),
+               "decoder.final_layernorm.weight": get("model.norm.weight")}
+        if role == "lm" and not m["tie_word_embeddings"]:
+            out["output_layer.weight"] = get("lm_head.weight")
+        elif has("lm_head.weight"):
+            get("lm_head.weight")
+    if role == "value" and has("score.weight"):
+        score = get("score.weight")
+        if score.shape[0] != 1:
+            raise ConversionError(f"score.weight has {score.shape[0]} labels; a reward/value "
+                                  "head needs exactly 1")
+        out["output_layer.weight"] = score
+        if has("score.bias"):
+            out["output_layer.bias"] = get("score.bias")
+    return out
+
+
+def megatron_to_hf(model_type: str, m: dict, sd: dict[str, torch.Tensor], vocab: int,
+                   role: str = "lm") -> dict[str, torch.Tensor]:
+    """TP=1 megatron state dict -> HF tensors (padded vocabulary rows dropped)."""
+    heads, groups = m["num_attention_heads"], m["num_query_groups"] or m["num_attention_heads"]
+    hd = m["hidden_size"] // heads
+    out: dict[str, torch.Tensor] = {}
+    for i in range(m["num_layers"]):
+        s = f"decoder.layers.{i}."
+        if model_type == "gpt2":
+            p = f"transformer.h.{i}."
+            q, k, v = _split_qkv(sd[s + "self_attention.linear_qkv.weight"], heads, heads, hd)
+            qb, kb, vb = _split_qkv(sd[s + "self_attention.linear_qkv.bias"], heads, heads, hd)
+            out.update({
+                p + "ln_1.weight": sd[s + "input_layernorm.weight"],
+                p + "ln_1.bias": sd[s + "input_layernorm.bias"],
+                p + "attn.c_attn.weight": torch.cat([q, k, v]).t().contiguous(),
+                p + "attn.c_attn.bias": torch.cat([qb, kb, vb]),
+                p + "attn.c_proj.weight": sd[s + "self_attention.linear_proj.weight"].t().contiguous(),
+                p + "attn.c_proj.bias": sd[s + "self_attention.linear_proj.bias"],
+                p + "ln_2.weight": sd[s + "pre_mlp_layernorm.weight"],
+                p + "ln_2.bias": sd[s + "pre_mlp_layernorm.bias"],
+                p + "mlp.c_fc.weight": sd[s + "mlp.linear_fc1.weight"].t().contiguous(),
+                p + "mlp.c_fc.bias": sd[s + "mlp.linear_fc1.bias"],
+                p + "mlp.c_proj.weight": sd[s + "mlp.linear_fc2.weight"].t().contiguous(),
+                p + "mlp.c_proj.bias": sd[s + "mlp.linear_fc2.bias"],
+            })
+            continue
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        q, k, v = _split_qkv(sd[s + "self_attention.linear_qkv.weight"], heads, groups, hd)
+        gate, up = sd[s + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+        out.update({
+            p + "input_layernorm.weight": sd[s + "input_layernorm.weight"],
+            a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v,
+            a + "o_proj.weight": sd[s + "self_attention.linear_proj.weight"],
+            p + "post_attention_layernorm.weight": sd[s + "pre_mlp_layernorm.weight"],
+            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": sd[s + "mlp.linear_fc2.weight"],
+        })
+        if model_type == "qwen2":
+            qb, kb, vb = _split_qkv(sd[s + "self_attention.linear_qkv.bias"], heads, groups, hd)
+            out.update({a + "q_proj.bias": qb, a + "k_proj.bias": kb, a + "v_proj.bias": vb})
+    embed = sd["embedding.word_embeddings.weight"][:vocab]
+    if model_type == "gpt2":
+        out.update({"transformer.wte.weight": embed,
+                    "transformer.wpe.weight": sd["embedding.position_embeddings.weight"],
+                    "transformer.ln_f.weight": sd["decoder.final_layernorm.weight"],
+                    "transformer.ln_f.bias": sd["decoder.final_layernorm.bias"]})
+    else:
+        out.update({"model.embed_tokens.weight": embed,
+                    "model.norm.weight": sd["decoder.final_layernorm.weight"]})
+        if role == "lm" and not m["tie_word_embeddings"]:
+            out["lm_head.weight"] = sd["output_layer.weight"][:vocab]
+    if role == "value":
+        out["score.weight"] = sd["output_layer.weight"]
+    return {k: v.contiguous() for k, v in out.items()}

@@ -1,0 +1,50 @@
+"""Converted HF checkpoints at several layouts: per-token log-probs of fixed sequences and
+20-token greedy generations. argv: OUT CONV_DIR ARCH... Results -> OUT/converted_world{N}.pt"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import start  # noqa: E402
+
+from megarlhf.config import load_config  # noqa: E402
+from megarlhf.engine.schedule import build_model_chunks  # noqa: E402
+from megarlhf.rollout.generate import SamplingParams, generate  # noqa: E402
+from megarlhf.stages.score import load_or_init, score_sequences  # noqa: E402
+
+SEQS = [[5, 17, 42, 8, 99, 250, 3, 77], [9, 3, 120, 121], [100, 101, 102, 103, 104, 105, 7, 8,
+                                                             9, 10, 11, 12, 13, 14, 15, 16]]
+PROMPTS = [[5, 17, 42, 8], [9, 3, 120]]
+
+
+def main():
+    out_dir, conv_dir, archs = sys.argv[1], sys.argv[2], sys.argv[3:]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    layouts = [(1, 1)] if world == 1 else [(2, 1), (1, 2)]
+    results = {}
+    for arch in archs:
+        for tp, pp in layouts:
+            cfg = load_config(os.path.join(conv_dir, arch, "config.yaml"), [
+                f"parallel.tensor_model_parallel_size={tp}",
+                f"parallel.pipeline_model_parallel_size={pp}"])
+            layout = start(cfg)
+            chunks = build_model_chunks(cfg, layout, "lm")
+            load_or_init(cfg, chunks)
+            rows = score_sequences(cfg, layout, chunks, SEQS, role="lm", micro_batch_size=1)
+            results[(arch, tp, pp)] = {"logprobs": rows and [r["logprobs"] for r in rows]}
+            if world == 1:
+                gen = generate(chunks[0], PROMPTS, SamplingParams(max_new_tokens=20, greedy=True),
+                               eos_id=-1, pad_id=0, true_vocab=cfg.model.vocab_size)
+                results[(arch, tp, pp)]["greedy"] = gen.response_tokens_BT.tolist()
+    if dist.get_rank() == 0:
+        torch.save(results, os.path.join(out_dir, f"converted_world{world}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

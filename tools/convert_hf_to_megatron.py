@@ -1,0 +1,188 @@
+"""Convert a Hugging Face checkpoint (LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM, GPT2LMHeadModel, or their *ForSequenceClassification heads) into a
+megarlhf checkpoint.
+
+    python tools/convert_hf_to_megatron.py --hf-dir HF --out OUT [--tp N --pp M]
+        [--role actor|critic|reward]
+
+Writes OUT/checkpoints/ (megatron dist_checkpointing, loadable at any TP/PP) and
+OUT/config.yaml (model, tokenizer and the requested --tp/--pp layout), copies the tokenizer
+files, and prints what it did. Tensors are read one safetensors tensor at a time and
+converted one layer at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+
+import torch
+import yaml
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model")
+# Buffers some HF checkpoints carry that are not weights.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+
+
+class ShardReader:
+    """Lazy access to (possibly sharded) safetensors; records which keys were read."""
+
+    def __init__(self, hf_dir: str):
+        from safetensors import safe_open
+
+        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        single = os.path.join(hf_dir, "model.safetensors")
+        if os.path.exists(index):
+            weight_map = json.load(open(index))["weight_map"]
+        elif os.path.exists(single):
+            with safe_open(single, "pt") as f:
+                weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"{hf_dir}: no model.safetensors or "
+                                    "model.safetensors.index.json (only safetensors are read)")
+        for shard in sorted(set(weight_map.values())):
+            if not os.path.exists(os.path.join(hf_dir, shard)):
+                raise FileNotFoundError(f"{hf_dir}: shard {shard} listed in the index is missing")
+        self.dir, self.weight_map, self.used = hf_dir, weight_map, set()
+        self._open = {}
+
+    def has(self, key: str) -> bool:
+        return key in self.weight_map
+
+    def get(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if key not in self.weight_map:
+            raise KeyError(f"HF checkpoint has no tensor '{key}'")
+        shard = self.weight_map[key]
+        if shard not in self._open:
+            self._open = {shard: safe_open(os.path.join(self.dir, shard), "pt")}  # one open
+        self.used.add(key)
+        return self._open[shard].get_tensor(key)
+
+    def unused(self) -> list[str]:
+        return sorted(k for k in self.weight_map
+                      if k not in self.used and not k.endswith(IGNORED_SUFFIXES))
+
+
+def copy_into(model_sd: dict, name: str, tensor: torch.Tensor, done: set) -> None:
+    from megarlhf.models.hf_mapping import ConversionError
+
+    if name not in model_sd:
+        raise ConversionError(f"megarlhf model has no parameter '{name}'")
+    target = model_sd[name]
+    padded = name in ("embedding.word_embeddings.weight", "output_layer.weight") \
+        and target.shape[1:] == tensor.shape[1:] and target.shape[0] >= tensor.shape[0]
+    if padded:
+        target.zero_()
+        target[:tensor.shape[0]].copy_(tensor)  # vocabulary padding rows stay zero
+    elif tuple(tensor.shape) == tuple(target.shape):
+        target.copy_(tensor)
+    else:
+        raise ConversionError(f"shape mismatch for '{name}': HF {tuple(tensor.shape)} vs "
+                              f"megarlhf {tuple(target.shape)}")
+    done.add(name)
+
+
+def convert(hf_dir: str, out: str, tp: int, pp: int, role: str) -> dict:
+    from megarlhf.config import config_from_dict, validate_layout
+    from megarlhf.engine.checkpoint import RoleState, save_checkpoint
+    from megarlhf.engine.schedule import build_model_chunks
+    from megarlhf.models.gpt import init_weights
+    from megarlhf.models.hf_mapping import (
+        ConversionError, hf_to_megatron_layer, hf_to_megatron_outer, model_overrides)
+    from megarlhf.parallel.launch import init_distributed, shutdown
+
+    config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{hf_dir}: no config.json")
+    hf = json.load(open(config_path))
+    model = model_overrides(hf)
+    kind = "lm" if role == "actor" else "value"
+    reader = ShardReader(hf_dir)
+    model_tree = {**model, "value_head_init": "normal"}
+    target_cfg = config_from_dict({"model": model_tree, "parallel": {
+        "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}})
+    validate_layout(target_cfg, tp * pp)  # the requested layout must be possible
+    cfg = config_from_dict({"model": model_tree})
+    layout = init_distributed(cfg)
+    try:
+        # Built in one process, but with the vocabulary padded for the requested TP.
+        (chunk,) = build_model_chunks(target_cfg, layout, kind)
+        init_weights(chunk, target_cfg)
+        sd = chunk.state_dict()
+        done: set = set()
+        with torch.no_grad():
+            for i in range(model["num_layers"]):
+                for name, tensor in hf_to_megatron_layer(hf["model_type"], i, reader.get,
+                                                         model).items():
+                    copy_into(sd, name, tensor, done)
+            for name, tensor in hf_to_megatron_outer(hf["model_type"], reader.get, model,
+                                                     reader.has, kind).items():
+                copy_into(sd, name, tensor, done)
+        unused = reader.unused()
+        if unused:
+            raise ConversionError(f"unknown HF keys (not converted): {', '.join(unused[:8])}"
+                                  + (" ..." if len(unused) > 8 else ""))
+        expected = {k for k, v in sd.items() if isinstance(v, torch.Tensor)
+                    and not k.endswith("_extra_state")}
+        fresh_head = kind == "value" and "output_layer.weight" not in done
+        missing = sorted(expected - done - ({"output_layer.weight", "output_layer.bias"}
+                                            if kind == "value" else set()))
+        if missing:
+            raise ConversionError(f"megarlhf parameters not filled from HF: {', '.join(missing)}")
+        name = {"actor": "policy", "critic": "critic", "reward": "reward"}[role]
+        cfg_dict = __import__("dataclasses").asdict(target_cfg)
+        path = save_checkpoint(os.path.join(out, "checkpoints"), "step_0000000",
+                               {name: RoleState([chunk], extra={"kind": kind})},
+                               trainer_state={"step": 0, "converted_from": hf_dir,
+                                              "hf_model_type": hf["model_type"]},
+                               config=cfg_dict, layout=layout.describe())
+        tokenizer_files = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(hf_dir, f))]
+        for f in tokenizer_files:
+            shutil.copy(os.path.join(hf_dir, f), os.path.join(out, f))
+        run_cfg = {"model": {**model, "value_head_init": "normal"},
+                   "parallel": {"tensor_model_parallel_size": tp,
+                                "pipeline_model_parallel_size": pp},
+                   "checkpoint": {"load": os.path.join(out, "checkpoints")}}
+        if "tokenizer.json" in tokenizer_files:
+            run_cfg["tokenizer"] = {"type": "hf", "path": out}
+        with open(os.path.join(out, "config.yaml"), "w") as f:
+            yaml.safe_dump(run_cfg, f, sort_keys=False)
+        params = sum(p.numel() for p in chunk.parameters())
+        return {"architecture": hf.get("architectures", [hf["model_type"]])[0],
+                "role": f"{role} ({kind}{', new scalar head' if fresh_head else ''})",
+                "parameters": params, "layout": f"TP={tp} PP={pp}", "checkpoint": path,
+                "files": ["config.yaml", *tokenizer_files],
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    finally:
+        shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hf-dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--role", choices=["actor", "critic", "reward"], default="actor")
+    args = parser.parse_args(argv)
+    from megarlhf.models.hf_mapping import ConversionError
+    try:
+        info = convert(args.hf_dir, args.out, args.tp, args.pp, args.role)
+    except (ConversionError, FileNotFoundError, KeyError, ValueError) as err:
+        print(f"convert_hf_to_megatron: error: {err}", file=sys.stderr)
+        return 2
+    for key, value in info.items():
+        print(f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
