@@ -92,6 +92,22 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_launch(args) -> int:
+    from megarlhf.launch import render_sbatch, submit
+
+    if not args.slurm:
+        raise ConfigError("only --slurm launching is implemented; use torchrun locally")
+    cfg = load_config(args.config, args.overrides)
+    script = render_sbatch(cfg, args.stage, args.config, list(args.overrides))
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    job = submit(script, cfg, args.stage)
+    print(f"submitted job {job}; log: {cfg.launch.log_dir}/megarlhf-{args.stage}-"
+          f"{cfg.run.name}-{job}.out")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarlhf", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         stage.add_argument("config", help="YAML config")
         stage.add_argument("overrides", nargs="*", help="key.sub=value overrides")
         stage.set_defaults(func=func)
+    launch = sub.add_parser("launch", help="render and submit an sbatch script for a stage")
+    launch.add_argument("stage", choices=["sft", "rm", "ppo"])
+    launch.add_argument("config", help="YAML config")
+    launch.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    launch.add_argument("--slurm", action="store_true", help="submit to Slurm with sbatch")
+    launch.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
+    launch.set_defaults(func=cmd_launch)
     plot = sub.add_parser("plot", help="PNG curves from a run's metrics.jsonl")
     plot.add_argument("run_dir")
     plot.set_defaults(func=cmd_plot)
@@ -147,11 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError) as err:
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"megarlhf: error: {err}", file=sys.stderr)
         return 2
     finally:
-        if args.command not in ("config", "plot"):
+        if args.command not in ("config", "plot", "launch"):
             from megarlhf.parallel.launch import shutdown
             shutdown()
 

@@ -460,6 +460,38 @@ class LoggingConfig:
 
 
 @dataclass(kw_only=True)
+class LaunchConfig:
+    nodes: int = 1
+    """Slurm nodes."""
+    tasks_per_node: int = 8
+    """Processes per node: one per GPU (on CPU, one per process you want)."""
+    gpus_per_node: int = 8
+    """GPUs requested per node (0 on CPU-only clusters)."""
+    cpus_per_task: int = 8
+    """CPU cores per process."""
+    time: str = "04:00:00"
+    """Wall-time limit (Slurm format)."""
+    partition: str | None = None
+    """Slurm partition; None uses the cluster default."""
+    account: str | None = None
+    """Slurm account."""
+    preempt_signal_seconds: int = 120
+    """Slurm sends SIGUSR1 this long before the time limit; the job checkpoints and
+    requeues itself."""
+    log_dir: str = "logs"
+    """Where job logs go (one file per job)."""
+    python: str = "python"
+    """Python executable on the compute nodes (e.g. a venv's)."""
+
+    def __post_init__(self):
+        for name in ("nodes", "tasks_per_node", "cpus_per_task"):
+            _require(getattr(self, name) >= 1, f"launch.{name}", getattr(self, name),
+                     "must be >= 1")
+        _require(self.gpus_per_node >= 0, "launch.gpus_per_node", self.gpus_per_node,
+                 "must be >= 0")
+
+
+@dataclass(kw_only=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     """Run identity and reproducibility."""
@@ -483,6 +515,8 @@ class Config:
     """Checkpointing."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics and progress."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """Slurm resources for `megarlhf launch`."""
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:

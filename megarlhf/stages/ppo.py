@@ -23,6 +23,7 @@ from megarlhf.data.datasets import tokenize_dataset
 from megarlhf.engine.checkpoint import LATEST_FILE, RoleState, load_checkpoint, read_meta, \
     save_checkpoint, checkpoint_role
 from megarlhf.engine.metrics import MetricsLogger
+from megarlhf.engine.preemption import PreemptionGuard, mark_preempted
 from megarlhf.engine.optimizer import TrainedRole, build_optimizer, forward_backward, \
     step_together, wrap_ddp
 from megarlhf.engine.schedule import build_model_chunks
@@ -147,6 +148,7 @@ def run_ppo(cfg: Config, tokenizer) -> dict:
                            config=dataclasses.asdict(cfg), resume_step=start or None)
     evaluate = _evaluator(cfg, maker, eval_ds, tokenizer, gold_fn)
 
+    guard = PreemptionGuard()
     bar = progress(ppo.num_iterations, start, "ppo", cfg.logging.progress_bar)
     if start == 0:
         logger.log(0, evaluate(0))
@@ -180,12 +182,20 @@ def run_ppo(cfg: Config, tokenizer) -> dict:
         bar.set_postfix(score=f"{metrics['objective/score']:.3f}",
                         kl=f"{metrics['objective/kl']:.2f}",
                         gold=f"{metrics.get('eval/gold_score', float('nan')):.2f}")
+        preempted = done < ppo.num_iterations and guard.requested()
         if (cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0) \
-                or done == ppo.num_iterations:
-            save_checkpoint(ckpt_dir, f"iter_{done:06d}", roles,
-                            trainer_state={"iteration": done, "kl_controller": kl_ctl.state_dict()},
-                            config=dataclasses.asdict(cfg), layout=layout.describe(),
-                            keep_last=cfg.checkpoint.keep_last)
+                or done == ppo.num_iterations or preempted:
+            path = save_checkpoint(
+                ckpt_dir, f"iter_{done:06d}", roles,
+                trainer_state={"iteration": done, "kl_controller": kl_ctl.state_dict()},
+                config=dataclasses.asdict(cfg), layout=layout.describe(),
+                keep_last=cfg.checkpoint.keep_last)
+            if preempted:
+                mark_preempted(run_dir(cfg), path)
+                bar.close()
+                maker.restore_frozen_models()
+                logger.close()
+                return {"preempted_at": done}
         result = metrics
     bar.close()
     maker.restore_frozen_models()

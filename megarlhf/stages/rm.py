@@ -11,10 +11,12 @@ from megarlhf.config import Config
 from megarlhf.data.batching import batch_length, pad_batch, preference_batch
 from megarlhf.data.datasets import tokenize_dataset
 from megarlhf.engine.optimizer import train_step
+from megarlhf.engine.preemption import PreemptionGuard, mark_preempted
 from megarlhf.engine.schedule import forward_only
 from megarlhf.engine.steps import make_pairwise_rm_step, model_forward, sum_logs
 from megarlhf.stages.common import (
-    StepPlan, check_plan, evaluate, global_batches, print0, progress, rank_share, setup_stage)
+    StepPlan, check_plan, evaluate, global_batches, print0, progress, rank_share, run_dir,
+    setup_stage)
 from megarlhf.stages.sft import split_eval
 
 
@@ -116,6 +118,7 @@ def run_rm(cfg: Config, tokenizer) -> dict:
                                 "eval/margin": margin / max(n, 1)})
         return acc
 
+    guard = PreemptionGuard()
     bar = progress(plan.total_steps, stage.start_step, "rm", cfg.logging.progress_bar)
     result = {"eval_accuracy_start": run_eval(0) if stage.start_step == 0 else None}
     for step, epoch, indices in global_batches(plan, cfg.run.seed, stage.start_step):
@@ -139,6 +142,11 @@ def run_rm(cfg: Config, tokenizer) -> dict:
         if cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0 \
                 and done < plan.total_steps:
             stage.save(done)
+        if done < plan.total_steps and guard.requested():
+            mark_preempted(run_dir(cfg), stage.save(done))
+            bar.close()
+            stage.logger.close()
+            return {"preempted_at": done}
     bar.close()
     result["eval_accuracy_end"] = run_eval(plan.total_steps)
     result.update(normalize(stage, cfg, tokenizer, pairs, mbs, max_len))

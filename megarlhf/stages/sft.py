@@ -10,9 +10,11 @@ from megarlhf.config import Config
 from megarlhf.data.batching import batch_length, pack_examples, pad_batch, sft_example, stack_batches
 from megarlhf.data.datasets import TokenizedDataset, tokenize_dataset
 from megarlhf.engine.optimizer import train_step
+from megarlhf.engine.preemption import PreemptionGuard, mark_preempted
 from megarlhf.engine.steps import make_lm_loss_step, sum_logs
 from megarlhf.stages.common import (
-    StepPlan, check_plan, evaluate, global_batches, print0, progress, rank_share, setup_stage)
+    StepPlan, check_plan, evaluate, global_batches, print0, progress, rank_share, run_dir,
+    setup_stage)
 
 
 def split_eval(data: TokenizedDataset, fraction: float, seed: int):
@@ -90,6 +92,7 @@ def run_sft(cfg: Config, tokenizer) -> dict:
         stage.logger.log(step, {"eval/loss": loss, "eval/tokens": tokens})
         return loss
 
+    guard = PreemptionGuard()
     bar = progress(plan.total_steps, stage.start_step, "sft", cfg.logging.progress_bar)
     first_eval = run_eval(stage.start_step) if stage.start_step == 0 else None
     last = {"eval_loss_start": first_eval}
@@ -117,6 +120,11 @@ def run_sft(cfg: Config, tokenizer) -> dict:
         if cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0 \
                 and done < plan.total_steps:
             stage.save(done)
+        if done < plan.total_steps and guard.requested():
+            mark_preempted(run_dir(cfg), stage.save(done))
+            bar.close()
+            stage.logger.close()
+            return {"preempted_at": done}
         step = done
     bar.close()
     last["eval_loss_end"] = run_eval(plan.total_steps)

@@ -1,0 +1,85 @@
+"""``megarlhf launch STAGE CONFIG [overrides] --slurm [--dry-run]``: render an sbatch script
+from the config and submit it.
+
+Task counts follow from ``launch.nodes x launch.tasks_per_node``, which must hold whole
+copies of the training layout (TP x PP) and of the rollout layout; the script runs
+``slurm/launch.sh`` (srun, one task per GPU, preemption forwarding and requeue).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+
+from megarlhf.config import Config, ConfigError
+
+STAGES = ("sft", "rm", "ppo", "score")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def check_fit(cfg: Config) -> int:
+    launch, par = cfg.launch, cfg.parallel
+    world = launch.nodes * launch.tasks_per_node
+    mp = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+    if world % mp:
+        raise ConfigError(
+            f"the training layout TP x PP = {par.tensor_model_parallel_size} x "
+            f"{par.pipeline_model_parallel_size} = {mp} processes does not fit "
+            f"{launch.nodes} node(s) x {launch.tasks_per_node} task(s) = {world}: use a "
+            f"multiple of {mp} processes (launch.nodes / launch.tasks_per_node)")
+    if world % cfg.rollout.tensor_parallel_size:
+        raise ConfigError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} "
+                          f"does not divide the {world} processes of the job")
+    if launch.gpus_per_node and launch.tasks_per_node > launch.gpus_per_node:
+        raise ConfigError(f"launch.tasks_per_node={launch.tasks_per_node} exceeds "
+                          f"launch.gpus_per_node={launch.gpus_per_node} (one task per GPU)")
+    if par.tensor_model_parallel_size > launch.tasks_per_node:
+        raise ConfigError(f"TP={par.tensor_model_parallel_size} spans nodes "
+                          f"(launch.tasks_per_node={launch.tasks_per_node}); keep TP within a node")
+    return world
+
+
+def render_sbatch(cfg: Config, stage: str, config_path: str, overrides: list[str]) -> str:
+    if stage not in STAGES:
+        raise ConfigError(f"stage must be one of {', '.join(STAGES)}, got {stage!r}")
+    world = check_fit(cfg)
+    launch = cfg.launch
+    run_dir = os.path.join(cfg.run.output_dir, cfg.run.name)
+    lines = ["#!/bin/bash",
+             f"#SBATCH --job-name=megarlhf-{stage}-{cfg.run.name}",
+             f"#SBATCH --nodes={launch.nodes}",
+             f"#SBATCH --ntasks-per-node={launch.tasks_per_node}",
+             f"#SBATCH --cpus-per-task={launch.cpus_per_task}",
+             f"#SBATCH --time={launch.time}",
+             f"#SBATCH --output={launch.log_dir}/%x-%j.out",
+             f"#SBATCH --signal=B:USR1@{launch.preempt_signal_seconds}",
+             "#SBATCH --requeue",
+             "#SBATCH --open-mode=append"]
+    if launch.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={launch.gpus_per_node}")
+    if launch.partition:
+        lines.append(f"#SBATCH --partition={launch.partition}")
+    if launch.account:
+        lines.append(f"#SBATCH --account={launch.account}")
+    args = [stage, config_path, *overrides] if stage != "score" else [stage, *overrides]
+    lines += [f"# {world} processes: training layout {cfg.parallel.tensor_model_parallel_size}"
+              f" (TP) x {cfg.parallel.pipeline_model_parallel_size} (PP) x "
+              f"{world // (cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size)}"
+              f" (DP); rollout TP {cfg.rollout.tensor_parallel_size}",
+              f"cd {shlex.quote(REPO)}",
+              f"mkdir -p {shlex.quote(launch.log_dir)} {shlex.quote(run_dir)}",
+              f"exec bash slurm/launch.sh {shlex.quote(run_dir)} {shlex.quote(launch.python)} "
+              + " ".join(shlex.quote(a) for a in args)]
+    return "\n".join(lines) + "\n"
+
+
+def submit(script: str, cfg: Config, stage: str) -> str:
+    os.makedirs(cfg.launch.log_dir, exist_ok=True)
+    path = os.path.join(cfg.launch.log_dir, f"megarlhf-{stage}-{cfg.run.name}.sbatch")
+    with open(path, "w") as f:
+        f.write(script)
+    proc = subprocess.run(["sbatch", "--parsable", path], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"sbatch failed: {proc.stderr.strip()}")
+    return proc.stdout.strip().split(";")[0]

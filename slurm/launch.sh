@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Runs one megarlhf stage inside a Slurm allocation: one task per GPU via srun (each task
+# reads SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID; the rendezvous host is the first node
+# of the allocation, the port derived from the job id). Preemption: SIGUSR1/SIGTERM to this
+# script (#SBATCH --signal=B:USR1@120) is forwarded to the tasks, which checkpoint at the
+# next safe point and leave a PREEMPTED marker; the job then requeues itself and, when it
+# starts again, resumes from that checkpoint.
+#   slurm/launch.sh RUN_DIR PYTHON STAGE CONFIG [key=value ...]
+set -uo pipefail
+run_dir="$1"; python="$2"; shift 2
+export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+export MASTER_PORT="$((20000 + SLURM_JOB_ID % 20000))"
+export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"
+echo "[launch] job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: $SLURM_NNODES node(s) x" \
+     "${SLURM_NTASKS_PER_NODE:-?} task(s), rendezvous $MASTER_ADDR:$MASTER_PORT, stage $*"
+srun --kill-on-bad-exit=1 "$python" -m megarlhf.cli "$@" &
+srun_pid=$!
+forward() { echo "[launch] signal received: asking the tasks to checkpoint"; kill -USR1 "$srun_pid" 2>/dev/null; }
+trap forward USR1 TERM
+status=0
+while kill -0 "$srun_pid" 2>/dev/null; do
+    wait "$srun_pid"; status=$?
+done
+if [ -f "$run_dir/PREEMPTED" ]; then
+    echo "[launch] checkpoint written at $(cat "$run_dir/PREEMPTED"); requeueing job $SLURM_JOB_ID"
+    rm -f "$run_dir/PREEMPTED"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+fi
+exit "$status"

@@ -1,0 +1,105 @@
+"""Launching through a real single-node Slurm (Debian's slurmctld/slurmd/munge, started by
+slurm/local_slurm.sh and stopped by the PIDs it started): the shortened PPO demo with 2
+tasks through `megarlhf launch --slurm`, and preemption with requeue."""
+
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from conftest import ROOT, run_cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    shutil.which("slurmctld") is None or os.geteuid() != 0,
+    reason="needs root and Debian's slurmctld/slurmd/slurm-client/munge "
+           "(scripts/test.sh installs them when it runs as root)")]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    state = tmp_path_factory.mktemp("slurm")
+    script = os.path.join(ROOT, "slurm", "local_slurm.sh")
+    subprocess.run(["bash", script, "start", str(state)], check=True, timeout=120)
+    yield state
+    subprocess.run(["bash", script, "stop", str(state)], check=False, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    from megarlhf.data.synthetic import write_task
+    out = tmp_path_factory.mktemp("slurm_ppo")
+    task = write_task(str(out / "task"), seed=0)
+    common = [f"tokenizer.path={task['tokenizer']}", f"run.output_dir={out}",
+              "logging.progress_bar=false"]
+    run_cli("sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
+            "train.num_epochs=2", *common)
+    run_cli("rm", "configs/rm_tiny.yaml", f"data.train_path={task['prefs']}",
+            "train.num_epochs=2", *common)
+    args = ["configs/demo/ppo.yaml", f"data.train_path={task['prompts']}",
+            f"data.eval_path={task['eval_prompts']}",
+            f"ppo.sft_checkpoint={out}/sft-tiny/checkpoints",
+            f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", *common,
+            f"launch.log_dir={out}/logs", "launch.nodes=1", "launch.tasks_per_node=2",
+            "launch.gpus_per_node=0", "launch.cpus_per_task=1",
+            f"launch.python={os.path.join(ROOT, '.venv', 'bin', 'python')}",
+            "parallel.tensor_model_parallel_size=2", "logging.sample_table_interval=0"]
+    return out, args
+
+
+def submit(args):
+    proc = run_cli("launch", "ppo", *args, "--slurm")
+    return proc.stdout.split("submitted job ")[1].split(";")[0]
+
+
+def wait_done(job, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        out = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout
+        if not out.strip():
+            return
+        time.sleep(2)
+    raise AssertionError(f"job {job} did not finish in {timeout} s")
+
+
+def steps(run_dir):
+    return [json.loads(line)["step"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def test_dry_run_renders_and_checks_fit(pipeline):
+    out, args = pipeline
+    script = run_cli("launch", "ppo", *args, "--slurm", "--dry-run").stdout
+    assert "#SBATCH --ntasks-per-node=2" in script and "#SBATCH --signal=B:USR1@120" in script
+    assert "#SBATCH --requeue" in script and "slurm/launch.sh" in script
+    bad = run_cli("launch", "ppo", *args, "launch.tasks_per_node=3", "--slurm", "--dry-run",
+                  check=False)
+    assert bad.returncode == 2 and "does not fit 1 node(s) x 3 task(s)" in bad.stderr
+
+
+def test_ppo_demo_through_sbatch(slurm, pipeline):
+    out, args = pipeline
+    job = submit(args + ["run.name=sbatch", "ppo.num_iterations=6"])
+    wait_done(job, 600)
+    log = open(out / "logs" / f"megarlhf-ppo-sbatch-{job}.out").read()
+    assert "rendezvous" in log and "[ppo] done" in log, log[-3000:]
+    assert steps(out / "sbatch") == list(range(0, 7))
+    assert open(out / "sbatch" / "checkpoints" / "latest").read() == "iter_000006"
+
+
+def test_preemption_checkpoints_requeues_and_resumes(slurm, pipeline):
+    out, args = pipeline
+    job = submit(args + ["run.name=preempt", "ppo.num_iterations=40"])
+    metrics = out / "preempt" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or len(steps(out / "preempt")) < 4):
+        time.sleep(1)
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    wait_done(job, 900)  # requeued jobs become eligible again after about two minutes
+    log = open(out / "logs" / f"megarlhf-ppo-preempt-{job}.out").read()
+    assert "requeueing job" in log and "restart 1" in log and "[ppo] resumed iter_" in log, \
+        log[-3000:]
+    assert "[ppo] done" in log
+    assert steps(out / "preempt") == list(range(0, 41))  # no iteration lost or repeated
+    assert open(out / "preempt" / "checkpoints" / "latest").read() == "iter_000040"
