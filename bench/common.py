@@ -1,0 +1,58 @@
+"""Shared helpers for the benchmark scripts (which print figures and assert nothing)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZES = {  # the issue's tiny and small sizes
+    "tiny": dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=176, vocab=1000),
+    "small": dict(layers=4, hidden=256, heads=8, kv_heads=4, ffn=688, vocab=4000),
+}
+
+
+def machine() -> str:
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def timed(fn, repeats: int = 3) -> float:
+    """Median wall time of ``repeats`` calls after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def hf_llama(size: str, path: str):
+    import transformers
+    s = SIZES[size]
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
+        num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"], max_position_embeddings=256, bos_token_id=1,
+        eos_token_id=2))
+    model.save_pretrained(path)
+    return model.eval()
+
+
+def convert(hf_dir: str, out: str) -> None:
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_hf_to_megatron.py"),
+                    "--hf-dir", hf_dir, "--out", out], check=True, capture_output=True)

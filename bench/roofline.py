@@ -1,0 +1,87 @@
+"""This machine's measured fp32 matmul peak, and the training phase's model FLOP/s as a
+fraction of it (CPU MFU), for the small size: forward+backward+optimizer steps of the
+policy through megarlhf's engine (1 process).
+
+    .venv/bin/python bench/roofline.py [--size small] [--batch 16] [--seq 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import SIZES, machine  # noqa: E402
+
+
+def matmul_peak(n: int = 1024, repeats: int = 20) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * n ** 3 * repeats / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=["tiny", "small"], default="small")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    peak = max(matmul_peak(n) for n in (512, 1024, 2048))
+
+    from megarlhf.config import load_config
+    from megarlhf.engine.optimizer import TrainedRole, build_optimizer, train_step, wrap_ddp
+    from megarlhf.engine.schedule import build_model_chunks
+    from megarlhf.engine.steps import make_lm_loss_step
+    from megarlhf.models.gpt import init_weights
+    from megarlhf.parallel.launch import init_distributed
+
+    s = SIZES[args.size]
+    cfg = load_config(None, [
+        f"model.num_layers={s['layers']}", f"model.hidden_size={s['hidden']}",
+        f"model.num_attention_heads={s['heads']}", f"model.num_query_groups={s['kv_heads']}",
+        f"model.ffn_hidden_size={s['ffn']}", f"model.vocab_size={s['vocab']}",
+        f"model.max_position_embeddings={args.seq}"])
+    layout = init_distributed(cfg)
+    chunks = build_model_chunks(cfg, layout, "lm")
+    for c in chunks:
+        init_weights(c, cfg)
+    model = wrap_ddp(chunks, True, layout.pg_collection)
+    opt, sched = build_optimizer(cfg.optimizer, model, lr=1e-4, total_steps=100)
+    role = TrainedRole(model, opt, sched)
+    tokens = torch.randint(0, s["vocab"], (args.batch, args.seq))
+    batch = {"tokens": tokens, "position_ids": torch.arange(args.seq).expand(args.batch, -1),
+             "loss_mask": torch.ones(args.batch, args.seq)}
+    step = make_lm_loss_step(tp_group=layout.tp_group, true_vocab=s["vocab"])
+    run = lambda: train_step(role, step, [batch], seq_length=args.seq,  # noqa: E731
+                             micro_batch_size=args.batch)
+    run()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    t = sorted(times)[2]
+    params = sum(p.numel() for p in chunks[0].parameters())
+    n_tok = args.batch * args.seq
+    attn = 12 * s["layers"] * s["hidden"] * args.seq  # per token, forward+backward (QK^T, AV)
+    flops = (6 * params + attn) * n_tok
+    print(f"# roofline: {args.size} model ({params / 1e6:.2f} M params), batch {args.batch} x "
+          f"{args.seq} tokens, fp32; {machine()}")
+    print(f"matmul peak (fp32, best of 512/1024/2048 squares): {peak / 1e9:.1f} GFLOP/s")
+    print(f"training step: {t * 1e3:.1f} ms, {flops / 1e9:.2f} GFLOP (6 x params x tokens + "
+          f"attention) -> {flops / t / 1e9:.1f} GFLOP/s = CPU MFU {flops / t / peak:.1%}")
+
+
+if __name__ == "__main__":
+    main()
