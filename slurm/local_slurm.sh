@@ -51,7 +51,7 @@ SlurmdLogFile=$state/log/slurmd.log
 ReturnToService=2
 JobRequeue=1
 MpiDefault=none
-NodeName=$host CPUs=$(nproc) State=UNKNOWN
+NodeName=$host CPUs=$(getconf _NPROCESSORS_ONLN) State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 CONF
 export SLURM_CONF="$state/slurm.conf"

@@ -57,9 +57,13 @@ def submit(args):
 def wait_done(job, timeout):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        out = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout
-        if not out.strip():
+        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], capture_output=True,
+                             text=True).stdout.strip()
+        if not out:
             return
+        # A job that can never start fails the test now rather than at the timeout.
+        assert not any(r in out for r in ("PartitionConfig", "ReqNodeNotAvail", "BadConstraints")), \
+            f"job {job} cannot run: {out}"
         time.sleep(2)
     raise AssertionError(f"job {job} did not finish in {timeout} s")
 
