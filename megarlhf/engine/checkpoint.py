@@ -112,8 +112,9 @@ def _keep_torch_adam_step(optimizer) -> None:
     never hold it (KeyError: 'step'). ``step`` is restored from the param groups just
     before, so the copy may keep it as it is."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not hasattr(opt, "_set_main_param_and_optimizer_states"):
-            continue
+        if not hasattr(opt, "_set_main_param_and_optimizer_states") \
+                or getattr(opt, "_megarlhf_step_kept", False):
+            continue  # nothing to patch, or patched by an earlier load
         original = opt._set_main_param_and_optimizer_states
 
         def patched(model_param, tensors, opt=opt, original=original):
@@ -125,6 +126,7 @@ def _keep_torch_adam_step(optimizer) -> None:
             return original(model_param, tensors)
 
         opt._set_main_param_and_optimizer_states = patched
+        opt._megarlhf_step_kept = True
 
 
 def _unshare_torch_adam_step(optimizer) -> None:
