@@ -29,6 +29,19 @@ def test_yaml_and_overrides(tmp_path):
     assert isinstance(cfg.optimizer.lr, float)
 
 
+def test_exponent_floats_without_a_dot(tmp_path):
+    # PyYAML (YAML 1.1) reads `1e-5` as a string; the loader must still take it as a number.
+    path = write(tmp_path, """
+        optimizer:
+          lr: 1e-5
+    """)
+    cfg = load_config(path, ["optimizer.critic_lr=3E-6", "ppo.init_kl_coef=.5"])
+    assert cfg.optimizer.lr == 1e-5 and cfg.optimizer.critic_lr == 3e-6
+    assert cfg.ppo.init_kl_coef == 0.5
+    with pytest.raises(ConfigError, match="expected a number"):
+        load_config(None, ["optimizer.lr=1e-5x"])
+
+
 @pytest.mark.parametrize("override, message", [
     ("model.num_layer=3", "unknown config key 'model.num_layer'; did you mean 'model.num_layers'"),
     ("modle.arch=llama", "did you mean 'model'"),

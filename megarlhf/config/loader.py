@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from typing import Any, Literal
@@ -20,6 +21,9 @@ from megarlhf.config.schema import Config
 
 class ConfigError(ValueError):
     """A config file or override that cannot become a valid :class:`Config`."""
+
+
+_FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 def _field_types(cls) -> dict[str, Any]:
@@ -64,6 +68,9 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             raise ConfigError(f"{key}={value!r} has the wrong type: expected an integer")
         return value
     if hint is float:
+        if isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
+            # PyYAML (YAML 1.1) reads '1e-5' - no dot in the mantissa - as a string.
+            return float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}={value!r} has the wrong type: expected a number")
         return float(value)

@@ -81,61 +81,105 @@ def experience_batches(exp: algos.Experience, micro: int, pad_id: int) -> list[d
 
 # ------------------------------------------------------------------ the loop
 
-def run_ppo(cfg: Config, tokenizer) -> dict:
-    ppo, r = cfg.ppo, cfg.rollout
-    if ppo.sft_checkpoint is None:
-        raise ValueError("ppo.sft_checkpoint is required (the actor and reference start there)")
-    if ppo.reward_checkpoint is None and r.reward_fn is None:
-        raise ValueError("set ppo.reward_checkpoint or rollout.reward_fn")
-    if ppo.ptx_coef > 0:
-        raise ValueError("ppo.ptx_coef > 0: PPO-ptx is available as algos.ppo_ptx_objective but "
-                         "not wired into `megarlhf ppo` yet; set ppo.ptx_coef=0")
-    if cfg.model.hidden_dropout or cfg.model.attention_dropout:
-        # Dropout makes the ratio's numerator and denominator come from different networks.
-        print0("[ppo] dropout is turned off for RL (model.hidden_dropout/attention_dropout)")
-        cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
-    prompts_ds = tokenize_dataset(cfg.data.train_path, "prompt", cfg.data, tokenizer)
-    eval_ds = tokenize_dataset(cfg.data.eval_path, "prompt", cfg.data, tokenizer) \
-        if cfg.data.eval_path else None
-    gold_fn = load_reward_fn(ppo.gold_reward_fn) if ppo.gold_reward_fn else None
-    reward_fn = load_reward_fn(r.reward_fn) if r.reward_fn else None
+class PPOSession:
+    """Everything one PPO run holds - layouts, the four roles, the experience maker, the
+    KL controller - built once; :meth:`iteration` runs stages 1-3 plus the KL update.
+    ``run_ppo`` adds evaluation, logging and checkpoints; benchmarks step it directly."""
 
-    layout = init_distributed(cfg)
-    sizes = algos.BatchSizes(ppo.rollout_batch_size, ppo.mini_batch_size,
-                             ppo.micro_batch_size, layout.dp_size, ppo.group_size).validate()
-    print0(f"[ppo] layout {layout.describe()}, rollout TP={r.tensor_parallel_size}; "
-           f"{sizes.describe()}; {len(prompts_ds)} prompts")
-    total_steps = ppo.num_iterations * ppo.ppo_epochs * sizes.num_mini_batches
-    actor_chunks, actor = _trained(cfg, layout, "lm", cfg.optimizer.lr, total_steps,
-                                   ppo.sft_checkpoint, "policy")
-    use_critic = ppo.advantage_estimator == "gae"
-    critic_chunks, critic = (None, None)
-    if use_critic:
-        critic_src = {"reward": ppo.reward_checkpoint, "sft": ppo.sft_checkpoint,
-                      "random": None}[ppo.critic_init]
-        critic_chunks, critic = _trained(cfg, layout, "value", cfg.optimizer.critic_lr,
-                                         total_steps, critic_src, "reward")
-    reference, _ = _frozen(cfg, layout, "lm", ppo.sft_checkpoint, "policy")
-    reward = RewardSource(fn=reward_fn, decode=tokenizer.decode)
-    if reward_fn is None:
-        rm_chunks, rm_meta = _frozen(cfg, layout, "value", ppo.reward_checkpoint, "reward")
-        reward = RewardSource(chunks=rm_chunks, gain=rm_meta.get("score_gain", 1.0),
-                              bias=rm_meta.get("score_bias", 0.0))
-    inf_layout = inference_layout(r.tensor_parallel_size)
-    maker = ExperienceMaker(cfg, layout, inf_layout, actor_chunks,
-                            build_inference_model(cfg, inf_layout), reference, reward,
-                            critic_chunks, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                            offload=r.offload_frozen_models,
-                            micro_batch_size=ppo.micro_batch_size,
-                            ref_cache=SequenceCache(r.ref_cache_path))
-    kl_ctl = algos.make_kl_controller(ppo.kl_controller, ppo.init_kl_coef, ppo.kl_target,
-                                      ppo.kl_horizon)
-    ema = algos.ParameterEMA([p for c in actor_chunks for p in c.parameters()],
-                             ppo.ema_decay) if ppo.ema_decay else None
-    roles = {"actor": RoleState(actor.model, actor.optimizer, actor.scheduler, {"kind": "lm"})}
-    if critic is not None:
-        roles["critic"] = RoleState(critic.model, critic.optimizer, critic.scheduler,
-                                    {"kind": "value"})
+    def __init__(self, cfg: Config, tokenizer):
+        ppo, r = cfg.ppo, cfg.rollout
+        if ppo.sft_checkpoint is None:
+            raise ValueError("ppo.sft_checkpoint is required (the actor and reference start "
+                             "there)")
+        if ppo.reward_checkpoint is None and r.reward_fn is None:
+            raise ValueError("set ppo.reward_checkpoint or rollout.reward_fn")
+        if ppo.ptx_coef > 0:
+            raise ValueError("ppo.ptx_coef > 0: PPO-ptx is available as algos.ppo_ptx_objective "
+                             "but not wired into `megarlhf ppo` yet; set ppo.ptx_coef=0")
+        if cfg.model.hidden_dropout or cfg.model.attention_dropout:
+            # Dropout makes the ratio's numerator and denominator come from different networks.
+            print0("[ppo] dropout is turned off for RL (model.hidden_dropout/attention_dropout)")
+            cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.prompts = tokenize_dataset(cfg.data.train_path, "prompt", cfg.data, tokenizer)
+        self.eval_prompts = tokenize_dataset(cfg.data.eval_path, "prompt", cfg.data, tokenizer) \
+            if cfg.data.eval_path else None
+        reward_fn = load_reward_fn(r.reward_fn) if r.reward_fn else None
+
+        self.layout = layout = init_distributed(cfg)
+        self.sizes = sizes = algos.BatchSizes(ppo.rollout_batch_size, ppo.mini_batch_size,
+                                              ppo.micro_batch_size, layout.dp_size,
+                                              ppo.group_size).validate()
+        print0(f"[ppo] layout {layout.describe()}, rollout TP={r.tensor_parallel_size}; "
+               f"{sizes.describe()}; {len(self.prompts)} prompts")
+        total_steps = ppo.num_iterations * ppo.ppo_epochs * sizes.num_mini_batches
+        self.actor_chunks, self.actor = _trained(cfg, layout, "lm", cfg.optimizer.lr,
+                                                 total_steps, ppo.sft_checkpoint, "policy")
+        self.critic_chunks, self.critic = None, None
+        if ppo.advantage_estimator == "gae":
+            critic_src = {"reward": ppo.reward_checkpoint, "sft": ppo.sft_checkpoint,
+                          "random": None}[ppo.critic_init]
+            self.critic_chunks, self.critic = _trained(cfg, layout, "value",
+                                                       cfg.optimizer.critic_lr, total_steps,
+                                                       critic_src, "reward")
+        reference, _ = _frozen(cfg, layout, "lm", ppo.sft_checkpoint, "policy")
+        reward = RewardSource(fn=reward_fn, decode=tokenizer.decode)
+        if reward_fn is None:
+            rm_chunks, rm_meta = _frozen(cfg, layout, "value", ppo.reward_checkpoint, "reward")
+            reward = RewardSource(chunks=rm_chunks, gain=rm_meta.get("score_gain", 1.0),
+                                  bias=rm_meta.get("score_bias", 0.0))
+        inf_layout = inference_layout(r.tensor_parallel_size)
+        self.maker = ExperienceMaker(cfg, layout, inf_layout, self.actor_chunks,
+                                     build_inference_model(cfg, inf_layout), reference, reward,
+                                     self.critic_chunks, eos_id=tokenizer.eos_id,
+                                     pad_id=tokenizer.pad_id, offload=r.offload_frozen_models,
+                                     micro_batch_size=ppo.micro_batch_size,
+                                     ref_cache=SequenceCache(r.ref_cache_path))
+        self.kl_ctl = algos.make_kl_controller(ppo.kl_controller, ppo.init_kl_coef,
+                                               ppo.kl_target, ppo.kl_horizon)
+        self.ema = algos.ParameterEMA([p for c in self.actor_chunks for p in c.parameters()],
+                                      ppo.ema_decay) if ppo.ema_decay else None
+        self.roles = {"actor": RoleState(self.actor.model, self.actor.optimizer,
+                                         self.actor.scheduler, {"kind": "lm"})}
+        if self.critic is not None:
+            self.roles["critic"] = RoleState(self.critic.model, self.critic.optimizer,
+                                             self.critic.scheduler, {"kind": "value"})
+
+    def iteration(self, it: int) -> tuple[dict, algos.Experience, object]:
+        """One PPO iteration: (metrics, experience, generation)."""
+        cfg, ppo = self.cfg, self.cfg.ppo
+        t_iter = time.perf_counter()
+        # 1-2. rollout and experience
+        prompts = _prompt_batch(self.prompts.prompts, ppo.rollout_batch_size, ppo.group_size,
+                                cfg.run.seed, it)
+        exp, gen, metrics = self.maker.make(prompts, seed=cfg.run.seed + it,
+                                            kl_coef=self.kl_ctl.value)
+        # 3. PPO epochs over shuffled mini-batches
+        t_train = time.perf_counter()
+        train_critic_only = it < ppo.critic_warmup_iterations
+        metrics.update(_update(cfg, exp, self.actor, self.critic, self.layout, self.sizes,
+                               self.tokenizer.pad_id, it, train_critic_only, self.ema,
+                               self.actor_chunks))
+        metrics["timing/train"] = time.perf_counter() - t_train
+        # 4. KL controller
+        self.kl_ctl.update(metrics["objective/kl"], ppo.rollout_batch_size * ppo.group_size)
+        metrics["objective/kl_coef"] = self.kl_ctl.value
+        metrics["timing/iteration"] = time.perf_counter() - t_iter
+        tokens = exp.response_mask_BT.sum() + exp.prompt_mask_BP.sum()
+        metrics["perf/tokens_per_s"] = float(tokens) * self.layout.dp_size \
+            / metrics["timing/iteration"]
+        metrics["perf/samples_per_s"] = self.sizes.samples / metrics["timing/iteration"]
+        return metrics, exp, gen
+
+    def close(self) -> None:
+        self.maker.restore_frozen_models()
+
+
+def run_ppo(cfg: Config, tokenizer) -> dict:
+    ppo = cfg.ppo
+    gold_fn = load_reward_fn(ppo.gold_reward_fn) if ppo.gold_reward_fn else None
+    session = PPOSession(cfg, tokenizer)
+    layout, roles, kl_ctl = session.layout, session.roles, session.kl_ctl
     ckpt_dir = os.path.join(run_dir(cfg), "checkpoints")
     start = 0
     if cfg.checkpoint.resume and os.path.exists(os.path.join(ckpt_dir, LATEST_FILE)):
@@ -146,7 +190,7 @@ def run_ppo(cfg: Config, tokenizer) -> dict:
     logger = MetricsLogger(run_dir(cfg), tensorboard=cfg.logging.tensorboard,
                            wandb_project=cfg.logging.wandb_project,
                            config=dataclasses.asdict(cfg), resume_step=start or None)
-    evaluate = _evaluator(cfg, maker, eval_ds, tokenizer, gold_fn)
+    evaluate = _evaluator(cfg, session.maker, session.eval_prompts, tokenizer, gold_fn)
 
     guard = PreemptionGuard()
     bar = progress(ppo.num_iterations, start, "ppo", cfg.logging.progress_bar)
@@ -154,24 +198,8 @@ def run_ppo(cfg: Config, tokenizer) -> dict:
         logger.log(0, evaluate(0))
     result = {}
     for it in range(start, ppo.num_iterations):
-        t_iter = time.perf_counter()
-        # 1-2. rollout and experience
-        prompts = _prompt_batch(prompts_ds.prompts, ppo.rollout_batch_size, ppo.group_size,
-                                cfg.run.seed, it)
-        exp, gen, metrics = maker.make(prompts, seed=cfg.run.seed + it, kl_coef=kl_ctl.value)
-        # 3. PPO epochs over shuffled mini-batches
-        t_train = time.perf_counter()
-        train_critic_only = it < ppo.critic_warmup_iterations
-        metrics.update(_update(cfg, exp, actor, critic, layout, sizes, tokenizer.pad_id,
-                               it, train_critic_only, ema, actor_chunks))
-        metrics["timing/train"] = time.perf_counter() - t_train
-        # 4. bookkeeping
-        kl_ctl.update(metrics["objective/kl"], ppo.rollout_batch_size * ppo.group_size)
-        metrics["objective/kl_coef"] = kl_ctl.value
-        metrics["timing/iteration"] = time.perf_counter() - t_iter
-        tokens = exp.response_mask_BT.sum() + exp.prompt_mask_BP.sum()
-        metrics["perf/tokens_per_s"] = float(tokens) * layout.dp_size / metrics["timing/iteration"]
-        metrics["perf/samples_per_s"] = sizes.samples / metrics["timing/iteration"]
+        metrics, exp, gen = session.iteration(it)
+        # 4. evaluation, metrics, samples, checkpoint
         done = it + 1
         if done % ppo.eval_interval == 0 or done == ppo.num_iterations:
             metrics.update(evaluate(done))
@@ -193,12 +221,12 @@ def run_ppo(cfg: Config, tokenizer) -> dict:
             if preempted:
                 mark_preempted(run_dir(cfg), path)
                 bar.close()
-                maker.restore_frozen_models()
+                session.close()
                 logger.close()
                 return {"preempted_at": done}
         result = metrics
     bar.close()
-    maker.restore_frozen_models()
+    session.close()
     logger.close()
     print0(f"[ppo] done: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()
                                        if k.startswith(("eval/", "objective/"))))
