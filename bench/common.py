@@ -53,6 +53,6 @@ def hf_llama(size: str, path: str):
     return model.eval()
 
 
-def convert(hf_dir: str, out: str) -> None:
+def convert(hf_dir: str, out: str, *extra: str) -> None:
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_hf_to_megatron.py"),
-                    "--hf-dir", hf_dir, "--out", out], check=True, capture_output=True)
+                    "--hf-dir", hf_dir, "--out", out, *extra], check=True, capture_output=True)

@@ -52,6 +52,26 @@ def test_redirections_and_deactivate():
         assert torch.ones(1).type() == "torch.FloatTensor"
 
 
+def test_suspended_lifts_only_the_mode():
+    was_active = cpu_backend.is_active()
+    cpu_backend.activate()
+    try:
+        with cpu_backend.suspended():
+            assert torch.ones(1).type() == "torch.FloatTensor"  # mode lifted
+            assert torch.cuda.current_device() == torch.device("cpu")  # patches kept
+            with cpu_backend.suspended():  # nesting: nothing more to lift
+                assert torch.ones(1).type() == "torch.FloatTensor"
+        assert torch.ones(1).type() == "torch.cuda.FloatTensor"  # back on exit
+        with pytest.raises(ValueError), cpu_backend.suspended():
+            raise ValueError  # and back after an exception
+        assert torch.zeros(1, device="cuda").device.type == "cpu"
+    finally:
+        if not was_active:
+            cpu_backend.deactivate()
+    with cpu_backend.suspended():  # inactive: a no-op
+        assert torch.ones(1).type() == "torch.FloatTensor"
+
+
 @pytest.fixture(scope="module")
 def backend_results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("backend"))

@@ -182,3 +182,19 @@ def test_stage_input_errors(task, tmp_path):
                    f"data.train_path={task['prefs']}", "train.global_batch_size=4096",
                    check=False)
     assert proc.returncode == 2 and "fewer than one global batch" in proc.stderr
+
+
+def test_resolve_checkpoint_accepts_step_folder_and_run_directory(tmp_path):
+    from megarlhf.engine.checkpoint import LATEST_FILE, META_FILE, resolve_checkpoint
+
+    step = tmp_path / "out" / "checkpoints" / "step_0000003"
+    step.mkdir(parents=True)
+    (step / META_FILE).write_text("{}")
+    (step.parent / LATEST_FILE).write_text("step_0000003")
+    for given in (step, step.parent, tmp_path / "out"):  # one step, checkpoints/, run dir
+        assert resolve_checkpoint(str(given)) == str(step)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="not a complete megarlhf checkpoint"):
+        resolve_checkpoint(str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_checkpoint(str(tmp_path / "missing"))

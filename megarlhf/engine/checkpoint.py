@@ -28,6 +28,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megarlhf.engine.optimizer import use_fused_torch_adam
+
 META_FILE = "megarlhf_meta.json"
 LATEST_FILE = "latest"
 # Optimizer state in canonical parameter space: loads at any TP/PP/DP. (0.16.1's default
@@ -159,9 +161,14 @@ def _sharded_state(roles: dict[str, RoleState], loading: bool, with_rng: bool,
 
 
 def resolve_checkpoint(path: str) -> str:
-    """A run's checkpoint folder (holding ``latest``) or one checkpoint -> the checkpoint."""
+    """A run's checkpoint folder (holding ``latest``), one checkpoint, or a folder with a
+    ``checkpoints/`` folder in it (a run directory, a converter's output) -> the checkpoint."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    nested = os.path.join(path, "checkpoints")
+    if not os.path.exists(os.path.join(path, LATEST_FILE)) \
+            and os.path.exists(os.path.join(nested, LATEST_FILE)):
+        path = nested
     latest = os.path.join(path, LATEST_FILE)
     if os.path.exists(latest):
         with open(latest) as f:
@@ -288,6 +295,7 @@ def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: b
             _keep_torch_adam_step(role.optimizer)
             role.optimizer.load_state_dict(loaded[src]["optimizer"])
             _unshare_torch_adam_step(role.optimizer)
+            use_fused_torch_adam(role.optimizer)
             # The LR schedule is a common (non-sharded) item: it comes back from the file.
             if role.scheduler is not None and loaded[src].get("scheduler") is not None:
                 role.scheduler.load_state_dict(loaded[src]["scheduler"])

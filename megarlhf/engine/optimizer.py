@@ -61,6 +61,26 @@ class TrainedRole:
     num_skipped_steps: int = 0
 
 
+def use_fused_torch_adam(optimizer) -> None:
+    """Without apex/TE megatron-core builds torch's Adam with its defaults, which on CPU is
+    the per-tensor loop. Switch to torch's fused kernel where the device has one (5x faster
+    on the small benchmark model: 2.8 vs 14.9 ms per step). Call again after loading a
+    checkpoint: loading restores the saved param-group flags."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    supported = _get_fused_kernels_supported_devices()
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam):  # AdamW subclasses Adam
+            continue
+        for group in inner.param_groups:
+            floating = all(p.is_floating_point() for p in group["params"])
+            devices = {p.device.type for p in group["params"]}
+            if floating and devices <= set(supported) and not group.get("differentiable"):
+                group["fused"], group["foreach"] = True, False
+        inner._step_supports_amp_scaling = True
+
+
 def build_optimizer(opt: OptimizerConfig, model: list, *, lr: float, total_steps: int,
                     pg_collection=None) -> tuple[Any, OptimizerParamScheduler]:
     params_dtype = model[0].config.params_dtype
@@ -80,6 +100,7 @@ def build_optimizer(opt: OptimizerConfig, model: list, *, lr: float, total_steps
         params_dtype=params_dtype,
     )
     optimizer = get_megatron_optimizer(mcfg, model, pg_collection=pg_collection)
+    use_fused_torch_adam(optimizer)
     decay_steps = max(total_steps, opt.warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if opt.warmup_steps else lr, max_lr=lr,

@@ -11,10 +11,12 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.models.logprobs import vocab_parallel_logprobs
+from megarlhf.parallel import cpu_backend
 
 
 def model_forward(model, batch: dict):
-    return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
+    with cpu_backend.suspended():
+        return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
 
 
 def make_score_step(role: str, *, tp_group, true_vocab: int, temperature: float = 1.0):

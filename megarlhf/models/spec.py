@@ -54,30 +54,43 @@ class SDPACoreAttention(MegatronModule):
         q = query.permute(1, 2, 0, 3)  # (B, heads, sq, hd)
         k = key.permute(1, 2, 0, 3)  # (B, groups, sk, hd)
         v = value.permute(1, 2, 0, 3)
-        if self.groups != self.heads:
-            k = k.repeat_interleave(self.heads // self.groups, dim=1)
-            v = v.repeat_interleave(self.heads // self.groups, dim=1)
+        gqa = self.groups != self.heads  # SDPA shares each K/V group without copying
+        dropout = self.dropout_p if self.training else 0.0
         causal = mask_type == AttnMaskType.causal and sq > 1
         if causal and attention_mask is None and sq == sk:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
+                                                 scale=self.softmax_scale, enable_gqa=gqa)
+        else:
             out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout_p if self.training else 0.0,
-                scale=self.softmax_scale)
-            return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], self.heads * self.head_dim)
-        allowed = None
-        if causal:
-            # Queries are the last sq of sk positions (sk > sq while prefilling on a cache).
-            allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
-        if attention_mask is not None:
-            allowed = ~attention_mask if allowed is None else allowed & ~attention_mask
-            # A query row with nothing allowed (a pad position) gives NaN in SDPA, and a
-            # NaN value row poisons every row through 0 * NaN: let each position see itself.
-            allowed = allowed | _diagonal(sq, sk, q.device)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            scale=self.softmax_scale)
+                q, k, v, attn_mask=_allowed(attention_mask, causal, sq, sk, q.device),
+                dropout_p=dropout, scale=self.softmax_scale, enable_gqa=gqa)
         # (B, heads, sq, hd) -> (sq, B, heads*hd)
         return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], self.heads * self.head_dim)
+
+
+_last_allowed: dict = {}
+
+
+def _allowed(attention_mask, causal: bool, sq: int, sk: int, device):
+    """SDPA's boolean mask (True = may attend) from megatron's (True = blocked). Every layer
+    of one forward passes the same mask tensor, so the last result is kept and reused."""
+    key = (causal, sq, sk)
+    hit = _last_allowed.get("key")
+    if hit is not None and hit[0] is attention_mask and hit[1] == key \
+            and hit[2] == getattr(attention_mask, "_version", None):
+        return _last_allowed["value"]
+    allowed = None
+    if causal:
+        # Queries are the last sq of sk positions (sk > sq while prefilling on a cache).
+        allowed = torch.ones(sq, sk, dtype=torch.bool, device=device).tril(sk - sq)
+    if attention_mask is not None:
+        allowed = ~attention_mask if allowed is None else allowed & ~attention_mask
+        # A query row with nothing allowed (a pad position) gives NaN in SDPA, and a
+        # NaN value row poisons every row through 0 * NaN: let each position see itself.
+        allowed = allowed | _diagonal(sq, sk, device)
+    _last_allowed.update(key=(attention_mask, key, getattr(attention_mask, "_version", None)),
+                         value=allowed)
+    return allowed
 
 
 def _diagonal(sq: int, sk: int, device) -> torch.Tensor:

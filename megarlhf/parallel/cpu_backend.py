@@ -19,6 +19,8 @@ the pinned megatron-core changes.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -101,3 +103,20 @@ def deactivate() -> None:
     torch.cuda.current_device = _state["saved"]["current_device"]
     torch.cuda.synchronize = _state["saved"]["synchronize"]
     _state["mode"] = None
+
+
+@contextlib.contextmanager
+def suspended():
+    """Run the body without the ``TorchFunctionMode`` (redirections 1 and 3 stay).
+
+    Every torch call under the mode is dispatched through Python, which costs more than
+    the op itself for the small tensors of CPU runs. Model forwards (training and
+    generation) name no ``"cuda"`` device, so their callers suspend the mode around them;
+    megatron's schedules, DDP and optimizer code around them still run under it."""
+    mode = _state["mode"]
+    depth = torch._C._len_torch_function_stack()
+    if mode is None or depth == 0 or torch._C._get_function_stack_at(depth - 1) is not mode:
+        yield
+        return
+    with torch.overrides._pop_mode_temporarily():
+        yield

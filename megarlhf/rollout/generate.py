@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
+from megarlhf.parallel import cpu_backend
+
 _NEG = -1e30
 
 
@@ -114,12 +116,14 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
         inp = tokens[:, start:length].masked_fill(key_mask[:, start:length] == 0, pad_id)
         pos = positions[:, start:length]
         blocked = _attention_blocked(key_mask[:, :length], new)
-        if ctx is None:
-            out = model(inp, pos, blocked, runtime_gather_output=True)
-        else:
-            out = model(inp, pos, blocked, inference_context=ctx, runtime_gather_output=True)
-            ctx.sequence_len_offset += new
-            ctx.enable_decode_mode()
+        with cpu_backend.suspended():
+            if ctx is None:
+                out = model(inp, pos, blocked, runtime_gather_output=True)
+            else:
+                out = model(inp, pos, blocked, inference_context=ctx,
+                            runtime_gather_output=True)
+                ctx.sequence_len_offset += new
+                ctx.enable_decode_mode()
         return out[:, -1, :true_vocab].float()
 
     logits = last_logits(P, P)
