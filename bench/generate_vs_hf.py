@@ -33,6 +33,7 @@ def main() -> None:
 
     from megarlhf.config import load_config
     from megarlhf.engine.schedule import build_model_chunks
+    from megarlhf.parallel import cpu_backend
     from megarlhf.parallel.launch import init_distributed
     from megarlhf.rollout.generate import SamplingParams, generate
     from megarlhf.stages.score import load_or_init
@@ -56,7 +57,8 @@ def main() -> None:
                             true_vocab=cfg.model.vocab_size, use_cache=use_cache)
 
         def theirs():
-            with torch.no_grad():
+            # transformers runs without megarlhf's CPU-backend mode, as in its own process.
+            with torch.no_grad(), cpu_backend.suspended():
                 return hf.generate(torch.tensor(prompts), max_new_tokens=args.new,
                                    min_new_tokens=args.new, do_sample=False, pad_token_id=0)
 

@@ -1,0 +1,379 @@
+"""PPO iteration throughput: megarlhf against TRL 1.12.0's ``PPOTrainer``, side by side.
+
+Both frameworks load the same Hugging Face checkpoints (megarlhf through
+``tools/convert_hf_to_megatron.py``): a Llama policy (actor and reference) and a Llama
+sequence-classification reward model (reward model, and where the critic starts). Each
+framework runs in its own worker process at 2 threads; the driver hands out iterations in
+turn - megarlhf (defaults: distributed optimizer), megarlhf with megatron's plain optimizer
+(``optimizer.use_distributed_optimizer=false``, row ``mrl-plainopt``), TRL as shipped, TRL with
+its per-iteration ``gc.collect()`` disabled - so all
+four see the same machine. The first ``--warmup`` iterations of each are not counted.
+
+Settings (the issue's): prompts of 32 tokens, responses of up to 32, batch 16, 4 PPO epochs x
+2 mini-batches, one optimizer step per mini-batch, fp32, fixed KL coefficient. Both use the
+sampler's log-probs as the old log-probs and keep the frozen models resident (megarlhf:
+``rollout.recompute_logprobs=false``, ``rollout.offload_frozen_models=false``). Variant
+``fixed`` samples all 32 tokens (no stop token); variant ``stop`` ends responses at EOS,
+whose output row was biased so that responses have variable lengths.
+
+    .venv/bin/python bench/ppo_vs_trl.py [--sizes tiny small] [--variants fixed stop]
+                                         [--iterations 4] [--warmup 1]
+
+Phases: generation (megarlhf: reshard + sampling; TRL: ``batch_generation``), experience
+(reference, reward and value passes, rewards, GAE), training (PPO epochs), other (the rest of
+the iteration: TRL's gc.collect() and logging, megarlhf's bookkeeping). Figures are medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, SIZES, convert, machine  # noqa: E402
+
+BATCH, PROMPT, RESPONSE, EPOCHS, MINI_BATCHES = 16, 32, 32, 4, 2
+PAD, BOS, EOS = 0, 1, 2
+LR, KL_COEF = 1e-5, 0.05
+TAG = "@@ "  # worker lines meant for the driver
+# megarlhf as configured by default, megarlhf with megatron's plain (non-distributed)
+# optimizer, TRL as shipped, TRL without its gc.collect() calls
+WORKERS = ("megarlhf", "mrl-plainopt", "trl", "trl-nogc")
+
+
+# ------------------------------------------------------------------ shared inputs
+
+def _tokenizer(vocab: int, folder: str):
+    """A word-level tokenizer over 'w3 ... w{vocab-1}' plus <pad>, <s>, </s>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": PAD, "<s>": BOS, "</s>": EOS}
+    words.update({f"w{i}": i for i in range(3, vocab)})
+    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.save_pretrained(folder)
+    return fast
+
+
+def _llama_config(size: str):
+    import transformers
+    s = SIZES[size]
+    return transformers.LlamaConfig(
+        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
+        num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"], max_position_embeddings=256, bos_token_id=BOS,
+        eos_token_id=EOS, pad_token_id=PAD, num_labels=1)
+
+
+@torch.no_grad()
+def _bias_towards_eos(policy, prompts: torch.Tensor, target_length: float) -> float:
+    """Point the EOS output row along the mean final hidden state of the policy's own
+    sampled responses, scaled (by bisection) so that responses sampled with EOS as the
+    stop token average ``target_length`` tokens. Returns that mean length."""
+    ones = torch.ones_like(prompts)
+
+    def sample(**kw):
+        torch.manual_seed(7)
+        return policy.generate(prompts, attention_mask=ones, do_sample=True, top_k=0,
+                               max_new_tokens=RESPONSE, pad_token_id=PAD, **kw)[:, PROMPT:]
+
+    tokens = torch.cat([prompts, sample(min_new_tokens=RESPONSE)], 1)
+    hidden = policy(tokens, output_hidden_states=True).hidden_states[-1][:, PROMPT - 1:-1]
+    mean = hidden.reshape(-1, hidden.shape[-1]).mean(0)
+    direction = mean / mean.square().sum()
+
+    def mean_length(scale):
+        policy.lm_head.weight[EOS] = scale * direction
+        stops = sample(eos_token_id=EOS) == EOS
+        stops = torch.nn.functional.pad(stops, (0, RESPONSE - stops.shape[1]))
+        return float(torch.where(stops.any(1), stops.float().argmax(1) + 1, RESPONSE).float().mean())
+
+    low, high = 0.0, 100.0
+    for _ in range(16):
+        mid = (low + high) / 2
+        low, high = (mid, high) if mean_length(mid) > target_length else (low, mid)
+    return mean_length((low + high) / 2)
+
+
+def prepare(size: str, variant: str, folder: str) -> dict:
+    """HF policy + reward model + tokenizer + prompts, converted for megarlhf."""
+    import transformers
+    vocab = SIZES[size]["vocab"]
+    hf_policy, hf_reward = os.path.join(folder, "policy_hf"), os.path.join(folder, "reward_hf")
+    gen = torch.Generator().manual_seed(11)
+    prompts = [[BOS] + torch.randint(3, vocab, (PROMPT - 1,), generator=gen).tolist()
+               for _ in range(256)]
+    torch.manual_seed(0)
+    policy = transformers.LlamaForCausalLM(_llama_config(size)).eval()
+    note = "no stop token: every response has 32 tokens"
+    if variant == "stop":
+        length = _bias_towards_eos(policy, torch.tensor(prompts[:BATCH]), RESPONSE / 2)
+        note = f"EOS row biased so that sampled responses averaged {length:.1f} tokens"
+    torch.manual_seed(1)
+    reward = transformers.LlamaForSequenceClassification(_llama_config(size)).eval()
+    for model, path in ((policy, hf_policy), (reward, hf_reward)):
+        model.save_pretrained(path)
+        _tokenizer(vocab, path)
+    convert(hf_policy, os.path.join(folder, "policy_mrl"))
+    convert(hf_reward, os.path.join(folder, "reward_mrl"), "--role", "reward")
+    with open(os.path.join(folder, "prompts.jsonl"), "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt": " ".join(f"w{i}" for i in p[1:])}) + "\n")
+    with open(os.path.join(folder, "prompt_ids.json"), "w") as f:
+        json.dump(prompts, f)
+    return {"note": note}
+
+
+# ------------------------------------------------------------------ workers
+
+class Channel:
+    """The worker side of the driver protocol: wait for 'go', answer one JSON line."""
+
+    def __init__(self):
+        self.out = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)  # everything else the frameworks print goes to the log
+
+    def send(self, payload) -> None:
+        self.out.write(TAG + json.dumps(payload) + "\n")
+
+    def wait(self) -> bool:
+        """True for 'go', False for 'stop'."""
+        return sys.stdin.readline().strip() == "go"
+
+
+def megarlhf_worker(folder: str, variant: str, distributed_optimizer: bool) -> None:
+    from megarlhf.config import load_config
+    from megarlhf.data.tokenizer import load_tokenizer
+    from megarlhf.stages.ppo import PPOSession
+
+    channel = Channel()
+    mrl = lambda name: os.path.join(folder, name)  # noqa: E731
+    cfg = load_config(mrl("policy_mrl/config.yaml"), [
+        f"run.output_dir={mrl('run_megarlhf')}", "run.num_threads=2",
+        f"data.train_path={mrl('prompts.jsonl')}", f"data.max_prompt_len={PROMPT}",
+        f"ppo.sft_checkpoint={mrl('policy_mrl')}", f"ppo.reward_checkpoint={mrl('reward_mrl')}",
+        "ppo.critic_init=reward", f"ppo.rollout_batch_size={BATCH}",
+        f"ppo.mini_batch_size={BATCH // MINI_BATCHES}",
+        f"ppo.micro_batch_size={BATCH // MINI_BATCHES}", f"ppo.ppo_epochs={EPOCHS}",
+        "ppo.num_iterations=1000", "ppo.kl_controller=fixed", f"ppo.init_kl_coef={KL_COEF}",
+        f"rollout.max_new_tokens={RESPONSE}", "rollout.temperature=1.0",
+        f"rollout.stop_at_eos={str(variant == 'stop').lower()}",
+        "rollout.recompute_logprobs=false", "rollout.offload_frozen_models=false",
+        f"optimizer.lr={LR}", f"optimizer.critic_lr={LR}", "optimizer.lr_schedule=constant",
+        "logging.tensorboard=false", "logging.progress_bar=false",
+        f"optimizer.use_distributed_optimizer={str(distributed_optimizer).lower()}"])
+    session = PPOSession(cfg, load_tokenizer(cfg.tokenizer))
+    channel.send("ready")
+    it = 0
+    while channel.wait():
+        m, exp, _ = session.iteration(it)
+        it += 1
+        generation = m["timing/rollout"]
+        channel.send({
+            "generation": generation, "experience": m["timing/experience"],
+            "training": m["timing/train"],
+            "other": m["timing/iteration"] - generation - m["timing/experience"]
+            - m["timing/train"],
+            "iteration": m["timing/iteration"],
+            "response_tokens": float(exp.response_mask_BT.sum()),
+            "tokens": float(exp.response_mask_BT.sum() + exp.prompt_mask_BP.sum())})
+    session.close()
+
+
+def trl_worker(folder: str, variant: str, collect_garbage: bool, iterations: int) -> None:
+    import types
+
+    import transformers
+    from datasets import Dataset
+    import trl.experimental.ppo.ppo_trainer as ppo_module
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+    channel = Channel()
+    torch.set_num_threads(2)
+    path = lambda name: os.path.join(folder, name)  # noqa: E731
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(path("policy_hf"))
+    policy = transformers.AutoModelForCausalLM.from_pretrained(path("policy_hf"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path("policy_hf"))
+    reward = transformers.AutoModelForSequenceClassification.from_pretrained(path("reward_hf"))
+    value = transformers.AutoModelForSequenceClassification.from_pretrained(path("reward_hf"))
+    with open(path("prompt_ids.json")) as f:
+        prompts = Dataset.from_dict({"input_ids": json.load(f)})
+    args = PPOConfig(
+        output_dir=path("run_trl"), per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=1, num_mini_batches=MINI_BATCHES, num_ppo_epochs=EPOCHS,
+        local_rollout_forward_batch_size=BATCH, response_length=RESPONSE,
+        total_episodes=BATCH * iterations, learning_rate=LR, lr_scheduler_type="constant",
+        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True,
+        stop_token="eos" if variant == "stop" else None, missing_eos_penalty=None,
+        temperature=1.0, kl_coef=KL_COEF, num_sample_generations=0, report_to=[],
+        save_strategy="no", logging_steps=1, disable_tqdm=True, seed=1234,
+        dataloader_num_workers=0)
+
+    clock = {}
+
+    def timed_generation(*a, **k):
+        start = time.perf_counter()
+        out = generate_fn(*a, **k)
+        clock["generation"] = time.perf_counter() - start
+        clock["generation_end"] = time.perf_counter()
+        responses = out[0][:, PROMPT:]
+        stops = (responses == EOS) if variant == "stop" else torch.zeros_like(responses, dtype=bool)
+        first = torch.where(stops.any(1), stops.float().argmax(1) + 1, responses.shape[1])
+        clock["response_tokens"] = float(first.sum())
+        return out
+
+    def timed_forward(model, *a, **k):
+        if isinstance(model, ppo_module.PolicyAndValueWrapper) and "training_start" not in clock:
+            clock["training_start"] = time.perf_counter()
+        return forward_fn(model, *a, **k)
+
+    generate_fn, forward_fn = ppo_module.batch_generation, ppo_module.forward
+    ppo_module.batch_generation, ppo_module.forward = timed_generation, timed_forward
+    if not collect_garbage:
+        ppo_module.gc = types.SimpleNamespace(collect=lambda *a, **k: 0)
+
+    class Handoff(transformers.TrainerCallback):
+        def _go(self):
+            if not channel.wait():
+                return False
+            clock.clear()
+            clock["start"] = time.perf_counter()
+            return True
+
+        def on_train_begin(self, *a, **k):
+            channel.send("ready")
+            self._go()
+
+        def on_log(self, *a, **k):
+            clock.setdefault("training_end", time.perf_counter())
+
+        def on_step_end(self, *a, **k):
+            end = time.perf_counter()
+            experience = clock["training_start"] - clock["generation_end"]
+            training = clock["training_end"] - clock["training_start"]
+            total = end - clock["start"]
+            channel.send({"generation": clock["generation"], "experience": experience,
+                          "training": training,
+                          "other": total - clock["generation"] - experience - training,
+                          "iteration": total, "response_tokens": clock["response_tokens"],
+                          "tokens": clock["response_tokens"] + BATCH * PROMPT})
+            self._go()
+
+    trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=ref,
+                         reward_model=reward, train_dataset=prompts, value_model=value,
+                         eval_dataset=prompts, callbacks=[Handoff()])
+    trainer.train()
+
+
+# ------------------------------------------------------------------ driver
+
+class Worker:
+    def __init__(self, kind: str, folder: str, variant: str, iterations: int, log):
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--folder", folder,
+               "--variant", variant, "--iterations", str(iterations)]
+        env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false",
+               "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.kind, self.log = kind, log
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=log, text=True, env=env, cwd=ROOT)
+
+    def receive(self):
+        for line in self.proc.stdout:
+            if line.startswith(TAG):
+                return json.loads(line[len(TAG):])
+        raise RuntimeError(f"{self.kind} worker exited (rc {self.proc.wait()}); "
+                           f"see {self.log.name}")
+
+    def command(self, word: str) -> None:
+        self.proc.stdin.write(word + "\n")
+        self.proc.stdin.flush()
+
+
+def run_pair(size: str, variant: str, iterations: int, warmup: int, folder: str) -> dict:
+    info = prepare(size, variant, folder)
+    total = warmup + iterations
+    log = open(os.path.join(folder, "workers.log"), "w")
+    workers = [Worker(k, folder, variant, total, log) for k in WORKERS]
+    for w in workers:
+        assert w.receive() == "ready"
+    results = {w.kind: [] for w in workers}
+    for it in range(total):
+        for w in workers:
+            time.sleep(0.5)  # let the previous worker's threads go idle
+            w.command("go")
+            result = w.receive()
+            if it >= warmup:
+                results[w.kind].append(result)
+    for w in workers:
+        w.command("stop")
+        w.proc.wait(timeout=120)
+    log.close()
+    with open(os.path.join(folder, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return {"note": info["note"],
+            "medians": {k: {key: statistics.median(r[key] for r in rs) for key in rs[0]}
+                        for k, rs in results.items()}}
+
+
+def report(size: str, variant: str, out: dict) -> None:
+    med = out["medians"]
+    rate = {k: med[k]["tokens"] / med[k]["iteration"] for k in WORKERS}
+    print(f"\n## {size}, {variant} ({out['note']})")
+    print(f"{'':>12} {'generation s':>12} {'experience s':>12} {'training s':>10} "
+          f"{'other s':>8} {'iteration s':>11} {'resp tok':>8} {'tokens/s':>9} "
+          f"{'megarlhf vs it':>14} {'plainopt vs it':>14}")
+    for kind in WORKERS:
+        m = med[kind]
+        print(f"{kind:>12} {m['generation']:>12.3f} {m['experience']:>12.3f} "
+              f"{m['training']:>10.3f} {m['other']:>8.3f} {m['iteration']:>11.3f} "
+              f"{m['response_tokens'] / BATCH:>8.1f} {rate[kind]:>9.0f} "
+              f"{rate['megarlhf'] / rate[kind]:>13.2f}x "
+              f"{rate['mrl-plainopt'] / rate[kind]:>13.2f}x")
+    for ours in WORKERS[:2]:
+        for kind in WORKERS[2:]:
+            print(f"  phase speed-up {ours} vs {kind}: " + ", ".join(
+                f"{phase} {med[kind][phase] / med[ours][phase]:.2f}x"
+                for phase in ("generation", "experience", "training")))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=["tiny", "small"])
+    parser.add_argument("--variants", nargs="+", choices=["fixed", "stop"],
+                        default=["fixed", "stop"])
+    parser.add_argument("--iterations", type=int, default=4, help="measured iterations")
+    parser.add_argument("--warmup", type=int, default=1, help="uncounted first iterations")
+    parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker in ("megarlhf", "mrl-plainopt"):
+        return megarlhf_worker(args.folder, args.variant, args.worker == "megarlhf")
+    if args.worker:
+        return trl_worker(args.folder, args.variant, args.worker == "trl", args.iterations)
+    torch.set_num_threads(2)
+    print(f"# PPO iteration, megarlhf vs TRL PPOTrainer: batch {BATCH}, prompt {PROMPT}, "
+          f"response <= {RESPONSE}, {EPOCHS} epochs x {MINI_BATCHES} mini-batches, fp32; "
+          f"median of {args.iterations} iterations after {args.warmup} warm-up; {machine()}")
+    print("# tokens/s counts prompt + response tokens of the rollout batch per iteration second")
+    for size in args.sizes:
+        for variant in args.variants:
+            folder = tempfile.mkdtemp(prefix=f"ppo_vs_trl_{size}_{variant}_")
+            report(size, variant, run_pair(size, variant, args.iterations, args.warmup, folder))
+            sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
