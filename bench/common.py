@@ -40,15 +40,20 @@ def timed(fn, repeats: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def hf_llama(size: str, path: str):
+def llama_config(size: str, **extra):
+    """transformers' LlamaConfig for one of the benchmark sizes."""
     import transformers
     s = SIZES[size]
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    return transformers.LlamaConfig(
         vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
         num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"], max_position_embeddings=256, bos_token_id=1,
-        eos_token_id=2))
+        num_key_value_heads=s["kv_heads"], max_position_embeddings=256, **extra)
+
+
+def hf_llama(size: str, path: str):
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(llama_config(size, bos_token_id=1, eos_token_id=2))
     model.save_pretrained(path)
     return model.eval()
 

@@ -38,7 +38,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, SIZES, convert, machine  # noqa: E402
+from common import ROOT, SIZES, convert, llama_config, machine  # noqa: E402
 
 BATCH, PROMPT, RESPONSE, EPOCHS, MINI_BATCHES = 16, 32, 32, 4, 2
 PAD, BOS, EOS = 0, 1, 2
@@ -67,13 +67,13 @@ def _tokenizer(vocab: int, folder: str):
 
 
 def _llama_config(size: str):
-    import transformers
-    s = SIZES[size]
-    return transformers.LlamaConfig(
-        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
-        num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"], max_position_embeddings=256, bos_token_id=BOS,
-        eos_token_id=EOS, pad_token_id=PAD, num_labels=1)
+    return llama_config(size, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, num_labels=1)
+
+
+def _response_lengths(responses: torch.Tensor, stop: bool) -> torch.Tensor:
+    """Tokens per row up to and including the first EOS (all of them without a stop)."""
+    stops = responses == EOS if stop else torch.zeros_like(responses, dtype=torch.bool)
+    return torch.where(stops.any(1), stops.float().argmax(1) + 1, RESPONSE)
 
 
 @torch.no_grad()
@@ -95,9 +95,7 @@ def _bias_towards_eos(policy, prompts: torch.Tensor, target_length: float) -> fl
 
     def mean_length(scale):
         policy.lm_head.weight[EOS] = scale * direction
-        stops = sample(eos_token_id=EOS) == EOS
-        stops = torch.nn.functional.pad(stops, (0, RESPONSE - stops.shape[1]))
-        return float(torch.where(stops.any(1), stops.float().argmax(1) + 1, RESPONSE).float().mean())
+        return float(_response_lengths(sample(eos_token_id=EOS), stop=True).float().mean())
 
     low, high = 0.0, 100.0
     for _ in range(16):
@@ -227,10 +225,8 @@ def trl_worker(folder: str, variant: str, collect_garbage: bool, iterations: int
         out = generate_fn(*a, **k)
         clock["generation"] = time.perf_counter() - start
         clock["generation_end"] = time.perf_counter()
-        responses = out[0][:, PROMPT:]
-        stops = (responses == EOS) if variant == "stop" else torch.zeros_like(responses, dtype=bool)
-        first = torch.where(stops.any(1), stops.float().argmax(1) + 1, responses.shape[1])
-        clock["response_tokens"] = float(first.sum())
+        clock["response_tokens"] = float(_response_lengths(out[0][:, PROMPT:],
+                                                           stop=variant == "stop").sum())
         return out
 
     def timed_forward(model, *a, **k):

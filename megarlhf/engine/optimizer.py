@@ -68,17 +68,17 @@ def use_fused_torch_adam(optimizer) -> None:
     checkpoint: loading restores the saved param-group flags."""
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
-    supported = _get_fused_kernels_supported_devices()
+    supported = set(_get_fused_kernels_supported_devices())
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
         if not isinstance(inner, torch.optim.Adam):  # AdamW subclasses Adam
             continue
         for group in inner.param_groups:
-            floating = all(p.is_floating_point() for p in group["params"])
-            devices = {p.device.type for p in group["params"]}
-            if floating and devices <= set(supported) and not group.get("differentiable"):
+            if not group.get("differentiable") and all(
+                    p.is_floating_point() and p.device.type in supported
+                    for p in group["params"]):
                 group["fused"], group["foreach"] = True, False
-        inner._step_supports_amp_scaling = True
+                inner._step_supports_amp_scaling = True  # as torch's constructor sets it
 
 
 def build_optimizer(opt: OptimizerConfig, model: list, *, lr: float, total_steps: int,

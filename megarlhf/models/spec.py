@@ -68,17 +68,13 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], self.heads * self.head_dim)
 
 
-_last_allowed: dict = {}
-
-
 def _allowed(attention_mask, causal: bool, sq: int, sk: int, device):
     """SDPA's boolean mask (True = may attend) from megatron's (True = blocked). Every layer
-    of one forward passes the same mask tensor, so the last result is kept and reused."""
-    key = (causal, sq, sk)
-    hit = _last_allowed.get("key")
-    if hit is not None and hit[0] is attention_mask and hit[1] == key \
-            and hit[2] == getattr(attention_mask, "_version", None):
-        return _last_allowed["value"]
+    of one forward passes the same mask tensor, so the result is kept on that tensor."""
+    key = (causal, sq, sk, getattr(attention_mask, "_version", None))
+    cached = getattr(attention_mask, "_megarlhf_sdpa_mask", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
     allowed = None
     if causal:
         # Queries are the last sq of sk positions (sk > sq while prefilling on a cache).
@@ -88,8 +84,7 @@ def _allowed(attention_mask, causal: bool, sq: int, sk: int, device):
         # A query row with nothing allowed (a pad position) gives NaN in SDPA, and a
         # NaN value row poisons every row through 0 * NaN: let each position see itself.
         allowed = allowed | _diagonal(sq, sk, device)
-    _last_allowed.update(key=(attention_mask, key, getattr(attention_mask, "_version", None)),
-                         value=allowed)
+        attention_mask._megarlhf_sdpa_mask = (key, allowed)
     return allowed
 
 
