@@ -6,14 +6,13 @@ import argparse
 import sys
 import warnings
 
-from megarlhf.config import Config, ConfigError, dump_config, load_config, validate_layout
+from megarlhf.config import Config, ConfigError, dump_config, load_config
 
 
 def _resolve(args) -> Config:
-    """Config file + overrides, with the vocabulary taken from the tokenizer when unset,
-    validated against the launcher's world size before any process group exists."""
-    from megarlhf.parallel.launch import read_dist_env
-
+    """Config file + overrides, with the vocabulary taken from the tokenizer when unset.
+    Each stage resolves its roles (model from checkpoint, layout) and validates them against
+    the launcher's world size before any process group exists."""
     cfg = load_config(args.config, args.overrides)
     tokenizer = None
     if cfg.tokenizer.path is not None:
@@ -25,7 +24,6 @@ def _resolve(args) -> Config:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
                               f"tokenizer's vocabulary ({tokenizer.vocab_size}, "
                               f"{cfg.tokenizer.path}): tokenizer and model do not match")
-    validate_layout(cfg, read_dist_env().world_size)
     args.tokenizer = tokenizer
     return cfg
 

@@ -82,3 +82,35 @@ def reinforce_pp_advantages(rewards_BT: torch.Tensor, mask_BT: torch.Tensor, gam
 def broadcast_to_tokens(advantages_B: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     """A per-sample advantage on every response token."""
     return advantages_B.unsqueeze(-1) * mask_BT.to(advantages_B.dtype)
+
+
+def estimate_advantages(estimator: str, *, scores_B: torch.Tensor, rewards_BT: torch.Tensor,
+                        values_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float,
+                        lam: float, group_size: int, whiten: bool, unbiased: bool = True,
+                        reduce_fn: ReduceFn | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages_BT, returns_BT) for ``ppo.advantage_estimator``:
+
+    - ``gae``: GAE on the KL-shaped rewards with the critic's values (returns = A + V);
+    - ``reinforce_pp``: whitened discounted returns of the shaped rewards (no critic);
+    - ``grpo`` / ``rloo``: a group baseline on the sequence score, on every token (samples
+      of one prompt are consecutive).
+    ``whiten`` whitens GAE and RLOO advantages over the batch (GRPO is normalised within
+    its groups, REINFORCE++ always whitened). Critic-free estimators return the advantages
+    as returns (nothing trains on them)."""
+    mask = mask_BT.to(rewards_BT.dtype)
+    if estimator == "gae":
+        advantages, returns = gae(rewards_BT, values_BT, mask, gamma, lam)
+    elif estimator == "reinforce_pp":
+        advantages = reinforce_pp_advantages(rewards_BT, mask, gamma, unbiased, reduce_fn)
+        returns = advantages.clone()
+    elif estimator in ("grpo", "rloo"):
+        group_fn = grpo_advantages if estimator == "grpo" else rloo_advantages
+        advantages = broadcast_to_tokens(group_fn(scores_B, group_size), mask)
+        returns = advantages.clone()
+    else:
+        raise ValueError(f"unknown advantage estimator {estimator!r}")
+    if whiten and estimator in ("gae", "rloo"):
+        advantages = masked_whiten(advantages, mask, unbiased=unbiased,
+                                   reduce_fn=reduce_fn) * mask
+    return advantages, returns

@@ -1,7 +1,8 @@
 """Typed configuration: the dataclass tree, YAML loading and layout validation."""
 
 from megarlhf.config.loader import (
-    ConfigError, config_from_dict, dump_config, load_config, parse_overrides)
+    ConfigError, config_from_dict, dump_config, explicit_fields, load_config, overlay,
+    parse_overrides, section_from_dict)
 from megarlhf.config.schema import (
     CheckpointConfig,
     Config,
@@ -13,9 +14,15 @@ from megarlhf.config.schema import (
     ParallelConfig,
     PPOConfig,
     RolloutConfig,
+    RoleConfig,
+    RoleParallelConfig,
+    RolesConfig,
     RunConfig,
     TokenizerConfig,
     TrainConfig,
+    check_model_layout,
+    check_precision,
+    check_rollout_layout,
     padded_vocab_size,
     validate_layout,
 )
@@ -24,5 +31,7 @@ __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FP8Config", "LoggingConfig",
     "ModelConfig", "OptimizerConfig", "config_from_dict", "PPOConfig", "ParallelConfig", "RolloutConfig",
     "RunConfig", "TokenizerConfig", "TrainConfig", "dump_config", "load_config", "padded_vocab_size",
-    "parse_overrides", "validate_layout",
+    "parse_overrides", "validate_layout", "RoleConfig", "RoleParallelConfig", "RolesConfig",
+    "check_model_layout", "check_precision", "check_rollout_layout", "explicit_fields",
+    "overlay", "section_from_dict",
 ]

@@ -23,6 +23,40 @@ class ConfigError(ValueError):
     """A config file or override that cannot become a valid :class:`Config`."""
 
 
+# The loader remembers which fields a file or an override wrote on each section, so that a
+# role's model can come from its checkpoint and take only what the user wrote on top.
+_EXPLICIT = "_megarlhf_explicit"
+
+
+def explicit_fields(section) -> frozenset[str]:
+    """Field names a config file or override set on ``section`` (a dataclass built by this
+    loader); a section built in code counts every field as set."""
+    names = getattr(section, _EXPLICIT, None)
+    if names is None:
+        return frozenset(f.name for f in dataclasses.fields(section))
+    return names
+
+
+def overlay(base, override, only: tuple[str, ...] | None = None):
+    """``base`` with the fields written on ``override`` (a section of the same type; None
+    changes nothing) on top, nested sections overlaid field by field; ``only`` limits the
+    fields taken. The result is validated by the dataclass again."""
+    if override is None:
+        return base
+    changes = {}
+    for name in explicit_fields(override):
+        if only is not None and name not in only:
+            continue
+        value = getattr(override, name)
+        current = getattr(base, name)
+        if dataclasses.is_dataclass(value) and dataclasses.is_dataclass(current):
+            value = overlay(current, value)
+        changes[name] = value
+    merged = dataclasses.replace(base, **changes)
+    object.__setattr__(merged, _EXPLICIT, explicit_fields(base) | frozenset(changes))
+    return merged
+
+
 _FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
@@ -103,9 +137,11 @@ def _build(cls, data: Any, key: str = ""):
             raise _unknown_key(cls, str(name), prefix)
         kwargs[name] = _coerce(value, hints[name], prefix + name)
     try:
-        return cls(**kwargs)
+        built = cls(**kwargs)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    object.__setattr__(built, _EXPLICIT, frozenset(kwargs))
+    return built
 
 
 def _set_path(tree: dict, dotted: str, value: Any) -> None:
@@ -120,12 +156,26 @@ def _set_path(tree: dict, dotted: str, value: Any) -> None:
         if depth == len(parts) - 1:
             node[part] = value
             return
-        if not dataclasses.is_dataclass(hint):
+        hint = _section_type(hint)
+        if hint is None:
             raise ConfigError(f"'{'.'.join(parts[:depth + 1])}' is a value, not a section")
-        node = node.setdefault(part, {})
+        if node.get(part) is None:
+            node[part] = {}
+        node = node[part]
         if not isinstance(node, dict):
             raise ConfigError(f"'{'.'.join(parts[:depth + 1])}' must be a mapping")
         cls = hint
+
+
+def _section_type(hint):
+    """The dataclass behind ``Section`` or ``Section | None``; None for plain values."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        options = [h for h in typing.get_args(hint) if h is not type(None)]
+        if len(options) == 1 and dataclasses.is_dataclass(options[0]):
+            return options[0]
+    return None
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
@@ -161,6 +211,12 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
 def config_from_dict(tree: dict) -> Config:
     """A validated :class:`Config` from a nested dict (same rules as YAML files)."""
     return _build(Config, tree)
+
+
+def section_from_dict(cls, tree: dict, key: str):
+    """One validated section (e.g. a checkpoint's saved ``ModelConfig``) from a dict; keys
+    are named ``key.field`` in errors."""
+    return _build(cls, tree, key)
 
 
 def config_to_dict(cfg) -> dict:

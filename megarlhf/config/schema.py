@@ -491,6 +491,68 @@ class LaunchConfig:
                  "must be >= 0")
 
 
+
+@dataclass(kw_only=True)
+class RoleParallelConfig:
+    tensor_model_parallel_size: int | None = None
+    """Tensor-parallel size of this role; None: the actor's."""
+    pipeline_model_parallel_size: int | None = None
+    """Pipeline-parallel size of this role; None: the actor's."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline stage; None: the actor's when this role keeps the actor's
+    pipeline size, otherwise off; 1: off."""
+
+    def __post_init__(self):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "virtual_pipeline_model_parallel_size"):
+            value = getattr(self, name)
+            if value is not None:
+                _require(value >= 1, f"parallel.{name}", value, "must be >= 1 or null")
+
+
+@dataclass(kw_only=True)
+class RoleConfig:
+    checkpoint: str | None = None
+    """Checkpoint this role loads (a run's ``checkpoints`` folder, one checkpoint, or a
+    converter's output folder). None: the ``ppo.*_checkpoint`` shorthand, see ``roles``."""
+    model: ModelConfig | None = None
+    """Model of this role. By default the checkpoint's saved model; the fields written here
+    replace it (e.g. ``params_dtype``). Shape fields must agree with the checkpoint."""
+    parallel: RoleParallelConfig = field(default_factory=RoleParallelConfig)
+    """This role's TP / PP / VPP (each defaults to the actor's layout)."""
+    optimizer: OptimizerConfig | None = None
+    """Trained roles only (actor, critic): the fields written here replace the top-level
+    ``optimizer``'s (lr, schedule, use_distributed_optimizer, ...)."""
+
+
+@dataclass(kw_only=True)
+class RolesConfig:
+    """The four PPO roles, each with its own checkpoint, model and layout (all colocated
+    on the same ranks, time-shared).
+
+    - actor: ``roles.actor.checkpoint`` or ``ppo.sft_checkpoint``; model = that checkpoint's,
+      with the fields written in the top-level ``model`` and ``roles.actor.model`` on top;
+      layout = ``parallel`` with ``roles.actor.parallel`` on top; optimizer = ``optimizer``.
+    - reference: ``roles.reference.checkpoint`` or the actor's checkpoint; model as the actor.
+    - reward: ``roles.reward.checkpoint`` or ``ppo.reward_checkpoint``; model = its
+      checkpoint's (another size or architecture just works).
+    - critic: ``roles.critic.checkpoint`` or, by ``ppo.critic_init``, the reward model's
+      checkpoint, the actor's, or none (random, the actor's shape); optimizer = ``optimizer``
+      with lr = ``optimizer.critic_lr``, then ``roles.critic.optimizer`` on top.
+    Every role's layout defaults to the actor's. The precision fields written in the
+    top-level ``model`` (params_dtype, transformer_impl, fp8) apply to every role. Dropout
+    is always off in PPO (it would make old and new log-probs different networks)."""
+
+    actor: RoleConfig = field(default_factory=RoleConfig)
+    """The trained policy."""
+    critic: RoleConfig = field(default_factory=RoleConfig)
+    """The trained value model (GAE only)."""
+    reference: RoleConfig = field(default_factory=RoleConfig)
+    """The frozen reference policy of the KL penalty."""
+    reward: RoleConfig = field(default_factory=RoleConfig)
+    """The frozen reward model (unless ``rollout.reward_fn`` is set)."""
+
+
 @dataclass(kw_only=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
@@ -517,6 +579,8 @@ class Config:
     """Metrics and progress."""
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """Slurm resources for `megarlhf launch`."""
+    roles: RolesConfig = field(default_factory=RolesConfig)
+    """Per-role checkpoint, model, layout and optimizer for PPO (see RolesConfig)."""
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -526,31 +590,53 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def validate_layout(cfg: Config, world_size: int) -> None:
-    """Check that the model can be split as the parallel config asks on ``world_size``
-    processes. Runs before any process group exists."""
-    par, model = cfg.parallel, cfg.model
-    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    _require(model.num_attention_heads % tp == 0, "parallel.tensor_model_parallel_size", tp,
-             f"must divide model.num_attention_heads={model.num_attention_heads}")
-    _require(model.query_groups % tp == 0, "parallel.tensor_model_parallel_size", tp,
-             f"must divide the number of query groups (model.num_query_groups="
-             f"{model.query_groups})")
-    _require(model.ffn_size % tp == 0, "parallel.tensor_model_parallel_size", tp,
+def check_model_layout(where: str, model: ModelConfig, tp: int, pp: int, vpp: int | None,
+                       world_size: int | None = None) -> None:
+    """The one place where a model's split is checked: heads, query groups and MLP width
+    divisible by TP, layers by the pipeline chunks, the world by TP x PP. ``where`` names
+    the config section in the message (``parallel``, ``roles.critic.parallel``, ...)."""
+    _require(model.num_attention_heads % tp == 0, f"{where}.tensor_model_parallel_size", tp,
+             f"must divide num_attention_heads={model.num_attention_heads} of its model")
+    _require(model.query_groups % tp == 0, f"{where}.tensor_model_parallel_size", tp,
+             f"must divide the number of query groups (num_query_groups={model.query_groups})")
+    _require(model.ffn_size % tp == 0, f"{where}.tensor_model_parallel_size", tp,
              f"must divide the MLP width {model.ffn_size}")
-    chunks = pp * (par.virtual_pipeline_model_parallel_size or 1)
-    _require(model.num_layers % chunks == 0, "model.num_layers", model.num_layers,
+    if vpp is not None:
+        _require(pp >= 2 and vpp >= 2, f"{where}.virtual_pipeline_model_parallel_size", vpp,
+                 f"needs pipeline_model_parallel_size >= 2 (it is {pp}) and a value >= 2")
+    chunks = pp * (vpp or 1)
+    _require(model.num_layers % chunks == 0, f"{where}: num_layers", model.num_layers,
              f"must be divisible by the number of pipeline chunks {chunks} "
-             "(parallel.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size)")
-    _require(world_size % (tp * pp) == 0, "world size", world_size,
-             f"must be a multiple of tensor x pipeline parallel size = {tp} x {pp} = {tp * pp}")
-    rollout_tp = cfg.rollout.tensor_parallel_size
+             "(pipeline_model_parallel_size x virtual_pipeline_model_parallel_size)")
+    if world_size is not None:
+        _require(world_size % (tp * pp) == 0, f"{where}: world size", world_size,
+                 f"must be a multiple of tensor x pipeline parallel size = {tp} x {pp} = "
+                 f"{tp * pp}")
+
+
+def check_rollout_layout(model: ModelConfig, rollout_tp: int, world_size: int) -> None:
+    """The inference layout: TP = rollout.tensor_parallel_size, no PP, DP replicas."""
     _require(world_size % rollout_tp == 0, "rollout.tensor_parallel_size", rollout_tp,
              f"must divide the world size {world_size}")
     _require(model.num_attention_heads % rollout_tp == 0
              and model.query_groups % rollout_tp == 0, "rollout.tensor_parallel_size",
-             rollout_tp, f"must divide model.num_attention_heads={model.num_attention_heads} "
-             f"and the query groups {model.query_groups}")
+             rollout_tp, f"must divide the actor's num_attention_heads="
+             f"{model.num_attention_heads} and query groups {model.query_groups}")
+
+
+def validate_layout(cfg: Config, world_size: int) -> None:
+    """Check that ``cfg.model`` can be split as ``cfg.parallel`` asks on ``world_size``
+    processes (SFT, RM, score; PPO checks every role in ``engine.role_specs``). Runs before
+    any process group exists."""
+    par, model = cfg.parallel, cfg.model
+    check_model_layout("parallel", model, par.tensor_model_parallel_size,
+                       par.pipeline_model_parallel_size,
+                       par.virtual_pipeline_model_parallel_size, world_size)
+    check_rollout_layout(model, cfg.rollout.tensor_parallel_size, world_size)
+    check_precision(model)
+
+
+def check_precision(model: ModelConfig, where: str = "model") -> None:
     if model.fp8.enabled and model.params_dtype == "float32":
-        raise ValueError("model.fp8.enabled=true needs model.params_dtype bfloat16 or float16 "
-                         "(fp8 training keeps master weights in the optimizer)")
+        raise ValueError(f"{where}.fp8.enabled=true needs {where}.params_dtype bfloat16 or "
+                         "float16 (fp8 training keeps master weights in the optimizer)")

@@ -29,6 +29,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megarlhf.engine.optimizer import use_fused_torch_adam
+from megarlhf.models.gpt import sharded_state_dict
 
 META_FILE = "megarlhf_meta.json"
 LATEST_FILE = "latest"
@@ -59,7 +60,7 @@ def _model_sharded(role: str, chunks: list, skip_head: bool = False) -> dict:
     prefix = f"{role}."
 
     def one(chunk):
-        sd = _bare(chunk).sharded_state_dict(prefix=prefix)
+        sd = sharded_state_dict(_bare(chunk), prefix=prefix)
         if skip_head:
             sd = {k: v for k, v in sd.items() if not k.startswith(f"{prefix}output_layer")}
         return sd

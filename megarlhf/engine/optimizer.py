@@ -99,7 +99,9 @@ def build_optimizer(opt: OptimizerConfig, model: list, *, lr: float, total_steps
         fp16=params_dtype == torch.float16,
         params_dtype=params_dtype,
     )
-    optimizer = get_megatron_optimizer(mcfg, model, pg_collection=pg_collection)
+    # A role's own groups (pg_collection) exclude megatron's gloo side groups.
+    optimizer = get_megatron_optimizer(mcfg, model, pg_collection=pg_collection,
+                                       use_gloo_process_groups=pg_collection is None)
     use_fused_torch_adam(optimizer)
     decay_steps = max(total_steps, opt.warmup_steps + 1)
     scheduler = OptimizerParamScheduler(

@@ -7,28 +7,14 @@ loss_func)``. With PP=1 the schedule is a plain loop over micro-batches, with PP
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megarlhf.config import Config
-from megarlhf.models.gpt import build_model
-from megarlhf.parallel.launch import ParallelLayout
 
-
-def build_model_chunks(cfg: Config, layout: ParallelLayout, role: str) -> list:
-    """This rank's model chunks (one, or ``vpp`` with the interleaved schedule)."""
-    vpp = layout.vpp_size or 1
-    chunks = []
-    for vp_stage in range(vpp):
-        chunks.append(build_model(
-            cfg, role=role, pg_collection=layout.pg_collection,
-            pre_process=layout.is_first_stage and vp_stage == 0,
-            post_process=layout.is_last_stage and vp_stage == vpp - 1,
-            vp_stage=vp_stage if layout.vpp_size else None,
-            vpp_size=layout.vpp_size))
-    return chunks
+def _bare(chunk):
+    return getattr(chunk, "module", chunk)
 
 
 def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[Any], *,
@@ -42,7 +28,7 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
     if vpp > 1:
         # The interleaved schedule needs a multiple of the pipeline size; top up with
         # copies that carry no loss weight (their outputs are ignored by the callers).
-        pp = model_chunks[0].config.pipeline_model_parallel_size
+        pp = _bare(model_chunks[0]).pg_collection.pp.size()
         microbatches = list(microbatches) + [weightless(microbatches[-1])] * (
             -len(microbatches) % pp)
         # Interleaved schedule: one iterator per chunk, each seeing every micro-batch.
@@ -51,7 +37,16 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
     else:
         data_iterator = iter(list(microbatches))
         model = model_chunks[0]
-    forward_backward = get_forward_backward_func()
+    # The role's own groups: the schedule, its p2p communicator and the gradient
+    # finalisation never fall back to megatron's global parallel_state.
+    core = _bare(model_chunks[0])
+    pgc = core.pg_collection
+    pp = pgc.pp.size()
+    forward_backward = get_forward_backward_func(pp_size=pp, vp_size=vpp if vpp > 1 else None)
+    extra = {"pg_collection": pgc}
+    if pp > 1:
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+        extra["p2p_communicator"] = P2PCommunicator(pp_group=pgc.pp, config=core.config)
     return forward_backward(
         forward_step_func=forward_step,
         data_iterator=data_iterator,
@@ -61,6 +56,7 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
         collect_non_loss_data=collect_non_loss_data,
+        **extra,
     )
 
 
@@ -70,16 +66,6 @@ WEIGHT_KEYS = ("loss_mask", "pair_mask", "weight_mask")
 def weightless(batch: dict) -> dict:
     """A copy of a micro-batch whose loss weights are all zero."""
     return {k: torch.zeros_like(v) if k in WEIGHT_KEYS else v for k, v in batch.items()}
-
-
-def chunked(items: list, size: int) -> Iterable[list]:
-    for start in range(0, len(items), size):
-        yield items[start:start + size]
-
-
-def set_eval(model_chunks: list) -> None:
-    for chunk in model_chunks:
-        chunk.eval()
 
 
 @torch.no_grad()

@@ -56,7 +56,7 @@ def make_lm_loss_step(*, tp_group, true_vocab: int):
             weights = batch["loss_mask"][:, :-1]
             loss_sum = -(logprobs_BS * weights).sum()
             num_tokens = weights.sum()
-            logs = {"lm": torch.stack([loss_sum.detach(), num_tokens])}
+            logs = {"loss_sum": loss_sum.detach(), "tokens": num_tokens}
             return loss_sum, num_tokens.to(torch.int), logs
 
         return output, loss_func
@@ -80,8 +80,9 @@ def make_pairwise_rm_step():
             loss_sum = -(torch.nn.functional.logsigmoid(chosen - rejected) * real).sum()
             num_pairs = real.sum()
             correct = ((chosen > rejected).float() * real).sum()
-            logs = {"rm": torch.stack([loss_sum.detach(), num_pairs, correct.detach(),
-                                       ((chosen - rejected).detach() * real).sum()])}
+            logs = {"loss_sum": loss_sum.detach(), "pairs": num_pairs,
+                    "correct": correct.detach(),
+                    "margin_sum": ((chosen - rejected).detach() * real).sum()}
             return loss_sum, num_pairs.to(torch.int), logs
 
         return output, loss_func
@@ -89,16 +90,30 @@ def make_pairwise_rm_step():
     return forward_step
 
 
-def sum_logs(logs: list[dict], key: str, size: int, layout) -> list[float]:
-    """Sum a logged vector over micro-batches and data-parallel ranks; every rank gets it.
-    Only the last pipeline stage's TP rank 0 contributes (TP ranks hold copies)."""
-    total = torch.zeros(size, dtype=torch.float64)
-    if layout.is_last_stage and layout.tp_rank == 0:
+def reduce_logs(logs: list[dict], layout) -> dict[str, float]:
+    """Sum named per-micro-batch numbers over micro-batches and data-parallel replicas;
+    every rank gets the totals. Only the last pipeline stage's TP rank 0 of each replica
+    contributes (the other ranks hold no logs, or copies)."""
+    local: dict[str, float] = {}
+    if layout.writes_results:
         for entry in logs:
-            total += entry[key].double()
+            for key, value in entry.items():
+                local[key] = local.get(key, 0.0) + float(value)
+    parts: list = [local]
     if dist.is_initialized():
-        dist.all_reduce(total)
-    return total.tolist()
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
+    total: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            total[key] = total.get(key, 0.0) + value
+    return total
+
+
+def ratio(totals: dict[str, float], num: str, den: str) -> float:
+    """``totals[num] / totals[den]`` (0 when nothing was counted)."""
+    den_value = totals.get(den, 0.0)
+    return totals.get(num, 0.0) / den_value if den_value else 0.0
 
 
 def make_sequence_step(kind: str, *, prompt_len: int, tp_group=None, true_vocab: int = 0,
@@ -151,9 +166,9 @@ def make_policy_step(*, prompt_len: int, tp_group, true_vocab: int, temperature:
                 ent_total, _ = entropy_bonus(entropy_BT, mask, entropy_coef, agg)
                 total = total + ent_total
             n = mask.sum()
-            logs = {"policy": torch.stack([
-                total.detach(), count, stats["clipfrac"] * n, stats["approxkl"] * n,
-                (entropy_BT.detach() * mask).sum(), n])}
+            logs = {"loss_sum": total.detach(), "loss_count": count,
+                    "clipfrac_sum": stats["clipfrac"] * n, "approxkl_sum": stats["approxkl"] * n,
+                    "entropy_sum": (entropy_BT.detach() * mask).sum(), "tokens": n}
             return total, count.to(torch.int), logs
 
         return output, loss_func
@@ -177,7 +192,8 @@ def make_value_step(*, prompt_len: int, cliprange_value: float | None, agg: str)
             total, count, stats = value_loss(values_BT, batch["old_values"], batch["returns"],
                                              mask, cliprange_value, agg)
             n = mask.sum()
-            logs = {"value": torch.stack([total.detach(), count, stats["clipfrac"] * n, n])}
+            logs = {"loss_sum": total.detach(), "loss_count": count,
+                    "clipfrac_sum": stats["clipfrac"] * n, "tokens": n}
             return total, count.to(torch.int), logs
 
         return output, loss_func

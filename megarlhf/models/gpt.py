@@ -16,16 +16,15 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megarlhf.config import Config, ModelConfig, padded_vocab_size
+from megarlhf.config import ModelConfig
 from megarlhf.models.spec import activation, layer_spec, resolve_impl
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def transformer_config(cfg: Config, *, tp_size: int, pp_size: int,
+def transformer_config(model: ModelConfig, *, tp_size: int, pp_size: int,
                        vpp_size: int | None = None) -> TransformerConfig:
-    """Megatron's ``TransformerConfig`` for ``cfg.model`` at one layout."""
-    model = cfg.model
+    """Megatron's ``TransformerConfig`` for ``model`` at one layout."""
     dtype = _DTYPES[model.params_dtype]
     impl = resolve_impl(model)
     fp8 = {}
@@ -95,8 +94,9 @@ class ScalarHead(MegatronModule):
     ``((S, B, 1), None)``.
     """
 
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig, tp_group):
         super().__init__(config=config)
+        self.tp_group = tp_group  # megatron's sharded_state_dict reads it
         self.weight = torch.nn.Parameter(torch.zeros(1, config.hidden_size,
                                                      dtype=config.params_dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype))
@@ -109,42 +109,36 @@ class ScalarHead(MegatronModule):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
-def build_model(cfg: Config, *, role: str, pg_collection, pre_process: bool,
-                post_process: bool, vp_stage: int | None = None,
+def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, pg_collection,
+                pre_process: bool, post_process: bool, vp_stage: int | None = None,
                 vpp_size: int | None = None) -> GPTModel:
-    """One model chunk. ``role`` is ``"lm"`` (policy, reference) or ``"value"``
-    (critic, reward model). Weights are random; call :func:`init_weights` for the
-    layout-independent seeded initialisation."""
-    if role not in ("lm", "value"):
-        raise ValueError(f"role must be 'lm' or 'value', got {role!r}")
-    model_cfg = cfg.model
+    """One model chunk. ``kind`` is ``"lm"`` (policy, reference) or ``"value"`` (critic,
+    reward model). ``padded_vocab`` is the embedding table's row count (the vocabulary
+    padded for TP, see :func:`~megarlhf.config.padded_vocab_size`). Weights are random;
+    call :func:`init_weights` for the layout-independent seeded initialisation."""
+    if kind not in ("lm", "value"):
+        raise ValueError(f"kind must be 'lm' or 'value', got {kind!r}")
     if model_cfg.vocab_size is None:
         raise ValueError("model.vocab_size is unset: set it or configure a tokenizer")
     tp_size, pp_size = pg_collection.tp.size(), pg_collection.pp.size()
-    tcfg = transformer_config(cfg, tp_size=tp_size, pp_size=pp_size, vpp_size=vpp_size)
-    # One padded size for every layout of this config (training TP, rollout TP), so that
-    # resharding between them maps tensors of equal global shape.
-    vocab_tp = math.lcm(tp_size, cfg.parallel.tensor_model_parallel_size,
-                        cfg.rollout.tensor_parallel_size)
-    vocab = padded_vocab_size(model_cfg.vocab_size, cfg.parallel.make_vocab_size_divisible_by,
-                              vocab_tp)
+    tcfg = transformer_config(model_cfg, tp_size=tp_size, pp_size=pp_size, vpp_size=vpp_size)
     model = GPTModel(
         config=tcfg,
         transformer_layer_spec=layer_spec(model_cfg),
-        vocab_size=vocab,
+        vocab_size=padded_vocab,
         max_sequence_length=model_cfg.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
-        share_embeddings_and_output_weights=model_cfg.tied and role == "lm",
+        share_embeddings_and_output_weights=model_cfg.tied and kind == "lm",
         position_embedding_type="rope" if model_cfg.arch == "llama" else "learned_absolute",
         rotary_base=int(model_cfg.rotary_base),
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
-    if role == "value" and post_process:
-        model.output_layer = ScalarHead(tcfg)
-    model.megarlhf_role = role
+    if kind == "value" and post_process:
+        model.output_layer = ScalarHead(tcfg, pg_collection.tp)
+    model.megarlhf_role = kind
     model.megarlhf_true_vocab = model_cfg.vocab_size
     return model
 
@@ -171,9 +165,16 @@ def _init_rule(key: str, model_cfg: ModelConfig, role: str):
     return "normal", std
 
 
+def sharded_state_dict(model, prefix: str = "") -> dict:
+    """megatron's sharded state dict of one bare chunk, with the chunk's own data-parallel
+    group (megatron falls back to its global parallel_state otherwise)."""
+    return model.sharded_state_dict(prefix=prefix,
+                                    metadata={"dp_cp_group": model.pg_collection.dp_cp})
+
+
 def _sharded_tensors(model) -> list[ShardedTensor]:
     out = []
-    for item in model.sharded_state_dict().values():
+    for item in sharded_state_dict(model).values():
         if isinstance(item, ShardedTensorFactory):
             built = item.build()
             items = built.values() if isinstance(built, dict) else built
@@ -184,11 +185,11 @@ def _sharded_tensors(model) -> list[ShardedTensor]:
 
 
 @torch.no_grad()
-def init_weights(model, cfg: Config) -> None:
+def init_weights(model, model_cfg: ModelConfig, seed: int) -> None:
     """Seeded initialisation that gives every layout the same global weights.
 
     Each global tensor (as named by megatron's sharded state dict, with its layer index)
-    is drawn from its own generator seeded by (run.seed, name, layer); this rank copies
+    is drawn from its own generator seeded by (seed, name, layer); this rank copies
     its slice. TP=1, TP=2 and PP=2 therefore hold the same model for one seed.
     """
     role = getattr(model, "megarlhf_role", "lm")
@@ -198,13 +199,13 @@ def init_weights(model, cfg: Config) -> None:
         prepend = st.prepend_axis_num
         layer_offsets = tuple(st.global_offset[:prepend])
         full_shape = st.global_shape[prepend:]
-        kind, std = _init_rule(st.key, cfg.model, role)
+        kind, std = _init_rule(st.key, model_cfg, role)
         if kind == "ones":
             full = torch.ones(full_shape)
         elif kind == "zeros":
             full = torch.zeros(full_shape)
         else:
-            gen = torch.Generator().manual_seed(_param_seed(cfg.run.seed, st.key, layer_offsets))
+            gen = torch.Generator().manual_seed(_param_seed(seed, st.key, layer_offsets))
             full = torch.empty(full_shape).normal_(0.0, std, generator=gen)
         index = tuple(slice(off, off + size)
                       for off, size in zip(st.global_offset[prepend:], st.data.shape))

@@ -32,11 +32,11 @@ class SDPACoreAttention(MegatronModule):
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None,
                  pg_collection=None):
         super().__init__(config=config)
-        if pg_collection is not None:
-            tp_size = pg_collection.tp.size()
-        else:
-            from megatron.core import parallel_state
-            tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.tp_group = pg_collection.tp  # megatron's sharded_state_dict reads it
+        tp_size = pg_collection.tp.size()
         self.attn_mask_type = attn_mask_type
         self.heads = config.num_attention_heads // tp_size
         self.groups = config.num_query_groups // tp_size

@@ -1,7 +1,7 @@
-"""Process start-up: torchrun or Slurm environment -> process group -> training layout.
+"""Process start-up: torchrun or Slurm environment -> the default process group.
 
-The :class:`ParallelLayout` returned here is handed down explicitly; algorithm code
-never reads megatron's global ``parallel_state``.
+Each role's layout and process groups are built afterwards (``parallel.layout``) and handed
+down explicitly; nothing reads megatron's global ``parallel_state``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarlhf.config import Config, validate_layout
+from megarlhf.config import Config
 from megarlhf.parallel import cpu_backend
 
 
@@ -77,54 +77,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@dataclass(frozen=True)
-class ParallelLayout:
-    """One model layout: sizes, this rank's coordinates and the process groups.
-
-    ``pg_collection`` is megatron's ``ProcessGroupCollection`` for models built in this
-    layout.
-    """
-
-    tp_size: int
-    pp_size: int
-    dp_size: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
-    vpp_size: int | None
-    pg_collection: object
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
-
-    @property
-    def tp_group(self):
-        return self.pg_collection.tp
-
-    @property
-    def dp_group(self):
-        return self.pg_collection.dp
-
-    def describe(self) -> str:
-        return (f"TP={self.tp_size} PP={self.pp_size} DP={self.dp_size}"
-                + (f" VPP={self.vpp_size}" if self.vpp_size else ""))
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
-def init_distributed(cfg: Config, env: DistEnv | None = None) -> ParallelLayout:
-    """Start the process group and megatron's training layout; validate first."""
+def init_distributed(cfg: Config, env: DistEnv | None = None) -> DistEnv:
+    """Start the default process group (NCCL with CUDA, gloo without) and seed every RNG.
+    Layouts and their groups come later, per role (``parallel.layout.build_layout``); the
+    config is validated before this is called."""
     env = env or read_dist_env()
-    validate_layout(cfg, env.world_size)
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     if cfg.run.deterministic:
@@ -146,42 +109,12 @@ def init_distributed(cfg: Config, env: DistEnv | None = None) -> ParallelLayout:
             backend=backend, rank=env.rank, world_size=env.world_size,
             init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
             timeout=datetime.timedelta(minutes=cfg.parallel.timeout_minutes))
-    return init_training_layout(cfg)
-
-
-def init_training_layout(cfg: Config) -> ParallelLayout:
-    from megatron.core import parallel_state as ps
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    par = cfg.parallel
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=par.tensor_model_parallel_size,
-        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
-        distributed_timeout_minutes=par.timeout_minutes,
-    )
     seed_everything(cfg.run.seed)
-    if torch.cuda.is_available():
-        from megatron.core import tensor_parallel
-        tensor_parallel.model_parallel_cuda_manual_seed(cfg.run.seed)
-    pgc = ProcessGroupCollection.use_mpu_process_groups()
-    return ParallelLayout(
-        tp_size=ps.get_tensor_model_parallel_world_size(),
-        pp_size=ps.get_pipeline_model_parallel_world_size(),
-        dp_size=ps.get_data_parallel_world_size(),
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        dp_rank=ps.get_data_parallel_rank(),
-        vpp_size=par.virtual_pipeline_model_parallel_size,
-        pg_collection=pgc,
-    )
+    return env
 
 
 def shutdown() -> None:
-    from megatron.core import parallel_state as ps
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    from megarlhf.parallel.layout import reset_layouts
     if dist.is_initialized():
         dist.destroy_process_group()
+    reset_layouts()

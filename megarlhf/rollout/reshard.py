@@ -4,25 +4,26 @@ with ``megatron.core.resharding.swap_model_weights``.
 The inference layout has no pipeline parallelism: TP = ``rollout.tensor_parallel_size``
 and the rest of the world forms data-parallel replicas. Its process groups come from
 ``HyperCommGrid``; the inference model is built with that ``ProcessGroupCollection``.
+The training layout may be pipelined and interleaved (VPP): its chunks are presented to
+megatron's planner as one module with global layer names.
 Over NCCL megatron's own copy service is used; over gloo, megatron's ``GlooCopyService``
 allocates a CUDA stream, so this module provides :class:`GlooP2PCopyService`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from megatron.core.hyper_comm_grid import HyperCommGrid
-from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.resharding.copy_services.base import CopyService
 from megatron.core.resharding.refit import swap_model_weights
 
-from megarlhf.config import Config
-from megarlhf.models.gpt import build_model
-from megarlhf.parallel.launch import ParallelLayout
+from megarlhf.engine.role_specs import RoleSpec
+from megarlhf.engine.roles import build_chunks
+from megarlhf.parallel.layout import ParallelLayout, build_layout
 
 
 class GlooP2PCopyService(CopyService):
@@ -71,33 +72,63 @@ def _tag(task_id: int | None) -> int:
 
 
 def inference_layout(tp_size: int) -> ParallelLayout:
-    """Process groups of the inference layout: TP x DP replicas, no PP. Every rank must
-    call this, in the same order (it creates groups)."""
-    world = dist.get_world_size()
-    if world % tp_size:
-        raise ValueError(f"rollout.tensor_parallel_size={tp_size} must divide the world size "
-                         f"{world}")
-    grid = HyperCommGrid([tp_size, 1, 1, 1, world // tp_size], ["tp", "cp", "ep", "pp", "dp"])
-    tp, pp, dp = grid.create_pg("tp"), grid.create_pg("pp"), grid.create_pg("dp")
-    cp, ep = grid.create_pg("cp"), grid.create_pg("ep")
-    pgc = ProcessGroupCollection(
-        tp=tp, cp=cp, pp=pp, ep=ep, embd=pp, pos_embd=pp, dp=dp,
-        tp_cp=grid.create_pg(["tp", "cp"]), mp=grid.create_pg(["tp", "cp", "ep", "pp"]),
-        expt_tp=tp, expt_dp=dp, tp_ep=grid.create_pg(["tp", "ep"]),
-        tp_ep_pp=grid.create_pg(["tp", "ep", "pp"]), dp_cp=grid.create_pg(["cp", "dp"]),
-        tp_dp_cp=grid.create_pg(["tp", "cp", "dp"]))
-    return ParallelLayout(tp_size=tp_size, pp_size=1, dp_size=world // tp_size,
-                          tp_rank=tp.rank(), pp_rank=0, dp_rank=dp.rank(), vpp_size=None,
-                          pg_collection=pgc)
+    """The inference layout: TP = ``rollout.tensor_parallel_size``, no PP, the rest of the
+    world data-parallel replicas (validated by ``config.check_rollout_layout``)."""
+    return build_layout(tp_size, 1)
 
 
-def build_inference_model(cfg: Config, layout: ParallelLayout, role: str = "lm"):
-    model = build_model(cfg, role=role, pg_collection=layout.pg_collection,
-                        pre_process=True, post_process=True)
+def build_inference_model(actor: RoleSpec, layout: ParallelLayout):
+    """The actor's model in the inference layout (same global shapes, so resharding maps
+    tensors one to one), frozen."""
+    (model,) = build_chunks(dataclasses.replace(actor, tp=layout.tp_size, pp=1, vpp=None),
+                            layout)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+class VirtualStages(torch.nn.Module):
+    """The VPP chunks of one rank seen as one module for megatron's resharding planner,
+    which reads a single module per rank: parameter names carry global layer numbers
+    (``decoder.layers.<global>``), so chunks do not collide and match the target's names."""
+
+    def __init__(self, chunks: list):
+        super().__init__()
+        self.chunks = torch.nn.ModuleList(chunks)
+        self.pg_collection = chunks[0].pg_collection
+        self.config = chunks[0].config
+        self._names = []
+        for chunk in chunks:
+            prefix_map = _layer_prefix_map(chunk)
+            for name, p in chunk.named_parameters():
+                self._names.append((_global_name(name, prefix_map), p))
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        yield from ((prefix + name, p) for name, p in self._names)
+
+    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
+        yield prefix, self  # names are global already: no layer prefix map to apply
+
+
+def _layer_prefix_map(chunk) -> dict[str, str]:
+    out = {}
+    for name, module in chunk.named_modules():
+        number = getattr(module, "layer_number", None)
+        parts = name.split(".")
+        if isinstance(number, int) and parts[-1].isdigit():
+            out[name] = ".".join(parts[:-1] + [str(number - 1)])
+    return out
+
+
+def _global_name(name: str, prefix_map: dict[str, str]) -> str:
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        mapped = prefix_map.get(".".join(parts[:i]))
+        if mapped is not None:
+            return ".".join([mapped] + parts[i:])
+    return name
 
 
 def copy_service():
@@ -118,11 +149,8 @@ class Resharder:
     first call and reused (megatron caches it on the target model)."""
 
     def __init__(self, train_chunks: list, inference_model):
-        if len(train_chunks) != 1:
-            raise ValueError("resharding from a virtual-pipeline (interleaved) training layout "
-                             "is not supported; set parallel.virtual_pipeline_model_parallel_size"
-                             "=null for PPO")
-        self.src = train_chunks[0]
+        chunks = [getattr(c, "module", c) for c in train_chunks]
+        self.src = chunks[0] if len(chunks) == 1 else VirtualStages(chunks)
         self.dst = inference_model
         self.service = copy_service()
 

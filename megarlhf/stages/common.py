@@ -1,9 +1,11 @@
-"""What the SFT and reward-model stages share: building a trained role, the global batch
-order, resume, evaluation passes and checkpoint saving."""
+"""What the stages share, and the one supervised loop that runs SFT and reward modelling:
+batch arithmetic, the global batch order, building the trained role, resume, evaluation,
+metrics, preemption and checkpoints."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -12,13 +14,16 @@ import torch
 
 from megarlhf.algos.experience import exact_div
 from megarlhf.config import Config
-from megarlhf.engine.checkpoint import (
-    LATEST_FILE, RoleState, checkpoint_role, load_checkpoint, read_meta, save_checkpoint)
+from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, save_checkpoint
 from megarlhf.engine.metrics import MetricsLogger
-from megarlhf.engine.optimizer import TrainedRole, build_optimizer, wrap_ddp
-from megarlhf.engine.schedule import build_model_chunks, run_schedule
-from megarlhf.models.gpt import init_weights
-from megarlhf.parallel.launch import ParallelLayout, init_distributed
+from megarlhf.engine.optimizer import train_step
+from megarlhf.engine.preemption import PreemptionGuard, mark_preempted
+from megarlhf.engine.role_specs import RoleSpec, single_role_spec
+from megarlhf.engine.roles import Role, build_role
+from megarlhf.engine.schedule import run_schedule
+from megarlhf.engine.steps import reduce_logs
+from megarlhf.parallel.launch import init_distributed, read_dist_env, seed_everything
+from megarlhf.parallel.layout import ParallelLayout
 
 
 def run_dir(cfg: Config) -> str:
@@ -71,16 +76,6 @@ class StepPlan:
                 f"{self.total_steps} steps")
 
 
-def check_plan(cfg: Config, plan_for: Callable[[int], StepPlan]) -> None:
-    """Batch arithmetic for the launcher's world size, before any process group exists."""
-    from megarlhf.parallel.launch import read_dist_env
-
-    model_parallel = (cfg.parallel.tensor_model_parallel_size
-                      * cfg.parallel.pipeline_model_parallel_size)
-    plan = plan_for(max(1, read_dist_env().world_size // model_parallel))
-    _ = (plan.micro_batches, plan.steps_per_epoch)
-
-
 def global_batches(plan: StepPlan, seed: int, start_step: int
                    ) -> Iterator[tuple[int, int, list[int]]]:
     """(step, epoch, sample indices of the global batch), from ``start_step`` on. The order
@@ -94,96 +89,10 @@ def global_batches(plan: StepPlan, seed: int, start_step: int
         yield step, epoch, order[start:start + plan.global_batch].tolist()
 
 
-def rank_share(indices: list[int], layout: ParallelLayout) -> list[int]:
-    per_rank = len(indices) // layout.dp_size
-    return indices[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
-
-
-@dataclass
-class Stage:
-    """A trained role with its layout, checkpoints and metrics."""
-
-    cfg: Config
-    layout: ParallelLayout
-    name: str  # role name in checkpoints: "policy" (SFT) or "reward" (RM)
-    kind: str  # "lm" or "value"
-    role: TrainedRole
-    chunks: list  # bare model chunks
-    logger: MetricsLogger
-    start_step: int = 0
-    extra: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def ckpt_dir(self) -> str:
-        return os.path.join(run_dir(self.cfg), "checkpoints")
-
-    def save(self, step: int, trainer_state: dict | None = None) -> str:
-        path = save_checkpoint(
-            self.ckpt_dir, f"step_{step:07d}",
-            {self.name: RoleState(self.role.model, self.role.optimizer, self.role.scheduler,
-                                  {"kind": self.kind, **self.extra})},
-            trainer_state={"step": step, "skipped_steps": self.role.num_skipped_steps,
-                           **(trainer_state or {})},
-            config=dataclasses.asdict(self.cfg), layout=self.layout.describe(),
-            keep_last=self.cfg.checkpoint.keep_last)
-        print0(f"saved checkpoint {path}")
-        return path
-
-
-def setup_stage(cfg: Config, *, name: str, kind: str, total_steps: Callable[[int], int]
-                ) -> Stage:
-    """Process groups, model, DDP, optimizer, LR schedule; then resume from the run's own
-    latest checkpoint, or initialise from ``checkpoint.load``, or seeded random weights.
-    ``total_steps(dp_size)`` sizes the LR schedule."""
-    layout = init_distributed(cfg)
-    chunks = build_model_chunks(cfg, layout, kind)
-    for chunk in chunks:
-        init_weights(chunk, cfg)
-    model = wrap_ddp(chunks, cfg.optimizer.use_distributed_optimizer, layout.pg_collection)
-    optimizer, scheduler = build_optimizer(cfg.optimizer, model, lr=cfg.optimizer.lr,
-                                           total_steps=total_steps(layout.dp_size))
-    role = TrainedRole(model, optimizer, scheduler)
-    ckpt_dir = os.path.join(run_dir(cfg), "checkpoints")
-    start_step, source = 0, f"random init (seed {cfg.run.seed})"
-    if cfg.checkpoint.resume and os.path.exists(os.path.join(ckpt_dir, LATEST_FILE)):
-        meta = load_checkpoint(ckpt_dir, {name: RoleState(model, optimizer, scheduler)},
-                               layout=layout.describe())
-        start_step = int(meta["trainer"]["step"])
-        role.num_skipped_steps = int(meta["trainer"].get("skipped_steps", 0))
-        source = (f"resumed {meta['tag']} (saved at {meta['layout']}, RNG "
-                  f"{'restored' if meta['rng_restored'] else 're-seeded: layout changed'})")
-        if not meta["rng_restored"]:
-            from megarlhf.parallel.launch import seed_everything
-            seed_everything(cfg.run.seed + start_step)
-    elif cfg.checkpoint.load:
-        meta = read_meta(cfg.checkpoint.load)
-        src = checkpoint_role(meta, None, cfg.checkpoint.load)
-        src_kind = meta["roles"][src].get("kind", kind)
-        load_checkpoint(cfg.checkpoint.load, {name: RoleState(model)},
-                        source_roles={name: src}, load_optimizer=False, load_rng=False,
-                        skip_head=src_kind != kind)
-        source = (f"{cfg.checkpoint.load} role '{src}'"
-                  + (" (trunk only; new scalar head)" if src_kind != kind else ""))
-    logger = MetricsLogger(run_dir(cfg), tensorboard=cfg.logging.tensorboard,
-                           wandb_project=cfg.logging.wandb_project,
-                           config=dataclasses.asdict(cfg),
-                           resume_step=start_step if start_step else None)
-    print0(f"[{name}] layout {layout.describe()}; weights: {source}")
-    return Stage(cfg, layout, name, kind, role, chunks, logger, start_step)
-
-
-def evaluate(stage: Stage, forward_step, microbatches: list, seq_length: int,
-             micro_batch_size: int, log_key: str, size: int) -> list[float]:
-    """Forward-only pass over this rank's evaluation micro-batches; the summed logs."""
-    from megarlhf.engine.steps import sum_logs
-
-    for chunk in stage.role.model:
-        chunk.eval()
-    with torch.no_grad():
-        logs = run_schedule(stage.role.model, forward_step, microbatches,
-                            seq_length=seq_length, micro_batch_size=micro_batch_size,
-                            forward_only=True) if microbatches else []
-    return sum_logs(logs, log_key, size, stage.layout)
+def rank_share(items: list, layout: ParallelLayout) -> list:
+    """This data-parallel rank's contiguous share of a global batch."""
+    per_rank = exact_div(len(items), layout.dp_size, "batch", "the data-parallel size")
+    return items[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
 
 
 def progress(total: int, initial: int, desc: str, enabled: bool):
@@ -191,3 +100,155 @@ def progress(total: int, initial: int, desc: str, enabled: bool):
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     return tqdm(total=total, initial=initial, desc=desc, disable=not (enabled and rank0),
                 dynamic_ncols=True)
+
+
+def save_role(cfg: Config, role: Role, name: str, tag: str, trainer_state: dict,
+              extra: dict | None = None) -> str:
+    """One trained role as a checkpoint of the run (weights, optimizer, schedule, RNG)."""
+    state = role.state()
+    state.extra.update(extra or {})
+    path = save_checkpoint(os.path.join(run_dir(cfg), "checkpoints"), tag, {name: state},
+                           trainer_state=trainer_state, config=dataclasses.asdict(cfg),
+                           layout=role.layout.describe(),
+                           keep_last=cfg.checkpoint.keep_last)
+    print0(f"saved checkpoint {path}")
+    return path
+
+
+@dataclass
+class SupervisedTask:
+    """What separates one supervised stage from another (SFT, reward modelling)."""
+
+    name: str  # stage name: progress bar, messages
+    role_name: str  # the role in checkpoints: "policy" (SFT) or "reward" (RM)
+    kind: str  # "lm" or "value"
+    train_items: list  # samples (SFT examples, preference pairs)
+    eval_items: list
+    make_step: Callable[[Role], Callable]  # role -> megatron forward step with its loss
+    make_batches: Callable[[list, bool], tuple[list[dict], int]]  # (items, training) ->
+    # (micro-batches, sequence length)
+    rows_per_micro_batch: int  # rows the schedule sees (pairs are two rows each)
+    summarize: Callable[[dict[str, float]], dict[str, float]]  # summed logs -> metrics
+    describe: str = ""  # extra start-up line
+    finish: Callable[[Role], dict] | None = None  # after training: values saved with the role
+
+
+def run_supervised(cfg: Config, task: SupervisedTask, tokenizer_vocab: int | None = None
+                   ) -> dict:
+    """Train one role on ``task``: build it (or resume the run's latest checkpoint, at any
+    layout), then global batches -> micro-batches -> one optimizer step each, with
+    evaluation, metrics, progress, preemption and checkpoints."""
+    train = cfg.train
+
+    def plan_for(dp_size: int) -> StepPlan:
+        return StepPlan(train.global_batch_size, train.micro_batch_size, dp_size,
+                        len(task.train_items), train.num_epochs, train.max_steps)
+
+    world = read_dist_env().world_size
+    spec = single_role_spec(cfg, name=task.role_name, kind=task.kind, world_size=world,
+                            trained=True, tokenizer_vocab=tokenizer_vocab)
+    plan = plan_for(world // (spec.tp * spec.pp))
+    _ = (plan.micro_batches, plan.total_steps)  # bad batch arithmetic raises before start-up
+    init_distributed(cfg)
+    role = build_role(spec, seed=cfg.run.seed, total_steps=plan.total_steps)
+    start_step = resume(cfg, role, task.role_name)
+    layout = role.layout
+    print0(f"[{task.name}] layout {layout.describe()}; weights: {role.source}")
+    print0(f"[{task.name}] {len(task.train_items)} train / {len(task.eval_items)} eval; "
+           f"{plan.describe()}" + (f"; {task.describe}" if task.describe else ""))
+    logger = MetricsLogger(run_dir(cfg), tensorboard=cfg.logging.tensorboard,
+                           wandb_project=cfg.logging.wandb_project,
+                           config=dataclasses.asdict(cfg), resume_step=start_step or None)
+    bar = progress(plan.total_steps, start_step, task.name, cfg.logging.progress_bar)
+    try:
+        return _loop(cfg, task, role, plan, start_step, logger, bar)
+    finally:
+        bar.close()
+        logger.close()
+
+
+def resume(cfg: Config, role: Role, name: str) -> int:
+    """Continue from the run's own latest checkpoint (weights, optimizer, schedule, RNG -
+    the RNG only at the same layout); returns the step to start from."""
+    ckpt_dir = os.path.join(run_dir(cfg), "checkpoints")
+    if not (cfg.checkpoint.resume and os.path.exists(os.path.join(ckpt_dir, LATEST_FILE))):
+        return 0
+    meta = load_checkpoint(ckpt_dir, {name: role.state()}, layout=role.layout.describe())
+    start = int(meta["trainer"]["step"])
+    role.trained.num_skipped_steps = int(meta["trainer"].get("skipped_steps", 0))
+    role.source = (f"resumed {meta['tag']} (saved at {meta['layout']}, RNG "
+                   f"{'restored' if meta['rng_restored'] else 're-seeded: layout changed'})")
+    if not meta["rng_restored"]:
+        seed_everything(cfg.run.seed + start)
+    return start
+
+
+def _evaluate(task: SupervisedTask, role: Role, step_fn) -> dict[str, float] | None:
+    if not task.eval_items:
+        return None
+    batches, length = task.make_batches(rank_share_strided(task.eval_items, role.layout), False)
+    for chunk in role.model:
+        chunk.eval()
+    with torch.no_grad():
+        logs = run_schedule(role.model, step_fn, batches, seq_length=length,
+                            micro_batch_size=task.rows_per_micro_batch,
+                            forward_only=True) if batches else []
+    return {f"eval/{k}": v for k, v in task.summarize(reduce_logs(logs, role.layout)).items()}
+
+
+def rank_share_strided(items: list, layout: ParallelLayout) -> list:
+    """Items ``dp_rank::dp_size`` (evaluation: every item once, no exact division)."""
+    return items[layout.dp_rank::layout.dp_size]
+
+
+def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_step: int,
+          logger: MetricsLogger, bar) -> dict:
+    train, layout = cfg.train, role.layout
+    guard = PreemptionGuard()
+    step_fn = task.make_step(role)
+    result: dict = {}
+    if start_step == 0:
+        first = _evaluate(task, role, step_fn)
+        if first:
+            logger.log(0, first)
+            result["eval_start"] = first
+    for step, epoch, indices in global_batches(plan, cfg.run.seed, start_step):
+        mine = [task.train_items[i] for i in rank_share(indices, layout)]
+        batches, length = task.make_batches(mine, True)
+        logs, applied, grad_norm = train_step(role.trained, step_fn, batches,
+                                              seq_length=length,
+                                              micro_batch_size=task.rows_per_micro_batch)
+        done = step + 1
+        metrics = {f"train/{k}": v for k, v in task.summarize(reduce_logs(logs, layout)).items()}
+        metrics.update({"train/grad_norm": grad_norm,
+                        "train/lr": role.trained.optimizer.param_groups[0]["lr"],
+                        "train/epoch": epoch,
+                        "train/skipped_steps": role.trained.num_skipped_steps})
+        if done % cfg.logging.log_interval == 0 or done == plan.total_steps:
+            logger.log(done, metrics)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['train/loss']:.4f}",
+                        gnorm=f"{grad_norm:.2f}" if math.isfinite(grad_norm) else "nan")
+        result["train_loss"] = metrics["train/loss"]
+        if done == plan.total_steps:
+            break
+        if train.eval_interval and done % train.eval_interval == 0:
+            logger.log(done, _evaluate(task, role, step_fn) or {})
+        trainer_state = {"step": done, "skipped_steps": role.trained.num_skipped_steps}
+        if cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0:
+            save_role(cfg, role, task.role_name, f"step_{done:07d}", trainer_state)
+        if guard.requested():
+            mark_preempted(run_dir(cfg), save_role(cfg, role, task.role_name,
+                                                   f"step_{done:07d}", trainer_state))
+            return {"preempted_at": done}
+    last = _evaluate(task, role, step_fn)
+    if last:
+        logger.log(plan.total_steps, last)
+        result["eval_end"] = last
+    extra = task.finish(role) if task.finish else {}
+    result.update(extra)
+    save_role(cfg, role, task.role_name, f"step_{plan.total_steps:07d}",
+              {"step": plan.total_steps, "skipped_steps": role.trained.num_skipped_steps},
+              extra)
+    print0(f"[{task.name}] done: {result}")
+    return result

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from megarlhf.config import Config
 from megarlhf.data.batching import batch_length, pack_examples, pad_batch, sft_example, stack_batches
 from megarlhf.data.datasets import TokenizedDataset, tokenize_dataset
-from megarlhf.engine.optimizer import train_step
-from megarlhf.engine.preemption import PreemptionGuard, mark_preempted
-from megarlhf.engine.steps import make_lm_loss_step, sum_logs
-from megarlhf.stages.common import (
-    StepPlan, check_plan, evaluate, global_batches, print0, progress, rank_share, run_dir,
-    setup_stage)
+from megarlhf.engine.steps import make_lm_loss_step, ratio
+from megarlhf.stages.common import SupervisedTask, print0, run_supervised
 
 
 def split_eval(data: TokenizedDataset, fraction: float, seed: int):
@@ -65,70 +59,19 @@ def make_microbatches(examples: list, micro_batch_size: int, *, packing: bool,
 
 def run_sft(cfg: Config, tokenizer) -> dict:
     examples, eval_examples = load_sft_data(cfg, tokenizer)
-    train = cfg.train
     max_len = min(cfg.data.max_seq_len, cfg.model.max_position_embeddings)
+    mbs, pad = cfg.train.micro_batch_size, tokenizer.pad_id
 
-    def plan_for(dp_size: int) -> StepPlan:
-        return StepPlan(train.global_batch_size, train.micro_batch_size, dp_size,
-                        len(examples), train.num_epochs, train.max_steps)
+    def make_batches(items: list, training: bool):
+        return make_microbatches(items, mbs, packing=cfg.data.packing and training,
+                                 max_len=max_len, pad_id=pad)
 
-    check_plan(cfg, plan_for)
-    stage = setup_stage(cfg, name="policy", kind="lm",
-                        total_steps=lambda dp: plan_for(dp).total_steps)
-    layout, plan = stage.layout, plan_for(stage.layout.dp_size)
-    print0(f"[sft] {len(examples)} train / {len(eval_examples)} eval samples; {plan.describe()}"
-           f"; packing {'on' if cfg.data.packing else 'off'}")
-    step_fn = make_lm_loss_step(tp_group=layout.tp_group, true_vocab=cfg.model.vocab_size)
-    mbs, pad = train.micro_batch_size, tokenizer.pad_id
+    def summarize(totals: dict) -> dict:
+        return {"loss": ratio(totals, "loss_sum", "tokens"), "tokens": totals.get("tokens", 0.0)}
 
-    def run_eval(step: int) -> float | None:
-        if not eval_examples:
-            return None
-        mine = eval_examples[layout.dp_rank::layout.dp_size]
-        batches, length = make_microbatches(mine, mbs, packing=False, max_len=max_len,
-                                            pad_id=pad)
-        loss_sum, tokens = evaluate(stage, step_fn, batches, length, mbs, "lm", 2)
-        loss = loss_sum / max(tokens, 1)
-        stage.logger.log(step, {"eval/loss": loss, "eval/tokens": tokens})
-        return loss
-
-    guard = PreemptionGuard()
-    bar = progress(plan.total_steps, stage.start_step, "sft", cfg.logging.progress_bar)
-    first_eval = run_eval(stage.start_step) if stage.start_step == 0 else None
-    last = {"eval_loss_start": first_eval}
-    step = stage.start_step
-    for step, epoch, indices in global_batches(plan, cfg.run.seed, stage.start_step):
-        mine = [examples[i] for i in rank_share(indices, layout)]
-        batches, length = make_microbatches(mine, mbs, packing=cfg.data.packing,
-                                            max_len=max_len, pad_id=pad)
-        logs, applied, grad_norm = train_step(stage.role, step_fn, batches,
-                                              seq_length=length, micro_batch_size=mbs)
-        loss_sum, tokens = sum_logs(logs, "lm", 2, layout)
-        loss = loss_sum / max(tokens, 1)
-        done = step + 1
-        metrics = {"train/loss": loss, "train/tokens": tokens, "train/grad_norm": grad_norm,
-                   "train/lr": stage.role.optimizer.param_groups[0]["lr"],
-                   "train/epoch": epoch, "train/skipped_steps": stage.role.num_skipped_steps}
-        if done % cfg.logging.log_interval == 0 or done == plan.total_steps:
-            stage.logger.log(done, metrics)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}", gnorm=f"{grad_norm:.2f}" if math.isfinite(
-            grad_norm) else "nan")
-        last["train_loss"] = loss
-        if train.eval_interval and done % train.eval_interval == 0 and done < plan.total_steps:
-            run_eval(done)
-        if cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0 \
-                and done < plan.total_steps:
-            stage.save(done)
-        if done < plan.total_steps and guard.requested():
-            mark_preempted(run_dir(cfg), stage.save(done))
-            bar.close()
-            stage.logger.close()
-            return {"preempted_at": done}
-        step = done
-    bar.close()
-    last["eval_loss_end"] = run_eval(plan.total_steps)
-    stage.save(plan.total_steps)
-    stage.logger.close()
-    print0(f"[sft] done: {last}")
-    return last
+    return run_supervised(cfg, SupervisedTask(
+        name="sft", role_name="policy", kind="lm", train_items=examples,
+        eval_items=eval_examples, make_batches=make_batches, rows_per_micro_batch=mbs,
+        make_step=lambda role: make_lm_loss_step(tp_group=role.layout.tp_group,
+                                                 true_vocab=role.spec.model.vocab_size),
+        summarize=summarize, describe=f"packing {'on' if cfg.data.packing else 'off'}"), tokenizer.vocab_size)

@@ -1,0 +1,306 @@
+"""Config -> one :class:`RoleSpec` per role: its checkpoint, model, layout and optimizer,
+resolved and checked before any process group exists.
+
+A role's model comes from its checkpoint's saved model config unless the config writes
+fields on top; shape fields written in the config must agree with the checkpoint. Every
+check names the role's config section, the field and both values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from megarlhf.config import (
+    Config, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RoleParallelConfig,
+    check_model_layout, check_precision, check_rollout_layout, explicit_fields, overlay,
+    padded_vocab_size, section_from_dict)
+from megarlhf.engine.checkpoint import read_meta, resolve_checkpoint
+
+# Fields that decide the shapes of the weights: a config may not contradict the checkpoint.
+SHAPE_FIELDS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                "ffn_hidden_size", "vocab_size", "tie_word_embeddings", "add_qkv_bias")
+# Fields of the top-level ``model`` that apply to every role when written.
+PRECISION_FIELDS = ("params_dtype", "transformer_impl", "fp8")
+PPO_ROLES = ("actor", "critic", "reference", "reward")
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """Everything needed to build one role at its layout."""
+
+    name: str  # actor, critic, reference, reward; policy (SFT), reward (RM), model (score)
+    kind: str  # "lm" (LM head) or "value" (scalar head)
+    model: ModelConfig
+    tp: int
+    pp: int
+    vpp: int | None
+    padded_vocab: int  # embedding rows: the vocabulary padded for every TP it meets
+    checkpoint: str | None = None  # resolved checkpoint folder to initialise from
+    checkpoint_role: str | None = None  # the role inside that checkpoint
+    trunk_only: bool = False  # value model from an LM checkpoint: fresh scalar head
+    optimizer: OptimizerConfig | None = None  # set for trained roles
+    where: str = "model"  # config section, for messages
+
+    @property
+    def trained(self) -> bool:
+        return self.optimizer is not None
+
+    def describe(self) -> str:
+        m = self.model
+        layout = f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp else "")
+        src = (f"{self.checkpoint} [{self.checkpoint_role}]" + (" trunk only"
+               if self.trunk_only else "")) if self.checkpoint else "random init"
+        opt = (f"; lr {self.optimizer.lr:g}, {self.optimizer.lr_schedule}, "
+               f"{'distributed' if self.optimizer.use_distributed_optimizer else 'plain'} "
+               "optimizer") if self.optimizer else "; frozen"
+        return (f"{self.name:9s} {self.kind:5s} {m.arch} {m.num_layers}x{m.hidden_size} "
+                f"heads {m.num_attention_heads}/{m.query_groups} vocab {m.vocab_size} "
+                f"{m.params_dtype}; {layout}; {src}{opt}")
+
+
+@dataclass(frozen=True)
+class SavedRole:
+    """What a checkpoint says about one of its roles."""
+
+    path: str  # the resolved checkpoint folder
+    role: str
+    kind: str | None
+    model: ModelConfig | None
+
+
+def read_saved_role(path: str, preferred: tuple[str, ...], where: str) -> SavedRole:
+    """The role to read from ``path``: the first of ``preferred`` it holds, else its only
+    role. Errors name the config field that pointed here."""
+    try:
+        resolved = resolve_checkpoint(path)
+        meta = read_meta(resolved)
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(f"{where}={path!r}: {err}") from None
+    roles = list(meta.get("roles", {}))
+    role = next((r for r in preferred if r in roles), None)
+    if role is None:
+        if len(roles) != 1:
+            raise ConfigError(f"{where}={path!r} holds roles {roles}, none of "
+                              f"{list(preferred)}: point at a checkpoint of that kind")
+        role = roles[0]
+    info = meta["roles"][role]
+    saved = info.get("model") or meta.get("config", {}).get("model")
+    model = section_from_dict(ModelConfig, dict(saved), f"{where} (saved model)") \
+        if saved else None
+    return SavedRole(resolved, role, info.get("kind"), model)
+
+
+def _layout_of(base: tuple[int, int, int | None], own: RoleParallelConfig | None
+               ) -> tuple[int, int, int | None]:
+    tp, pp, vpp = base
+    if own is None:
+        return base
+    new_tp = own.tensor_model_parallel_size or tp
+    new_pp = own.pipeline_model_parallel_size or pp
+    if own.virtual_pipeline_model_parallel_size is not None:
+        new_vpp = None if own.virtual_pipeline_model_parallel_size == 1 \
+            else own.virtual_pipeline_model_parallel_size
+    else:
+        new_vpp = vpp if new_pp == pp else None
+    return new_tp, new_pp, new_vpp
+
+
+def _model_of(where: str, saved: SavedRole | None, base: ModelConfig,
+              overrides: list[tuple[str, ModelConfig | None, tuple[str, ...] | None]]
+              ) -> ModelConfig:
+    """``base`` (the checkpoint's saved model, or a config model for random init) with the
+    written fields of each override on top; shape fields may not contradict a checkpoint."""
+    model = saved.model if saved is not None and saved.model is not None else base
+    for name, override, only in overrides:
+        if override is None:
+            continue
+        if saved is not None and saved.model is not None:
+            for key in explicit_fields(override) & set(SHAPE_FIELDS):
+                if only is not None and key not in only:
+                    continue
+                want, have = getattr(override, key), getattr(saved.model, key)
+                if want is not None and want != have:
+                    raise ConfigError(
+                        f"{where}: {name}.{key}={want!r} but the checkpoint {saved.path} "
+                        f"(role '{saved.role}') has {key}={have!r}; remove the override or "
+                        "load a checkpoint of that shape")
+        model = overlay(model, override, only)
+    if model.vocab_size is None:
+        model = dataclasses.replace(model, vocab_size=base.vocab_size)
+    return model
+
+
+def _check_kind(where: str, saved: SavedRole | None, kind: str, allow_trunk: bool) -> bool:
+    """True when only the trunk loads (a value model initialised from an LM checkpoint)."""
+    if saved is None or saved.kind is None or saved.kind == kind:
+        return False
+    if kind == "value" and saved.kind == "lm" and allow_trunk:
+        return True
+    what = {"lm": "a language model (LM head)", "value": "a value model (scalar head)"}
+    raise ConfigError(f"{where}: the checkpoint {saved.path} (role '{saved.role}') is "
+                      f"{what[saved.kind]}, but this role needs {what[kind]}")
+
+
+def _spec(cfg: Config, *, name: str, kind: str, where: str, saved: SavedRole | None,
+          model: ModelConfig, layout: tuple[int, int, int | None], world_size: int,
+          optimizer: OptimizerConfig | None = None, allow_trunk: bool = False,
+          vocab_tps: tuple[int, ...] = ()) -> RoleSpec:
+    tp, pp, vpp = layout
+    if model.vocab_size is None:
+        raise ConfigError(f"{where}: the model's vocab_size is unknown: configure "
+                          "tokenizer.path or set model.vocab_size")
+    check_model_layout(f"{where}.parallel" if where.startswith("roles.") else "parallel",
+                       model, tp, pp, vpp, world_size)
+    check_precision(model, f"{where}.model" if where.startswith("roles.") else "model")
+    trunk_only = _check_kind(where, saved, kind, allow_trunk)
+    padded = padded_vocab_size(model.vocab_size, cfg.parallel.make_vocab_size_divisible_by,
+                               math.lcm(tp, *vocab_tps))
+    return RoleSpec(name=name, kind=kind, model=model, tp=tp, pp=pp, vpp=vpp,
+                    padded_vocab=padded, checkpoint=saved.path if saved else None,
+                    checkpoint_role=saved.role if saved else None, trunk_only=trunk_only,
+                    optimizer=optimizer, where=where)
+
+
+def _checkpoint_of(cfg: Config, role: str, shorthand: str | None, shorthand_name: str
+                   ) -> str | None:
+    own = getattr(cfg.roles, role).checkpoint
+    if own and shorthand and own != shorthand:
+        raise ConfigError(f"roles.{role}.checkpoint={own!r} and {shorthand_name}="
+                          f"{shorthand!r} disagree: set one of them")
+    return own or shorthand
+
+
+def _check_vocab(specs: dict[str, RoleSpec], tokenizer_vocab: int | None) -> None:
+    actor = specs.get("actor") or next(iter(specs.values()))
+    for spec in specs.values():
+        v = spec.model.vocab_size
+        if tokenizer_vocab is not None and v < tokenizer_vocab:
+            raise ConfigError(f"{spec.where}: the model's vocab_size={v} is smaller than the "
+                              f"tokenizer's vocabulary ({tokenizer_vocab}): tokenizer and "
+                              "checkpoint do not match")
+        if spec is not actor and v != actor.model.vocab_size:
+            raise ConfigError(f"{spec.where}: vocab_size={v} differs from the actor's "
+                              f"({actor.model.vocab_size}): every role must share the actor's "
+                              "tokenizer and vocabulary")
+
+
+def ppo_role_specs(cfg: Config, world_size: int, tokenizer_vocab: int | None = None
+                   ) -> dict[str, RoleSpec]:
+    """The PPO roles (critic only for GAE; reward model unless ``rollout.reward_fn``)."""
+    ppo, roles = cfg.ppo, cfg.roles
+    actor_ckpt = _checkpoint_of(cfg, "actor", ppo.sft_checkpoint, "ppo.sft_checkpoint")
+    if actor_ckpt is None:
+        raise ConfigError("the actor needs a checkpoint: set ppo.sft_checkpoint (or "
+                          "roles.actor.checkpoint) to an SFT run's checkpoints")
+    reward_ckpt = _checkpoint_of(cfg, "reward", ppo.reward_checkpoint, "ppo.reward_checkpoint")
+    if reward_ckpt is None and cfg.rollout.reward_fn is None:
+        raise ConfigError("set ppo.reward_checkpoint (or roles.reward.checkpoint) or "
+                          "rollout.reward_fn")
+    if reward_ckpt is not None and cfg.rollout.reward_fn is not None:
+        raise ConfigError("both a reward-model checkpoint and rollout.reward_fn are set: "
+                          "choose one reward source")
+    par: ParallelConfig = cfg.parallel
+    top = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+           par.virtual_pipeline_model_parallel_size)
+    actor_layout = _layout_of(top, roles.actor.parallel)
+    precision = ("model", cfg.model, PRECISION_FIELDS)
+    policy_overrides = [("model", cfg.model, None)]
+    rollout_tp = cfg.rollout.tensor_parallel_size
+    specs: dict[str, RoleSpec] = {}
+
+    saved = read_saved_role(actor_ckpt, ("policy", "actor"), "roles.actor.checkpoint")
+    model = _model_of("roles.actor", saved, cfg.model,
+                      policy_overrides + [("roles.actor.model", roles.actor.model, None)])
+    specs["actor"] = _spec(cfg, name="actor", kind="lm", where="roles.actor", saved=saved,
+                           model=model, layout=actor_layout, world_size=world_size,
+                           optimizer=overlay(cfg.optimizer, roles.actor.optimizer),
+                           vocab_tps=(rollout_tp,))
+    check_rollout_layout(model, rollout_tp, world_size)
+
+    ref_ckpt = roles.reference.checkpoint or actor_ckpt
+    saved = read_saved_role(ref_ckpt, ("policy", "actor", "reference"),
+                            "roles.reference.checkpoint")
+    model = _model_of("roles.reference", saved, cfg.model,
+                      policy_overrides + [("roles.reference.model", roles.reference.model,
+                                           None)])
+    specs["reference"] = _spec(cfg, name="reference", kind="lm", where="roles.reference",
+                               saved=saved, model=model,
+                               layout=_layout_of(actor_layout, roles.reference.parallel),
+                               world_size=world_size)
+
+    reward_saved = None
+    if reward_ckpt is not None:
+        reward_saved = read_saved_role(reward_ckpt, ("reward",), "roles.reward.checkpoint")
+        model = _model_of("roles.reward", reward_saved, cfg.model,
+                          [precision, ("roles.reward.model", roles.reward.model, None)])
+        specs["reward"] = _spec(cfg, name="reward", kind="value", where="roles.reward",
+                                saved=reward_saved, model=model,
+                                layout=_layout_of(actor_layout, roles.reward.parallel),
+                                world_size=world_size)
+
+    if ppo.advantage_estimator == "gae":
+        critic_ckpt = roles.critic.checkpoint
+        if critic_ckpt is None:
+            if ppo.critic_init == "reward" and reward_ckpt is None:
+                raise ConfigError("ppo.critic_init=reward needs a reward-model checkpoint; "
+                                  "with rollout.reward_fn use ppo.critic_init=sft or random")
+            critic_ckpt = {"reward": reward_ckpt, "sft": actor_ckpt, "random": None}[
+                ppo.critic_init]
+        saved = read_saved_role(critic_ckpt, ("critic", "reward", "policy", "actor"),
+                                "roles.critic.checkpoint") if critic_ckpt else None
+        base = specs["actor"].model
+        model = _model_of("roles.critic", saved, base,
+                          [precision, ("roles.critic.model", roles.critic.model, None)])
+        critic_opt = dataclasses.replace(cfg.optimizer, lr=cfg.optimizer.critic_lr,
+                                         min_lr=min(cfg.optimizer.min_lr,
+                                                    cfg.optimizer.critic_lr))
+        specs["critic"] = _spec(cfg, name="critic", kind="value", where="roles.critic",
+                                saved=saved, model=model,
+                                layout=_layout_of(actor_layout, roles.critic.parallel),
+                                world_size=world_size,
+                                optimizer=overlay(critic_opt, roles.critic.optimizer),
+                                allow_trunk=True)
+    for name in ("critic", "reward"):
+        if name not in specs and _role_is_set(getattr(roles, name)):
+            why = "ppo.advantage_estimator is not gae" if name == "critic" \
+                else "rollout.reward_fn replaces the reward model"
+            raise ConfigError(f"roles.{name} is configured but this run has no {name} "
+                              f"({why}): remove roles.{name}")
+    for name in ("reference", "reward"):
+        if getattr(roles, name).optimizer is not None:
+            raise ConfigError(f"roles.{name}.optimizer is set, but the {name} role is frozen")
+    _check_vocab(specs, tokenizer_vocab)
+    # Dropout makes the ratio's numerator and denominator come from different networks.
+    return {name: dataclasses.replace(spec, model=dataclasses.replace(
+                spec.model, hidden_dropout=0.0, attention_dropout=0.0))
+            for name, spec in specs.items()}
+
+
+def _role_is_set(role) -> bool:
+    """Whether a config file or override wrote anything under this role's block."""
+    return bool(getattr(role, "_megarlhf_explicit", frozenset()))
+
+
+def single_role_spec(cfg: Config, *, name: str, kind: str, world_size: int, trained: bool,
+                     checkpoint_role: str | None = None, tokenizer_vocab: int | None = None
+                     ) -> RoleSpec:
+    """The one role of ``sft`` (policy), ``rm`` (reward) and ``score``: the top-level
+    ``model`` and ``parallel``, initialised from ``checkpoint.load`` when set."""
+    saved = None
+    if cfg.checkpoint.load:
+        preferred = (checkpoint_role,) if checkpoint_role else (name,)
+        saved = read_saved_role(cfg.checkpoint.load, preferred, "checkpoint.load")
+        if checkpoint_role and saved.role != checkpoint_role:
+            raise ConfigError(f"checkpoint.load={cfg.checkpoint.load!r} has no role "
+                              f"'{checkpoint_role}' (it holds '{saved.role}')")
+    model = _model_of("model", saved, cfg.model, [("model", cfg.model, None)])
+    par = cfg.parallel
+    spec = _spec(cfg, name=name, kind=kind, where="model", saved=saved, model=model,
+                 layout=(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                         par.virtual_pipeline_model_parallel_size),
+                 world_size=world_size, optimizer=cfg.optimizer if trained else None,
+                 allow_trunk=trained, vocab_tps=(cfg.rollout.tensor_parallel_size,))
+    _check_vocab({name: spec}, tokenizer_vocab)
+    return spec

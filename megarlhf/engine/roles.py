@@ -1,0 +1,93 @@
+"""The one role builder: any role (actor, critic, reference, reward model, SFT policy, ...)
+at its own layout - process groups, model chunks, seeded init, checkpoint load, then frozen
+or wrapped in megatron DDP with its own (distributed) optimizer and LR schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from megarlhf.engine.checkpoint import RoleState, load_checkpoint, read_meta
+from megarlhf.engine.optimizer import TrainedRole, build_optimizer, wrap_ddp
+from megarlhf.engine.role_specs import RoleSpec
+from megarlhf.models.gpt import build_model, init_weights
+from megarlhf.parallel.layout import ParallelLayout, build_layout
+
+
+@dataclass
+class Role:
+    """A built role: its spec, layout, bare model chunks and, when trained, the DDP-wrapped
+    chunks with optimizer and schedule."""
+
+    spec: RoleSpec
+    layout: ParallelLayout
+    chunks: list  # bare model chunks (one, or VPP chunks)
+    trained: TrainedRole | None = None
+    saved: dict = dataclasses.field(default_factory=dict)  # the checkpoint's entry (RM gain)
+    source: str = ""
+
+    @property
+    def model(self) -> list:
+        """What runs through the pipeline schedule (DDP-wrapped when trained)."""
+        return self.trained.model if self.trained is not None else self.chunks
+
+    @property
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for chunk in self.chunks for p in chunk.parameters()]
+
+    def state(self) -> RoleState:
+        """What this role contributes to a checkpoint (with its kind and model)."""
+        extra = {"kind": self.spec.kind, "model": dataclasses.asdict(self.spec.model)}
+        if self.trained is None:
+            return RoleState(self.chunks, extra=extra)
+        return RoleState(self.trained.model, self.trained.optimizer, self.trained.scheduler,
+                         extra)
+
+
+def build_chunks(spec: RoleSpec, layout: ParallelLayout) -> list:
+    """This rank's model chunks of ``spec`` (one, or ``vpp`` for the interleaved schedule)."""
+    vpp = layout.vpp_size or 1
+    return [build_model(spec.model, kind=spec.kind, padded_vocab=spec.padded_vocab,
+                        pg_collection=layout.pg_collection,
+                        pre_process=layout.is_first_stage and vp_stage == 0,
+                        post_process=layout.is_last_stage and vp_stage == vpp - 1,
+                        vp_stage=vp_stage if layout.vpp_size else None,
+                        vpp_size=layout.vpp_size)
+            for vp_stage in range(vpp)]
+
+
+def build_role(spec: RoleSpec, *, seed: int, total_steps: int = 1) -> Role:
+    """Build ``spec`` on its own process groups: seeded init (the same global weights at
+    every layout), then its checkpoint when it has one; frozen roles are put in eval mode
+    without gradients, trained roles get DDP + optimizer + LR schedule over
+    ``total_steps``. Every rank must build the same roles in the same order."""
+    layout = build_layout(spec.tp, spec.pp, spec.vpp)
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(seed, tp_rank=layout.tp_rank, ep_rank=0, etp_rank=0,
+                                        force_reset_rng=True)
+    chunks = build_chunks(spec, layout)
+    for chunk in chunks:
+        init_weights(chunk, spec.model, seed)
+    role = Role(spec, layout, chunks, source=f"random init (seed {seed})")
+    if spec.checkpoint:
+        load_checkpoint(spec.checkpoint, {spec.checkpoint_role: RoleState(chunks)},
+                        load_optimizer=False, load_rng=False, skip_head=spec.trunk_only)
+        role.saved = read_meta(spec.checkpoint)["roles"][spec.checkpoint_role]
+        role.source = (f"{spec.checkpoint} role '{spec.checkpoint_role}'"
+                       + (" (trunk only; new scalar head)" if spec.trunk_only else ""))
+    if spec.optimizer is None:
+        for chunk in chunks:
+            chunk.eval()
+            for p in chunk.parameters():
+                p.requires_grad_(False)
+        return role
+    opt_cfg = spec.optimizer
+    model = wrap_ddp(chunks, opt_cfg.use_distributed_optimizer, layout.pg_collection)
+    optimizer, scheduler = build_optimizer(opt_cfg, model, lr=opt_cfg.lr,
+                                           total_steps=total_steps,
+                                           pg_collection=layout.pg_collection)
+    role.trained = TrainedRole(model, optimizer, scheduler)
+    return role

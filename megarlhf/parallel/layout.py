@@ -1,0 +1,130 @@
+"""Parallel layouts: one role's TP x PP (x VPP) x DP split of the world, with its own
+megatron process groups built from ``HyperCommGrid``.
+
+Every role (actor, critic, reference, reward model, the rollout's inference model) gets a
+:class:`ParallelLayout` from :func:`build_layout` and hands its ``pg_collection`` to the
+model, the pipeline schedule, DDP and the optimizer. Nothing reads megatron's global
+``parallel_state``. Layouts are cached by shape: roles with the same TP x PP share groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """One model layout: sizes, this rank's coordinates and the process groups.
+
+    ``pg_collection`` is megatron's ``ProcessGroupCollection`` for models built in this
+    layout. Ranks are ordered TP fastest, then DP, then PP (megatron's default
+    ``tp-cp-ep-dp-pp``), so a TP group stays within a node.
+    """
+
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    vpp_size: int | None
+    pg_collection: object
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def tp_group(self):
+        return self.pg_collection.tp
+
+    @property
+    def dp_group(self):
+        return self.pg_collection.dp
+
+    @property
+    def pp_group(self):
+        return self.pg_collection.pp
+
+    @property
+    def writes_results(self) -> bool:
+        """The one rank per data-parallel replica that holds a pass's outputs: the last
+        pipeline stage's TP rank 0 (TP ranks hold copies)."""
+        return self.is_last_stage and self.tp_rank == 0
+
+    def describe(self) -> str:
+        return (f"TP={self.tp_size} PP={self.pp_size} DP={self.dp_size}"
+                + (f" VPP={self.vpp_size}" if self.vpp_size else ""))
+
+    def with_vpp(self, vpp: int | None) -> "ParallelLayout":
+        from dataclasses import replace
+        return replace(self, vpp_size=vpp)
+
+
+_GROUPS: dict[tuple[int, int, int], object] = {}
+
+
+def _groups(tp: int, pp: int, world: int):
+    """The ``ProcessGroupCollection`` of a TP x PP layout; created once per shape. Every
+    rank must ask for the same shapes in the same order (group creation is collective)."""
+    key = (tp, pp, world)
+    if key in _GROUPS:
+        return _GROUPS[key]
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.parallel_state import (
+        default_embedding_ranks, default_position_embedding_ranks)
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    dp = world // (tp * pp)
+    grid = HyperCommGrid([tp, 1, 1, dp, pp], ["tp", "cp", "ep", "dp", "pp"])
+    g = {name: grid.create_pg(name) for name in ("tp", "cp", "ep", "dp", "pp")}
+    pp_ranks = dist.get_process_group_ranks(g["pp"])
+    # Word embeddings live on the first and last stage (tied weights are kept in sync
+    # over this group); learned positions on the first. Group creation is collective:
+    # every rank creates every stage group, and keeps the one it belongs to.
+    embd = pos_embd = None
+    rank = dist.get_rank()
+    for ranks in _all_pp_groups(tp, dp, pp):
+        e = dist.new_group(default_embedding_ranks(ranks))
+        p = dist.new_group(default_position_embedding_ranks(ranks))
+        if rank in ranks:
+            embd, pos_embd = e, p
+    assert sorted(pp_ranks) == sorted(next(r for r in _all_pp_groups(tp, dp, pp) if rank in r))
+    dp_cp = grid.create_pg(["cp", "dp"])
+    pgc = ProcessGroupCollection(
+        tp=g["tp"], cp=g["cp"], pp=g["pp"], ep=g["ep"], dp=g["dp"], embd=embd,
+        pos_embd=pos_embd, tp_cp=grid.create_pg(["tp", "cp"]),
+        mp=grid.create_pg(["tp", "cp", "ep", "pp"]), expt_tp=g["tp"], expt_dp=g["dp"],
+        tp_ep=grid.create_pg(["tp", "ep"]), tp_ep_pp=grid.create_pg(["tp", "ep", "pp"]),
+        dp_cp=dp_cp, tp_dp_cp=grid.create_pg(["tp", "cp", "dp"]), intra_dp_cp=dp_cp,
+        intra_expt_dp=g["dp"], intra_dist_opt=grid.create_pg(["tp", "cp", "ep", "dp", "pp"]))
+    _GROUPS[key] = pgc
+    return pgc
+
+
+def _all_pp_groups(tp: int, dp: int, pp: int) -> list[list[int]]:
+    """Ranks of every pipeline group, stage order (rank = tp + TP * dp + TP * DP * pp)."""
+    return [[t + tp * d + tp * dp * s for s in range(pp)] for d in range(dp) for t in range(tp)]
+
+
+def build_layout(tp: int, pp: int = 1, vpp: int | None = None) -> ParallelLayout:
+    """This rank's place in a TP x PP (x VPP) layout over the whole world; the rest of the
+    world forms data-parallel replicas. Sizes are validated before any process group exists
+    (``config.check_model_layout``); here only the world size is rechecked."""
+    world = dist.get_world_size()
+    assert world % (tp * pp) == 0, f"TP x PP = {tp} x {pp} does not divide the world {world}"
+    pgc = _groups(tp, pp, world)
+    return ParallelLayout(tp_size=tp, pp_size=pp, dp_size=world // (tp * pp),
+                          tp_rank=pgc.tp.rank(), pp_rank=pgc.pp.rank(), dp_rank=pgc.dp.rank(),
+                          vpp_size=vpp, pg_collection=pgc)
+
+
+def reset_layouts() -> None:
+    """Forget cached groups (after the default process group is destroyed)."""
+    _GROUPS.clear()
