@@ -48,7 +48,8 @@ def test_sampled_logprobs_equal_teacher_forced_scoring(rollout_results, arch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["tp2_to_tp1x2", "pp2_to_tp2", "tp1pp2_to_tp1x2"])
+@pytest.mark.parametrize("case", ["tp2_to_tp1x2", "pp2_to_tp2", "tp1pp2_to_tp1x2",
+                                  "pp2vpp2_to_tp2"])
 def test_reshard_reproduces_training_logprobs(rollout_results, case):
     phases = rollout_results[1][case]
     for phase in ("initial", "after_step"):
@@ -61,6 +62,18 @@ def test_reshard_reproduces_training_logprobs(rollout_results, case):
     moved = max(abs(x - y) for a, b in zip(phases["initial"]["train"], phases["after_step"]["train"])
                 for x, y in zip(a["logprobs"], b["logprobs"]))
     assert moved > 1e-3  # the optimizer step changed the weights, and the reshard followed
+
+
+@pytest.mark.slow
+def test_reshard_from_vpp_samples_as_tp1(rollout_results):
+    """Resharding from an interleaved actor (PP=2 x VPP=2) into rollout TP=2 samples the
+    same tokens, with the same log-probs, as TP=1 (same seeded weights, same row seeds)."""
+    ref = rollout_results[0]["sample_tp1"]
+    got = rollout_results[1]["sample_pp2vpp2_to_tp2"]
+    assert torch.equal(ref.response_tokens_BT, got.response_tokens_BT)
+    assert torch.equal(ref.response_mask_BT, got.response_mask_BT)
+    assert (ref.logprobs_BT - got.logprobs_BT).abs().max() < 1e-5
+    assert ref.response_mask_BT.sum() > 4
 
 
 def reference_filter(logits, top_k, top_p):

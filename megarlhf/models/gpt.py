@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import types
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -138,9 +139,32 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, pg_coll
     )
     if kind == "value" and post_process:
         model.output_layer = ScalarHead(tcfg, pg_collection.tp)
+    if model.share_embeddings_and_output_weights:
+        model.tie_embeddings_and_output_weights_state_dict = types.MethodType(
+            _tied_output_state_dict, model)
     model.megarlhf_role = kind
     model.megarlhf_true_vocab = model_cfg.vocab_size
     return model
+
+
+def _tied_output_state_dict(self, sharded_state_dict, output_layer_weight_key: str,
+                            first_stage_word_emb_key: str, metadata: dict) -> None:
+    """megatron-core 0.16.1's ``tie_embeddings_and_output_weights_state_dict`` reads the
+    data-parallel rank from the global ``parallel_state`` on the last stage of a tied
+    model; the same logic with the chunk's own group (``metadata['dp_cp_group']``)."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.transformer.utils import make_tp_sharded_tensor_for_checkpoint
+
+    if not self.post_process or self.pre_process or getattr(self, "mtp_process", False):
+        return LanguageModule.tie_embeddings_and_output_weights_state_dict(
+            self, sharded_state_dict, output_layer_weight_key, first_stage_word_emb_key,
+            metadata)
+    del sharded_state_dict[output_layer_weight_key]
+    dp_cp = metadata["dp_cp_group"]
+    sharded_state_dict[output_layer_weight_key] = make_tp_sharded_tensor_for_checkpoint(
+        tensor=self.shared_embedding_or_output_weight(), key=first_stage_word_emb_key,
+        replica_id=(1, 0, dp_cp.rank()),  # a copy of the first stage's embedding
+        allow_shape_mismatch=True, tp_group=self.tp_group, dp_cp_group=dp_cp)
 
 
 def _param_seed(seed: int, key: str, layer_offsets: tuple) -> int:

@@ -87,14 +87,18 @@ def _groups(tp: int, pp: int, world: int):
     pp_ranks = dist.get_process_group_ranks(g["pp"])
     # Word embeddings live on the first and last stage (tied weights are kept in sync
     # over this group); learned positions on the first. Group creation is collective:
-    # every rank creates every stage group, and keeps the one it belongs to.
+    # every rank creates every group and keeps those it belongs to (None elsewhere, as
+    # megatron's parallel_state does).
     embd = pos_embd = None
     rank = dist.get_rank()
     for ranks in _all_pp_groups(tp, dp, pp):
-        e = dist.new_group(default_embedding_ranks(ranks))
-        p = dist.new_group(default_position_embedding_ranks(ranks))
-        if rank in ranks:
-            embd, pos_embd = e, p
+        embd_ranks = default_embedding_ranks(ranks)
+        pos_ranks = default_position_embedding_ranks(ranks)
+        e, p = dist.new_group(embd_ranks), dist.new_group(pos_ranks)
+        if rank in embd_ranks:
+            embd = e
+        if rank in pos_ranks:
+            pos_embd = p
     assert sorted(pp_ranks) == sorted(next(r for r in _all_pp_groups(tp, dp, pp) if rank in r))
     dp_cp = grid.create_pg(["cp", "dp"])
     pgc = ProcessGroupCollection(

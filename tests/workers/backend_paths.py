@@ -12,13 +12,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import fixed_sequences, make_config, start  # noqa: E402
+from common import build, fixed_sequences, make_config  # noqa: E402
 
-from megarlhf.engine.checkpoint import RoleState, load_checkpoint, save_checkpoint  # noqa: E402
-from megarlhf.engine.optimizer import (  # noqa: E402
-    TrainedRole, build_optimizer, train_step, wrap_ddp)
-from megarlhf.engine.schedule import build_model_chunks  # noqa: E402
-from megarlhf.models.gpt import init_weights  # noqa: E402
+from megarlhf.engine.checkpoint import RoleState, save_checkpoint  # noqa: E402
+from megarlhf.engine.optimizer import train_step  # noqa: E402
 from megarlhf.models.logprobs import vocab_parallel_logprobs  # noqa: E402
 from megarlhf.stages.score import right_padded_batch, score_sequences  # noqa: E402
 
@@ -63,14 +60,9 @@ def microbatches(seqs, dp_rank, dp_size):
 
 def run_case(name, tp, pp, out_dir, results):
     cfg = make_config("llama", tp, pp, extra=("optimizer.lr=0.01", "optimizer.clip_grad=1.0"))
-    layout = start(cfg)
-    chunks = build_model_chunks(cfg, layout, "lm")
-    for c in chunks:
-        init_weights(c, cfg)
-    model = wrap_ddp(chunks, True, layout.pg_collection)
-    optimizer, scheduler = build_optimizer(cfg.optimizer, model, lr=cfg.optimizer.lr,
-                                           total_steps=10)
-    role = TrainedRole(model, optimizer, scheduler)
+    built = build(cfg, "lm", trained=True)
+    layout, chunks, role = built.layout, built.chunks, built.trained
+    model, optimizer, scheduler = role.model, role.optimizer, role.scheduler
     seqs = fixed_sequences(8)
     losses = []
     for _ in range(3):
@@ -83,8 +75,7 @@ def run_case(name, tp, pp, out_dir, results):
         dist.all_reduce(total)  # sum over DP ranks (and zeros from non-last stages)
         total = total / (layout.tp_size)  # every TP rank of the last stage contributed
         losses.append((total[0] / total[1]).item())
-    rows = score_sequences(cfg, layout, chunks, fixed_sequences(6), role="lm",
-                           micro_batch_size=2)
+    rows = score_sequences(built, fixed_sequences(6), micro_batch_size=2)
     ckpt = save_checkpoint(os.path.join(out_dir, f"ckpt_{name}"), "step_3",
                            {"policy": RoleState(model, optimizer, scheduler)},
                            trainer_state={"step": 3}, layout=layout.describe())
@@ -95,14 +86,9 @@ def run_case(name, tp, pp, out_dir, results):
 def nonfinite_case(results):
     """DP=2: a NaN loss on rank 1 only; both ranks must skip the step, weights unchanged."""
     cfg = make_config("llama", 1, 1, extra=("optimizer.lr=0.01",))
-    layout = start(cfg)
-    chunks = build_model_chunks(cfg, layout, "lm")
-    for c in chunks:
-        init_weights(c, cfg)
-    model = wrap_ddp(chunks, True, layout.pg_collection)
-    optimizer, scheduler = build_optimizer(cfg.optimizer, model, lr=cfg.optimizer.lr,
-                                           total_steps=10)
-    role = TrainedRole(model, optimizer, scheduler)
+    built = build(cfg, "lm", trained=True)
+    layout, chunks, role = built.layout, built.chunks, built.trained
+    model, optimizer, scheduler = role.model, role.optimizer, role.scheduler
     seqs = fixed_sequences(8)
     before = [p.detach().clone() for p in chunks[0].parameters()]
     _, applied, norm = train_step(role, lm_step(layout, cfg.model.vocab_size,
@@ -122,17 +108,13 @@ def nonfinite_case(results):
 
 
 def reload_and_score(name, ckpt, results):
-    cfg = make_config("llama", 1, 1)
-    layout = start(cfg)
-    chunks = build_model_chunks(cfg, layout, "lm")
-    load_checkpoint(ckpt, {"policy": RoleState(chunks)}, load_optimizer=False)
+    """The saved checkpoint through the role builder (checkpoint.load) at TP=1 PP=1."""
+    scorer = build(make_config("llama", 1, 1, extra=(f"checkpoint.load={ckpt}",)), "lm")
     ref_params = results["ref"]["params"]
     results[f"reload_{name}"] = {
         "param_diff": max((a - b).abs().max().item() for a, b in
-                          zip(ref_params, [p.detach().clone() for p in chunks[0].parameters()])),
-        "rows": score_sequences(cfg, layout, chunks,
-                                                         fixed_sequences(6), role="lm",
-                                                         micro_batch_size=2)}
+                          zip(ref_params, [p.detach().clone() for p in scorer.chunks[0].parameters()])),
+        "rows": score_sequences(scorer, fixed_sequences(6), micro_batch_size=2)}
 
 
 def main():

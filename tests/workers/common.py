@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
 from megarlhf.config import load_config
-from megarlhf.parallel.launch import init_distributed, init_training_layout
+from megarlhf.engine.role_specs import single_role_spec
+from megarlhf.engine.roles import build_role
+from megarlhf.parallel.launch import init_distributed
 
 
 def make_config(arch: str, tp: int, pp: int, *, vocab: int = 300, layers: int = 4,
@@ -19,11 +23,24 @@ def make_config(arch: str, tp: int, pp: int, *, vocab: int = 300, layers: int = 
         f"parallel.pipeline_model_parallel_size={pp}", "run.seed=7", *extra])
 
 
-def start(cfg):
-    """First case: start the process group; later cases: only re-make the layout."""
-    if dist.is_initialized():
-        return init_training_layout(cfg)
-    return init_distributed(cfg)
+def start(cfg) -> None:
+    """Start the process group once (later cases reuse it)."""
+    if not dist.is_initialized():
+        init_distributed(cfg)
+
+
+def build(cfg, kind: str = "lm", *, trained: bool = False, seed_offset: int = 0,
+          total_steps: int = 10, name: str = "model"):
+    """A role from the config's ``model``/``parallel`` (and ``checkpoint.load``), built by
+    the one role builder the stages use."""
+    start(cfg)
+    spec = single_role_spec(cfg, name=name, kind=kind, world_size=dist.get_world_size(),
+                            trained=trained)
+    return build_role(spec, seed=cfg.run.seed + seed_offset, total_steps=total_steps)
+
+
+def with_layout(spec, tp: int, pp: int = 1, vpp: int | None = None):
+    return dataclasses.replace(spec, tp=tp, pp=pp, vpp=vpp)
 
 
 def fixed_sequences(num: int = 6, vocab: int = 300, seed: int = 0) -> list[list[int]]:

@@ -12,11 +12,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import fixed_sequences, make_config, start  # noqa: E402
+from common import build, fixed_sequences, make_config  # noqa: E402
 
-from megarlhf.engine.optimizer import TrainedRole, build_optimizer, train_step, wrap_ddp  # noqa: E402
-from megarlhf.engine.schedule import build_model_chunks  # noqa: E402
-from megarlhf.models.gpt import init_weights  # noqa: E402
+from megarlhf.engine.optimizer import train_step  # noqa: E402
 from megarlhf.models.logprobs import vocab_parallel_logprobs  # noqa: E402
 from megarlhf.rollout.generate import SamplingParams, generate  # noqa: E402
 from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout  # noqa: E402
@@ -39,10 +37,8 @@ def direct_logprobs(model, layout, cfg, seqs):
 
 def generation_case(arch, results):
     cfg = make_config(arch, 1, 1)
-    layout = start(cfg)
-    (model,) = build_model_chunks(cfg, layout, "lm")
-    init_weights(model, cfg)
-    model.eval()
+    scorer = build(cfg, "lm")
+    (model,) = scorer.chunks
     params = SamplingParams(max_new_tokens=12, greedy=True, temperature=0.8)
     common = dict(eos_id=2, pad_id=0, true_vocab=cfg.model.vocab_size)
     cached = generate(model, PROMPTS, params, **common)
@@ -55,40 +51,55 @@ def generation_case(arch, results):
     for b, prompt in enumerate(PROMPTS):
         n = int(sampled.response_mask_BT[b].sum())
         seqs.append(prompt + sampled.response_tokens_BT[b, :n].tolist())
-    rows = score_sequences(cfg, layout, [model], seqs, role="lm", micro_batch_size=1,
-                           temperature=0.9)
+    rows = score_sequences(scorer, seqs, micro_batch_size=1, temperature=0.9)
     results[f"gen_{arch}"] = {"cached": cached, "full": full, "sampled": sampled,
                               "teacher": [r["logprobs"] for r in rows]}
 
 
-def reshard_case(name, tp, pp, rollout_tp, results):
-    cfg = make_config("llama", tp, pp, extra=(f"rollout.tensor_parallel_size={rollout_tp}",
-                                              "optimizer.lr=0.01"))
-    layout = start(cfg)
-    chunks = build_model_chunks(cfg, layout, "lm")
-    for c in chunks:
-        init_weights(c, cfg)
+def reshard_case(name, tp, pp, rollout_tp, results, vpp=None):
+    extra = [f"rollout.tensor_parallel_size={rollout_tp}", "optimizer.lr=0.01"]
+    if vpp:
+        extra.append(f"parallel.virtual_pipeline_model_parallel_size={vpp}")
+    cfg = make_config("llama", tp, pp, extra=tuple(extra))
+    actor = build(cfg, "lm", trained=True, total_steps=5)
     inf_layout = inference_layout(rollout_tp)
-    inf_model = build_inference_model(cfg, inf_layout)
-    resharder = Resharder(chunks, inf_model)
+    inf_model = build_inference_model(actor.spec, inf_layout)
+    resharder = Resharder(actor.chunks, inf_model)
     seqs = fixed_sequences(4)
     out = {}
     for phase in ("initial", "after_step"):
         if phase == "after_step":
-            model = wrap_ddp(chunks, True, layout.pg_collection)
-            opt, sched = build_optimizer(cfg.optimizer, model, lr=0.01, total_steps=5)
             from backend_paths import lm_step, microbatches, MICRO, SEQ_LEN
-            train_step(TrainedRole(model, opt, sched), lm_step(layout, cfg.model.vocab_size),
-                       microbatches(fixed_sequences(8), layout.dp_rank, layout.dp_size),
+            train_step(actor.trained, lm_step(actor.layout, cfg.model.vocab_size),
+                       microbatches(fixed_sequences(8), actor.layout.dp_rank,
+                                    actor.layout.dp_size),
                        seq_length=SEQ_LEN, micro_batch_size=MICRO)
         stats = resharder()
-        train_rows = score_sequences(cfg, layout, chunks, seqs, role="lm", micro_batch_size=2)
+        train_rows = score_sequences(actor, seqs, micro_batch_size=2)
         inf_rows = direct_logprobs(inf_model, inf_layout, cfg, seqs)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, inf_rows)
         out[phase] = {"train": train_rows, "inference": gathered, "seconds": stats.seconds,
                       "bytes": stats.bytes_received}
     results[name] = out
+
+
+def sampling_case(name, tp, pp, vpp, rollout_tp, results):
+    """Sampled tokens and their log-probs after resharding from a training layout (the
+    same seeded weights at every layout): equal to the TP=1 run's."""
+    extra = [f"rollout.tensor_parallel_size={rollout_tp}"]
+    if vpp:
+        extra.append(f"parallel.virtual_pipeline_model_parallel_size={vpp}")
+    cfg = make_config("llama", tp, pp, extra=tuple(extra))
+    actor = build(cfg, "lm", trained=True)
+    inf_layout = inference_layout(rollout_tp)
+    inf_model = build_inference_model(actor.spec, inf_layout)
+    Resharder(actor.chunks, inf_model)()
+    params = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=40)
+    gen = generate(inf_model, PROMPTS, params, eos_id=2, pad_id=0,
+                   true_vocab=cfg.model.vocab_size,
+                   row_seeds=[11 * 1000003 + i for i in range(len(PROMPTS))])
+    results[name] = gen
 
 
 def main():
@@ -98,7 +109,10 @@ def main():
     if world == 1:
         generation_case("llama", results)
         generation_case("gpt2", results)
+        sampling_case("sample_tp1", 1, 1, None, 1, results)
     else:
+        sampling_case("sample_pp2vpp2_to_tp2", 1, 2, 2, 2, results)
+        reshard_case("pp2vpp2_to_tp2", 1, 2, 2, results, vpp=2)
         reshard_case("tp2_to_tp1x2", 2, 1, 1, results)
         reshard_case("pp2_to_tp2", 1, 2, 2, results)
         reshard_case("tp1pp2_to_tp1x2", 1, 2, 1, results)

@@ -11,10 +11,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import fixed_sequences, make_config, start  # noqa: E402
+from common import build, fixed_sequences, make_config  # noqa: E402
 
-from megarlhf.engine.schedule import build_model_chunks  # noqa: E402
-from megarlhf.stages.score import load_or_init, score_sequences  # noqa: E402
+from megarlhf.stages.score import score_sequences  # noqa: E402
 
 # (tp, pp, vpp); vpp > 1 runs the interleaved 1F1B schedule.
 LAYOUTS = {1: [(1, 1, 1)], 2: [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 2, 2)]}
@@ -32,12 +31,10 @@ def main():
                 if vpp > 1:
                     extra.append(f"parallel.virtual_pipeline_model_parallel_size={vpp}")
                 cfg = make_config(arch, tp, pp, extra=tuple(extra))
-                layout = start(cfg)
-                chunks = build_model_chunks(cfg, layout, role)
-                load_or_init(cfg, chunks)
+                scorer = build(cfg, role)
                 for temperature in ((1.0, 0.7) if role == "lm" else (1.0,)):
-                    rows = score_sequences(cfg, layout, chunks, seqs, role=role,
-                                           micro_batch_size=2, temperature=temperature)
+                    rows = score_sequences(scorer, seqs, micro_batch_size=2,
+                                           temperature=temperature)
                     results[(arch, role, tp, pp, vpp, temperature)] = rows
     if dist.get_rank() == 0:
         torch.save(results, os.path.join(out_dir, f"layouts_world{world}.pt"))
