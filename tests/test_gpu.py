@@ -25,8 +25,8 @@ def test_te_spec_fp8_forward_single_gpu():
         pytest.skip("TransformerEngine is not installed (pip install -e .[fp8])")
     import torch.distributed as dist
 
-    from megarlhf.engine.schedule import build_model_chunks
-    from megarlhf.models.gpt import init_weights
+    from megarlhf.engine.role_specs import single_role_spec
+    from megarlhf.engine.roles import build_role
     from megarlhf.models.logprobs import vocab_parallel_logprobs
     from megarlhf.parallel.launch import init_distributed, shutdown
 
@@ -35,11 +35,12 @@ def test_te_spec_fp8_forward_single_gpu():
         "model.num_layers=2", "model.params_dtype=bfloat16", "model.fp8.enabled=true",
         "model.fp8.recipe=delayed", "model.fp8.amax_history_len=16"])
     assert resolve_impl(cfg.model) == "transformer_engine"
-    layout = init_distributed(cfg)
+    spec = single_role_spec(cfg, name="model", kind="lm", world_size=1, trained=False)
+    init_distributed(cfg)
     try:
-        (model,) = build_model_chunks(cfg, layout, "lm")
+        role = build_role(spec, seed=cfg.run.seed)
+        layout, (model,) = role.layout, role.chunks
         model.cuda()
-        init_weights(model, cfg)
         tokens = torch.randint(0, 256, (2, 32), device="cuda")
         pos = torch.arange(32, device="cuda").expand(2, -1)
         logits = model(tokens, pos, None)

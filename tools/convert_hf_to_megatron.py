@@ -90,10 +90,12 @@ def copy_into(model_sd: dict, name: str, tensor: torch.Tensor, done: set) -> Non
 
 
 def convert(hf_dir: str, out: str, tp: int, pp: int, role: str) -> dict:
-    from megarlhf.config import config_from_dict, validate_layout
+    from megarlhf.config import config_from_dict, padded_vocab_size, validate_layout
     from megarlhf.engine.checkpoint import RoleState, save_checkpoint
-    from megarlhf.engine.schedule import build_model_chunks
+    from megarlhf.engine.role_specs import RoleSpec
+    from megarlhf.engine.roles import build_chunks
     from megarlhf.models.gpt import init_weights
+    from megarlhf.parallel.layout import build_layout
     from megarlhf.models.hf_mapping import (
         ConversionError, hf_to_megatron_layer, hf_to_megatron_outer, model_overrides)
     from megarlhf.parallel.launch import init_distributed, shutdown
@@ -110,11 +112,16 @@ def convert(hf_dir: str, out: str, tp: int, pp: int, role: str) -> dict:
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}})
     validate_layout(target_cfg, tp * pp)  # the requested layout must be possible
     cfg = config_from_dict({"model": model_tree})
-    layout = init_distributed(cfg)
+    init_distributed(cfg)
     try:
         # Built in one process, but with the vocabulary padded for the requested TP.
-        (chunk,) = build_model_chunks(target_cfg, layout, kind)
-        init_weights(chunk, target_cfg)
+        layout = build_layout(1, 1)
+        spec = RoleSpec(name=role, kind=kind, model=target_cfg.model, tp=1, pp=1, vpp=None,
+                        padded_vocab=padded_vocab_size(
+                            target_cfg.model.vocab_size,
+                            target_cfg.parallel.make_vocab_size_divisible_by, tp))
+        (chunk,) = build_chunks(spec, layout)
+        init_weights(chunk, target_cfg.model, target_cfg.run.seed)
         sd = chunk.state_dict()
         done: set = set()
         with torch.no_grad():
@@ -139,7 +146,8 @@ def convert(hf_dir: str, out: str, tp: int, pp: int, role: str) -> dict:
         name = {"actor": "policy", "critic": "critic", "reward": "reward"}[role]
         cfg_dict = __import__("dataclasses").asdict(target_cfg)
         path = save_checkpoint(os.path.join(out, "checkpoints"), "step_0000000",
-                               {name: RoleState([chunk], extra={"kind": kind})},
+                               {name: RoleState([chunk], extra={
+                                   "kind": kind, "model": cfg_dict["model"]})},
                                trainer_state={"step": 0, "converted_from": hf_dir,
                                               "hf_model_type": hf["model_type"]},
                                config=cfg_dict, layout=layout.describe())

@@ -62,8 +62,9 @@ def convert(config_path: str, out: str, ckpt: str | None, role_name: str | None,
     from safetensors.torch import save_file
 
     from megarlhf.config import load_config
-    from megarlhf.engine.checkpoint import RoleState, checkpoint_role, load_checkpoint, read_meta
-    from megarlhf.engine.schedule import build_model_chunks
+    from megarlhf.engine.checkpoint import checkpoint_role, read_meta
+    from megarlhf.engine.role_specs import single_role_spec
+    from megarlhf.engine.roles import build_role
     from megarlhf.models.hf_mapping import ConversionError, megatron_to_hf
     from megarlhf.parallel.launch import init_distributed, shutdown
 
@@ -76,23 +77,27 @@ def convert(config_path: str, out: str, ckpt: str | None, role_name: str | None,
     meta = read_meta(ckpt)
     role = checkpoint_role(meta, role_name, ckpt)
     kind = meta["roles"][role].get("kind", "lm")
-    m = dataclasses.asdict(cfg.model)
-    m["num_query_groups"] = cfg.model.query_groups
-    m["ffn_hidden_size"] = cfg.model.ffn_size
-    m["tie_word_embeddings"] = cfg.model.tied
+    cfg.checkpoint.load = ckpt
+    # The model is the checkpoint's own (the config's written fields must agree with it).
+    spec = single_role_spec(cfg, name=role, kind=kind, world_size=1, trained=False,
+                            checkpoint_role=role)
+    model_cfg = spec.model
+    m = dataclasses.asdict(model_cfg)
+    m["num_query_groups"] = model_cfg.query_groups
+    m["ffn_hidden_size"] = model_cfg.ffn_size
+    m["tie_word_embeddings"] = model_cfg.tied
     model_type = model_type or meta["trainer"].get("hf_model_type") or (
-        "gpt2" if cfg.model.arch == "gpt2" else
-                                ("qwen2" if cfg.model.qkv_bias else "llama"))
-    layout = init_distributed(cfg)
+        "gpt2" if model_cfg.arch == "gpt2" else
+                                ("qwen2" if model_cfg.qkv_bias else "llama"))
+    init_distributed(cfg)
     try:
-        (chunk,) = build_model_chunks(cfg, layout, kind)
-        load_checkpoint(ckpt, {role: RoleState([chunk])}, load_optimizer=False, load_rng=False)
+        (chunk,) = build_role(spec, seed=cfg.run.seed).chunks
         sd = {k: v.detach().float() for k, v in chunk.state_dict().items()
               if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
         if kind == "value" and sd.get("output_layer.bias", torch.zeros(1)).abs().max() > 0:
             raise ConversionError("the value head has a non-zero bias, which HF's "
                                   "*ForSequenceClassification 'score' layer cannot hold")
-        tensors = megatron_to_hf(model_type, m, sd, cfg.model.vocab_size, kind)
+        tensors = megatron_to_hf(model_type, m, sd, model_cfg.vocab_size, kind)
         os.makedirs(out, exist_ok=True)
         files = _save_sharded(tensors, out, m["num_layers"], shard_layers, save_file)
         with open(os.path.join(out, "config.json"), "w") as f:

@@ -10,12 +10,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import start  # noqa: E402
+from common import build  # noqa: E402
 
 from megarlhf.config import load_config  # noqa: E402
-from megarlhf.engine.schedule import build_model_chunks  # noqa: E402
 from megarlhf.rollout.generate import SamplingParams, generate  # noqa: E402
-from megarlhf.stages.score import load_or_init, score_sequences  # noqa: E402
+from megarlhf.stages.score import score_sequences  # noqa: E402
 
 SEQS = [[5, 17, 42, 8, 99, 250, 3, 77], [9, 3, 120, 121], [100, 101, 102, 103, 104, 105, 7, 8,
                                                              9, 10, 11, 12, 13, 14, 15, 16]]
@@ -32,10 +31,9 @@ def main():
             cfg = load_config(os.path.join(conv_dir, arch, "config.yaml"), [
                 f"parallel.tensor_model_parallel_size={tp}",
                 f"parallel.pipeline_model_parallel_size={pp}"])
-            layout = start(cfg)
-            chunks = build_model_chunks(cfg, layout, "lm")
-            load_or_init(cfg, chunks)
-            rows = score_sequences(cfg, layout, chunks, SEQS, role="lm", micro_batch_size=1)
+            scorer = build(cfg, "lm")
+            chunks = scorer.chunks
+            rows = score_sequences(scorer, SEQS, micro_batch_size=1)
             results[(arch, tp, pp)] = {"logprobs": rows and [r["logprobs"] for r in rows]}
             if world == 1:
                 gen = generate(chunks[0], PROMPTS, SamplingParams(max_new_tokens=20, greedy=True),

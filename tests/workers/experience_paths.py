@@ -11,23 +11,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import make_config, start  # noqa: E402
+from common import build as build_role_from, make_config  # noqa: E402
 
-from megarlhf.engine.schedule import build_model_chunks  # noqa: E402
-from megarlhf.models.gpt import init_weights  # noqa: E402
 from megarlhf.rollout.experience import ExperienceMaker, RewardSource, SequenceCache  # noqa: E402
 from megarlhf.rollout.reshard import build_inference_model, inference_layout  # noqa: E402
 
 PROMPTS = [[5, 17, 42, 8], [9, 3], [100, 101, 102, 103, 104, 105], [7], [11, 12, 13],
            [200, 3], [4, 4, 4, 4, 4], [60]]
-
-
-def build(cfg, layout, kind, seed_offset=0):
-    chunks = build_model_chunks(cfg, layout, kind)
-    local = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, seed=cfg.run.seed + seed_offset))
-    for c in chunks:
-        init_weights(c, local)
-    return chunks
 
 
 def case(name, tp, pp, rollout_tp, results, offload_variants=(True,)):
@@ -36,17 +26,18 @@ def case(name, tp, pp, rollout_tp, results, offload_variants=(True,)):
         "rollout.temperature=0.9", "rollout.top_k=40", "model.value_head_init=normal",
         "ppo.init_kl_coef=0.1", "rollout.recompute_logprobs=true",
         "ppo.missing_stop_penalty=null"))
-    layout = start(cfg)
-    actor = build(cfg, layout, "lm")
-    reference = build(cfg, layout, "lm", seed_offset=1)
-    critic = build(cfg, layout, "value", seed_offset=2)
-    reward = build(cfg, layout, "value", seed_offset=3)
+    actor = build_role_from(cfg, "lm", trained=True)
+    reference = build_role_from(cfg, "lm", seed_offset=1)
+    critic = build_role_from(cfg, "value", trained=True, seed_offset=2)
+    reward = build_role_from(cfg, "value", seed_offset=3)
+    reward.saved = {"score_gain": 0.5, "score_bias": 0.1}
+    layout = actor.layout
     inf_layout = inference_layout(rollout_tp)
-    inf_model = build_inference_model(cfg, inf_layout)
+    inf_model = build_inference_model(actor.spec, inf_layout)
     out = {}
     for offload in offload_variants:
-        maker = ExperienceMaker(cfg, layout, inf_layout, actor, inf_model, reference,
-                                RewardSource(chunks=reward, gain=0.5, bias=0.1), critic,
+        maker = ExperienceMaker(cfg, actor, inf_layout, inf_model, reference,
+                                RewardSource(role=reward), critic,
                                 eos_id=2, pad_id=0, offload=offload, micro_batch_size=2,
                                 ref_cache=SequenceCache())
         exp, gen, metrics = maker.make(PROMPTS, seed=5, kl_coef=0.1)
