@@ -32,17 +32,14 @@ def main() -> None:
     convert(os.path.join(tmp, "hf"), os.path.join(tmp, "mrl"))
 
     from megarlhf.config import load_config
-    from megarlhf.engine.schedule import build_model_chunks
+    from megarlhf.engine.roles import build_from_config
     from megarlhf.parallel import cpu_backend
     from megarlhf.parallel.launch import init_distributed
     from megarlhf.rollout.generate import SamplingParams, generate
-    from megarlhf.stages.score import load_or_init
 
     cfg = load_config(os.path.join(tmp, "mrl", "config.yaml"))
-    layout = init_distributed(cfg)
-    (model,) = build_model_chunks(cfg, layout, "lm")
-    load_or_init(cfg, [model])
-    model.eval()
+    init_distributed(cfg)
+    (model,) = build_from_config(cfg, kind="lm").chunks
     params = SamplingParams(max_new_tokens=args.new, greedy=True)
     print(f"# generate: {args.size} model, prompt {args.prompt}, {args.new} new tokens, greedy, "
           f"fp32; {machine()}")

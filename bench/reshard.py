@@ -27,9 +27,8 @@ def worker(size: str) -> None:
 
     from megarlhf.config import load_config
     from megarlhf.engine.checkpoint import RoleState, load_checkpoint, save_checkpoint
-    from megarlhf.engine.schedule import build_model_chunks
-    from megarlhf.models.gpt import init_weights
-    from megarlhf.parallel.launch import init_distributed, init_training_layout
+    from megarlhf.engine.roles import build_from_config
+    from megarlhf.parallel.launch import init_distributed
     from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout
 
     s = SIZES[size]
@@ -41,12 +40,12 @@ def worker(size: str) -> None:
             f"model.ffn_hidden_size={s['ffn']}", f"model.vocab_size={s['vocab']}",
             f"parallel.tensor_model_parallel_size={tp}",
             f"parallel.pipeline_model_parallel_size={pp}", f"rollout.tensor_parallel_size={rtp}"])
-        layout = init_training_layout(cfg) if dist.is_initialized() else init_distributed(cfg)
-        chunks = build_model_chunks(cfg, layout, "lm")
-        for c in chunks:
-            init_weights(c, cfg)
+        if not dist.is_initialized():
+            init_distributed(cfg)
+        actor = build_from_config(cfg, kind="lm")
+        layout, chunks = actor.layout, actor.chunks
         inf = inference_layout(rtp)
-        inf_model = build_inference_model(cfg, inf)
+        inf_model = build_inference_model(actor.spec, inf)
         resharder = Resharder(chunks, inf_model)
         first = resharder()
         steady = [resharder() for _ in range(5)]
@@ -55,8 +54,8 @@ def worker(size: str) -> None:
         holder = [tmp]
         dist.broadcast_object_list(holder)
         # The alternative: save from the training layout, load into a model built in the
-        # inference layout (megatron's global groups re-made for it, as a separate
-        # inference job would have them). Model building is not timed.
+        # inference layout (as a separate inference job would have it). Model building is
+        # not timed.
         inf_cfg = load_config(None, [f"model.{k}={v}" for k, v in {
             "num_layers": s["layers"], "hidden_size": s["hidden"],
             "num_attention_heads": s["heads"], "num_query_groups": s["kv_heads"],
@@ -66,7 +65,7 @@ def worker(size: str) -> None:
         start = time.perf_counter()
         save_checkpoint(holder[0], "b", {"policy": RoleState(chunks)}, layout=layout.describe())
         t_save = time.perf_counter() - start
-        target = build_model_chunks(inf_cfg, init_training_layout(inf_cfg), "lm")
+        target = build_from_config(inf_cfg, kind="lm").chunks
         start = time.perf_counter()
         load_checkpoint(os.path.join(holder[0], "b"), {"policy": RoleState(target)},
                         load_optimizer=False, load_rng=False)

@@ -40,10 +40,9 @@ def main() -> None:
     peak = max(matmul_peak(n) for n in (512, 1024, 2048))
 
     from megarlhf.config import load_config
-    from megarlhf.engine.optimizer import TrainedRole, build_optimizer, train_step, wrap_ddp
-    from megarlhf.engine.schedule import build_model_chunks
+    from megarlhf.engine.optimizer import train_step
+    from megarlhf.engine.roles import build_from_config
     from megarlhf.engine.steps import make_lm_loss_step
-    from megarlhf.models.gpt import init_weights
     from megarlhf.parallel.launch import init_distributed
 
     s = SIZES[args.size]
@@ -52,13 +51,10 @@ def main() -> None:
         f"model.num_attention_heads={s['heads']}", f"model.num_query_groups={s['kv_heads']}",
         f"model.ffn_hidden_size={s['ffn']}", f"model.vocab_size={s['vocab']}",
         f"model.max_position_embeddings={args.seq}"])
-    layout = init_distributed(cfg)
-    chunks = build_model_chunks(cfg, layout, "lm")
-    for c in chunks:
-        init_weights(c, cfg)
-    model = wrap_ddp(chunks, True, layout.pg_collection)
-    opt, sched = build_optimizer(cfg.optimizer, model, lr=1e-4, total_steps=100)
-    role = TrainedRole(model, opt, sched)
+    init_distributed(cfg)
+    cfg.optimizer.lr = 1e-4
+    built = build_from_config(cfg, kind="lm", trained=True, total_steps=100)
+    layout, chunks, role = built.layout, built.chunks, built.trained
     tokens = torch.randint(0, s["vocab"], (args.batch, args.seq))
     batch = {"tokens": tokens, "position_ids": torch.arange(args.seq).expand(args.batch, -1),
              "loss_mask": torch.ones(args.batch, args.seq)}

@@ -591,27 +591,29 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
 
 
 def check_model_layout(where: str, model: ModelConfig, tp: int, pp: int, vpp: int | None,
-                       world_size: int | None = None) -> None:
+                       world_size: int | None = None, model_name: str = "model") -> None:
     """The one place where a model's split is checked: heads, query groups and MLP width
     divisible by TP, layers by the pipeline chunks, the world by TP x PP. ``where`` names
-    the config section in the message (``parallel``, ``roles.critic.parallel``, ...)."""
+    the layout's config section (``parallel``, ``roles.critic.parallel``) and
+    ``model_name`` the model's (``model``, ``roles.reward.model``) in the messages."""
     _require(model.num_attention_heads % tp == 0, f"{where}.tensor_model_parallel_size", tp,
-             f"must divide num_attention_heads={model.num_attention_heads} of its model")
+             f"must divide {model_name}.num_attention_heads={model.num_attention_heads}")
     _require(model.query_groups % tp == 0, f"{where}.tensor_model_parallel_size", tp,
-             f"must divide the number of query groups (num_query_groups={model.query_groups})")
+             f"must divide the number of query groups ({model_name}.num_query_groups="
+             f"{model.query_groups})")
     _require(model.ffn_size % tp == 0, f"{where}.tensor_model_parallel_size", tp,
-             f"must divide the MLP width {model.ffn_size}")
+             f"must divide the MLP width {model.ffn_size} of {model_name}")
     if vpp is not None:
         _require(pp >= 2 and vpp >= 2, f"{where}.virtual_pipeline_model_parallel_size", vpp,
                  f"needs pipeline_model_parallel_size >= 2 (it is {pp}) and a value >= 2")
     chunks = pp * (vpp or 1)
-    _require(model.num_layers % chunks == 0, f"{where}: num_layers", model.num_layers,
+    _require(model.num_layers % chunks == 0, f"{model_name}.num_layers", model.num_layers,
              f"must be divisible by the number of pipeline chunks {chunks} "
-             "(pipeline_model_parallel_size x virtual_pipeline_model_parallel_size)")
+             f"({where}.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size)")
     if world_size is not None:
-        _require(world_size % (tp * pp) == 0, f"{where}: world size", world_size,
+        _require(world_size % (tp * pp) == 0, "world size", world_size,
                  f"must be a multiple of tensor x pipeline parallel size = {tp} x {pp} = "
-                 f"{tp * pp}")
+                 f"{tp * pp} ({where})")
 
 
 def check_rollout_layout(model: ModelConfig, rollout_tp: int, world_size: int) -> None:

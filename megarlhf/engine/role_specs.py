@@ -151,9 +151,11 @@ def _spec(cfg: Config, *, name: str, kind: str, where: str, saved: SavedRole | N
     if model.vocab_size is None:
         raise ConfigError(f"{where}: the model's vocab_size is unknown: configure "
                           "tokenizer.path or set model.vocab_size")
-    check_model_layout(f"{where}.parallel" if where.startswith("roles.") else "parallel",
-                       model, tp, pp, vpp, world_size)
-    check_precision(model, f"{where}.model" if where.startswith("roles.") else "model")
+    role_block = where.startswith("roles.")
+    model_name = f"{where}.model" if role_block else "model"
+    check_model_layout(f"{where}.parallel" if role_block else "parallel", model, tp, pp, vpp,
+                       world_size, model_name)
+    check_precision(model, model_name)
     trunk_only = _check_kind(where, saved, kind, allow_trunk)
     padded = padded_vocab_size(model.vocab_size, cfg.parallel.make_vocab_size_divisible_by,
                                math.lcm(tp, *vocab_tps))

@@ -91,3 +91,17 @@ def build_role(spec: RoleSpec, *, seed: int, total_steps: int = 1) -> Role:
                                            pg_collection=layout.pg_collection)
     role.trained = TrainedRole(model, optimizer, scheduler)
     return role
+
+
+def build_from_config(cfg, *, kind: str, trained: bool = False, name: str = "model",
+                      total_steps: int = 1, seed: int | None = None) -> Role:
+    """The role that ``cfg.model`` / ``cfg.parallel`` (and ``checkpoint.load``) describe,
+    on the already started process group - what benchmarks, tools and tests build."""
+    import torch.distributed as dist
+
+    from megarlhf.engine.role_specs import single_role_spec
+
+    spec = single_role_spec(cfg, name=name, kind=kind, world_size=dist.get_world_size(),
+                            trained=trained)
+    return build_role(spec, seed=cfg.run.seed if seed is None else seed,
+                      total_steps=total_steps)

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 
 from megarlhf.config import load_config
-from megarlhf.engine.role_specs import single_role_spec
-from megarlhf.engine.roles import build_role
+from megarlhf.engine.roles import build_from_config
 from megarlhf.parallel.launch import init_distributed
 
 
@@ -34,13 +31,8 @@ def build(cfg, kind: str = "lm", *, trained: bool = False, seed_offset: int = 0,
     """A role from the config's ``model``/``parallel`` (and ``checkpoint.load``), built by
     the one role builder the stages use."""
     start(cfg)
-    spec = single_role_spec(cfg, name=name, kind=kind, world_size=dist.get_world_size(),
-                            trained=trained)
-    return build_role(spec, seed=cfg.run.seed + seed_offset, total_steps=total_steps)
-
-
-def with_layout(spec, tp: int, pp: int = 1, vpp: int | None = None):
-    return dataclasses.replace(spec, tp=tp, pp=pp, vpp=vpp)
+    return build_from_config(cfg, kind=kind, trained=trained, name=name,
+                             total_steps=total_steps, seed=cfg.run.seed + seed_offset)
 
 
 def fixed_sequences(num: int = 6, vocab: int = 300, seed: int = 0) -> list[list[int]]:
