@@ -33,7 +33,38 @@ def cmd_config_show(args) -> int:
         args.overrides, args.config = [args.config, *args.overrides], None
     cfg = load_config(args.config, args.overrides)
     print(dump_config(cfg), end="")
+    if cfg.ppo.sft_checkpoint or cfg.roles.actor.checkpoint:
+        print(_resolved_roles(cfg, args.world_size), end="")
     return 0
+
+
+def _resolved_roles(cfg: Config, world_size: int) -> str:
+    """The PPO roles as a run would build them: checkpoint, model, layout, optimizer."""
+    import dataclasses
+
+    import yaml
+
+    from megarlhf.engine.role_specs import ppo_role_specs
+
+    if cfg.tokenizer.path is not None and cfg.model.vocab_size is None:
+        from megarlhf.data.tokenizer import load_tokenizer
+        cfg.model.vocab_size = load_tokenizer(cfg.tokenizer).vocab_size
+    view = {}
+    for name, spec in ppo_role_specs(cfg, world_size).items():
+        entry = {"checkpoint": spec.checkpoint, "checkpoint_role": spec.checkpoint_role,
+                 "kind": spec.kind + (" (trunk only: new scalar head)" if spec.trunk_only
+                                      else ""),
+                 "model": dataclasses.asdict(spec.model),
+                 "parallel": {"tensor_model_parallel_size": spec.tp,
+                              "pipeline_model_parallel_size": spec.pp,
+                              "virtual_pipeline_model_parallel_size": spec.vpp,
+                              "data_parallel_size": world_size // (spec.tp * spec.pp)}}
+        if spec.optimizer is not None:
+            entry["optimizer"] = dataclasses.asdict(spec.optimizer)
+        view[name] = entry
+    return (f"# resolved roles at world size {world_size} (models from their checkpoints, "
+            "layouts defaulting to the actor's):\n"
+            + yaml.safe_dump({"resolved_roles": view}, sort_keys=False))
 
 
 def cmd_score(args) -> int:
@@ -115,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     show = config_sub.add_parser("show", help="print the resolved config")
     show.add_argument("config", nargs="?", help="YAML config (omit for defaults)")
     show.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    show.add_argument("--world-size", type=int, default=1,
+                      help="processes to resolve the PPO roles' layouts for (default 1)")
     show.set_defaults(func=cmd_config_show)
 
     score = sub.add_parser("score", help="per-token log-probs / values of token sequences")

@@ -18,25 +18,39 @@ STAGES = ("sft", "rm", "ppo", "score")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _role_layouts(cfg: Config) -> dict[str, tuple[int, int]]:
+    """(TP, PP) of the training layout and of every role block that sets its own."""
+    par = cfg.parallel
+    actor = cfg.roles.actor.parallel
+    base = (actor.tensor_model_parallel_size or par.tensor_model_parallel_size,
+            actor.pipeline_model_parallel_size or par.pipeline_model_parallel_size)
+    out = {"parallel" if actor == type(actor)() else "roles.actor.parallel": base}
+    for name in ("critic", "reference", "reward"):
+        own = getattr(cfg.roles, name).parallel
+        if own != type(own)():
+            out[f"roles.{name}.parallel"] = (own.tensor_model_parallel_size or base[0],
+                                            own.pipeline_model_parallel_size or base[1])
+    return out
+
+
 def check_fit(cfg: Config) -> int:
-    launch, par = cfg.launch, cfg.parallel
+    launch = cfg.launch
     world = launch.nodes * launch.tasks_per_node
-    mp = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
-    if world % mp:
-        raise ConfigError(
-            f"the training layout TP x PP = {par.tensor_model_parallel_size} x "
-            f"{par.pipeline_model_parallel_size} = {mp} processes does not fit "
-            f"{launch.nodes} node(s) x {launch.tasks_per_node} task(s) = {world}: use a "
-            f"multiple of {mp} processes (launch.nodes / launch.tasks_per_node)")
+    for where, (tp, pp) in _role_layouts(cfg).items():
+        if world % (tp * pp):
+            raise ConfigError(
+                f"the layout {where}: TP x PP = {tp} x {pp} = {tp * pp} processes does not fit "
+                f"{launch.nodes} node(s) x {launch.tasks_per_node} task(s) = {world}: use a "
+                f"multiple of {tp * pp} processes (launch.nodes / launch.tasks_per_node)")
+        if tp > launch.tasks_per_node:
+            raise ConfigError(f"{where}: TP={tp} spans nodes (launch.tasks_per_node="
+                              f"{launch.tasks_per_node}); keep TP within a node")
     if world % cfg.rollout.tensor_parallel_size:
         raise ConfigError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} "
                           f"does not divide the {world} processes of the job")
     if launch.gpus_per_node and launch.tasks_per_node > launch.gpus_per_node:
         raise ConfigError(f"launch.tasks_per_node={launch.tasks_per_node} exceeds "
                           f"launch.gpus_per_node={launch.gpus_per_node} (one task per GPU)")
-    if par.tensor_model_parallel_size > launch.tasks_per_node:
-        raise ConfigError(f"TP={par.tensor_model_parallel_size} spans nodes "
-                          f"(launch.tasks_per_node={launch.tasks_per_node}); keep TP within a node")
     return world
 
 

@@ -136,11 +136,15 @@ def _build(cls, data: Any, key: str = ""):
         if name not in hints:
             raise _unknown_key(cls, str(name), prefix)
         kwargs[name] = _coerce(value, hints[name], prefix + name)
+    written = frozenset(kwargs)
+    for name, hint in hints.items():  # unwritten sections: built here, with nothing written
+        if name not in kwargs and dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, {}, prefix + name)
     try:
         built = cls(**kwargs)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    object.__setattr__(built, _EXPLICIT, frozenset(kwargs))
+    object.__setattr__(built, _EXPLICIT, written)
     return built
 
 

@@ -20,6 +20,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def pieces(self) -> list[str]: ...
+
 
 class SentencePieceTokenizer:
     """A sentencepiece model; pad falls back to EOS when the model defines none."""
@@ -48,6 +50,9 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode([i for i in ids if i < self.vocab_size])
+
+    def pieces(self) -> list[str]:
+        return [self.sp.id_to_piece(i) for i in range(self.vocab_size)]
 
 
 class HFTokenizer:
@@ -110,6 +115,19 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode([i for i in ids if i < self.vocab_size],
                                skip_special_tokens=False)
+
+    def pieces(self) -> list[str]:
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        return [piece for piece, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+
+
+def fingerprint(tokenizer) -> dict:
+    """What a checkpoint records of the tokenizer it was trained with: the vocabulary size
+    and a hash of the pieces in id order (two tokenizers of equal size still differ)."""
+    import hashlib
+
+    digest = hashlib.sha256("\x00".join(tokenizer.pieces()).encode()).hexdigest()[:16]
+    return {"vocab_size": tokenizer.vocab_size, "sha256": digest}
 
 
 def load_tokenizer(cfg: TokenizerConfig) -> Tokenizer:

@@ -42,6 +42,7 @@ class RoleSpec:
     trunk_only: bool = False  # value model from an LM checkpoint: fresh scalar head
     optimizer: OptimizerConfig | None = None  # set for trained roles
     where: str = "model"  # config section, for messages
+    saved_tokenizer: dict | None = None  # the checkpoint's tokenizer fingerprint
 
     @property
     def trained(self) -> bool:
@@ -68,6 +69,7 @@ class SavedRole:
     role: str
     kind: str | None
     model: ModelConfig | None
+    tokenizer: dict | None  # fingerprint of the tokenizer it was trained with
 
 
 def read_saved_role(path: str, preferred: tuple[str, ...], where: str) -> SavedRole:
@@ -89,7 +91,7 @@ def read_saved_role(path: str, preferred: tuple[str, ...], where: str) -> SavedR
     saved = info.get("model") or meta.get("config", {}).get("model")
     model = section_from_dict(ModelConfig, dict(saved), f"{where} (saved model)") \
         if saved else None
-    return SavedRole(resolved, role, info.get("kind"), model)
+    return SavedRole(resolved, role, info.get("kind"), model, info.get("tokenizer"))
 
 
 def _layout_of(base: tuple[int, int, int | None], own: RoleParallelConfig | None
@@ -162,7 +164,8 @@ def _spec(cfg: Config, *, name: str, kind: str, where: str, saved: SavedRole | N
     return RoleSpec(name=name, kind=kind, model=model, tp=tp, pp=pp, vpp=vpp,
                     padded_vocab=padded, checkpoint=saved.path if saved else None,
                     checkpoint_role=saved.role if saved else None, trunk_only=trunk_only,
-                    optimizer=optimizer, where=where)
+                    optimizer=optimizer, where=where,
+                    saved_tokenizer=saved.tokenizer if saved else None)
 
 
 def _checkpoint_of(cfg: Config, role: str, shorthand: str | None, shorthand_name: str
@@ -174,21 +177,35 @@ def _checkpoint_of(cfg: Config, role: str, shorthand: str | None, shorthand_name
     return own or shorthand
 
 
-def _check_vocab(specs: dict[str, RoleSpec], tokenizer_vocab: int | None) -> None:
+def _check_vocab(specs: dict[str, RoleSpec], tokenizer: dict | None) -> None:
+    """Every role reads the same token ids: its vocabulary holds the configured tokenizer's
+    and equals the actor's, and a checkpoint that recorded its tokenizer was trained with
+    this one. ``tokenizer`` is ``data.tokenizer.fingerprint`` of the configured tokenizer."""
     actor = specs.get("actor") or next(iter(specs.values()))
     for spec in specs.values():
         v = spec.model.vocab_size
-        if tokenizer_vocab is not None and v < tokenizer_vocab:
+        if tokenizer is not None and v < tokenizer["vocab_size"]:
             raise ConfigError(f"{spec.where}: the model's vocab_size={v} is smaller than the "
-                              f"tokenizer's vocabulary ({tokenizer_vocab}): tokenizer and "
-                              "checkpoint do not match")
+                              f"tokenizer's vocabulary ({tokenizer['vocab_size']}): tokenizer "
+                              "and checkpoint do not match")
         if spec is not actor and v != actor.model.vocab_size:
             raise ConfigError(f"{spec.where}: vocab_size={v} differs from the actor's "
                               f"({actor.model.vocab_size}): every role must share the actor's "
                               "tokenizer and vocabulary")
+        saved = spec.saved_tokenizer
+        if tokenizer is not None and saved is not None and saved != tokenizer:
+            raise ConfigError(
+                f"{spec.where}: the checkpoint {spec.checkpoint} was trained with another "
+                f"tokenizer ({saved['vocab_size']} pieces, sha256 {saved['sha256']}) than "
+                f"tokenizer.path ({tokenizer['vocab_size']} pieces, sha256 "
+                f"{tokenizer['sha256']})")
+        if spec is not actor and saved is not None and actor.saved_tokenizer is not None \
+                and saved != actor.saved_tokenizer:
+            raise ConfigError(f"{spec.where}: the checkpoint {spec.checkpoint} was trained "
+                              f"with another tokenizer than the actor's ({actor.checkpoint})")
 
 
-def ppo_role_specs(cfg: Config, world_size: int, tokenizer_vocab: int | None = None
+def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None
                    ) -> dict[str, RoleSpec]:
     """The PPO roles (critic only for GAE; reward model unless ``rollout.reward_fn``)."""
     ppo, roles = cfg.ppo, cfg.roles
@@ -273,7 +290,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer_vocab: int | None = N
     for name in ("reference", "reward"):
         if getattr(roles, name).optimizer is not None:
             raise ConfigError(f"roles.{name}.optimizer is set, but the {name} role is frozen")
-    _check_vocab(specs, tokenizer_vocab)
+    _check_vocab(specs, tokenizer)
     # Dropout makes the ratio's numerator and denominator come from different networks.
     return {name: dataclasses.replace(spec, model=dataclasses.replace(
                 spec.model, hidden_dropout=0.0, attention_dropout=0.0))
@@ -286,7 +303,7 @@ def _role_is_set(role) -> bool:
 
 
 def single_role_spec(cfg: Config, *, name: str, kind: str, world_size: int, trained: bool,
-                     checkpoint_role: str | None = None, tokenizer_vocab: int | None = None
+                     checkpoint_role: str | None = None, tokenizer: dict | None = None
                      ) -> RoleSpec:
     """The one role of ``sft`` (policy), ``rm`` (reward) and ``score``: the top-level
     ``model`` and ``parallel``, initialised from ``checkpoint.load`` when set."""
@@ -304,5 +321,5 @@ def single_role_spec(cfg: Config, *, name: str, kind: str, world_size: int, trai
                          par.virtual_pipeline_model_parallel_size),
                  world_size=world_size, optimizer=cfg.optimizer if trained else None,
                  allow_trunk=trained, vocab_tps=(cfg.rollout.tensor_parallel_size,))
-    _check_vocab({name: spec}, tokenizer_vocab)
+    _check_vocab({name: spec}, tokenizer)
     return spec

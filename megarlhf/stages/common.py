@@ -14,6 +14,7 @@ import torch
 
 from megarlhf.algos.experience import exact_div
 from megarlhf.config import Config
+from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, save_checkpoint
 from megarlhf.engine.metrics import MetricsLogger
 from megarlhf.engine.optimizer import train_step
@@ -133,8 +134,7 @@ class SupervisedTask:
     finish: Callable[[Role], dict] | None = None  # after training: values saved with the role
 
 
-def run_supervised(cfg: Config, task: SupervisedTask, tokenizer_vocab: int | None = None
-                   ) -> dict:
+def run_supervised(cfg: Config, task: SupervisedTask, tokenizer) -> dict:
     """Train one role on ``task``: build it (or resume the run's latest checkpoint, at any
     layout), then global batches -> micro-batches -> one optimizer step each, with
     evaluation, metrics, progress, preemption and checkpoints."""
@@ -145,8 +145,9 @@ def run_supervised(cfg: Config, task: SupervisedTask, tokenizer_vocab: int | Non
                         len(task.train_items), train.num_epochs, train.max_steps)
 
     world = read_dist_env().world_size
+    tok = fingerprint(tokenizer)
     spec = single_role_spec(cfg, name=task.role_name, kind=task.kind, world_size=world,
-                            trained=True, tokenizer_vocab=tokenizer_vocab)
+                            trained=True, tokenizer=tok)
     plan = plan_for(world // (spec.tp * spec.pp))
     _ = (plan.micro_batches, plan.total_steps)  # bad batch arithmetic raises before start-up
     init_distributed(cfg)
@@ -161,7 +162,7 @@ def run_supervised(cfg: Config, task: SupervisedTask, tokenizer_vocab: int | Non
                            config=dataclasses.asdict(cfg), resume_step=start_step or None)
     bar = progress(plan.total_steps, start_step, task.name, cfg.logging.progress_bar)
     try:
-        return _loop(cfg, task, role, plan, start_step, logger, bar)
+        return _loop(cfg, task, role, plan, start_step, logger, bar, {"tokenizer": tok})
     finally:
         bar.close()
         logger.close()
@@ -202,7 +203,8 @@ def rank_share_strided(items: list, layout: ParallelLayout) -> list:
 
 
 def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_step: int,
-          logger: MetricsLogger, bar) -> dict:
+          logger: MetricsLogger, bar, saved: dict) -> dict:
+    """``saved``: what every checkpoint records with the role (its tokenizer)."""
     train, layout = cfg.train, role.layout
     guard = PreemptionGuard()
     step_fn = task.make_step(role)
@@ -236,10 +238,10 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
             logger.log(done, _evaluate(task, role, step_fn) or {})
         trainer_state = {"step": done, "skipped_steps": role.trained.num_skipped_steps}
         if cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0:
-            save_role(cfg, role, task.role_name, f"step_{done:07d}", trainer_state)
+            save_role(cfg, role, task.role_name, f"step_{done:07d}", trainer_state, saved)
         if guard.requested():
             mark_preempted(run_dir(cfg), save_role(cfg, role, task.role_name,
-                                                   f"step_{done:07d}", trainer_state))
+                                                   f"step_{done:07d}", trainer_state, saved))
             return {"preempted_at": done}
     last = _evaluate(task, role, step_fn)
     if last:
@@ -249,6 +251,6 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
     result.update(extra)
     save_role(cfg, role, task.role_name, f"step_{plan.total_steps:07d}",
               {"step": plan.total_steps, "skipped_steps": role.trained.num_skipped_steps},
-              extra)
+              {**saved, **extra})
     print0(f"[{task.name}] done: {result}")
     return result

@@ -20,6 +20,7 @@ from megarlhf import algos
 from megarlhf.config import Config
 from megarlhf.data.batching import prompt_response_batch
 from megarlhf.data.datasets import tokenize_dataset
+from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, save_checkpoint
 from megarlhf.engine.metrics import MetricsLogger
 from megarlhf.engine.optimizer import forward_backward, step_together
@@ -67,7 +68,8 @@ class PPOSession:
             raise ValueError("ppo.ptx_coef > 0: PPO-ptx is available as algos.ppo_ptx_objective "
                              "but not wired into `megarlhf ppo` yet; set ppo.ptx_coef=0")
         world = read_dist_env().world_size
-        self.specs = specs = ppo_role_specs(cfg, world, tokenizer.vocab_size)
+        self.tokenizer_fingerprint = fingerprint(tokenizer)
+        self.specs = specs = ppo_role_specs(cfg, world, self.tokenizer_fingerprint)
         # Batch arithmetic per trained role (each splits mini-batches over its own DP).
         self.sizes = {name: algos.BatchSizes(ppo.rollout_batch_size, ppo.mini_batch_size,
                                              ppo.micro_batch_size, world // (s.tp * s.pp),
@@ -114,8 +116,11 @@ class PPOSession:
 
     @property
     def roles(self) -> dict:
-        """The trained roles' checkpoint states."""
-        return {name: role.state() for name, role in self.trained.items()}
+        """The trained roles' checkpoint states (with the tokenizer they were trained with)."""
+        states = {name: role.state() for name, role in self.trained.items()}
+        for state in states.values():
+            state.extra["tokenizer"] = self.tokenizer_fingerprint
+        return states
 
     def iteration(self, it: int) -> tuple[dict, algos.Experience, object]:
         """One PPO iteration: (metrics, experience, generation)."""

@@ -92,7 +92,7 @@ def run_rm(cfg: Config, tokenizer) -> dict:
         rows_per_micro_batch=2 * mbs, make_step=lambda role: make_pairwise_rm_step(),
         summarize=summarize, describe="micro-batches hold chosen and rejected of each pair",
         finish=lambda role: normalize(role, cfg, tokenizer, pairs, mbs, max_len)),
-        tokenizer.vocab_size)
+        tokenizer)
 
 
 def normalize(role, cfg: Config, tokenizer, pairs: list, micro_batch_size: int,

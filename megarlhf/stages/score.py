@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.config import Config
+from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.forward import forward_rows
 from megarlhf.engine.role_specs import single_role_spec
 from megarlhf.engine.roles import build_role
@@ -92,7 +93,7 @@ def run_score(cfg: Config, input_path: str, output_path: str, *, role: str,
     the configured layout; rank 0 writes the rows."""
     spec = single_role_spec(cfg, name="model", kind=role, world_size=read_dist_env().world_size,
                             trained=False, checkpoint_role=ckpt_role,
-                            tokenizer_vocab=tokenizer.vocab_size if tokenizer else None)
+                            tokenizer=fingerprint(tokenizer) if tokenizer else None)
     seqs = read_sequences(input_path, tokenizer, spec.model.vocab_size)
     init_distributed(cfg)
     scorer = build_role(spec, seed=cfg.run.seed)

@@ -74,4 +74,4 @@ def run_sft(cfg: Config, tokenizer) -> dict:
         eval_items=eval_examples, make_batches=make_batches, rows_per_micro_batch=mbs,
         make_step=lambda role: make_lm_loss_step(tp_group=role.layout.tp_group,
                                                  true_vocab=role.spec.model.vocab_size),
-        summarize=summarize, describe=f"packing {'on' if cfg.data.packing else 'off'}"), tokenizer.vocab_size)
+        summarize=summarize, describe=f"packing {'on' if cfg.data.packing else 'off'}"), tokenizer)
