@@ -120,3 +120,33 @@ def test_score_cli_rejects_bad_input(tmp_path):
                    check=False)
     assert proc.returncode == 2 and "world size=1 is invalid" in proc.stderr
     assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.fixture(scope="module")
+def role_results(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("roles"))
+    worker = os.path.join(WORKERS, "role_layouts.py")
+    torchrun(worker, 2, out)
+    torchrun(worker, 1, out)
+    return (torch.load(os.path.join(out, "roles_world1.pt"), weights_only=False),
+            torch.load(os.path.join(out, "roles_world2.pt"), weights_only=False))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, layout", [("actor", "TP=2 PP=1 DP=1"),
+                                          ("critic", "TP=1 PP=2 DP=1"),
+                                          ("reference", "TP=1 PP=2 DP=1 VPP=2"),
+                                          ("reward", "TP=1 PP=1 DP=2")])
+def test_each_role_at_its_own_layout_matches_one_process(role_results, name, layout):
+    """Actor (4x64) at TP=2, critic (2x32) at PP=2, reference at PP=2 x VPP=2 and reward
+    model (2x32) at DP=2, built side by side in one job: per-token log-probs / values equal
+    the same roles at TP=1 PP=1 in one process (fp32, 1e-5)."""
+    ref, run = role_results[0][name], role_results[1][name]
+    assert ref["layout"] == "TP=1 PP=1 DP=1" and run["layout"] == layout
+    field = "values" if name in ("critic", "reward") else "logprobs"
+    flat = []
+    for a, b in zip(ref["rows"], run["rows"], strict=True):
+        assert a["tokens"] == b["tokens"] and len(a[field]) == len(b[field])
+        assert max(abs(x - y) for x, y in zip(a[field], b[field])) < TOL
+        flat += a[field]
+    assert max(flat) - min(flat) > 1e-3  # a real output, not a constant

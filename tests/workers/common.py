@@ -11,10 +11,10 @@ from megarlhf.parallel.launch import init_distributed
 
 
 def make_config(arch: str, tp: int, pp: int, *, vocab: int = 300, layers: int = 4,
-                extra: tuple = ()):
+                hidden: int = 64, extra: tuple = ()):
     return load_config(None, [
         f"model.arch={arch}", f"model.vocab_size={vocab}", f"model.num_layers={layers}",
-        "model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
+        f"model.hidden_size={hidden}", "model.num_attention_heads=4", "model.num_query_groups=2",
         "model.max_position_embeddings=64", "parallel.make_vocab_size_divisible_by=16",
         f"parallel.tensor_model_parallel_size={tp}",
         f"parallel.pipeline_model_parallel_size={pp}", "run.seed=7", *extra])
