@@ -256,6 +256,60 @@ def test_reinforce_pp_against_loop():
     assert (adv * (1 - mask)).abs().sum() == 0
 
 
+def loop_whiten(adv, mask):
+    """Whitening over the valid tokens (unbiased variance, eps 1e-8), zero elsewhere."""
+    vals = [adv[b][t] for b, t in valid(mask)]
+    mean = sum(vals) / len(vals)
+    var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
+    return [[(adv[b][t] - mean) / math.sqrt(var + 1e-8) if mask[b, t] else 0.0
+             for t in range(T)] for b in range(B)]
+
+
+@pytest.mark.parametrize("estimator", ["gae", "reinforce_pp", "grpo", "rloo"])
+@pytest.mark.parametrize("whiten", [True, False])
+def test_estimate_advantages_dispatch_against_loops(estimator, whiten):
+    """The experience maker's one call for every estimator, against plain loops: GAE
+    (returns = A + V) and RLOO whitened when asked, GRPO normalised in its groups only,
+    REINFORCE++ always whitened; critic-free estimators return their advantages before
+    batch whitening as the returns."""
+    rewards, values, mask = rand(B, T, seed=5), rand(B, T, seed=6), make_mask()
+    scores = torch.tensor([0.3, -1.2, 0.7, 2.0, 0.1])
+    adv, ret = algos.estimate_advantages(
+        estimator, scores_B=scores, rewards_BT=rewards, values_BT=values, mask_BT=mask,
+        gamma=1.0, lam=0.95, group_size=5 if estimator in ("grpo", "rloo") else 1,
+        whiten=whiten)
+    if estimator == "gae":
+        raw = naive_gae(rewards.tolist(), values.tolist(), LENGTHS, 1.0, 0.95)
+        expect_ret = [[raw[b][t] + values[b, t].item() if mask[b, t] else 0.0
+                       for t in range(T)] for b in range(B)]
+    elif estimator == "reinforce_pp":
+        raw = [[0.0] * T for _ in range(B)]
+        for b, n in enumerate(LENGTHS):
+            running = 0.0
+            for t in reversed(range(n)):
+                running = rewards[b, t].item() + running
+                raw[b][t] = running
+        raw = loop_whiten(raw, mask)
+    else:
+        s = scores.tolist()
+        mean = sum(s) / 5
+        std = math.sqrt(sum((x - mean) ** 2 for x in s) / 4)
+        per_sample = [(x - mean) / (std + 1e-6) if estimator == "grpo"
+                      else x - (sum(s) - x) / 4 for x in s]
+        raw = [[per_sample[b] if mask[b, t] else 0.0 for t in range(T)] for b in range(B)]
+    expect = loop_whiten(raw, mask) if whiten and estimator in ("gae", "rloo") else raw
+    if estimator != "gae":
+        expect_ret = raw  # before batch whitening (nothing trains on them)
+    for b in range(B):
+        for t in range(T):
+            assert math.isclose(adv[b, t].item(), expect[b][t], abs_tol=1e-9), (b, t)
+            assert math.isclose(ret[b, t].item(), expect_ret[b][t], abs_tol=1e-9), (b, t)
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
+        algos.estimate_advantages("ppo", scores_B=scores, rewards_BT=rewards,
+                                  values_BT=values, mask_BT=mask, gamma=1.0, lam=0.95,
+                                  group_size=1, whiten=True)
+
+
 # ---------------------------------------------------------------- losses
 
 def loop_aggregate(loss, mask, mode):

@@ -96,8 +96,8 @@ def estimate_advantages(estimator: str, *, scores_B: torch.Tensor, rewards_BT: t
     - ``grpo`` / ``rloo``: a group baseline on the sequence score, on every token (samples
       of one prompt are consecutive).
     ``whiten`` whitens GAE and RLOO advantages over the batch (GRPO is normalised within
-    its groups, REINFORCE++ always whitened). Critic-free estimators return the advantages
-    as returns (nothing trains on them)."""
+    its groups, REINFORCE++ always whitened). Critic-free estimators return their
+    advantages before batch whitening as the returns (nothing trains on them)."""
     mask = mask_BT.to(rewards_BT.dtype)
     if estimator == "gae":
         advantages, returns = gae(rewards_BT, values_BT, mask, gamma, lam)

@@ -162,10 +162,12 @@ def run_supervised(cfg: Config, task: SupervisedTask, tokenizer) -> dict:
                            config=dataclasses.asdict(cfg), resume_step=start_step or None)
     bar = progress(plan.total_steps, start_step, task.name, cfg.logging.progress_bar)
     try:
-        return _loop(cfg, task, role, plan, start_step, logger, bar, {"tokenizer": tok})
+        result = _loop(cfg, task, role, plan, start_step, logger, bar, {"tokenizer": tok})
     finally:
         bar.close()
         logger.close()
+    print0(f"[{task.name}] done: {result}")
+    return result
 
 
 def resume(cfg: Config, role: Role, name: str) -> int:
@@ -252,5 +254,4 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
     save_role(cfg, role, task.role_name, f"step_{plan.total_steps:07d}",
               {"step": plan.total_steps, "skipped_steps": role.trained.num_skipped_steps},
               {**saved, **extra})
-    print0(f"[{task.name}] done: {result}")
     return result
