@@ -488,10 +488,10 @@ def test_ema_true_polyak_form():
 def test_batch_sizes():
     sizes = BatchSizes(rollout_batch_size=64, mini_batch_size=16, micro_batch_size=4,
                        dp_size=2, group_size=2).validate()
-    assert (sizes.samples, sizes.samples_per_rank, sizes.num_mini_batches,
-            sizes.mini_batch_per_rank, sizes.micro_batches_per_mini_batch) == (128, 64, 8, 8, 2)
+    assert (sizes.samples, sizes.num_mini_batches, sizes.mini_batch_per_rank,
+            sizes.micro_batches_per_mini_batch) == (128, 8, 8, 2)
     assert "8 mini-batches of 16" in sizes.describe()
-    with pytest.raises(ValueError, match=r"ppo.rollout_batch_size \(10\) is not divisible by "
+    with pytest.raises(ValueError, match=r"ppo.mini_batch_size \(2\) is not divisible by "
                                          r"the data-parallel size \(4\)"):
         BatchSizes(10, 2, 1, 4).validate()
     with pytest.raises(ValueError, match=r"ppo.mini_batch_size per data-parallel rank \(8\) is "

@@ -18,11 +18,13 @@ def exact_div(numerator: int, denominator: int, what_num: str, what_den: str) ->
 
 @dataclass(frozen=True)
 class BatchSizes:
-    """rollout batch -> mini-batch -> micro-batch, per data-parallel rank.
+    """rollout batch -> mini-batch -> micro-batch, for one trained role's data-parallel
+    size (actor and critic each have their own).
 
     ``rollout_batch_size`` counts prompts; each prompt gets ``group_size`` responses, so a
-    rollout holds ``rollout_batch_size * group_size`` samples. ``mini_batch_size`` (samples
-    per optimizer step) is global; ``micro_batch_size`` is per data-parallel rank.
+    rollout holds ``rollout_batch_size * group_size`` samples, all of them on every rank.
+    ``mini_batch_size`` (samples per optimizer step) is global and split over the role's
+    data-parallel ranks; ``micro_batch_size`` is per data-parallel rank.
     """
 
     rollout_batch_size: int
@@ -34,15 +36,6 @@ class BatchSizes:
     @property
     def samples(self) -> int:
         return self.rollout_batch_size * self.group_size
-
-    @property
-    def prompts_per_rank(self) -> int:
-        return exact_div(self.rollout_batch_size, self.dp_size, "ppo.rollout_batch_size",
-                         "the data-parallel size")
-
-    @property
-    def samples_per_rank(self) -> int:
-        return self.prompts_per_rank * self.group_size
 
     @property
     def num_mini_batches(self) -> int:
@@ -63,13 +56,12 @@ class BatchSizes:
 
     def validate(self) -> "BatchSizes":
         """Touch every derived size so a bad combination raises now."""
-        _ = (self.samples_per_rank, self.num_mini_batches, self.micro_batches_per_mini_batch)
+        _ = (self.num_mini_batches, self.micro_batches_per_mini_batch)
         return self
 
     def describe(self) -> str:
         return (f"rollout {self.rollout_batch_size} prompts x {self.group_size} = "
-                f"{self.samples} samples ({self.samples_per_rank} per DP rank x "
-                f"{self.dp_size}); {self.num_mini_batches} mini-batches of "
+                f"{self.samples} samples; {self.num_mini_batches} mini-batches of "
                 f"{self.mini_batch_size} ({self.mini_batch_per_rank} per rank = "
                 f"{self.micro_batches_per_mini_batch} micro-batches of "
                 f"{self.micro_batch_size})")

@@ -109,8 +109,8 @@ class PPOSession:
         built = {"actor": self.actor, "critic": self.critic, "reference": self.reference,
                  "reward": reward.role}
         self.layouts = describe_layouts({k: v for k, v in built.items() if v is not None})
-        for name, spec in specs.items():
-            print0(f"[ppo] {spec.describe()}; weights: {built[name].source}")
+        for spec in specs.values():
+            print0(f"[ppo] {spec.describe()}")
         print0(f"[ppo] rollout TP={r.tensor_parallel_size} x {inf_layout.dp_size} replicas; "
                f"{self.sizes['actor'].describe()}; {len(self.prompts)} prompts")
 
