@@ -62,10 +62,6 @@ class ParallelLayout:
         return (f"TP={self.tp_size} PP={self.pp_size} DP={self.dp_size}"
                 + (f" VPP={self.vpp_size}" if self.vpp_size else ""))
 
-    def with_vpp(self, vpp: int | None) -> "ParallelLayout":
-        from dataclasses import replace
-        return replace(self, vpp_size=vpp)
-
 
 _GROUPS: dict[tuple[int, int, int], object] = {}
 
@@ -99,7 +95,8 @@ def _groups(tp: int, pp: int, world: int):
             embd = e
         if rank in pos_ranks:
             pos_embd = p
-    assert sorted(pp_ranks) == sorted(next(r for r in _all_pp_groups(tp, dp, pp) if rank in r))
+    assert pp_ranks == next(r for r in _all_pp_groups(tp, dp, pp) if rank in r), \
+        "HyperCommGrid's rank order is not tp-cp-ep-dp-pp"
     dp_cp = grid.create_pg(["cp", "dp"])
     pgc = ProcessGroupCollection(
         tp=g["tp"], cp=g["cp"], pp=g["pp"], ep=g["ep"], dp=g["dp"], embd=embd,

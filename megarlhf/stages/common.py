@@ -121,8 +121,6 @@ class SupervisedTask:
     """What separates one supervised stage from another (SFT, reward modelling)."""
 
     name: str  # stage name: progress bar, messages
-    role_name: str  # the role in checkpoints: "policy" (SFT) or "reward" (RM)
-    kind: str  # "lm" or "value"
     train_items: list  # samples (SFT examples, preference pairs)
     eval_items: list
     make_step: Callable[[Role], Callable]  # role -> megatron forward step with its loss
@@ -134,25 +132,26 @@ class SupervisedTask:
     finish: Callable[[Role], dict] | None = None  # after training: values saved with the role
 
 
-def run_supervised(cfg: Config, task: SupervisedTask, tokenizer) -> dict:
-    """Train one role on ``task``: build it (or resume the run's latest checkpoint, at any
+def supervised_spec(cfg: Config, name: str, kind: str, tokenizer) -> RoleSpec:
+    """The trained role of ``sft`` / ``rm`` (``name``: its name in checkpoints), resolved
+    and checked against the launcher's world size before any process group exists."""
+    return single_role_spec(cfg, name=name, kind=kind, world_size=read_dist_env().world_size,
+                            trained=True, tokenizer=fingerprint(tokenizer))
+
+
+def run_supervised(cfg: Config, spec: RoleSpec, task: SupervisedTask, tokenizer) -> dict:
+    """Train ``spec`` on ``task``: build it (or resume the run's latest checkpoint, at any
     layout), then global batches -> micro-batches -> one optimizer step each, with
     evaluation, metrics, progress, preemption and checkpoints."""
     train = cfg.train
-
-    def plan_for(dp_size: int) -> StepPlan:
-        return StepPlan(train.global_batch_size, train.micro_batch_size, dp_size,
-                        len(task.train_items), train.num_epochs, train.max_steps)
-
     world = read_dist_env().world_size
-    tok = fingerprint(tokenizer)
-    spec = single_role_spec(cfg, name=task.role_name, kind=task.kind, world_size=world,
-                            trained=True, tokenizer=tok)
-    plan = plan_for(world // (spec.tp * spec.pp))
+    plan = StepPlan(train.global_batch_size, train.micro_batch_size,
+                    world // (spec.tp * spec.pp), len(task.train_items), train.num_epochs,
+                    train.max_steps)
     _ = (plan.micro_batches, plan.total_steps)  # bad batch arithmetic raises before start-up
     init_distributed(cfg)
     role = build_role(spec, seed=cfg.run.seed, total_steps=plan.total_steps)
-    start_step = resume(cfg, role, task.role_name)
+    start_step = resume(cfg, role, spec.name)
     layout = role.layout
     print0(f"[{task.name}] layout {layout.describe()}; weights: {role.source}")
     print0(f"[{task.name}] {len(task.train_items)} train / {len(task.eval_items)} eval; "
@@ -162,7 +161,8 @@ def run_supervised(cfg: Config, task: SupervisedTask, tokenizer) -> dict:
                            config=dataclasses.asdict(cfg), resume_step=start_step or None)
     bar = progress(plan.total_steps, start_step, task.name, cfg.logging.progress_bar)
     try:
-        result = _loop(cfg, task, role, plan, start_step, logger, bar, {"tokenizer": tok})
+        result = _loop(cfg, task, role, plan, start_step, logger, bar,
+                       {"tokenizer": fingerprint(tokenizer)})
     finally:
         bar.close()
         logger.close()
@@ -240,9 +240,9 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
             logger.log(done, _evaluate(task, role, step_fn) or {})
         trainer_state = {"step": done, "skipped_steps": role.trained.num_skipped_steps}
         if cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0:
-            save_role(cfg, role, task.role_name, f"step_{done:07d}", trainer_state, saved)
+            save_role(cfg, role, role.spec.name, f"step_{done:07d}", trainer_state, saved)
         if guard.requested():
-            mark_preempted(run_dir(cfg), save_role(cfg, role, task.role_name,
+            mark_preempted(run_dir(cfg), save_role(cfg, role, role.spec.name,
                                                    f"step_{done:07d}", trainer_state, saved))
             return {"preempted_at": done}
     last = _evaluate(task, role, step_fn)
@@ -251,7 +251,7 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
         result["eval_end"] = last
     extra = task.finish(role) if task.finish else {}
     result.update(extra)
-    save_role(cfg, role, task.role_name, f"step_{plan.total_steps:07d}",
+    save_role(cfg, role, role.spec.name, f"step_{plan.total_steps:07d}",
               {"step": plan.total_steps, "skipped_steps": role.trained.num_skipped_steps},
               {**saved, **extra})
     return result

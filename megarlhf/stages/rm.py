@@ -11,7 +11,7 @@ from megarlhf.data.batching import batch_length, pad_batch, preference_batch
 from megarlhf.data.datasets import tokenize_dataset
 from megarlhf.engine.forward import forward_rows, stack_results
 from megarlhf.engine.steps import make_pairwise_rm_step, model_forward, ratio
-from megarlhf.stages.common import SupervisedTask, print0, run_supervised
+from megarlhf.stages.common import SupervisedTask, print0, run_supervised, supervised_spec
 from megarlhf.stages.sft import split_eval
 
 
@@ -77,8 +77,9 @@ def score_last_tokens(role, seqs: list[list[int]], micro_batch_size: int, max_le
 
 
 def run_rm(cfg: Config, tokenizer) -> dict:
+    spec = supervised_spec(cfg, "reward", "value", tokenizer)
     pairs, eval_pairs = load_pairs(cfg, tokenizer)
-    max_len = min(cfg.data.max_seq_len, cfg.model.max_position_embeddings)
+    max_len = min(cfg.data.max_seq_len, spec.model.max_position_embeddings)
     mbs, pad = cfg.train.micro_batch_size, tokenizer.pad_id
 
     def summarize(totals: dict) -> dict:
@@ -86,8 +87,8 @@ def run_rm(cfg: Config, tokenizer) -> dict:
                 "accuracy": ratio(totals, "correct", "pairs"),
                 "margin": ratio(totals, "margin_sum", "pairs")}
 
-    return run_supervised(cfg, SupervisedTask(
-        name="rm", role_name="reward", kind="value", train_items=pairs, eval_items=eval_pairs,
+    return run_supervised(cfg, spec, SupervisedTask(
+        name="rm", train_items=pairs, eval_items=eval_pairs,
         make_batches=lambda items, training: pair_microbatches(items, mbs, max_len, pad),
         rows_per_micro_batch=2 * mbs, make_step=lambda role: make_pairwise_rm_step(),
         summarize=summarize, describe="micro-batches hold chosen and rejected of each pair",

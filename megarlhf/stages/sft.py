@@ -8,7 +8,7 @@ from megarlhf.config import Config
 from megarlhf.data.batching import batch_length, pack_examples, pad_batch, sft_example, stack_batches
 from megarlhf.data.datasets import TokenizedDataset, tokenize_dataset
 from megarlhf.engine.steps import make_lm_loss_step, ratio
-from megarlhf.stages.common import SupervisedTask, print0, run_supervised
+from megarlhf.stages.common import SupervisedTask, print0, run_supervised, supervised_spec
 
 
 def split_eval(data: TokenizedDataset, fraction: float, seed: int):
@@ -58,8 +58,9 @@ def make_microbatches(examples: list, micro_batch_size: int, *, packing: bool,
 
 
 def run_sft(cfg: Config, tokenizer) -> dict:
+    spec = supervised_spec(cfg, "policy", "lm", tokenizer)
     examples, eval_examples = load_sft_data(cfg, tokenizer)
-    max_len = min(cfg.data.max_seq_len, cfg.model.max_position_embeddings)
+    max_len = min(cfg.data.max_seq_len, spec.model.max_position_embeddings)
     mbs, pad = cfg.train.micro_batch_size, tokenizer.pad_id
 
     def make_batches(items: list, training: bool):
@@ -69,8 +70,8 @@ def run_sft(cfg: Config, tokenizer) -> dict:
     def summarize(totals: dict) -> dict:
         return {"loss": ratio(totals, "loss_sum", "tokens"), "tokens": totals.get("tokens", 0.0)}
 
-    return run_supervised(cfg, SupervisedTask(
-        name="sft", role_name="policy", kind="lm", train_items=examples,
+    return run_supervised(cfg, spec, SupervisedTask(
+        name="sft", train_items=examples,
         eval_items=eval_examples, make_batches=make_batches, rows_per_micro_batch=mbs,
         make_step=lambda role: make_lm_loss_step(tp_group=role.layout.tp_group,
                                                  true_vocab=role.spec.model.vocab_size),
