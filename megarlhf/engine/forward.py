@@ -42,8 +42,10 @@ def forward_rows(role, rows: Sequence[Any], make_batch: Callable[[list[Any]], di
                     if i not in seen:  # the top-up copies come last
                         seen.add(i)
                         local[i] = {key: value[b].detach().cpu() for key, value in out.items()}
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local)
+    parts: list = [local]
+    if dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
     merged: dict[int, dict] = {}
     for part in parts:
         merged.update(part)

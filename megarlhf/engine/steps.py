@@ -100,7 +100,7 @@ def reduce_logs(logs: list[dict], layout) -> dict[str, float]:
             for key, value in entry.items():
                 local[key] = local.get(key, 0.0) + float(value)
     parts: list = [local]
-    if dist.is_initialized():
+    if dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, local)
     total: dict[str, float] = {}
