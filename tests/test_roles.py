@@ -189,3 +189,19 @@ def test_single_role_takes_the_checkpoint_model(tmp_path, ckpts):
     with pytest.raises(ConfigError, match=r"checkpoint.load='.*nope': checkpoint .* does not "
                                           r"exist"):
         single_role_spec(missing, name="model", kind="lm", world_size=1, trained=False)
+
+
+def test_megatron_still_reads_global_state_where_roles_work_around_it():
+    """Roles never initialise megatron's global parallel_state. megatron-core 0.16.1 still
+    reads it in two places the role builder covers (models/gpt.py): the tied output
+    layer's checkpoint entry on the last pipeline stage, and the dp group of a sharded
+    state dict built without metadata. When this fails, the workaround can go."""
+    import inspect
+
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.transformer import utils
+
+    tie = inspect.getsource(LanguageModule.tie_embeddings_and_output_weights_state_dict)
+    assert "parallel_state.get_data_parallel_rank" in tie
+    assert "parallel_state.get_data_parallel_group" in inspect.getsource(
+        utils.ensure_metadata_has_dp_cp_group)
