@@ -523,3 +523,78 @@ def test_experience_batches():
         list(exp.mini_batches(4))
     with pytest.raises(ValueError, match="Experience.values_BT has shape"):
         Experience(**{**exp.__dict__, "values_BT": torch.zeros(6, 5)})
+
+
+# ------------------------------------------------------------------ PPO fidelity (issue 14)
+
+def _loop_grpo(scores, mask, k, norm):
+    """GRPO advantages by plain loops, per group, from the definitions."""
+    B, T = mask.shape
+    out = torch.zeros(B, T, dtype=torch.float64)
+    for g in range(B // k):
+        rows = range(g * k, (g + 1) * k)
+        if norm == "token":
+            vals = [float(scores[i]) for i in rows for t in range(T) if mask[i, t]]
+            mean = sum(vals) / len(vals)
+            std = (sum((v - mean) ** 2 for v in vals) / len(vals)) ** 0.5
+            for i in rows:
+                for t in range(T):
+                    if mask[i, t]:
+                        out[i, t] = (float(scores[i]) - mean) / (std + 1e-5)
+        else:
+            vals = [float(scores[i]) for i in rows]
+            mean = sum(vals) / k
+            std = (sum((v - mean) ** 2 for v in vals) / (k - 1)) ** 0.5
+            for i in rows:
+                a = float(scores[i]) - mean
+                if norm == "sequence":
+                    a /= std + 1e-6
+                for t in range(T):
+                    if mask[i, t]:
+                        out[i, t] = a
+    return out
+
+
+@pytest.mark.parametrize("norm", ["sequence", "token", "center"])
+def test_grpo_normalisations_match_loops(norm):
+    gen = torch.Generator().manual_seed(3)
+    B, T, k = 8, 6, 4
+    scores = torch.randn(B, generator=gen)
+    lengths = torch.tensor([1, 6, 3, 2, 5, 5, 4, 6])
+    mask = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)).float()
+    adv, _ = algos.estimate_advantages("grpo", scores_B=scores, rewards_BT=torch.zeros(B, T),
+                                       values_BT=torch.zeros(B, T), mask_BT=mask, gamma=1.0,
+                                       lam=1.0, group_size=k, whiten=True, group_norm=norm)
+    torch.testing.assert_close(adv.double(), _loop_grpo(scores, mask, k, norm), rtol=1e-5,
+                               atol=1e-6)
+    if norm == "token":  # token-level normalisation: the group's tokens average to zero
+        assert abs(float((adv * mask)[:4].sum())) < 1e-4
+
+
+def test_overlong_penalty_is_dapos_linear_ramp():
+    lengths = torch.tensor([0, 12, 13, 14, 15, 16, 20])
+    got = algos.overlong_penalty(lengths, max_len=16, buffer=4, penalty=0.5)
+    want = [0.0, 0.0, -0.125, -0.25, -0.375, -0.5, -0.5]
+    assert got.tolist() == pytest.approx(want)
+    assert algos.overlong_penalty(lengths, 16, 0).abs().sum() == 0
+
+
+def test_value_loss_coef_scales_the_loss():
+    gen = torch.Generator().manual_seed(0)
+    v, old, ret = (torch.randn(3, 5, generator=gen) for _ in range(3))
+    mask = torch.ones(3, 5)
+    half, _, _ = algos.value_loss(v, old, ret, mask, 0.2)
+    one, _, _ = algos.value_loss(v, old, ret, mask, 0.2, coef=1.0)
+    torch.testing.assert_close(one, 2 * half)
+
+
+def test_policy_loss_token_weights_multiply_each_token():
+    gen = torch.Generator().manual_seed(1)
+    lp, old, adv = (torch.randn(2, 4, generator=gen) * 0.1 for _ in range(3))
+    mask = torch.ones(2, 4)
+    w = torch.rand(2, 4, generator=gen) * 2
+    total, count, _ = algos.policy_loss(lp, old, adv, mask, 0.2, token_weights_BT=w)
+    ratio = torch.exp(lp - old)
+    per_token = torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)) * w
+    torch.testing.assert_close(total, per_token.sum())
+    assert count == 8

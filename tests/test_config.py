@@ -55,8 +55,6 @@ def test_exponent_floats_without_a_dot(tmp_path):
                              "model.num_attention_heads=4"),
     ("model.num_query_groups=3", "model.num_query_groups=3 is invalid: must divide "
                                  "model.num_attention_heads=4"),
-    ("ppo.mini_batch_size=5", "ppo.rollout_batch_size=64 is invalid: must be a multiple of "
-                              "ppo.mini_batch_size=5"),
     ("parallel.virtual_pipeline_model_parallel_size=2", "needs parallel.pipeline_model_parallel_size >= 2"),
     ("rollout.temperature=0", "rollout.greedy=true"),
     ("model.fp8=3", "model.fp8 must be a mapping"),
@@ -132,3 +130,58 @@ def test_config_show_cli(tmp_path):
     assert "num_layers: 7" in proc.stdout
     bad = run_cli("config", "show", "model.num_layrs=7", check=False)
     assert bad.returncode == 2 and "did you mean 'model.num_layers'" in bad.stderr
+
+
+# ------------------------------------------------------------------ PPO settings that do nothing
+
+@pytest.mark.parametrize("overrides, message", [
+    (["ppo.advantage_estimator=grpo", "ppo.group_size=4", "ppo.init_kl_coef=0.1"],
+     "ppo.init_kl_coef=0.1 has no effect: the KL is not in the reward"),
+    (["ppo.advantage_estimator=grpo", "ppo.group_size=4", "ppo.kl_controller=adaptive"],
+     "ppo.kl_controller=adaptive tunes the KL coefficient of the reward"),
+    (["ppo.kl_in_reward=false", "ppo.kl_controller=adaptive"],
+     "but the KL is not in the reward"),
+    (["ppo.kl_loss_estimator=k2"], "ppo.kl_loss_estimator has no effect with ppo.kl_loss_coef=0"),
+    (["ppo.grpo_normalization=token"], "ppo.grpo_normalization has no effect"),
+    (["ppo.behavior_weight_cap=5"], "applies to ppo.policy_loss=decoupled only"),
+    (["ppo.rollout_is_cap=2", "rollout.recompute_logprobs=false"],
+     "ppo.rollout_is_cap compares the trainer's log-probs with the sampler's"),
+    (["ppo.policy_loss=decoupled", "rollout.recompute_logprobs=false"],
+     "ppo.policy_loss=decoupled compares"),
+    (["ppo.policy_loss=decoupled", "ppo.rollout_is_cap=2"], "has its own importance weight"),
+    (["ppo.ptx_coef=0.5"], "PPO-ptx needs both ppo.ptx_coef > 0 and data.ptx_path"),
+    (["data.ptx_path=x.jsonl"], "PPO-ptx needs both"),
+    (["ppo.ptx_batch_size=8"], "ppo.ptx_batch_size has no effect"),
+    (["ppo.overlong_buffer=32"], "ppo.overlong_buffer=32 must be below rollout.max_new_tokens"),
+    (["ppo.overlong_penalty=2"], "ppo.overlong_penalty has no effect"),
+    (["ppo.max_sampling_rounds=3"], "ppo.max_sampling_rounds has no effect"),
+    (["ppo.dynamic_sampling=true"], "must be >= 2 with ppo.dynamic_sampling"),
+    (["ppo.rollout_mask_high=0.5"], "ppo.rollout_mask_high=0.5 is invalid"),
+    (["ppo.value_loss_coef=0"], "ppo.value_loss_coef=0.0 is invalid"),
+])
+def test_ppo_settings_without_effect_are_errors(overrides, message):
+    from megarlhf.config import check_ppo
+    with pytest.raises((ConfigError, ValueError)) as err:
+        check_ppo(load_config(None, overrides))
+    assert message in str(err.value)
+
+
+def test_ppo_settings_that_do_something_pass():
+    from megarlhf.config import check_ppo
+    for overrides in (
+            [],
+            # GRPO batches count samples: 8 prompts x 4 = 32 samples in one mini-batch.
+            ["ppo.advantage_estimator=grpo", "ppo.group_size=4", "ppo.rollout_batch_size=8",
+             "ppo.mini_batch_size=32", "ppo.kl_loss_coef=0.04"],
+            ["ppo.advantage_estimator=grpo", "ppo.group_size=4", "ppo.kl_in_reward=true",
+             "ppo.init_kl_coef=0.1", "ppo.grpo_normalization=token"],
+            ["ppo.policy_loss=decoupled", "ppo.behavior_weight_cap=5"],
+            ["ppo.rollout_is_cap=2", "ppo.rollout_mask_low=0.5", "ppo.rollout_mask_high=2"],
+            ["ppo.ptx_coef=0.5", "data.ptx_path=x.jsonl", "ppo.ptx_batch_size=8"],
+            ["ppo.advantage_estimator=rloo", "ppo.group_size=2", "ppo.dynamic_sampling=true",
+             "ppo.max_sampling_rounds=3", "ppo.overlong_buffer=8", "ppo.overlong_penalty=0.5"]):
+        cfg = load_config(None, overrides)
+        check_ppo(cfg)
+    assert not load_config(None, ["ppo.advantage_estimator=grpo",
+                                  "ppo.group_size=2"]).ppo.kl_reward_on
+    assert load_config(None, ["ppo.advantage_estimator=rloo", "ppo.group_size=2"]).ppo.kl_reward_on

@@ -4,7 +4,7 @@ Shapes: B samples, T response tokens (left-aligned), masks 1 on valid response t
 """
 
 from megarlhf.algos.advantages import (
-    broadcast_to_tokens, discounted_returns, estimate_advantages, gae, grpo_advantages, reinforce_pp_advantages,
+    broadcast_to_tokens, discounted_returns, estimate_advantages, gae, grpo_advantages, grpo_token_advantages, reinforce_pp_advantages,
     rloo_advantages)
 from megarlhf.algos.ema import ParameterEMA
 from megarlhf.algos.experience import BatchSizes, Experience, exact_div
@@ -16,16 +16,16 @@ from megarlhf.algos.losses import (
 from megarlhf.algos.masked import (
     last_valid_index, masked_mean, masked_sum, masked_var, masked_whiten)
 from megarlhf.algos.rewards import (
-    apply_missing_stop_rule, fit_score_normalization, normalize_scores, shape_rewards,
+    apply_missing_stop_rule, fit_score_normalization, normalize_scores, overlong_penalty, shape_rewards,
     truncate_after_stop)
 
 __all__ = [
     "AdaptiveKLController", "BatchSizes", "Experience", "FixedKLController", "ParameterEMA",
     "aggregate", "aggregate_parts", "apply_missing_stop_rule", "broadcast_to_tokens",
     "decoupled_policy_loss", "discounted_returns", "entropy_bonus", "estimate_advantages", "exact_div",
-    "explained_variance", "fit_score_normalization", "gae", "grpo_advantages",
+    "explained_variance", "fit_score_normalization", "gae", "grpo_advantages", "grpo_token_advantages",
     "kl_per_token", "last_valid_index", "make_kl_controller", "masked_mean", "masked_sum",
-    "masked_var", "masked_whiten", "normalize_scores", "policy_loss", "ppo_ptx_objective",
+    "masked_var", "masked_whiten", "normalize_scores", "overlong_penalty", "policy_loss", "ppo_ptx_objective",
     "ptx_loss", "reinforce_pp_advantages", "rloo_advantages", "shape_rewards",
     "truncate_after_stop", "value_loss",
 ]

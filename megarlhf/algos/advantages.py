@@ -61,6 +61,24 @@ def grpo_advantages(scores_B: torch.Tensor, group_size: int, scale_by_std: bool 
     return centred.reshape(-1)
 
 
+def grpo_token_advantages(scores_B: torch.Tensor, mask_BT: torch.Tensor, group_size: int,
+                          scale_by_std: bool = True, eps: float = 1e-5) -> torch.Tensor:
+    """GRPO normalised at the token level (AReaL): every response token carries its
+    sample's score, and the mean and (population) std are taken over all valid tokens of
+    the group, so a long response weighs more in its group's statistics than a short one.
+    Returns (B, T) advantages, zero outside the mask."""
+    groups = _groups(scores_B, group_size)  # (G, k)
+    mask = mask_BT.to(scores_B.dtype).view(groups.shape[0], group_size, -1)  # (G, k, T)
+    tokens = mask.sum(dim=(1, 2)).clamp(min=1)  # (G,)
+    per_token = groups.unsqueeze(-1) * mask
+    mean = per_token.sum(dim=(1, 2)) / tokens
+    centred = (groups.unsqueeze(-1) - mean.view(-1, 1, 1)) * mask
+    if scale_by_std:
+        std = (centred.square().sum(dim=(1, 2)) / tokens).sqrt()
+        centred = centred / (std.view(-1, 1, 1) + eps)
+    return centred.reshape(mask_BT.shape)
+
+
 def rloo_advantages(scores_B: torch.Tensor, group_size: int) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024): score minus the mean of the other k-1 samples."""
     if group_size < 2:
@@ -87,14 +105,16 @@ def broadcast_to_tokens(advantages_B: torch.Tensor, mask_BT: torch.Tensor) -> to
 def estimate_advantages(estimator: str, *, scores_B: torch.Tensor, rewards_BT: torch.Tensor,
                         values_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float,
                         lam: float, group_size: int, whiten: bool, unbiased: bool = True,
-                        reduce_fn: ReduceFn | None = None
+                        group_norm: str = "sequence", reduce_fn: ReduceFn | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BT, returns_BT) for ``ppo.advantage_estimator``:
 
     - ``gae``: GAE on the KL-shaped rewards with the critic's values (returns = A + V);
     - ``reinforce_pp``: whitened discounted returns of the shaped rewards (no critic);
     - ``grpo`` / ``rloo``: a group baseline on the sequence score, on every token (samples
-      of one prompt are consecutive).
+      of one prompt are consecutive). GRPO's ``group_norm``: ``sequence`` (score minus the
+      group mean over the unbiased group std: DeepSeekMath as TRL computes it), ``token``
+      (mean and std over the group's valid tokens: AReaL), ``center`` (mean only: Dr. GRPO).
     ``whiten`` whitens GAE and RLOO advantages over the batch (GRPO is normalised within
     its groups, REINFORCE++ always whitened). Critic-free estimators return their
     advantages before batch whitening as the returns (nothing trains on them)."""
@@ -104,9 +124,18 @@ def estimate_advantages(estimator: str, *, scores_B: torch.Tensor, rewards_BT: t
     elif estimator == "reinforce_pp":
         advantages = reinforce_pp_advantages(rewards_BT, mask, gamma, unbiased, reduce_fn)
         returns = advantages.clone()
-    elif estimator in ("grpo", "rloo"):
-        group_fn = grpo_advantages if estimator == "grpo" else rloo_advantages
-        advantages = broadcast_to_tokens(group_fn(scores_B, group_size), mask)
+    elif estimator == "grpo" and group_norm == "token":
+        advantages = grpo_token_advantages(scores_B, mask, group_size)
+        returns = advantages.clone()
+    elif estimator == "grpo":
+        if group_norm not in ("sequence", "center"):
+            raise ValueError(f"GRPO normalisation must be sequence, token or center, "
+                             f"got {group_norm!r}")
+        per_sample = grpo_advantages(scores_B, group_size, scale_by_std=group_norm == "sequence")
+        advantages = broadcast_to_tokens(per_sample, mask)
+        returns = advantages.clone()
+    elif estimator == "rloo":
+        advantages = broadcast_to_tokens(rloo_advantages(scores_B, group_size), mask)
         returns = advantages.clone()
     else:
         raise ValueError(f"unknown advantage estimator {estimator!r}")

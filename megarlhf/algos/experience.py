@@ -94,8 +94,16 @@ class Experience:
     # learning targets
     advantages_BT: torch.Tensor
     returns_BT: torch.Tensor
+    # the policy loss's view (rollout/training mismatch correction); default: every
+    # response token, weight 1
+    policy_mask_BT: torch.Tensor | None = None  # response mask minus rejected samples
+    is_weights_BT: torch.Tensor | None = None  # truncated importance weights
 
     def __post_init__(self):
+        if self.policy_mask_BT is None:
+            self.policy_mask_BT = self.response_mask_BT.float().clone()
+        if self.is_weights_BT is None:
+            self.is_weights_BT = torch.ones(self.response_mask_BT.shape)
         B, T = self.response_tokens_BT.shape
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)

@@ -67,11 +67,14 @@ def _clipped_surrogate(log_ratio, advantages_BT, clip_eps):
 
 def policy_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor,
                 advantages_BT: torch.Tensor, mask_BT: torch.Tensor, clip_eps: float = 0.2,
-                dual_clip: float | None = None, agg: str = "token_mean"):
+                dual_clip: float | None = None, agg: str = "token_mean",
+                token_weights_BT: torch.Tensor | None = None):
     """Clipped surrogate: max(-A r, -A clip(r, 1 - eps, 1 + eps)), r = exp(logp - logp_old).
 
     ``dual_clip`` c > 1 (Ye et al. 2020) also bounds the loss by -c A where A < 0, so a
-    huge ratio on a bad action cannot dominate. Returns (total, count, stats)."""
+    huge ratio on a bad action cannot dominate. ``token_weights_BT`` (constants, e.g. the
+    truncated importance weights of a rollout/training mismatch correction) multiply each
+    token's loss. Returns (total, count, stats)."""
     mask = mask_BT.to(logprobs_BT.dtype)
     log_ratio = logprobs_BT - old_logprobs_BT
     ratio, loss, clipped = _clipped_surrogate(log_ratio, advantages_BT, clip_eps)
@@ -83,6 +86,8 @@ def policy_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor,
         dual_hit = (advantages_BT < 0) & (bounded < loss)
         loss = torch.where(advantages_BT < 0, bounded, loss)
         stats["dual_clipfrac"] = masked_mean(dual_hit.to(mask.dtype), mask)
+    if token_weights_BT is not None:
+        loss = loss * token_weights_BT.detach()
     stats.update(_ratio_stats(log_ratio.detach(), ratio.detach(), mask))
     total, count = aggregate_parts(loss, mask, agg)
     return total, count, stats
@@ -116,9 +121,9 @@ def decoupled_policy_loss(logprobs_BT: torch.Tensor, proximal_logprobs_BT: torch
 
 def value_loss(values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT: torch.Tensor,
                mask_BT: torch.Tensor, cliprange_value: float | None = 0.2,
-               agg: str = "token_mean"):
-    """0.5 * max((V - R)^2, (V_clipped - R)^2) with V_clipped within +-cliprange_value of
-    the old values (OpenAI baselines); plain 0.5 * (V - R)^2 when ``cliprange_value`` is
+               agg: str = "token_mean", coef: float = 0.5):
+    """coef * max((V - R)^2, (V_clipped - R)^2) with V_clipped within +-cliprange_value of
+    the old values (OpenAI baselines); plain coef * (V - R)^2 when ``cliprange_value`` is
     None. Returns (total, count, stats)."""
     mask = mask_BT.to(values_BT.dtype)
     loss_unclipped = (values_BT - returns_BT).square()
@@ -133,7 +138,7 @@ def value_loss(values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT:
         loss = loss_unclipped
         stats["clipfrac"] = torch.zeros((), dtype=values_BT.dtype)
     stats["vpred_mean"] = masked_mean(values_BT.detach(), mask)
-    total, count = aggregate_parts(0.5 * loss, mask, agg)
+    total, count = aggregate_parts(coef * loss, mask, agg)
     return total, count, stats
 
 

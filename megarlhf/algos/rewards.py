@@ -49,6 +49,16 @@ def apply_missing_stop_rule(scores_B: torch.Tensor, has_stop_B: torch.Tensor,
     raise ValueError(f"missing-stop mode must be 'replace' or 'subtract', got {mode!r}")
 
 
+def overlong_penalty(lengths_B: torch.Tensor, max_len: int, buffer: int,
+                     penalty: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment, added to the score: 0 up to ``max_len - buffer``
+    tokens, then falling linearly to ``-penalty`` at ``max_len`` (and beyond)."""
+    if buffer <= 0:
+        return torch.zeros(lengths_B.shape, dtype=torch.float32)
+    over = (lengths_B.to(torch.float32) - (max_len - buffer)).clamp(min=0.0) / buffer
+    return -penalty * over.clamp(max=1.0)
+
+
 def fit_score_normalization(raw_scores: torch.Tensor) -> tuple[float, float]:
     """(gain, bias) so that gain * raw + bias has mean 0 and std 1 on ``raw_scores``
     (Ziegler et al.: measured on SFT samples after reward-model training)."""

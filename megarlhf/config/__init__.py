@@ -2,7 +2,7 @@
 
 from megarlhf.config.loader import (
     ConfigError, config_from_dict, dump_config, explicit_fields, load_config, overlay,
-    parse_overrides, section_from_dict)
+    parse_overrides, section_from_dict, written_fields)
 from megarlhf.config.schema import (
     CheckpointConfig,
     Config,
@@ -21,6 +21,7 @@ from megarlhf.config.schema import (
     TokenizerConfig,
     TrainConfig,
     check_model_layout,
+    check_ppo,
     check_precision,
     check_rollout_layout,
     padded_vocab_size,
@@ -33,5 +34,5 @@ __all__ = [
     "RunConfig", "TokenizerConfig", "TrainConfig", "dump_config", "load_config", "padded_vocab_size",
     "parse_overrides", "validate_layout", "RoleConfig", "RoleParallelConfig", "RolesConfig",
     "check_model_layout", "check_precision", "check_rollout_layout", "explicit_fields",
-    "overlay", "section_from_dict",
+    "overlay", "section_from_dict", "check_ppo", "written_fields",
 ]

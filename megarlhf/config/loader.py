@@ -37,6 +37,17 @@ def explicit_fields(section) -> frozenset[str]:
     return names
 
 
+def written_fields(section) -> frozenset[str]:
+    """Like :func:`explicit_fields`, but a section built in code counts the fields that
+    differ from their defaults (what a user of the code "wrote")."""
+    names = getattr(section, _EXPLICIT, None)
+    if names is not None:
+        return names
+    defaults = type(section)()
+    return frozenset(f.name for f in dataclasses.fields(section)
+                     if getattr(section, f.name) != getattr(defaults, f.name))
+
+
 def overlay(base, override, only: tuple[str, ...] | None = None):
     """``base`` with the fields written on ``override`` (a section of the same type; None
     changes nothing) on top, nested sections overlaid field by field; ``only`` limits the

@@ -208,6 +208,9 @@ class DataConfig:
     """Prompts longer than this (in tokens) are dropped and counted."""
     max_seq_len: int = 256
     """Prompt+response longer than this are dropped and counted."""
+    ptx_path: str | None = None
+    """PPO-ptx: pretraining/SFT data (prompt, response) whose next-token loss is mixed into
+    the actor's updates (InstructGPT); used when ppo.ptx_coef > 0."""
     packing: bool = False
     """Pack several SFT samples into one sequence (attention isolated per sample)."""
 
@@ -308,7 +311,9 @@ class PPOConfig:
     cliprange_value: float | None = 0.2
     """Value clip around the old values; None disables value clipping."""
     value_loss_coef: float = 0.5
-    """Weight of the value loss (the 0.5 of 0.5 * squared error)."""
+    """Weight of the critic's loss: value_loss_coef * max((V - R)^2, (V_clip - R)^2). The
+    critic has its own optimizer, so with Adam this mostly matters through gradient
+    clipping and epsilon; 0.5 is the usual 0.5 * squared error."""
     entropy_coef: float = 0.0
     """Entropy bonus weight."""
     gamma: float = 1.0
@@ -316,7 +321,17 @@ class PPOConfig:
     lam: float = 0.95
     """GAE lambda."""
     kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k1"
-    """Per-token KL estimator in the shaped reward."""
+    """Per-token KL estimator in the shaped reward (and the reported objective/kl)."""
+    kl_in_reward: bool | None = None
+    """Subtract beta x KL to the reference from the reward (beta: init_kl_coef, then the
+    controller): per token for gae and reinforce_pp; summed over the response and taken off
+    the score before the group baseline for rloo and grpo (TRL's RLOO). None: on for gae,
+    reinforce_pp and rloo, off for grpo (which regularises with kl_loss_coef instead)."""
+    kl_loss_coef: float = 0.0
+    """Weight of a KL-to-reference term in the actor's loss (DeepSeekMath's GRPO: 0.04;
+    0.001 is common); 0 disables. Works with every estimator."""
+    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator of the loss term (k3: DeepSeekMath; k2's gradient is the true KL's)."""
     kl_controller: Literal["fixed", "adaptive"] = "fixed"
     """KL coefficient controller (Ziegler et al. 2019)."""
     init_kl_coef: float = 0.05
@@ -349,6 +364,43 @@ class PPOConfig:
     """Responses per prompt (GRPO/RLOO)."""
     advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = "gae"
     """GAE with a critic, or a critic-free group/global baseline."""
+    grpo_normalization: Literal["sequence", "token", "center"] = "sequence"
+    """GRPO advantages: sequence = (score - group mean) / unbiased group std per sample
+    (DeepSeekMath, TRL: the default, so runs compare with the paper and TRL); token = mean
+    and population std over all valid tokens of the group (AReaL: long responses weigh
+    more); center = score - group mean, no std (Dr. GRPO: no difficulty re-weighting)."""
+    policy_loss: Literal["ppo", "decoupled"] = "ppo"
+    """ppo: clipped surrogate around the old log-probs. decoupled (AReaL): clip around the
+    proximal policy (the log-probs recomputed before the update) and weight each token by
+    exp(proximal - behaviour), the behaviour policy being the sampler's log-probs; needs
+    rollout.recompute_logprobs=true."""
+    behavior_weight_cap: float | None = None
+    """Decoupled loss: drop tokens whose behaviour importance weight exceeds this (AReaL
+    uses 5); None keeps every token."""
+    rollout_is_cap: float | None = None
+    """Rollout/training mismatch correction: weight each token's policy loss by the
+    truncated importance ratio min(p_train / p_rollout, cap) (truncated IS; ~2 is usual);
+    None disables. Needs rollout.recompute_logprobs=true."""
+    rollout_mask_low: float | None = None
+    """Mismatch correction: drop from the policy loss every sample whose per-token
+    geometric-mean ratio p_train / p_rollout is below this (e.g. 0.5); None: no lower bound."""
+    rollout_mask_high: float | None = None
+    """Mismatch correction: drop every sample whose geometric-mean ratio is above this
+    (e.g. 2); None: no upper bound."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal (no learning signal for group
+    baselines) and sample more prompts until rollout_batch_size groups are kept."""
+    max_sampling_rounds: int = 4
+    """Dynamic sampling: rollouts per iteration at most; a batch still short after them is
+    topped up with dropped groups (counted in rollout/dynamic_sampling_shortfall)."""
+    overlong_buffer: int = 0
+    """DAPO's overlong shaping: responses longer than max_new_tokens - overlong_buffer lose
+    up to overlong_penalty linearly, the full amount at max_new_tokens; 0 disables."""
+    overlong_penalty: float = 1.0
+    """The largest overlong penalty (DAPO: 1.0)."""
+    ptx_batch_size: int | None = None
+    """PPO-ptx: pretraining samples mixed into each actor mini-batch (global); None: as
+    many as mini_batch_size."""
     sft_checkpoint: str | None = None
     """Checkpoint the actor and the reference model start from (an SFT run's folder)."""
     reward_checkpoint: str | None = None
@@ -367,22 +419,114 @@ class PPOConfig:
         for name in ("rollout_batch_size", "mini_batch_size", "micro_batch_size",
                      "ppo_epochs", "num_iterations", "group_size", "kl_horizon"):
             _require(getattr(self, name) >= 1, f"ppo.{name}", getattr(self, name), "must be >= 1")
-        _require(self.rollout_batch_size % self.mini_batch_size == 0, "ppo.rollout_batch_size",
-                 self.rollout_batch_size,
-                 f"must be a multiple of ppo.mini_batch_size={self.mini_batch_size}")
+        # Batch divisibility counts samples (prompts x group_size) per trained role's
+        # data-parallel size: checked by algos.BatchSizes once the layouts are known.
         _require(0 < self.clip_eps < 1, "ppo.clip_eps", self.clip_eps, "must be in (0, 1)")
         if self.dual_clip is not None:
             _require(self.dual_clip > 1, "ppo.dual_clip", self.dual_clip, "must be > 1 or null")
         _require(0 <= self.gamma <= 1, "ppo.gamma", self.gamma, "must be in [0, 1]")
         _require(0 <= self.lam <= 1, "ppo.lam", self.lam, "must be in [0, 1]")
+        _require(self.value_loss_coef > 0, "ppo.value_loss_coef", self.value_loss_coef,
+                 "must be > 0")
         _require(self.init_kl_coef >= 0, "ppo.init_kl_coef", self.init_kl_coef, "must be >= 0")
         _require(self.kl_target > 0, "ppo.kl_target", self.kl_target, "must be > 0")
         if self.ema_decay is not None:
             _require(0 < self.ema_decay < 1, "ppo.ema_decay", self.ema_decay,
                      "must be in (0, 1) or null")
+        _require(self.kl_loss_coef >= 0, "ppo.kl_loss_coef", self.kl_loss_coef, "must be >= 0")
+        _require(self.ptx_coef >= 0, "ppo.ptx_coef", self.ptx_coef, "must be >= 0")
+        if self.ptx_batch_size is not None:
+            _require(self.ptx_batch_size >= 1, "ppo.ptx_batch_size", self.ptx_batch_size,
+                     "must be >= 1 or null")
+        if self.behavior_weight_cap is not None:
+            _require(self.behavior_weight_cap > 1, "ppo.behavior_weight_cap",
+                     self.behavior_weight_cap, "must be > 1 or null")
+        if self.rollout_is_cap is not None:
+            _require(self.rollout_is_cap >= 1, "ppo.rollout_is_cap", self.rollout_is_cap,
+                     "must be >= 1 or null")
+        if self.rollout_mask_low is not None:
+            _require(0 < self.rollout_mask_low < 1, "ppo.rollout_mask_low",
+                     self.rollout_mask_low, "must be in (0, 1) or null")
+        if self.rollout_mask_high is not None:
+            _require(self.rollout_mask_high > 1, "ppo.rollout_mask_high",
+                     self.rollout_mask_high, "must be > 1 or null")
+        _require(self.max_sampling_rounds >= 1, "ppo.max_sampling_rounds",
+                 self.max_sampling_rounds, "must be >= 1")
+        _require(self.overlong_buffer >= 0, "ppo.overlong_buffer", self.overlong_buffer,
+                 "must be >= 0")
+        _require(self.overlong_penalty > 0, "ppo.overlong_penalty", self.overlong_penalty,
+                 "must be > 0")
+        if self.dynamic_sampling:
+            _require(self.group_size >= 2, "ppo.group_size", self.group_size,
+                     "must be >= 2 with ppo.dynamic_sampling (it filters groups)")
+        if not self.kl_reward_on and self.kl_controller == "adaptive":
+            raise ValueError(
+                "ppo.kl_controller=adaptive tunes the KL coefficient of the reward, but the "
+                f"KL is not in the reward (ppo.kl_in_reward={self.kl_in_reward}, estimator "
+                f"{self.advantage_estimator}): set ppo.kl_in_reward=true or "
+                "ppo.kl_controller=fixed")
+        if self.policy_loss == "decoupled":
+            _require(self.dual_clip is None and self.rollout_is_cap is None,
+                     "ppo.policy_loss", self.policy_loss,
+                     "the decoupled loss has its own importance weight and no dual clip: "
+                     "leave ppo.rollout_is_cap and ppo.dual_clip null")
         if self.advantage_estimator in ("grpo", "rloo"):
             _require(self.group_size >= 2, "ppo.group_size", self.group_size,
                      f"must be >= 2 for ppo.advantage_estimator={self.advantage_estimator}")
+
+
+    @property
+    def kl_reward_on(self) -> bool:
+        """Whether beta x KL is taken off the reward (``kl_in_reward`` resolved)."""
+        if self.kl_in_reward is not None:
+            return self.kl_in_reward
+        return self.advantage_estimator != "grpo"
+
+
+def check_ppo(cfg) -> None:
+    """PPO settings that span sections, and settings that would silently do nothing (a
+    field counts as set when the config file or an override wrote it)."""
+    from megarlhf.config.loader import written_fields
+
+    ppo, rollout, data = cfg.ppo, cfg.rollout, cfg.data
+
+    def said(section: str, name: str) -> bool:
+        return name in written_fields(getattr(cfg, section))
+
+    if not ppo.kl_reward_on and said("ppo", "init_kl_coef") and ppo.init_kl_coef > 0:
+        raise ValueError(
+            f"ppo.init_kl_coef={ppo.init_kl_coef} has no effect: the KL is not in the reward "
+            f"(ppo.advantage_estimator={ppo.advantage_estimator}, ppo.kl_in_reward="
+            f"{ppo.kl_in_reward}). Regularise with ppo.kl_loss_coef, or set "
+            "ppo.kl_in_reward=true")
+    if not ppo.kl_loss_coef and said("ppo", "kl_loss_estimator"):
+        raise ValueError("ppo.kl_loss_estimator has no effect with ppo.kl_loss_coef=0")
+    if ppo.advantage_estimator != "grpo" and said("ppo", "grpo_normalization"):
+        raise ValueError(f"ppo.grpo_normalization has no effect with "
+                         f"ppo.advantage_estimator={ppo.advantage_estimator}")
+    if ppo.policy_loss != "decoupled" and ppo.behavior_weight_cap is not None:
+        raise ValueError("ppo.behavior_weight_cap applies to ppo.policy_loss=decoupled only")
+    correction = [name for name in ("rollout_is_cap", "rollout_mask_low", "rollout_mask_high")
+                  if getattr(ppo, name) is not None]
+    if ppo.policy_loss == "decoupled":
+        correction.append("policy_loss=decoupled")
+    if correction and not rollout.recompute_logprobs:
+        raise ValueError(
+            f"ppo.{correction[0]} compares the trainer's log-probs with the sampler's, but "
+            "rollout.recompute_logprobs=false uses the sampler's as the old log-probs (the "
+            "ratio is 1): set rollout.recompute_logprobs=true")
+    if (ppo.ptx_coef > 0) != bool(data.ptx_path):
+        raise ValueError("PPO-ptx needs both ppo.ptx_coef > 0 and data.ptx_path "
+                         f"(got ppo.ptx_coef={ppo.ptx_coef}, data.ptx_path={data.ptx_path!r})")
+    if ppo.ptx_batch_size is not None and ppo.ptx_coef == 0:
+        raise ValueError("ppo.ptx_batch_size has no effect with ppo.ptx_coef=0")
+    if ppo.overlong_buffer >= rollout.max_new_tokens:
+        raise ValueError(f"ppo.overlong_buffer={ppo.overlong_buffer} must be below "
+                         f"rollout.max_new_tokens={rollout.max_new_tokens}")
+    if said("ppo", "max_sampling_rounds") and not ppo.dynamic_sampling:
+        raise ValueError("ppo.max_sampling_rounds has no effect without ppo.dynamic_sampling")
+    if said("ppo", "overlong_penalty") and not ppo.overlong_buffer:
+        raise ValueError("ppo.overlong_penalty has no effect with ppo.overlong_buffer=0")
 
 
 @dataclass(kw_only=True)
@@ -409,8 +553,9 @@ class RolloutConfig:
     """Recompute old log-probs with the training-layout actor instead of using the
     sampler's."""
     reward_fn: str | None = None
-    """Programmatic reward 'package.module:function(prompt_ids, response_ids) -> float' used
-    instead of a reward model; None uses the reward model."""
+    """Programmatic reward 'package.module:function(prompt_text, response_text) -> float'
+    (decoded text, the response without its stop token) used instead of a reward model;
+    None uses the reward model."""
     offload_frozen_models: bool = True
     """Offload reference and reward models between experience phases."""
     ref_cache_path: str | None = None

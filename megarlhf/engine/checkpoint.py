@@ -187,8 +187,11 @@ def read_meta(path: str) -> dict:
 
 def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
                     trainer_state: dict | None = None, config: dict | None = None,
-                    layout: str = "", keep_last: int | None = None) -> str:
-    """Write ``roles`` and ``trainer_state`` as ``save_dir/tag``; returns its path."""
+                    layout: str = "", keep_last: int | None = None,
+                    objects: dict[str, Any] | None = None) -> str:
+    """Write ``roles`` and ``trainer_state`` as ``save_dir/tag``; returns its path.
+    ``objects`` (name -> picklable tensors/dicts, the same on every rank) are written by
+    rank 0 as ``<name>.pt`` inside the checkpoint, committed with it."""
     final = os.path.join(save_dir, tag)
     tmp = os.path.join(save_dir, f".tmp-{tag}")
     if _rank() == 0:
@@ -210,6 +213,8 @@ def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
             int(fault.split(":")[1]) == _saves_in_process[0]:
         os._exit(137)
     if _rank() == 0:
+        for name, obj in (objects or {}).items():
+            torch.save(obj, os.path.join(tmp, f"{name}.pt"))
         meta = {
             "tag": tag,
             "roles": {name: {"trained": role.optimizer is not None, **role.extra}
@@ -234,6 +239,13 @@ def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
             _prune(save_dir, keep_last, protect=tag)
     _barrier()
     return final
+
+
+def load_object(path: str, name: str) -> Any:
+    """An object saved with the checkpoint at ``path`` (see ``save_checkpoint(objects=)``),
+    or None when it has none."""
+    file = os.path.join(resolve_checkpoint(path), f"{name}.pt")
+    return torch.load(file, weights_only=True) if os.path.exists(file) else None
 
 
 def _prune(save_dir: str, keep_last: int, protect: str) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from megarlhf.config import (
     Config, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RoleParallelConfig,
-    check_model_layout, check_precision, check_rollout_layout, explicit_fields, overlay,
+    check_model_layout, check_ppo, check_precision, check_rollout_layout, explicit_fields, overlay,
     padded_vocab_size, section_from_dict)
 from megarlhf.engine.checkpoint import read_meta, resolve_checkpoint
 
@@ -43,6 +43,7 @@ class RoleSpec:
     optimizer: OptimizerConfig | None = None  # set for trained roles
     where: str = "model"  # config section, for messages
     saved_tokenizer: dict | None = None  # the checkpoint's tokenizer fingerprint
+    head_affine: tuple[float, float] | None = None  # (gain, bias) folded into the scalar head
 
     @property
     def trained(self) -> bool:
@@ -207,7 +208,9 @@ def _check_vocab(specs: dict[str, RoleSpec], tokenizer: dict | None) -> None:
 
 def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None
                    ) -> dict[str, RoleSpec]:
-    """The PPO roles (critic only for GAE; reward model unless ``rollout.reward_fn``)."""
+    """The PPO roles (critic only for GAE; reward model unless ``rollout.reward_fn``). The
+    PPO settings are checked first (``config.check_ppo``)."""
+    check_ppo(cfg)
     ppo, roles = cfg.ppo, cfg.roles
     actor_ckpt = _checkpoint_of(cfg, "actor", ppo.sft_checkpoint, "ppo.sft_checkpoint")
     if actor_ckpt is None:
@@ -281,6 +284,12 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None
                                 world_size=world_size,
                                 optimizer=overlay(critic_opt, roles.critic.optimizer),
                                 allow_trunk=True)
+        if saved is not None and saved.role == "reward":
+            # Returns are built from the normalised score gain * raw + bias: a critic that
+            # starts from the reward model predicts that scale from its first step.
+            entry = read_meta(saved.path)["roles"]["reward"]
+            specs["critic"] = dataclasses.replace(specs["critic"], head_affine=(
+                float(entry.get("score_gain", 1.0)), float(entry.get("score_bias", 0.0))))
     for name in ("critic", "reward"):
         if name not in specs and _role_is_set(getattr(roles, name)):
             why = "ppo.advantage_estimator is not gae" if name == "critic" \

@@ -12,7 +12,7 @@ import torch
 from megarlhf.engine.checkpoint import RoleState, load_checkpoint, read_meta
 from megarlhf.engine.optimizer import TrainedRole, build_optimizer, wrap_ddp
 from megarlhf.engine.role_specs import RoleSpec
-from megarlhf.models.gpt import build_model, init_weights
+from megarlhf.models.gpt import build_model, fold_head_affine, init_weights
 from megarlhf.parallel.layout import ParallelLayout, build_layout
 
 
@@ -78,6 +78,9 @@ def build_role(spec: RoleSpec, *, seed: int, total_steps: int = 1) -> Role:
         role.saved = read_meta(spec.checkpoint)["roles"][spec.checkpoint_role]
         role.source = (f"{spec.checkpoint} role '{spec.checkpoint_role}'"
                        + (" (trunk only; new scalar head)" if spec.trunk_only else ""))
+    if spec.head_affine is not None:
+        fold_head_affine(chunks, *spec.head_affine)
+        role.source += " (score normalisation folded into the head)"
     if spec.optimizer is None:
         for chunk in chunks:
             chunk.eval()

@@ -60,7 +60,8 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
     )
 
 
-WEIGHT_KEYS = ("loss_mask", "pair_mask", "weight_mask")
+WEIGHT_KEYS = ("loss_mask", "pair_mask", "weight_mask", "response_mask", "policy_mask",
+               "ptx_loss_mask")
 
 
 def weightless(batch: dict) -> dict:

@@ -142,33 +142,72 @@ def make_sequence_step(kind: str, *, prompt_len: int, tp_group=None, true_vocab:
     return forward_step
 
 
-def make_policy_step(*, prompt_len: int, tp_group, true_vocab: int, temperature: float,
-                     clip_eps: float, dual_clip: float | None, agg: str,
-                     entropy_coef: float):
-    """Clipped PPO policy loss (+ entropy bonus) on experience micro-batches."""
-    from megarlhf.algos import entropy_bonus, policy_loss
+def make_policy_step(*, prompt_len: int, tp_group, true_vocab: int, temperature: float, ppo):
+    """The actor's loss on experience micro-batches, as ``ppo`` (the PPOConfig) selects:
+
+    - the clipped surrogate (``policy_loss=ppo``; truncated importance weights of the
+      rollout/training correction in ``is_weights``), or AReaL's decoupled loss
+      (``decoupled``: clip around the recomputed log-probs, importance weight to the
+      sampler's ``rollout_logprobs``, capped by ``behavior_weight_cap``);
+    - minus ``entropy_coef`` x entropy;
+    - plus ``kl_loss_coef`` x the KL estimate to the reference (GRPO's KL term);
+    all over ``policy_mask`` (the response mask without the samples the mismatch correction
+    rejected). A micro-batch with ``ptx_loss_mask`` is pretraining data instead
+    (PPO-ptx): its next-token NLL, already scaled by ``ptx_scale`` so that the step's loss is
+    PPO loss + ptx_coef x the ptx NLL averaged over its own tokens."""
+    from megarlhf.algos import decoupled_policy_loss, entropy_bonus, kl_per_token, policy_loss
+    from megarlhf.algos.losses import aggregate_parts
 
     P = prompt_len
+
+    def ptx_loss(logits, batch):
+        logprobs_BS, _ = vocab_parallel_logprobs(logits[:, :-1], batch["tokens"][:, 1:],
+                                                 tp_group=tp_group, true_vocab=true_vocab)
+        weights = batch["ptx_loss_mask"][:, :-1]
+        nll_sum = -(logprobs_BS * weights).sum()
+        logs = {"ptx_nll_sum": nll_sum.detach(), "ptx_tokens": weights.sum()}
+        return nll_sum * batch["ptx_scale"], torch.zeros((), dtype=torch.int), logs
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         output = model_forward(model, batch)
 
         def loss_func(logits, non_loss_data=False):
+            if "ptx_loss_mask" in batch:
+                return ptx_loss(logits, batch)
             logprobs_BT, entropy_BT = vocab_parallel_logprobs(
                 logits[:, P - 1:-1], batch["tokens"][:, P:], tp_group=tp_group,
                 temperature=temperature, true_vocab=true_vocab)
-            mask = batch["response_mask"]
-            total, count, stats = policy_loss(logprobs_BT, batch["old_logprobs"],
-                                              batch["advantages"], mask, clip_eps, dual_clip,
-                                              agg)
-            if entropy_coef:
-                ent_total, _ = entropy_bonus(entropy_BT, mask, entropy_coef, agg)
-                total = total + ent_total
+            mask = batch["policy_mask"]
+            if ppo.policy_loss == "decoupled":
+                total, count, stats = decoupled_policy_loss(
+                    logprobs_BT, batch["old_logprobs"], batch["rollout_logprobs"],
+                    batch["advantages"], mask, ppo.clip_eps, ppo.behavior_weight_cap,
+                    ppo.loss_agg)
+            else:
+                total, count, stats = policy_loss(
+                    logprobs_BT, batch["old_logprobs"], batch["advantages"], mask,
+                    ppo.clip_eps, ppo.dual_clip, ppo.loss_agg,
+                    token_weights_BT=batch.get("is_weights"))
             n = mask.sum()
-            logs = {"loss_sum": total.detach(), "loss_count": count,
-                    "clipfrac_sum": stats["clipfrac"] * n, "approxkl_sum": stats["approxkl"] * n,
+            logs = {"pg_loss_sum": total.detach(), "loss_count": count,
+                    "clipfrac_sum": stats["clipfrac"] * n,
+                    "approxkl_sum": stats["approxkl"] * n,
                     "entropy_sum": (entropy_BT.detach() * mask).sum(), "tokens": n}
+            if "behavior_weight_mean" in stats:
+                kept = n * (1 - stats["behavior_capped_frac"])
+                logs["behavior_weight_sum"] = stats["behavior_weight_mean"] * kept
+                logs["behavior_capped_sum"] = stats["behavior_capped_frac"] * n
+            if ppo.entropy_coef:
+                ent_total, _ = entropy_bonus(entropy_BT, mask, ppo.entropy_coef, ppo.loss_agg)
+                total = total + ent_total
+            if ppo.kl_loss_coef:
+                kl_BT = kl_per_token(logprobs_BT, batch["ref_logprobs"], mask,
+                                     ppo.kl_loss_estimator)
+                kl_total, _ = aggregate_parts(kl_BT, mask, ppo.loss_agg)
+                total = total + ppo.kl_loss_coef * kl_total
+                logs["kl_loss_sum"] = (kl_BT.detach() * mask).sum()
+            logs["loss_sum"] = total.detach()
             return total, count.to(torch.int), logs
 
         return output, loss_func
@@ -176,7 +215,8 @@ def make_policy_step(*, prompt_len: int, tp_group, true_vocab: int, temperature:
     return forward_step
 
 
-def make_value_step(*, prompt_len: int, cliprange_value: float | None, agg: str):
+def make_value_step(*, prompt_len: int, cliprange_value: float | None, agg: str,
+                    coef: float = 0.5):
     """Clipped value loss on experience micro-batches."""
     from megarlhf.algos import value_loss
 
@@ -190,7 +230,7 @@ def make_value_step(*, prompt_len: int, cliprange_value: float | None, agg: str)
             values_BT = values_BS1[:, P - 1:-1, 0].float()
             mask = batch["response_mask"]
             total, count, stats = value_loss(values_BT, batch["old_values"], batch["returns"],
-                                             mask, cliprange_value, agg)
+                                             mask, cliprange_value, agg, coef)
             n = mask.sum()
             logs = {"loss_sum": total.detach(), "loss_count": count,
                     "clipfrac_sum": stats["clipfrac"] * n, "tokens": n}

@@ -110,6 +110,17 @@ class ScalarHead(MegatronModule):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
+@torch.no_grad()
+def fold_head_affine(chunks: list, gain: float, bias: float) -> None:
+    """Make a value model output ``gain * v + bias``: scale the scalar head's weight and
+    bias (on the chunk that holds the head; others have none)."""
+    for chunk in chunks:
+        head = getattr(getattr(chunk, "module", chunk), "output_layer", None)
+        if isinstance(head, ScalarHead):
+            head.weight.mul_(gain)
+            head.bias.mul_(gain).add_(bias)
+
+
 def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, pg_collection,
                 pre_process: bool, post_process: bool, vp_stage: int | None = None,
                 vpp_size: int | None = None) -> GPTModel:

@@ -69,6 +69,13 @@ class SequenceCache:
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
 
+    def state_dict(self) -> dict:
+        return {"store": self.store, "hits": self.hits, "misses": self.misses}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.store = dict(state["store"])
+        self.hits, self.misses = int(state["hits"]), int(state["misses"])
+
     def save(self, path: str) -> None:
         tmp = path + ".tmp"
         torch.save(self.store, tmp)
@@ -216,29 +223,95 @@ class ExperienceMaker:
         self.rm_offloader.offload()
         return algos.normalize_scores(raw, self.reward.gain, self.reward.bias)
 
-    # -- the whole thing
-    def make(self, prompts: list[list[int]], *, seed: int, kl_coef: float
-             ) -> tuple[algos.Experience, Generation, dict]:
-        t0 = time.perf_counter()
+    # -- what is trained
+    def finalize(self, gen: Generation) -> tuple[Generation, torch.Tensor]:
+        """Cut every response after its first stop token (the stop token stays): with
+        ``rollout.stop_at_eos=false`` the sampler runs past EOS to the fixed length, and the
+        truncated response is what is scored, trained and shown. Returns (the truncated
+        generation, ``has_stop`` (B,): a stop token occurred)."""
+        stops = sorted(set(self.cfg.rollout.stop_token_ids) | {self.eos_id})
+        tokens, mask, has_stop = algos.truncate_after_stop(
+            gen.response_tokens_BT, gen.response_mask_BT, stops, self.pad_id)
+        return Generation(prompt_tokens_BP=gen.prompt_tokens_BP,
+                          prompt_mask_BP=gen.prompt_mask_BP, response_tokens_BT=tokens,
+                          response_mask_BT=mask, logprobs_BT=gen.logprobs_BT * mask,
+                          finished_B=has_stop), has_stop
+
+    # -- rewards
+    def _sample(self, prompts: list[list[int]], seed: int
+                ) -> tuple[Generation, torch.Tensor, torch.Tensor, dict]:
+        """Rollout, truncation and the shaped score: (generation, has_stop, score, timings)."""
         gen, metrics = self.rollout(prompts, seed)
+        gen, has_stop = self.finalize(gen)
+        ppo = self.cfg.ppo
+        scores = self._scores(gen)
+        if ppo.missing_stop_penalty is not None:
+            scores = algos.apply_missing_stop_rule(scores, has_stop, ppo.missing_stop_penalty,
+                                                   ppo.missing_stop_mode)
+        scores = scores + algos.overlong_penalty(gen.response_mask_BT.sum(dim=1),
+                                                 self.cfg.rollout.max_new_tokens,
+                                                 ppo.overlong_buffer, ppo.overlong_penalty)
+        return gen, has_stop, scores, metrics
+
+    def _dynamic_sampling(self, gen, has_stop, scores, seed: int, refill: Callable
+                          ) -> tuple[Generation, torch.Tensor, torch.Tensor, dict]:
+        """DAPO's dynamic sampling: keep the groups whose scores are not all equal, sampling
+        ``refill(round)`` prompts until the batch has as many groups as it started with
+        (at most ``ppo.max_sampling_rounds`` rollouts); a batch still short is topped up
+        with dropped groups, in order."""
+        k, ppo = self.cfg.ppo.group_size, self.cfg.ppo
+        needed = len(scores) // k
+        kept: list = []
+        dropped: list = []
+        rounds, seen = 1, 0
+        while True:
+            spread = scores.view(-1, k)
+            for g in range(spread.shape[0]):
+                rows = [(gen, g * k + j, bool(has_stop[g * k + j]), float(scores[g * k + j]))
+                        for j in range(k)]
+                informative = bool(spread[g].max() > spread[g].min())
+                (kept if informative else dropped).append(rows)
+            seen += spread.shape[0]
+            if len(kept) >= needed or rounds >= ppo.max_sampling_rounds:
+                break
+            gen, has_stop, scores, _ = self._sample(refill(rounds), seed * 65537 + rounds)
+            rounds += 1
+        shortfall = max(needed - len(kept), 0)
+        groups = (kept + dropped[:shortfall])[:needed]
+        rows = [row for group in groups for row in group]
+        merged = merge_rows([(g, j) for g, j, _, _ in rows], self.pad_id)
+        metrics = {"rollout/dynamic_sampling_rounds": float(rounds),
+                   "rollout/dynamic_sampling_kept_fraction": min(len(kept), needed) / needed,
+                   "rollout/dynamic_sampling_shortfall": float(shortfall),
+                   "rollout/dynamic_sampling_groups_seen": float(seen)}
+        return (merged, torch.tensor([r[2] for r in rows]),
+                torch.tensor([r[3] for r in rows]), metrics)
+
+    # -- the whole thing
+    def make(self, prompts: list[list[int]], *, seed: int, kl_coef: float,
+             refill: Callable[[int], list[list[int]]] | None = None
+             ) -> tuple[algos.Experience, Generation, dict]:
+        """One experience batch from ``prompts`` (each repeated ``group_size`` times, one
+        group after the other). ``refill(round)`` gives more prompts for dynamic sampling."""
+        ppo = self.cfg.ppo
+        t0 = time.perf_counter()
+        gen, has_stop, scores, metrics = self._sample(prompts, seed)
+        if ppo.dynamic_sampling:
+            if refill is None:
+                raise ValueError("ppo.dynamic_sampling needs a prompt refill")
+            gen, has_stop, scores, more = self._dynamic_sampling(gen, has_stop, scores, seed,
+                                                                 refill)
+            metrics.update(more)
         metrics["timing/rollout"] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        rows = list(range(len(prompts)))
+        rows = list(range(len(scores)))
         mask = gen.response_mask_BT.float()
         # DeepSpeed-Chat drops responses of <= 1 token; here they stay in the batch (fixed
         # batch arithmetic) with no trainable tokens.
         short = mask.sum(dim=1) < self.cfg.rollout.min_response_tokens
         mask[short] = 0.0
-        responses, mask_trunc, has_stop = algos.truncate_after_stop(
-            gen.response_tokens_BT, mask, sorted(set(self.cfg.rollout.stop_token_ids)
-                                                 | {self.eos_id}), self.pad_id)
         ref_lp = self._reference_logprobs(gen)
-        scores = self._scores(gen)
-        ppo = self.cfg.ppo
-        if ppo.missing_stop_penalty is not None and self.cfg.rollout.stop_at_eos:
-            scores = algos.apply_missing_stop_rule(scores, has_stop, ppo.missing_stop_penalty,
-                                                   ppo.missing_stop_mode)
-        rollout_lp = gen.logprobs_BT
+        rollout_lp = gen.logprobs_BT * mask
         if self.cfg.rollout.recompute_logprobs:
             old_lp = stack_results(self._score(self.actor, gen, rows), "logprobs") * mask
         else:
@@ -247,22 +320,29 @@ class ExperienceMaker:
             values = stack_results(self._score(self.critic, gen, rows), "values") * mask
         else:
             values = torch.zeros_like(mask)
+        # KL to the reference: in the reward (per token, or per sequence for the group
+        # baselines) when ppo.kl_in_reward resolves on; the loss term is the actor's.
         kl = algos.kl_per_token(old_lp, ref_lp, mask, ppo.kl_estimator)
-        rewards, non_score = algos.shape_rewards(scores, kl, mask, kl_coef,
-                                                 ppo.clip_reward_value)
+        beta = kl_coef if ppo.kl_reward_on else 0.0
+        rewards, non_score = algos.shape_rewards(scores, kl, mask, beta, ppo.clip_reward_value)
         if ppo.whiten_rewards:
             rewards = algos.masked_whiten(rewards, mask, shift_mean=False,
                                           unbiased=ppo.whiten_unbiased) * mask
+        sequence_rewards = scores - beta * kl.sum(dim=1)
         advantages, returns = algos.estimate_advantages(
-            ppo.advantage_estimator, scores_B=scores, rewards_BT=rewards, values_BT=values,
-            mask_BT=mask, gamma=ppo.gamma, lam=ppo.lam, group_size=ppo.group_size,
-            whiten=ppo.whiten_advantages, unbiased=ppo.whiten_unbiased)
+            ppo.advantage_estimator, scores_B=sequence_rewards, rewards_BT=rewards,
+            values_BT=values, mask_BT=mask, gamma=ppo.gamma, lam=ppo.lam,
+            group_size=ppo.group_size, whiten=ppo.whiten_advantages,
+            unbiased=ppo.whiten_unbiased, group_norm=ppo.grpo_normalization)
+        policy_mask, is_weights, corr = self._mismatch_correction(old_lp, rollout_lp, mask)
+        metrics.update(corr)
         exp = algos.Experience(
             prompt_tokens_BP=gen.prompt_tokens_BP, prompt_mask_BP=gen.prompt_mask_BP,
-            response_tokens_BT=responses, response_mask_BT=mask,
+            response_tokens_BT=gen.response_tokens_BT, response_mask_BT=mask,
             rollout_logprobs_BT=rollout_lp, old_logprobs_BT=old_lp, ref_logprobs_BT=ref_lp,
             values_BT=values, scores_B=scores, kl_BT=kl, rewards_BT=rewards,
-            advantages_BT=advantages, returns_BT=returns)
+            advantages_BT=advantages, returns_BT=returns, policy_mask_BT=policy_mask,
+            is_weights_BT=is_weights)
         gap = (rollout_lp - old_lp).abs() * mask
         num_tokens, num_rows = float(mask.sum()), len(rows)
         metrics.update({
@@ -277,6 +357,46 @@ class ExperienceMaker:
             "timing/experience": time.perf_counter() - t1,
         })
         return exp, gen, metrics
+
+
+
+    def _mismatch_correction(self, old_lp: torch.Tensor, rollout_lp: torch.Tensor,
+                             mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """The policy loss's mask and token weights from the trainer/sampler ratio
+        r = p_train / p_rollout: truncated importance weights min(r, ppo.rollout_is_cap),
+        and whole samples dropped when their per-token geometric-mean ratio leaves
+        [ppo.rollout_mask_low, ppo.rollout_mask_high]. Returns (policy mask, weights,
+        ``rollout_corr/*`` metrics)."""
+        ppo = self.cfg.ppo
+        log_r = (old_lp - rollout_lp) * mask
+        valid = mask.bool()
+        weights = torch.ones_like(mask)
+        capped = torch.zeros((), dtype=torch.float32)
+        if ppo.rollout_is_cap is not None:
+            r = torch.exp(log_r)
+            weights = torch.where(valid, r.clamp(max=ppo.rollout_is_cap), weights)
+            capped = ((r > ppo.rollout_is_cap) & valid).float().sum()
+        tokens = mask.sum(dim=1)
+        seq_ratio = torch.exp(log_r.sum(dim=1) / tokens.clamp(min=1))
+        keep = torch.ones_like(seq_ratio, dtype=torch.bool)
+        if ppo.rollout_mask_low is not None:
+            keep &= seq_ratio >= ppo.rollout_mask_low
+        if ppo.rollout_mask_high is not None:
+            keep &= seq_ratio <= ppo.rollout_mask_high
+        n = max(float(mask.sum()), 1.0)
+        token_r = torch.exp(log_r[valid]) if valid.any() else torch.ones(1)
+        has_tokens = tokens > 0
+        metrics = {
+            # KL(rollout || train) from the sampler's samples: k3 and k1 per token
+            "rollout_corr/kl": float(((torch.expm1(log_r) - log_r) * mask).sum()) / n,
+            "rollout_corr/kl_k1": float((-log_r * mask).sum()) / n,
+            "rollout_corr/ratio_max": float(token_r.max()),
+            "rollout_corr/ratio_min": float(token_r.min()),
+            "rollout_corr/masked_fraction":
+                float((~keep & has_tokens).float().sum()) / max(float(has_tokens.sum()), 1.0),
+            "rollout_corr/is_capped_fraction": float(capped) / n,
+        }
+        return mask * keep.unsqueeze(1).to(mask.dtype), weights, metrics
 
 
 def decode_sample(gen: Generation, row: int, decode: Callable) -> tuple[str, str]:
@@ -309,12 +429,18 @@ def _gather_generations(gen: Generation, prompts: list[list[int]], inf: Parallel
         part = replicas[r]
         for j, i in enumerate(range(r, len(prompts), dp)):
             ordered[i] = (part, j)
-    P = max(p.prompt_tokens_BP.shape[1] for p in replicas.values())
-    T = max(p.response_tokens_BT.shape[1] for p in replicas.values())
+    return merge_rows(ordered, pad_id)
+
+
+def merge_rows(rows: list[tuple[Generation, int]], pad_id: int) -> Generation:
+    """One generation of the given (generation, row) pairs, in order: prompts left-padded
+    and responses right-padded to the widest."""
+    P = max(g.prompt_tokens_BP.shape[1] for g, _ in rows)
+    T = max(g.response_tokens_BT.shape[1] for g, _ in rows)
 
     def take(name, width, left):
         out = []
-        for part, j in ordered:
+        for part, j in rows:
             row = getattr(part, name)[j]
             pad = width - row.shape[0]
             fill = torch.full((pad,), pad_id if name.endswith("tokens_BP") or
@@ -328,6 +454,4 @@ def _gather_generations(gen: Generation, prompts: list[list[int]], inf: Parallel
         response_tokens_BT=take("response_tokens_BT", T, False),
         response_mask_BT=take("response_mask_BT", T, False),
         logprobs_BT=take("logprobs_BT", T, False),
-        finished_B=torch.stack([part.finished_B[j] for part, j in ordered]))
-
-
+        finished_B=torch.stack([part.finished_B[j] for part, j in rows]))

@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 from megarlhf import algos
 from megarlhf.config import Config
-from megarlhf.data.batching import prompt_response_batch
+from megarlhf.data.batching import pad_batch, prompt_response_batch, sft_example
 from megarlhf.data.datasets import tokenize_dataset
 from megarlhf.data.tokenizer import fingerprint
-from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, save_checkpoint
+from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, load_object, save_checkpoint
 from megarlhf.engine.metrics import MetricsLogger
 from megarlhf.engine.optimizer import forward_backward, step_together
 from megarlhf.engine.preemption import PreemptionGuard, mark_preempted
@@ -32,7 +32,7 @@ from megarlhf.parallel.launch import init_distributed, read_dist_env
 from megarlhf.rollout.experience import (
     ExperienceMaker, RewardSource, SequenceCache, decode_sample, load_reward_fn)
 from megarlhf.rollout.generate import SamplingParams, generate
-from megarlhf.rollout.reshard import build_inference_model, inference_layout
+from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout
 from megarlhf.stages.common import print0, progress, run_dir
 
 
@@ -44,10 +44,59 @@ def experience_batches(exp: algos.Experience, micro: int, pad_id: int) -> list[d
         batch = prompt_response_batch(mb.prompt_tokens_BP, mb.prompt_mask_BP,
                                       mb.response_tokens_BT, mb.response_mask_BT, pad_id)
         batch.update({"response_mask": mb.response_mask_BT.float(),
-                      "old_logprobs": mb.old_logprobs_BT, "advantages": mb.advantages_BT,
+                      "policy_mask": mb.policy_mask_BT, "is_weights": mb.is_weights_BT,
+                      "old_logprobs": mb.old_logprobs_BT,
+                      "rollout_logprobs": mb.rollout_logprobs_BT,
+                      "ref_logprobs": mb.ref_logprobs_BT, "advantages": mb.advantages_BT,
                       "old_values": mb.values_BT, "returns": mb.returns_BT})
         out.append(batch)
     return out
+
+
+class PtxData:
+    """PPO-ptx's pretraining side (InstructGPT): ``ppo.ptx_batch_size`` samples of
+    ``data.ptx_path`` per actor mini-batch, taken in a fixed shuffled order from a cursor
+    that is a function of the global mini-batch number (so a resume continues it)."""
+
+    def __init__(self, cfg: Config, tokenizer, mini_batches_per_iteration: int):
+        ppo = cfg.ppo
+        ds = tokenize_dataset(cfg.data.ptx_path, "sft", cfg.data, tokenizer)
+        self.examples = [sft_example(p, r) for p, r in zip(ds.prompts, ds.responses)]
+        self.order = torch.randperm(len(self.examples), generator=torch.Generator()
+                                    .manual_seed(cfg.run.seed + 31)).tolist()
+        self.batch_size = ppo.ptx_batch_size or ppo.mini_batch_size
+        self.coef, self.micro, self.pad_id = ppo.ptx_coef, ppo.micro_batch_size, tokenizer.pad_id
+        self.per_iteration = mini_batches_per_iteration * ppo.ppo_epochs
+        print0(f"[ppo] ptx: {ds.report()}; {self.batch_size} samples per actor mini-batch, "
+               f"coefficient {self.coef:g}")
+
+    def validate(self, dp_size: int) -> None:
+        per_rank = algos.exact_div(self.batch_size, dp_size, "ppo.ptx_batch_size",
+                                   "the actor's data-parallel size")
+        algos.exact_div(per_rank, self.micro, "ppo.ptx_batch_size per data-parallel rank",
+                        "ppo.micro_batch_size")
+
+    def batches(self, it: int, step: int, length: int, layout, policy_count: float
+                ) -> list[dict]:
+        """This rank's ptx micro-batches for mini-batch ``step`` of iteration ``it``, rows
+        cut to the experience batch's ``length`` (one sequence length per pipeline
+        schedule), scaled so the step's loss is PPO loss + ptx_coef x ptx NLL (the PPO
+        loss is divided by ``policy_count`` over the whole mini-batch)."""
+        start = (it * self.per_iteration + step) * self.batch_size
+        rows = [self.examples[self.order[(start + k) % len(self.order)]]
+                for k in range(self.batch_size)]
+        rows = [(toks[:length], weights[:length - 1] + [0]) if len(toks) > length
+                else (toks, weights) for toks, weights in rows]
+        tokens = sum(sum(w) for _, w in rows)
+        scale = torch.tensor(self.coef * policy_count / max(tokens, 1))
+        per_rank = len(rows) // layout.dp_size
+        mine = rows[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
+        out = []
+        for i in range(0, len(mine), self.micro):
+            batch = pad_batch(mine[i:i + self.micro], length, self.pad_id)
+            out.append({"tokens": batch["tokens"], "position_ids": batch["position_ids"],
+                        "ptx_loss_mask": batch["loss_mask"], "ptx_scale": scale})
+        return out
 
 
 def describe_layouts(roles: dict) -> str:
@@ -64,9 +113,6 @@ class PPOSession:
 
     def __init__(self, cfg: Config, tokenizer):
         ppo, r = cfg.ppo, cfg.rollout
-        if ppo.ptx_coef > 0:
-            raise ValueError("ppo.ptx_coef > 0: PPO-ptx is available as algos.ppo_ptx_objective "
-                             "but not wired into `megarlhf ppo` yet; set ppo.ptx_coef=0")
         world = read_dist_env().world_size
         self.tokenizer_fingerprint = fingerprint(tokenizer)
         self.specs = specs = ppo_role_specs(cfg, world, self.tokenizer_fingerprint)
@@ -80,6 +126,11 @@ class PPOSession:
         self.eval_prompts = tokenize_dataset(cfg.data.eval_path, "prompt", cfg.data, tokenizer) \
             if cfg.data.eval_path else None
         reward_fn = load_reward_fn(r.reward_fn) if r.reward_fn else None
+        self.ptx = PtxData(cfg, tokenizer, self.sizes["actor"].num_mini_batches) \
+            if ppo.ptx_coef > 0 else None
+        if self.ptx is not None:
+            actor = specs["actor"]
+            self.ptx.validate(world // (actor.tp * actor.pp))
 
         init_distributed(cfg)
         total_steps = ppo.num_iterations * ppo.ppo_epochs * self.sizes["actor"].num_mini_batches
@@ -101,8 +152,14 @@ class PPOSession:
                                      ref_cache=SequenceCache(r.ref_cache_path))
         self.kl_ctl = algos.make_kl_controller(ppo.kl_controller, ppo.init_kl_coef,
                                                ppo.kl_target, ppo.kl_horizon)
-        self.ema = algos.ParameterEMA(self.actor.parameters, ppo.ema_decay) \
-            if ppo.ema_decay else None
+        # EMA of the actor (evaluation only): its own frozen role at the actor's layout, so
+        # it is checkpointed, resumed, evaluated, scored and exported like any role.
+        self.ema = self.ema_role = None
+        if ppo.ema_decay:
+            self.ema = algos.ParameterEMA(self.actor.parameters, ppo.ema_decay)
+            self.ema_role = build_role(dataclasses.replace(specs["actor"], name="ema",
+                                                           optimizer=None), seed=seed)
+            self.ema_resharder = Resharder(self.ema_role.chunks, self.maker.inference_model)
         self.trained = {"actor": self.actor}
         if self.critic is not None:
             self.trained["critic"] = self.critic
@@ -116,26 +173,51 @@ class PPOSession:
 
     @property
     def roles(self) -> dict:
-        """The trained roles' checkpoint states (with the tokenizer they were trained with)."""
+        """The checkpoint states of the trained roles and the EMA actor (with the tokenizer
+        they were trained with)."""
         states = {name: role.state() for name, role in self.trained.items()}
+        if self.ema_role is not None:
+            states["ema"] = self.ema_role.state()
+            states["ema"].extra.update(decay=self.ema.decay, num_updates=self.ema.num_updates)
         for state in states.values():
             state.extra["tokenizer"] = self.tokenizer_fingerprint
         return states
+
+    def sync_ema(self) -> None:
+        """Write the EMA averages into the EMA role (before it is saved or evaluated)."""
+        if self.ema is not None:
+            self.ema.copy_to(self.ema_role.parameters)
+
+    def restore_ema(self, meta: dict) -> None:
+        """After a resume: the averages from the EMA role the checkpoint restored."""
+        if self.ema is None:
+            return
+        entry = meta["roles"]["ema"]  # load_checkpoint asked for it
+        with torch.no_grad():
+            for avg, p in zip(self.ema.shadow, self.ema_role.parameters):
+                avg.copy_(p.detach().to(torch.float32))
+        self.ema.num_updates = int(entry.get("num_updates", 0))
+
+    def prompt_batch(self, it: int, round_: int = 0) -> list[list[int]]:
+        """Iteration ``it``'s prompts (each ``group_size`` times); ``round_`` > 0: the extra
+        prompts of dynamic sampling, a fixed function of (iteration, round)."""
+        ppo = self.cfg.ppo
+        return _prompt_batch(self.prompts.prompts, ppo.rollout_batch_size, ppo.group_size,
+                             self.cfg.run.seed + 7919 * round_, it)
 
     def iteration(self, it: int) -> tuple[dict, algos.Experience, object]:
         """One PPO iteration: (metrics, experience, generation)."""
         cfg, ppo = self.cfg, self.cfg.ppo
         t_iter = time.perf_counter()
         # 1-2. rollout and experience
-        prompts = _prompt_batch(self.prompts.prompts, ppo.rollout_batch_size, ppo.group_size,
-                                cfg.run.seed, it)
-        exp, gen, metrics = self.maker.make(prompts, seed=cfg.run.seed + it,
-                                            kl_coef=self.kl_ctl.value)
+        exp, gen, metrics = self.maker.make(self.prompt_batch(it), seed=cfg.run.seed + it,
+                                            kl_coef=self.kl_ctl.value,
+                                            refill=lambda round_: self.prompt_batch(it, round_))
         # 3. PPO epochs over shuffled mini-batches
         t_train = time.perf_counter()
         train_critic_only = it < ppo.critic_warmup_iterations
         metrics.update(_update(cfg, exp, self.actor, self.critic, self.tokenizer.pad_id, it,
-                               train_critic_only, self.ema))
+                               train_critic_only, self.ema, self.ptx))
         metrics["timing/train"] = time.perf_counter() - t_train
         # 4. KL controller
         self.kl_ctl.update(metrics["objective/kl"], ppo.rollout_batch_size * ppo.group_size)
@@ -154,18 +236,29 @@ def run_ppo(cfg: Config, tokenizer) -> dict:
     ppo = cfg.ppo
     gold_fn = load_reward_fn(ppo.gold_reward_fn) if ppo.gold_reward_fn else None
     session = PPOSession(cfg, tokenizer)
-    roles, kl_ctl = session.roles, session.kl_ctl
+    kl_ctl, cache = session.kl_ctl, session.maker.ref_cache
     ckpt_dir = os.path.join(run_dir(cfg), "checkpoints")
     start = 0
     if cfg.checkpoint.resume and os.path.exists(os.path.join(ckpt_dir, LATEST_FILE)):
-        meta = load_checkpoint(ckpt_dir, roles, layout=session.layouts)
+        meta = load_checkpoint(ckpt_dir, session.roles, layout=session.layouts)
         start = int(meta["trainer"]["iteration"])
         kl_ctl.load_state_dict(meta["trainer"]["kl_controller"])
+        session.restore_ema(meta)
+        saved_cache = load_object(ckpt_dir, "ref_cache")
+        if cache is not None and saved_cache is not None:
+            cache.load_state_dict(saved_cache)
         print0(f"[ppo] resumed {meta['tag']} at iteration {start}")
     logger = MetricsLogger(run_dir(cfg), tensorboard=cfg.logging.tensorboard,
                            wandb_project=cfg.logging.wandb_project,
                            config=dataclasses.asdict(cfg), resume_step=start or None)
-    evaluate = _evaluator(cfg, session.maker, session.eval_prompts, tokenizer, gold_fn)
+    evaluate_policy = _evaluator(cfg, session.maker, session.eval_prompts, tokenizer, gold_fn)
+
+    def evaluate(step: int) -> dict:
+        out = evaluate_policy(step)
+        if session.ema is not None and session.eval_prompts is not None:
+            session.sync_ema()  # the EMA actor, on the same prompts
+            out.update(evaluate_policy(step, session.ema_resharder, "eval/ema/"))
+        return out
 
     guard = PreemptionGuard()
     bar = progress(ppo.num_iterations, start, "ppo", cfg.logging.progress_bar)
@@ -188,11 +281,13 @@ def run_ppo(cfg: Config, tokenizer) -> dict:
         preempted = done < ppo.num_iterations and guard.requested()
         if (cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0) \
                 or done == ppo.num_iterations or preempted:
+            session.sync_ema()
             path = save_checkpoint(
-                ckpt_dir, f"iter_{done:06d}", roles,
+                ckpt_dir, f"iter_{done:06d}", session.roles,
                 trainer_state={"iteration": done, "kl_controller": kl_ctl.state_dict()},
                 config=dataclasses.asdict(cfg), layout=session.layouts,
-                keep_last=cfg.checkpoint.keep_last)
+                keep_last=cfg.checkpoint.keep_last,
+                objects={"ref_cache": cache.state_dict()} if cache is not None else None)
             if preempted:
                 mark_preempted(run_dir(cfg), path)
                 bar.close()
@@ -223,29 +318,34 @@ def _share(exp: algos.Experience, layout) -> algos.Experience:
     return exp.select(list(range(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)))
 
 
-def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema) -> dict:
+def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None) -> dict:
     """``ppo_epochs`` passes of shuffled global mini-batches; actor and critic each take
-    their own data-parallel share and step together (or skip together)."""
+    their own data-parallel share and step together (or skip together). With PPO-ptx
+    each actor mini-batch also carries its pretraining micro-batches."""
     ppo = cfg.ppo
     P = exp.prompt_tokens_BP.shape[1]
     S = P + exp.response_tokens_BT.shape[1]
-    policy_step = make_policy_step(
-        prompt_len=P, tp_group=actor.layout.tp_group, true_vocab=actor.spec.model.vocab_size,
-        temperature=cfg.rollout.temperature, clip_eps=ppo.clip_eps, dual_clip=ppo.dual_clip,
-        agg=ppo.loss_agg, entropy_coef=ppo.entropy_coef)
+    policy_step = make_policy_step(prompt_len=P, tp_group=actor.layout.tp_group,
+                                   true_vocab=actor.spec.model.vocab_size,
+                                   temperature=cfg.rollout.temperature, ppo=ppo)
     value_step = make_value_step(prompt_len=P, cliprange_value=ppo.cliprange_value,
-                                 agg=ppo.loss_agg)
+                                 agg=ppo.loss_agg, coef=ppo.value_loss_coef)
     learners = ([] if critic_only else [(actor, policy_step)]) \
         + ([(critic, value_step)] if critic is not None else [])
     logs: dict[str, list] = {role.spec.name: [] for role, _ in learners}
     gen = torch.Generator().manual_seed(cfg.run.seed * 7 + it)
     skipped = 0
+    step = 0
     for _ in range(ppo.ppo_epochs):
         for mini in exp.mini_batches(ppo.mini_batch_size, gen):
-            for role, step in learners:
+            for role, fwd in learners:
                 batches = experience_batches(_share(mini, role.layout), ppo.micro_batch_size,
                                              pad_id)
-                logs[role.spec.name] += forward_backward(role.trained, step, batches,
+                if ptx is not None and role is actor:
+                    _, count = algos.aggregate_parts(torch.zeros_like(mini.policy_mask_BT),
+                                                     mini.policy_mask_BT, ppo.loss_agg)
+                    batches += ptx.batches(it, step, S, role.layout, float(count))
+                logs[role.spec.name] += forward_backward(role.trained, fwd, batches,
                                                          seq_length=S,
                                                          micro_batch_size=ppo.micro_batch_size)
             if learners:
@@ -253,13 +353,24 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema) -> dict:
                 skipped += not ok
             if ema is not None and not critic_only:
                 ema.update(actor.parameters)
+            step += 1
     out = {"ppo/skipped_steps": skipped}
     if "actor" in logs:
         pol = reduce_logs(logs["actor"], actor.layout)
         out.update({"ppo/policy/loss": ratio(pol, "loss_sum", "loss_count"),
+                    "ppo/policy/pg_loss": ratio(pol, "pg_loss_sum", "loss_count"),
                     "ppo/policy/clipfrac": ratio(pol, "clipfrac_sum", "tokens"),
                     "ppo/policy/approxkl": ratio(pol, "approxkl_sum", "tokens"),
                     "objective/entropy": ratio(pol, "entropy_sum", "tokens")})
+        if ppo.kl_loss_coef:
+            out["ppo/policy/kl_loss"] = ratio(pol, "kl_loss_sum", "tokens")
+        if ppo.policy_loss == "decoupled":
+            out["ppo/policy/behavior_weight"] = ratio(
+                pol, "behavior_weight_sum", "tokens") / max(
+                1.0 - ratio(pol, "behavior_capped_sum", "tokens"), 1e-12)
+            out["ppo/policy/behavior_capped_frac"] = ratio(pol, "behavior_capped_sum", "tokens")
+        if ptx is not None:
+            out["ppo/ptx/loss"] = ratio(pol, "ptx_nll_sum", "ptx_tokens")
     if critic is not None:
         val = reduce_logs(logs["critic"], critic.layout)
         out.update({"ppo/val/loss": ratio(val, "loss_sum", "loss_count"),
@@ -273,11 +384,12 @@ def _evaluator(cfg, maker, eval_ds, tokenizer, gold_fn):
     """Greedy responses to held-out prompts: gold score (when known), reward-model score
     and length. Runs on the inference layout (weights resharded first)."""
 
-    def evaluate(step: int) -> dict:
+    def evaluate(step: int, resharder=None, prefix: str = "eval/") -> dict:
+        """Greedy responses of the actor (or of the model ``resharder`` copies in)."""
         if eval_ds is None:
             return {}
         prompts = eval_ds.prompts[:cfg.ppo.num_eval_prompts]
-        maker.resharder()
+        (resharder or maker.resharder)()
         inf = maker.inference_layout
         mine_idx = list(range(inf.dp_rank, len(prompts), inf.dp_size))
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, greedy=True,
@@ -295,9 +407,9 @@ def _evaluator(cfg, maker, eval_ds, tokenizer, gold_fn):
                 local[1] += float(gen.response_mask_BT[b].sum())
                 local[2] += 1
         dist.all_reduce(local)
-        out = {"eval/response_len": float(local[1] / local[2])}
+        out = {f"{prefix}response_len": float(local[1] / local[2])}
         if gold_fn:
-            out["eval/gold_score"] = float(local[0] / local[2])
+            out[f"{prefix}gold_score"] = float(local[0] / local[2])
         return out
 
     return evaluate
