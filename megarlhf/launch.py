@@ -12,7 +12,7 @@ import os
 import shlex
 import subprocess
 
-from megarlhf.config import Config, ConfigError
+from megarlhf.config import Config, ConfigError, check_ppo
 
 STAGES = ("sft", "rm", "ppo", "score")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,6 +58,8 @@ def render_sbatch(cfg: Config, stage: str, config_path: str, overrides: list[str
     if stage not in STAGES:
         raise ConfigError(f"stage must be one of {', '.join(STAGES)}, got {stage!r}")
     world = check_fit(cfg)
+    if stage == "ppo":
+        check_ppo(cfg)  # a setting that would do nothing fails here, not on the cluster
     launch = cfg.launch
     run_dir = os.path.join(cfg.run.output_dir, cfg.run.name)
     lines = ["#!/bin/bash",

@@ -598,3 +598,12 @@ def test_policy_loss_token_weights_multiply_each_token():
     per_token = torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)) * w
     torch.testing.assert_close(total, per_token.sum())
     assert count == 8
+
+
+def test_batch_sizes_count_samples_not_prompts():
+    """8 prompts x 4 responses = 32 samples: one mini-batch of 32 is valid (GRPO)."""
+    sizes = BatchSizes(rollout_batch_size=8, mini_batch_size=32, micro_batch_size=4,
+                       dp_size=2, group_size=4).validate()
+    assert sizes.num_mini_batches == 1 and sizes.micro_batches_per_mini_batch == 4
+    with pytest.raises(ValueError, match="is not divisible by ppo.mini_batch_size"):
+        BatchSizes(8, 24, 4, 1, 4).validate()

@@ -42,6 +42,7 @@ def cases(out) -> dict:
         table[f"{name}_nostop"] = extra + NO_STOP
     table.update({
         "rloo_beta0": RLOO + ["ppo.init_kl_coef=0"],
+        "rpp_beta0": RPP + ["ppo.init_kl_coef=0"],
         "grpo_nokl": GRPO,
         "grpo_token": GRPO + ["ppo.kl_loss_coef=0.5", "ppo.grpo_normalization=token"],
         "decoupled": ["ppo.policy_loss=decoupled", "ppo.behavior_weight_cap=1.0000001"],
@@ -162,6 +163,23 @@ def test_kl_in_the_reward_shapes_rloo_advantages(setup):
     torch.testing.assert_close(exp["advantages_BT"], want, rtol=1e-4, atol=1e-5)
     assert exp["kl_BT"].abs().sum() > 0  # actor (step 6) != reference (step 3)
     assert not torch.equal(exp["advantages_BT"], zero["experience"]["advantages_BT"])
+    assert not torch.equal(run["after"], zero["after"])
+
+
+def test_kl_in_the_reward_shapes_reinforce_pp_returns(setup):
+    """REINFORCE++: whitened returns of r_t = -beta KL_t (+ the clipped score at the last
+    token); beta 0 gives another update."""
+    run, zero = load(setup, "rpp_stop"), load(setup, "rpp_beta0")
+    exp = run["experience"]
+    mask = exp["response_mask_BT"]
+    rewards = -0.3 * exp["kl_BT"] * mask
+    last = mask.sum(1).long() - 1
+    for b in range(len(last)):
+        if last[b] >= 0:
+            rewards[b, last[b]] += exp["scores_B"][b].clamp(-5, 5)
+    returns = rewards.flip(1).cumsum(1).flip(1) * mask
+    torch.testing.assert_close(exp["advantages_BT"], _whiten(returns, mask), rtol=1e-4,
+                               atol=1e-5)
     assert not torch.equal(run["after"], zero["after"])
 
 

@@ -3,6 +3,7 @@
 from megarlhf.config.loader import (
     ConfigError, config_from_dict, dump_config, explicit_fields, load_config, overlay,
     parse_overrides, section_from_dict, written_fields)
+from megarlhf.config.ppo_rules import check_ppo
 from megarlhf.config.schema import (
     CheckpointConfig,
     Config,
@@ -21,7 +22,6 @@ from megarlhf.config.schema import (
     TokenizerConfig,
     TrainConfig,
     check_model_layout,
-    check_ppo,
     check_precision,
     check_rollout_layout,
     padded_vocab_size,
