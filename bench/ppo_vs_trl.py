@@ -178,11 +178,11 @@ def megarlhf_worker(folder: str, variant: str, distributed_optimizer: bool) -> N
         m, exp, _ = session.iteration(it)
         it += 1
         generation = m["timing/rollout"]
+        experience = m["timing/experience"] + m["timing/reward"]  # the RM's pass included
         channel.send({
-            "generation": generation, "experience": m["timing/experience"],
+            "generation": generation, "experience": experience,
             "training": m["timing/train"],
-            "other": m["timing/iteration"] - generation - m["timing/experience"]
-            - m["timing/train"],
+            "other": m["timing/iteration"] - generation - experience - m["timing/train"],
             "iteration": m["timing/iteration"],
             "response_tokens": float(exp.response_mask_BT.sum()),
             "tokens": float(exp.response_mask_BT.sum() + exp.prompt_mask_BP.sum())})

@@ -244,7 +244,9 @@ class ExperienceMaker:
         gen, metrics = self.rollout(prompts, seed)
         gen, has_stop = self.finalize(gen)
         ppo = self.cfg.ppo
+        start = time.perf_counter()
         scores = self._scores(gen)
+        metrics["timing/reward"] = time.perf_counter() - start
         if ppo.missing_stop_penalty is not None:
             scores = algos.apply_missing_stop_rule(scores, has_stop, ppo.missing_stop_penalty,
                                                    ppo.missing_stop_mode)
@@ -263,7 +265,7 @@ class ExperienceMaker:
         needed = len(scores) // k
         kept: list = []
         dropped: list = []
-        rounds, seen = 1, 0
+        rounds, seen, reward_seconds = 1, 0, 0.0
         while True:
             spread = scores.view(-1, k)
             for g in range(spread.shape[0]):
@@ -274,7 +276,8 @@ class ExperienceMaker:
             seen += spread.shape[0]
             if len(kept) >= needed or rounds >= ppo.max_sampling_rounds:
                 break
-            gen, has_stop, scores, _ = self._sample(refill(rounds), seed * 65537 + rounds)
+            gen, has_stop, scores, more = self._sample(refill(rounds), seed * 65537 + rounds)
+            reward_seconds += more["timing/reward"]
             rounds += 1
         shortfall = max(needed - len(kept), 0)
         groups = (kept + dropped[:shortfall])[:needed]
@@ -283,7 +286,8 @@ class ExperienceMaker:
         metrics = {"rollout/dynamic_sampling_rounds": float(rounds),
                    "rollout/dynamic_sampling_kept_fraction": min(len(kept), needed) / needed,
                    "rollout/dynamic_sampling_shortfall": float(shortfall),
-                   "rollout/dynamic_sampling_groups_seen": float(seen)}
+                   "rollout/dynamic_sampling_groups_seen": float(seen),
+                   "timing/reward_refills": reward_seconds}
         return (merged, torch.tensor([r[2] for r in rows]),
                 torch.tensor([r[3] for r in rows]), metrics)
 
@@ -302,7 +306,9 @@ class ExperienceMaker:
             gen, has_stop, scores, more = self._dynamic_sampling(gen, has_stop, scores, seed,
                                                                  refill)
             metrics.update(more)
-        metrics["timing/rollout"] = time.perf_counter() - t0
+        # sampling only; the reward model's passes are timing/reward (+ _refills)
+        metrics["timing/rollout"] = (time.perf_counter() - t0 - metrics["timing/reward"]
+                                     - metrics.get("timing/reward_refills", 0.0))
         t1 = time.perf_counter()
         rows = list(range(len(scores)))
         mask = gen.response_mask_BT.float()
