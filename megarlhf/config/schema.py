@@ -111,6 +111,13 @@ class ModelConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads",
                      "max_position_embeddings"):
             _require(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), "must be >= 1")
+        if self.ffn_hidden_size is not None:
+            _require(self.ffn_hidden_size >= 1, "model.ffn_hidden_size", self.ffn_hidden_size,
+                     "must be >= 1 or null")
+        _require(0 < self.norm_epsilon < 1, "model.norm_epsilon", self.norm_epsilon,
+                 "must be in (0, 1)")
+        _require(self.init_method_std > 0, "model.init_method_std", self.init_method_std,
+                 "must be > 0")
         _require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
                  self.hidden_size,
                  f"must be divisible by model.num_attention_heads={self.num_attention_heads}")
@@ -261,6 +268,8 @@ class OptimizerConfig:
                      "must be in [0, 1)")
         _require(self.adam_eps > 0, "optimizer.adam_eps", self.adam_eps, "must be > 0")
         _require(self.clip_grad >= 0, "optimizer.clip_grad", self.clip_grad, "must be >= 0")
+        _require(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay,
+                 "must be >= 0")
         _require(self.warmup_steps >= 0, "optimizer.warmup_steps", self.warmup_steps,
                  "must be >= 0")
 
@@ -434,6 +443,16 @@ class PPOConfig:
             _require(0 < self.ema_decay < 1, "ppo.ema_decay", self.ema_decay,
                      "must be in (0, 1) or null")
         _require(self.kl_loss_coef >= 0, "ppo.kl_loss_coef", self.kl_loss_coef, "must be >= 0")
+        if self.cliprange_value is not None:
+            _require(self.cliprange_value > 0, "ppo.cliprange_value", self.cliprange_value,
+                     "must be > 0 or null (no value clipping)")
+        _require(self.entropy_coef >= 0, "ppo.entropy_coef", self.entropy_coef, "must be >= 0")
+        _require(self.clip_reward_value > 0, "ppo.clip_reward_value", self.clip_reward_value,
+                 "must be > 0 (scores are clipped to +-clip_reward_value)")
+        for name in ("critic_warmup_iterations",):
+            _require(getattr(self, name) >= 0, f"ppo.{name}", getattr(self, name), "must be >= 0")
+        for name in ("eval_interval", "num_eval_prompts"):
+            _require(getattr(self, name) >= 1, f"ppo.{name}", getattr(self, name), "must be >= 1")
         _require(self.ptx_coef >= 0, "ppo.ptx_coef", self.ptx_coef, "must be >= 0")
         if self.ptx_batch_size is not None:
             _require(self.ptx_batch_size >= 1, "ppo.ptx_batch_size", self.ptx_batch_size,
@@ -513,7 +532,8 @@ class RolloutConfig:
     offload_frozen_models: bool = True
     """Offload reference and reward models between experience phases."""
     ref_cache_path: str | None = None
-    """Reuse / write reference log-probs keyed by token sequence at this path."""
+    """Reference log-probs keyed by token sequence: read at start-up when the file exists
+    (e.g. from an earlier run on the same prompts) and written at every checkpoint."""
 
     def __post_init__(self):
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size",
@@ -524,6 +544,8 @@ class RolloutConfig:
                  "must be > 0 (use rollout.greedy=true for argmax)")
         _require(self.top_k >= 0, "rollout.top_k", self.top_k, "must be >= 0")
         _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
+        _require(self.min_response_tokens >= 0, "rollout.min_response_tokens",
+                 self.min_response_tokens, "must be >= 0")
 
 
 @dataclass(kw_only=True)
@@ -557,6 +579,12 @@ class LoggingConfig:
     progress_bar: bool = True
     """Show a progress bar on rank 0."""
 
+    def __post_init__(self):
+        _require(self.log_interval >= 1, "logging.log_interval", self.log_interval,
+                 "must be >= 1")
+        _require(self.sample_table_interval >= 0, "logging.sample_table_interval",
+                 self.sample_table_interval, "must be >= 0 (0: no sample tables)")
+
 
 @dataclass(kw_only=True)
 class LaunchConfig:
@@ -588,6 +616,8 @@ class LaunchConfig:
                      "must be >= 1")
         _require(self.gpus_per_node >= 0, "launch.gpus_per_node", self.gpus_per_node,
                  "must be >= 0")
+        _require(self.preempt_signal_seconds >= 1, "launch.preempt_signal_seconds",
+                 self.preempt_signal_seconds, "must be >= 1")
 
 
 

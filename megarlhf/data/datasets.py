@@ -99,7 +99,7 @@ def tokenize_dataset(path: str, kind: str, data_cfg: DataConfig, tokenizer,
                 raise ValueError(f"dataset {path!r} row {row_no}: column '{column}' must be a "
                                  f"string, got {type(value).__name__}")
             values[key] = value
-        prompt = tokenizer.encode(values["prompt_key"], add_bos=True)
+        prompt = tokenizer.encode(values["prompt_key"], add_bos=getattr(tokenizer, "add_bos", True))
         if not prompt:
             out.dropped["empty prompt"] += 1
             continue

@@ -136,9 +136,10 @@ def load_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
                          "or a tokenizer.json (tools/train_tokenizer.py makes one)")
     if not os.path.exists(cfg.path):
         raise FileNotFoundError(f"tokenizer.path={cfg.path!r} does not exist")
-    if cfg.type == "sentencepiece":
-        return SentencePieceTokenizer(cfg.path)
-    return HFTokenizer(cfg.path)
+    tokenizer = SentencePieceTokenizer(cfg.path) if cfg.type == "sentencepiece" \
+        else HFTokenizer(cfg.path)
+    tokenizer.add_bos = cfg.add_bos  # prompts and scored texts start with BOS when set
+    return tokenizer
 
 
 def train_sentencepiece(text_files: list[str], model_prefix: str, vocab_size: int,

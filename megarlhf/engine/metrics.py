@@ -28,12 +28,9 @@ class MetricsLogger:
             return
         os.makedirs(run_dir, exist_ok=True)
         if resume_step is not None and os.path.exists(self.path):
-            # Drop records past the checkpoint we resume from: the resumed run rewrites them.
-            with open(self.path) as f:
-                kept = [line for line in f if line.strip()
-                        and json.loads(line).get("step", 0) <= resume_step]
-            with open(self.path, "w") as f:
-                f.writelines(kept)
+            # Rows past the checkpoint we resume from are logged again by the resumed run:
+            # cut the file back (one truncate, no rewrite), together with any torn tail.
+            _truncate(self.path, resume_step)
         elif resume_step is None and os.path.exists(self.path):
             os.replace(self.path, self.path + f".{int(time.time())}.old")
         if tensorboard:
@@ -79,7 +76,39 @@ def _scalar(value):
     return value
 
 
+def _rows(path: str):
+    """(row, end offset) for each complete row of a JSONL file, stopping at the first torn
+    or invalid line (with a warning naming the file and line)."""
+    offset = 0
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, 1):
+            end = offset + len(line)
+            if not line.strip():
+                offset = end
+                continue
+            try:
+                if not line.endswith(b"\n"):
+                    raise ValueError("no line end")
+                row = json.loads(line)
+            except ValueError as err:
+                print(f"warning: {path} line {line_no} is torn or not JSON ({err}); "
+                      "ignoring it and everything after it", flush=True)
+                return
+            yield row, end
+            offset = end
+
+
+def _truncate(path: str, last_step: int) -> None:
+    keep = 0
+    for row, end in _rows(path):
+        if row.get("step", 0) > last_step:
+            break
+        keep = end
+    if keep != os.path.getsize(path):
+        os.truncate(path, keep)
+
+
 def read_metrics(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of ``run_dir/metrics.jsonl`` up to the first torn line (a crash or a full
+    disk mid-write leaves one at the end)."""
+    return [row for row, _ in _rows(os.path.join(run_dir, "metrics.jsonl"))]

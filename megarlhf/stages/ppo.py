@@ -288,6 +288,8 @@ def run_ppo(cfg: Config, tokenizer) -> dict:
                 config=dataclasses.asdict(cfg), layout=session.layouts,
                 keep_last=cfg.checkpoint.keep_last,
                 objects={"ref_cache": cache.state_dict()} if cache is not None else None)
+            if cfg.rollout.ref_cache_path and cache is not None and dist.get_rank() == 0:
+                cache.save(cfg.rollout.ref_cache_path)  # atomic: write, then rename
             if preempted:
                 mark_preempted(run_dir(cfg), path)
                 bar.close()

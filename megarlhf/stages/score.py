@@ -42,7 +42,7 @@ def read_sequences(path: str, tokenizer=None, vocab_size: int | None = None) -> 
             elif isinstance(row, dict) and "text" in row:
                 if tokenizer is None:
                     raise ValueError(f"{path}:{line_no}: a 'text' row needs tokenizer.path")
-                tokens = tokenizer.encode(row["text"], add_bos=True)
+                tokens = tokenizer.encode(row["text"], add_bos=getattr(tokenizer, "add_bos", True))
             else:
                 raise ValueError(f"{path}:{line_no}: each row needs 'tokens' or 'text'")
             if len(tokens) < 2:
