@@ -256,6 +256,13 @@ class OptimizerConfig:
     """Linear warm-up steps."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
+    max_consecutive_skipped_steps: int = 10
+    """Stop the run (exit 2) after this many optimizer steps in a row were skipped for
+    non-finite gradients - a learning rate far too high, NaN rewards or data; 0 never
+    stops. fp16's loss-scale search skips a few steps at the start."""
+    max_skipped_fraction: float = 0.5
+    """Stop the run when more than this fraction of its optimizer steps (once there are 20)
+    were skipped; 1 never stops."""
 
     def __post_init__(self):
         for name in ("lr", "critic_lr"):
@@ -272,6 +279,10 @@ class OptimizerConfig:
                  "must be >= 0")
         _require(self.warmup_steps >= 0, "optimizer.warmup_steps", self.warmup_steps,
                  "must be >= 0")
+        _require(self.max_consecutive_skipped_steps >= 0, "optimizer.max_consecutive_skipped_steps",
+                 self.max_consecutive_skipped_steps, "must be >= 0 (0: never stop)")
+        _require(0 < self.max_skipped_fraction <= 1, "optimizer.max_skipped_fraction",
+                 self.max_skipped_fraction, "must be in (0, 1] (1: never stop)")
 
 
 @dataclass(kw_only=True)

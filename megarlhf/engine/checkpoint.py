@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from megarlhf.engine.optimizer import use_fused_torch_adam
+from megarlhf.engine.optimizer import ensure_optimizer_state, use_fused_torch_adam
 from megarlhf.models.gpt import sharded_state_dict
 
 META_FILE = "megarlhf_meta.json"
@@ -99,16 +99,6 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _materialize_optimizer_state(optimizer) -> None:
-    """megatron's DistributedOptimizer builds its loading state dict from its current
-    state, which a fresh torch Adam does not have yet (``assert len(steps) == 1`` without
-    apex/TE). Take one zero-gradient step to allocate it; the load then overwrites both
-    the state and the weights."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if len(opt.optimizer.state) == 0 and hasattr(opt, "_init_optimizer_states_with_dummy_values"):
-            opt._init_optimizer_states_with_dummy_values()
-
-
 def _keep_torch_adam_step(optimizer) -> None:
     """Work around megatron-core 0.16.1 without apex/TE: loading the ``fully_reshardable``
     format copies every state key of torch Adam, including ``step``, from tensors that
@@ -149,8 +139,9 @@ def _sharded_state(roles: dict[str, RoleState], loading: bool, with_rng: bool,
     for name, role in roles.items():
         entry = _model_sharded(name, role.model, skip_head)
         if role.optimizer is not None:
-            if loading:
-                _materialize_optimizer_state(role.optimizer)
+            # loading: a fresh optimizer has no state to load into; saving: one whose
+            # every step was skipped has none to save
+            ensure_optimizer_state(role.optimizer)
             model_sd = dict(entry)
             entry["optimizer"] = role.optimizer.sharded_state_dict(
                 model_sd, is_loading=loading, metadata=OPTIMIZER_FORMAT)

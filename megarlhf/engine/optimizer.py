@@ -59,6 +59,36 @@ class TrainedRole:
     optimizer: Any
     scheduler: OptimizerParamScheduler
     num_skipped_steps: int = 0
+    # the runaway guard (optimizer.max_consecutive_skipped_steps, max_skipped_fraction)
+    max_consecutive_skipped: int = 0
+    max_skipped_fraction: float = 1.0
+    consecutive_skipped: int = 0
+    num_steps: int = 0  # attempted in this process
+
+
+class RunawayError(RuntimeError):
+    """Too many optimizer steps skipped for non-finite gradients: the run stops."""
+
+
+MIN_STEPS_FOR_FRACTION = 20
+
+
+def check_runaway(role: TrainedRole, name: str = "model") -> None:
+    """Stop a run whose steps keep being skipped (non-finite gradients: a learning rate
+    far too high, NaN rewards or data) instead of finishing with ruined or unchanged
+    weights and exit 0."""
+    if role.max_consecutive_skipped and role.consecutive_skipped >= role.max_consecutive_skipped:
+        raise RunawayError(
+            f"{name}: {role.consecutive_skipped} optimizer steps in a row were skipped for "
+            "non-finite gradients (optimizer.max_consecutive_skipped_steps="
+            f"{role.max_consecutive_skipped}); check optimizer.lr and the rewards/data. "
+            "The run stops; its last checkpoint is unchanged")
+    if role.num_steps >= MIN_STEPS_FOR_FRACTION and role.max_skipped_fraction < 1.0 \
+            and role.num_skipped_steps / role.num_steps > role.max_skipped_fraction:
+        raise RunawayError(
+            f"{name}: {role.num_skipped_steps} of {role.num_steps} optimizer steps were "
+            "skipped for non-finite gradients (optimizer.max_skipped_fraction="
+            f"{role.max_skipped_fraction}); check optimizer.lr and the rewards/data")
 
 
 def use_fused_torch_adam(optimizer) -> None:
@@ -79,6 +109,30 @@ def use_fused_torch_adam(optimizer) -> None:
                     for p in group["params"]):
                 group["fused"], group["foreach"] = True, False
                 inner._step_supports_amp_scaling = True  # as torch's constructor sets it
+
+
+def ensure_optimizer_state(optimizer) -> None:
+    """Give a distributed optimizer that never stepped (every step so far skipped, or a
+    fresh one about to load) its Adam state, which megatron's (sharded) state dict needs
+    (``assert len(steps) == 1``). One step with zero gradients, zero learning rate and no
+    weight decay, then the step counters back to 0: weights and the next real step are as
+    if it never happened."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or len(inner.state) or \
+                not hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+            continue
+        saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in inner.param_groups]
+        for g in inner.param_groups:
+            g["lr"], g["weight_decay"] = 0.0, 0.0
+        opt._init_optimizer_states_with_dummy_values()
+        for g, (lr, wd) in zip(inner.param_groups, saved):
+            g["lr"], g["weight_decay"] = lr, wd
+        for state in inner.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"].zero_()
+            elif "step" in state:
+                state["step"] = 0
 
 
 def build_optimizer(opt: OptimizerConfig, model: list, *, lr: float, total_steps: int,
@@ -158,10 +212,13 @@ def step_together(roles: list[TrainedRole]) -> tuple[bool, list[float]]:
     verdicts = [prepare_step(role) for role in roles]
     ok = all(finite for finite, _ in verdicts)
     for role, (_, norm) in zip(roles, verdicts):
+        role.num_steps += 1
         if ok:
             apply_step(role, norm)
+            role.consecutive_skipped = 0
         else:
             role.num_skipped_steps += 1
+            role.consecutive_skipped += 1
     return ok, [norm for _, norm in verdicts]
 
 

@@ -92,7 +92,9 @@ def build_role(spec: RoleSpec, *, seed: int, total_steps: int = 1) -> Role:
     optimizer, scheduler = build_optimizer(opt_cfg, model, lr=opt_cfg.lr,
                                            total_steps=total_steps,
                                            pg_collection=layout.pg_collection)
-    role.trained = TrainedRole(model, optimizer, scheduler)
+    role.trained = TrainedRole(model, optimizer, scheduler,
+                               max_consecutive_skipped=opt_cfg.max_consecutive_skipped_steps,
+                               max_skipped_fraction=opt_cfg.max_skipped_fraction)
     return role
 
 

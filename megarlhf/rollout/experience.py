@@ -247,6 +247,11 @@ class ExperienceMaker:
         start = time.perf_counter()
         scores = self._scores(gen)
         metrics["timing/reward"] = time.perf_counter() - start
+        bad = int((~torch.isfinite(scores)).sum())
+        metrics["rollout/nonfinite_scores"] = float(bad)
+        if bad and dist.get_rank() == 0:
+            print(f"[ppo] warning: {bad} of {len(scores)} rewards are not finite (NaN/inf): "
+                  "their samples give non-finite losses and skipped steps", flush=True)
         if ppo.missing_stop_penalty is not None:
             scores = algos.apply_missing_stop_rule(scores, has_stop, ppo.missing_stop_penalty,
                                                    ppo.missing_stop_mode)

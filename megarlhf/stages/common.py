@@ -17,7 +17,7 @@ from megarlhf.config import Config
 from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, save_checkpoint
 from megarlhf.engine.metrics import MetricsLogger
-from megarlhf.engine.optimizer import train_step
+from megarlhf.engine.optimizer import check_runaway, train_step
 from megarlhf.engine.preemption import PreemptionGuard, mark_preempted
 from megarlhf.engine.role_specs import RoleSpec, single_role_spec
 from megarlhf.engine.roles import Role, build_role
@@ -222,6 +222,9 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
         logs, applied, grad_norm = train_step(role.trained, step_fn, batches,
                                               seq_length=length,
                                               micro_batch_size=task.rows_per_micro_batch)
+        if not applied:
+            print0(f"[{role.spec.name}] step {step + 1}: skipped for non-finite gradients")
+        check_runaway(role.trained, role.spec.name)
         done = step + 1
         metrics = {f"train/{k}": v for k, v in task.summarize(reduce_logs(logs, layout)).items()}
         metrics.update({"train/grad_norm": grad_norm,

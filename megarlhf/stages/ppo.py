@@ -23,7 +23,7 @@ from megarlhf.data.datasets import tokenize_dataset
 from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, load_object, save_checkpoint
 from megarlhf.engine.metrics import MetricsLogger
-from megarlhf.engine.optimizer import forward_backward, step_together
+from megarlhf.engine.optimizer import check_runaway, forward_backward, step_together
 from megarlhf.engine.preemption import PreemptionGuard, mark_preempted
 from megarlhf.engine.role_specs import ppo_role_specs
 from megarlhf.engine.roles import build_role
@@ -219,6 +219,9 @@ class PPOSession:
         metrics.update(_update(cfg, exp, self.actor, self.critic, self.tokenizer.pad_id, it,
                                train_critic_only, self.ema, self.ptx))
         metrics["timing/train"] = time.perf_counter() - t_train
+        if metrics["ppo/skipped_steps"]:
+            print0(f"[ppo] iteration {it + 1}: {metrics['ppo/skipped_steps']} optimizer step(s) "
+                   "skipped for non-finite gradients")
         # 4. KL controller
         self.kl_ctl.update(metrics["objective/kl"], ppo.rollout_batch_size * ppo.group_size)
         metrics["objective/kl_coef"] = self.kl_ctl.value
@@ -353,6 +356,8 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None) -> 
             if learners:
                 ok, _ = step_together([role.trained for role, _ in learners])
                 skipped += not ok
+                for role, _ in learners:
+                    check_runaway(role.trained, role.spec.name)
             if ema is not None and not critic_only:
                 ema.update(actor.parameters)
             step += 1
