@@ -139,3 +139,18 @@ def test_bad_inputs(converted, tmp_path):
                 check=False)
     assert proc.returncode == 2 and "unknown HF keys" in proc.stderr \
         and "model.layers.0.extra.weight" in proc.stderr
+    # damaged files: truncated (a copy cut short), and NaN written over a tensor
+    data = (hf / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[:len(data) // 2])
+    proc = tool("convert_hf_to_megatron.py", "--hf-dir", str(bad), "--out", str(tmp_path / "o"),
+                check=False)
+    assert proc.returncode == 2 and f"{bad / 'model.safetensors'}" in proc.stderr \
+        and "truncated or damaged" in proc.stderr and "Traceback" not in proc.stderr
+    tensors = load_file(hf / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, :5] = float("nan")
+    save_file(tensors, bad / "model.safetensors")
+    proc = tool("convert_hf_to_megatron.py", "--hf-dir", str(bad), "--out", str(tmp_path / "o"),
+                check=False)
+    assert proc.returncode == 2 and "tensor 'model.layers.1.mlp.up_proj.weight' holds 5 " \
+        "non-finite values" in proc.stderr
+    assert not (tmp_path / "o" / "latest").exists()

@@ -29,18 +29,27 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
 
+def _opened(path: str):
+    """``safe_open`` with the file named when its header is truncated or not safetensors."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, "pt")
+    except Exception as err:  # SafetensorError, OSError
+        raise ValueError(f"{path} is not a readable safetensors file ({err}); it is "
+                         "truncated or damaged") from None
+
+
 class ShardReader:
     """Lazy access to (possibly sharded) safetensors; records which keys were read."""
 
     def __init__(self, hf_dir: str):
-        from safetensors import safe_open
-
         index = os.path.join(hf_dir, "model.safetensors.index.json")
         single = os.path.join(hf_dir, "model.safetensors")
         if os.path.exists(index):
             weight_map = json.load(open(index))["weight_map"]
         elif os.path.exists(single):
-            with safe_open(single, "pt") as f:
+            with _opened(single) as f:
                 weight_map = {k: "model.safetensors" for k in f.keys()}
         else:
             raise FileNotFoundError(f"{hf_dir}: no model.safetensors or "
@@ -55,15 +64,23 @@ class ShardReader:
         return key in self.weight_map
 
     def get(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         if key not in self.weight_map:
             raise KeyError(f"HF checkpoint has no tensor '{key}'")
         shard = self.weight_map[key]
+        path = os.path.join(self.dir, shard)
         if shard not in self._open:
-            self._open = {shard: safe_open(os.path.join(self.dir, shard), "pt")}  # one open
+            self._open = {shard: _opened(path)}  # one open
         self.used.add(key)
-        return self._open[shard].get_tensor(key)
+        try:
+            tensor = self._open[shard].get_tensor(key)
+        except Exception as err:  # safetensors raises its own error types
+            raise ValueError(f"{path}: tensor '{key}' cannot be read ({err}); the file is "
+                             "truncated or damaged") from None
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(f"{path}: tensor '{key}' holds {bad} non-finite values (NaN/inf) "
+                             f"of {tensor.numel()}; the file is damaged")
+        return tensor
 
     def unused(self) -> list[str]:
         return sorted(k for k in self.weight_map

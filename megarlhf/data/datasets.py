@@ -67,6 +67,11 @@ def load_rows(path: str):
     import datasets
 
     builder, files = _data_files(path)
+    empty = [f for f in files if os.path.getsize(f) == 0 or (
+        builder == "json" and not open(f, "rb").read(65536).strip())]
+    if len(empty) == len(files):
+        raise ValueError(f"dataset {path!r} is empty" + (
+            f" ({len(files)} empty files)" if len(files) > 1 else ""))
     datasets.disable_progress_bars()
     try:
         table = datasets.load_dataset(builder, data_files=files, split="train")

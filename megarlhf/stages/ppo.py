@@ -125,6 +125,9 @@ class PPOSession:
         self.prompts = tokenize_dataset(cfg.data.train_path, "prompt", cfg.data, tokenizer)
         self.eval_prompts = tokenize_dataset(cfg.data.eval_path, "prompt", cfg.data, tokenizer) \
             if cfg.data.eval_path else None
+        for ds in (self.prompts, self.eval_prompts):
+            if ds is not None:
+                print0(f"[ppo] {ds.report()}")
         reward_fn = load_reward_fn(r.reward_fn) if r.reward_fn else None
         self.ptx = PtxData(cfg, tokenizer, self.sizes["actor"].num_mini_batches) \
             if ppo.ptx_coef > 0 else None

@@ -95,16 +95,32 @@ def run_score(cfg: Config, input_path: str, output_path: str, *, role: str,
                             trained=False, checkpoint_role=ckpt_role,
                             tokenizer=fingerprint(tokenizer) if tokenizer else None)
     seqs = read_sequences(input_path, tokenizer, spec.model.vocab_size)
+    longest = max(range(len(seqs)), key=lambda i: len(seqs[i]))
+    if len(seqs[longest]) > spec.model.max_position_embeddings:
+        raise ValueError(f"{input_path}: row {longest + 1} has {len(seqs[longest])} tokens, more "
+                         f"than the model's max_position_embeddings="
+                         f"{spec.model.max_position_embeddings}")
     init_distributed(cfg)
     scorer = build_role(spec, seed=cfg.run.seed)
     rows = score_sequences(scorer, seqs, micro_batch_size=micro_batch_size,
                            temperature=temperature)
     if dist.get_rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
+        lines = [_json_row(row, input_path) for row in rows]  # all valid, or nothing written
         tmp = output_path + ".tmp"
         with open(tmp, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+            f.writelines(line + "\n" for line in lines)
         os.replace(tmp, output_path)
         print(f"scored {len(rows)} sequences ({role}) at {scorer.layout.describe()} from "
               f"{scorer.source} -> {output_path}", flush=True)
+
+
+def _json_row(row: dict, source: str) -> str:
+    """One output row; a non-finite number (damaged weights) is an error, not ``NaN`` in a
+    file that then is not JSON."""
+    try:
+        return json.dumps(row, allow_nan=False)
+    except ValueError:
+        raise ValueError(f"scoring {source} gave non-finite numbers (NaN/inf) for tokens "
+                         f"{row.get('tokens', [])[:8]}...: the checkpoint's weights are "
+                         "probably damaged; nothing was written") from None
