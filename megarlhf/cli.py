@@ -193,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*The .grad attribute of a Tensor that is not a leaf.*")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command in ("sft", "rm", "ppo"):
+        # Before anything slow: a signal during start-up is honoured at the first safe point.
+        from megarlhf.engine.signals import install_handlers
+        install_handlers()
     # key=value overrides may come before or after options.
     unknown = [a for a in extra if a.startswith("-") or "=" not in a]
     if unknown or (extra and not hasattr(args, "overrides")):

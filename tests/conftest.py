@@ -57,3 +57,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """The synthetic task, a tiny SFT policy with checkpoints at steps 3 and 6 and a tiny
+    reward model: (folder, task files, the CLI arguments every run shares)."""
+    from megarlhf.data.synthetic import write_task
+
+    out = tmp_path_factory.mktemp("tiny")
+    task = write_task(str(out / "task"), seed=0)
+    common = [f"tokenizer.path={task['tokenizer']}", f"run.output_dir={out}",
+              "logging.progress_bar=false", "logging.tensorboard=false"]
+    run_cli("sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
+            "train.max_steps=6", "checkpoint.save_interval=3", "checkpoint.keep_last=2", *common)
+    run_cli("rm", "configs/rm_tiny.yaml", f"data.train_path={task['prefs']}",
+            "train.max_steps=6", "checkpoint.save_interval=0", *common)
+    return out, task, common

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import ROOT, WORKERS, run_cli, torchrun
-from megarlhf.data.synthetic import write_jsonl, write_task
+from megarlhf.data.synthetic import write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -63,15 +63,8 @@ def cases(out) -> dict:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ppo_modes")
-    task = write_task(str(out / "task"), seed=0)
-    common = [f"tokenizer.path={task['tokenizer']}", f"run.output_dir={out}",
-              "logging.progress_bar=false", "logging.tensorboard=false"]
-    run_cli("sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
-            "train.max_steps=6", "checkpoint.save_interval=3", "checkpoint.keep_last=2", *common)
-    run_cli("rm", "configs/rm_tiny.yaml", f"data.train_path={task['prefs']}",
-            "train.max_steps=6", "checkpoint.save_interval=0", *common)
+def setup(tiny_checkpoints):
+    out, task, common = tiny_checkpoints
     # Short pretraining rows, so no ptx row is cut to the experience batch's length.
     write_jsonl(str(out / "ptx.jsonl"), [{"prompt": "words: red", "response": w}
                                          for w in ("red", "blue cat", "two", "green")] * 8)

@@ -196,7 +196,12 @@ def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
     for name, role in roles.items():
         if role.scheduler is not None:
             state[name]["scheduler"] = role.scheduler.state_dict()
-    dist_checkpointing.save(state, tmp)
+    try:
+        dist_checkpointing.save(state, tmp)
+    except Exception as err:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back
+        raise save_error(err, save_dir, tmp) from err
     _barrier()
     _saves_in_process[0] += 1
     fault = os.environ.get(FAULT_ENV, "")
@@ -230,6 +235,32 @@ def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
             _prune(save_dir, keep_last, protect=tag)
     _barrier()
     return final
+
+
+def save_error(err: Exception, save_dir: str, tmp: str) -> RuntimeError:
+    """What a failed save says: the place, the cause in words (a full disk reads as one
+    whatever layer noticed it), and which checkpoint ``latest`` still names."""
+    latest_file = os.path.join(save_dir, LATEST_FILE)
+    latest = open(latest_file).read().strip() if os.path.exists(latest_file) else None
+    still = f"latest is still {latest}" if latest else "there is no earlier checkpoint"
+    text = f"{type(err).__name__}: {err}"
+    errno_28 = any(getattr(e, "errno", None) == 28 for e in _chain(err))
+    try:
+        free = shutil.disk_usage(save_dir).free
+    except OSError:
+        free = None
+    if errno_28 or "No space left" in text or (free is not None and free < 64 << 20):
+        return RuntimeError(f"no space left on device at {tmp} "
+                            f"({free // (1 << 20) if free is not None else '?'} MiB free); "
+                            f"{still}")
+    return RuntimeError(f"saving the checkpoint into {tmp} failed ({text.splitlines()[0]}); "
+                        f"{still}")
+
+
+def _chain(err: BaseException):
+    while err is not None:
+        yield err
+        err = err.__cause__ or err.__context__
 
 
 def load_object(path: str, name: str) -> Any:

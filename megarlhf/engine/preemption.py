@@ -1,4 +1,4 @@
-"""Preemption: SIGUSR1 / SIGTERM ask the job to checkpoint at the next safe point.
+"""Preemption: SIGUSR1 / SIGTERM / Ctrl-C ask the job to checkpoint at the next safe point.
 
 Slurm sends the signal (``#SBATCH --signal=B:USR1@120``, ``scancel --signal=USR1``) to the
 tasks at slightly different times; ranks agree through an all-reduce at each safe point,
@@ -9,28 +9,25 @@ checkpoint) for ``slurm/launch.sh``, which requeues the job.
 from __future__ import annotations
 
 import os
-import signal
-import threading
 
 import torch
 import torch.distributed as dist
+
+from megarlhf.engine import signals
+from megarlhf.engine.signals import install_handlers
 
 MARKER = "PREEMPTED"
 
 
 class PreemptionGuard:
-    def __init__(self):
-        self._asked = False
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGUSR1, signal.SIGTERM):
-                signal.signal(sig, self._handler)
+    """Asks, at each safe point, whether any rank was signalled since start-up."""
 
-    def _handler(self, signum, frame):
-        self._asked = True
+    def __init__(self):
+        install_handlers()
 
     def requested(self) -> bool:
         """Collective: True on every rank when any rank received the signal."""
-        flag = torch.tensor([1.0 if self._asked else 0.0])
+        flag = torch.tensor([1.0 if signals.asked() else 0.0])
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

@@ -31,6 +31,21 @@ def run_dir(cfg: Config) -> str:
     return os.path.join(cfg.run.output_dir, cfg.run.name)
 
 
+def check_writable(cfg: Config) -> str:
+    """The run directory exists and takes a file - before any model is built."""
+    path = run_dir(cfg)
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as err:
+        raise ValueError(f"the run directory {path} is not writable ({err.strerror}): set "
+                         "run.output_dir to a writable place") from None
+    return path
+
+
 def print0(*args) -> None:
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(*args, flush=True)
@@ -149,6 +164,7 @@ def run_supervised(cfg: Config, spec: RoleSpec, task: SupervisedTask, tokenizer)
                     world // (spec.tp * spec.pp), len(task.train_items), train.num_epochs,
                     train.max_steps)
     _ = (plan.micro_batches, plan.total_steps)  # bad batch arithmetic raises before start-up
+    check_writable(cfg)
     init_distributed(cfg)
     role = build_role(spec, seed=cfg.run.seed, total_steps=plan.total_steps)
     start_step = resume(cfg, role, spec.name)

@@ -33,7 +33,7 @@ from megarlhf.rollout.experience import (
     ExperienceMaker, RewardSource, SequenceCache, decode_sample, load_reward_fn)
 from megarlhf.rollout.generate import SamplingParams, generate
 from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout
-from megarlhf.stages.common import print0, progress, run_dir
+from megarlhf.stages.common import check_writable, print0, progress, run_dir
 
 
 # ------------------------------------------------------------------ set-up
@@ -241,6 +241,7 @@ class PPOSession:
 def run_ppo(cfg: Config, tokenizer) -> dict:
     ppo = cfg.ppo
     gold_fn = load_reward_fn(ppo.gold_reward_fn) if ppo.gold_reward_fn else None
+    check_writable(cfg)
     session = PPOSession(cfg, tokenizer)
     kl_ctl, cache = session.kl_ctl, session.maker.ref_cache
     ckpt_dir = os.path.join(run_dir(cfg), "checkpoints")

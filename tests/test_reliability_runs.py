@@ -1,0 +1,106 @@
+"""Reliability through the CLI (issue 15): wrong checkpoints and inputs refused before any
+work, runaway numbers stopped with a clear message, signals honoured from the first
+moment, saving after an iteration whose every step was skipped."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, WORKERS, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def ppo_args(tiny, name, *extra):
+    out, task, common = tiny
+    return ["ppo", "configs/demo/ppo.yaml", f"data.train_path={task['prompts']}",
+            f"data.eval_path={task['eval_prompts']}", f"run.name={name}",
+            f"ppo.sft_checkpoint={out}/sft-tiny/checkpoints",
+            f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", "ppo.num_eval_prompts=8",
+            "logging.sample_table_interval=0", *common, *extra]
+
+
+def env(**extra):
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **extra}
+
+
+@pytest.mark.parametrize("extra, message", [
+    # an SFT checkpoint where the reward model belongs
+    (["ppo.reward_checkpoint={out}/sft-tiny/checkpoints"],
+     "is a language model (LM head), but this role needs a value model"),
+    # a tokenizer other than the checkpoints'
+    (["tokenizer.path={out}/other_tok.model"], "tokenizer"),
+    # sequences longer than the position table
+    (["rollout.max_new_tokens=60"], "data.max_prompt_len + rollout.max_new_tokens = 76 tokens "
+                                    "exceeds the model's max_position_embeddings=64"),
+    (["data.train_path={out}/empty.jsonl"], "is empty"),
+    (["run.output_dir={out}/a_file"], "is not writable"),
+    (["ppo.clip_reward_value=-1"], "ppo.clip_reward_value=-1.0 is invalid"),
+])
+def test_bad_inputs_fail_before_any_work(tiny_checkpoints, extra, message):
+    out = tiny_checkpoints[0]
+    (out / "empty.jsonl").write_text("")
+    (out / "a_file").write_text("not a folder")
+    if not (out / "other_tok.model").exists():
+        from megarlhf.data.synthetic import corpus_lines
+        from megarlhf.data.tokenizer import train_sentencepiece
+        import random
+        text = out / "other_corpus.txt"
+        text.write_text("\n".join(corpus_lines(random.Random(5), 300)))
+        train_sentencepiece([str(text)], str(out / "other_tok"), vocab_size=60)
+    args = [a.format(out=out) for a in ppo_args(tiny_checkpoints, "bad", *extra)]
+    proc = run_cli(*args, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not (out / "bad" / "checkpoints").exists()
+
+
+def test_nan_rewards_stop_the_run_and_saving_after_skipped_steps_works(tiny_checkpoints):
+    out = tiny_checkpoints[0]
+    nan = ["ppo.reward_checkpoint=null", "rollout.reward_fn=rewards:nan_reward",
+           "ppo.critic_init=sft", "ppo.num_iterations=4", "checkpoint.save_interval=1"]
+    e = env(PYTHONPATH=WORKERS)
+    # the guard: 4 skipped steps per iteration, 10 in a row stop the run in iteration 3
+    proc = subprocess.run([sys.executable, "-m", "megarlhf.cli",
+                           *ppo_args(tiny_checkpoints, "nan", *nan)], capture_output=True,
+                          text=True, env=e, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "actor: 10 optimizer steps in a row were skipped" in proc.stderr
+    assert "32 of 32 rewards are not finite" in proc.stdout
+    # iterations 1 and 2 skipped every step and were still saved
+    assert (out / "nan" / "checkpoints" / "latest").read_text() == "iter_000002"
+    # with the guard off the run finishes, saving after each all-skipped iteration
+    proc = subprocess.run([sys.executable, "-m", "megarlhf.cli",
+                           *ppo_args(tiny_checkpoints, "nan_off", *nan,
+                                     "optimizer.max_consecutive_skipped_steps=0",
+                                     "optimizer.max_skipped_fraction=1")],
+                          capture_output=True, text=True, env=e, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (out / "nan_off" / "checkpoints" / "latest").read_text() == "iter_000004"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT])
+def test_a_signal_during_start_up_checkpoints_at_the_first_safe_point(tiny_checkpoints, sig):
+    """Sent while the process is still importing and building models: the run goes on to its
+    first safe point, checkpoints, leaves the requeue marker and exits 0; the same command
+    then resumes."""
+    out = tiny_checkpoints[0]
+    name = f"sig{int(sig)}"
+    argv = [sys.executable, "-m", "megarlhf.cli",
+            *ppo_args(tiny_checkpoints, name, "ppo.num_iterations=3")]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env(), cwd=ROOT)
+    time.sleep(1.0)  # imports: long before any model exists
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert "Traceback" not in stderr
+    assert (out / name / "PREEMPTED").read_text().endswith("iter_000001")
+    if sig == signal.SIGINT:
+        assert "Ctrl-C: checkpointing at the next safe point" in stdout
+    resumed = run_cli(*ppo_args(tiny_checkpoints, name, "ppo.num_iterations=3"))
+    assert "resumed iter_000001 at iteration 1" in resumed.stdout
