@@ -1,4 +1,17 @@
-"""The ``megarlhf`` command."""
+"""megarlhf: RLHF on megatron-core - supervised fine-tuning, a reward model, then PPO (or
+GRPO, RLOO, REINFORCE++) with every role at its own tensor/pipeline layout.
+
+The pipeline, on the synthetic task that `bash scripts/demo.sh` writes:
+
+  megarlhf sft configs/sft_tiny.yaml tokenizer.path=runs/task/tok.model
+  megarlhf rm  configs/rm_tiny.yaml  tokenizer.path=runs/task/tok.model
+  megarlhf ppo configs/demo/ppo.yaml
+  torchrun --nproc-per-node 2 -m megarlhf.cli ppo configs/demo/ppo.yaml \\
+      parallel.tensor_model_parallel_size=2
+
+Every setting is a field of one config tree: a YAML file plus key.sub=value overrides
+(`megarlhf config show FILE [overrides] --docs` prints every field, its value and its
+meaning). `megarlhf <command> --help` explains each command."""
 
 from __future__ import annotations
 
@@ -32,7 +45,7 @@ def cmd_config_show(args) -> int:
     if args.config is not None and "=" in args.config:  # no file, only overrides
         args.overrides, args.config = [args.config, *args.overrides], None
     cfg = load_config(args.config, args.overrides)
-    print(dump_config(cfg), end="")
+    print(dump_config(cfg, docs=args.docs), end="")
     if cfg.ppo.sft_checkpoint or cfg.roles.actor.checkpoint:
         print(_resolved_roles(cfg, args.world_size), end="")
     return 0
@@ -137,8 +150,38 @@ def cmd_launch(args) -> int:
     return 0
 
 
+STAGES = [
+    ("sft", cmd_sft, "supervised fine-tuning: next-token loss on the response tokens",
+     "example:\n  megarlhf sft configs/sft_tiny.yaml data.train_path=sft.jsonl "
+     "tokenizer.path=tok.model train.num_epochs=2\n\ndata: JSONL/Parquet rows with "
+     "'prompt' and 'response' (data.prompt_key, data.response_key)."),
+    ("rm", cmd_rm, "reward model: pairwise Bradley-Terry loss, then score normalisation",
+     "example:\n  megarlhf rm configs/rm_tiny.yaml data.train_path=prefs.jsonl "
+     "tokenizer.path=tok.model\n\ndata: rows with 'prompt', 'chosen', 'rejected'."),
+    ("ppo", cmd_ppo, "PPO (GRPO, RLOO, REINFORCE++) with actor, critic, reference and "
+     "reward roles, each at its own layout",
+     "example:\n  megarlhf ppo configs/demo/ppo.yaml ppo.sft_checkpoint=runs/sft/checkpoints "
+     "ppo.reward_checkpoint=runs/rm/checkpoints\n\nGRPO: ppo.advantage_estimator=grpo "
+     "ppo.group_size=8 ppo.kl_loss_coef=0.04 (GRPO keeps the KL out of the reward, so "
+     "ppo.init_kl_coef and an adaptive controller are refused there).\n\ndata: rows with 'prompt'. `megarlhf config show FILE "
+     "--world-size N` prints the roles as this run would build them."),
+]
+
+STAGE_EPILOG = """
+
+Outputs go to {run.output_dir}/{run.name}: metrics.jsonl, TensorBoard, curves
+(`megarlhf plot`), checkpoints/. Rerunning the same command resumes from the latest
+checkpoint (at any layout); checkpoint.resume=false starts over.
+
+Signals: SIGUSR1 or SIGTERM (Slurm preemption) and Ctrl-C make the run checkpoint at its
+next safe point and exit 0 (Slurm requeues it); a second Ctrl-C aborts at once. Under a
+local torchrun, signal the workers (pkill -USR1 -f megarlhf.cli), not torchrun itself.
+Bad settings and mismatched checkpoints are refused before any work (exit 2)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megarlhf", description=__doc__)
+    parser = argparse.ArgumentParser(prog="megarlhf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     config = sub.add_parser("config", help="inspect configs")
@@ -146,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     show = config_sub.add_parser("show", help="print the resolved config")
     show.add_argument("config", nargs="?", help="YAML config (omit for defaults)")
     show.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    show.add_argument("--docs", action="store_true",
+                      help="each field's meaning and valid range as a comment above it")
     show.add_argument("--world-size", type=int, default=1,
                       help="processes to resolve the PPO roles' layouts for (default 1)")
     show.set_defaults(func=cmd_config_show)
@@ -163,12 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     score.set_defaults(func=cmd_score)
 
-    for name, func, text in [("sft", cmd_sft, "supervised fine-tuning (response tokens only)"),
-                             ("rm", cmd_rm, "reward model: pairwise Bradley-Terry loss"),
-                             ("ppo", cmd_ppo, "PPO with reward model and critic")]:
-        stage = sub.add_parser(name, help=text)
-        stage.add_argument("config", help="YAML config")
-        stage.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    for name, func, text, example in STAGES:
+        stage = sub.add_parser(name, help=text, description=f"{text}.\n\n{example}"
+                               + STAGE_EPILOG,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+        stage.add_argument("config", help="YAML config (configs/ has examples)")
+        stage.add_argument("overrides", nargs="*",
+                           help="key.sub=value overrides of any config field, e.g. "
+                                "optimizer.lr=1e-5 roles.critic.parallel."
+                                "pipeline_model_parallel_size=2")
         stage.set_defaults(func=func)
     launch = sub.add_parser("launch", help="render and submit an sbatch script for a stage")
     launch.add_argument("stage", choices=["sft", "rm", "ppo"])

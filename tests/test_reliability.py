@@ -109,3 +109,51 @@ def test_every_field_is_read_somewhere(name):
         assert name.rsplit(".", 1)[-1] in open(os.path.join(
             ROOT, "megarlhf/config/schema.py" if name.startswith("model.")
             else "megarlhf/data/datasets.py")).read()
+
+
+# ------------------------------------------------------------------ a save that fails
+
+def test_a_full_disk_during_save_names_the_place_and_latest(tmp_path, monkeypatch):
+    import errno
+    import shutil as sh
+
+    from megarlhf.engine.checkpoint import save_error
+
+    (tmp_path / "latest").write_text("iter_000004")
+    tmp = str(tmp_path / ".tmp-iter_000005")
+    # torch's writer reports a full disk as an "enforce fail"; the free space tells
+    usage = sh.disk_usage(tmp_path)
+    monkeypatch.setattr(sh, "disk_usage", lambda p: usage._replace(free=1 << 20))
+    err = save_error(RuntimeError("Worker failure: [enforce fail at inline_container.cc:672] "
+                                  ". unexpected pos 512 vs 448"), str(tmp_path), tmp)
+    assert str(err).startswith(f"no space left on device at {tmp} (1 MiB free); "
+                               "latest is still iter_000004")
+    monkeypatch.setattr(sh, "disk_usage", lambda p: usage._replace(free=1 << 40))
+    inner = OSError(errno.ENOSPC, "No space left on device")
+    try:
+        raise RuntimeError("wrapped") from inner
+    except RuntimeError as wrapped:
+        assert "no space left" in str(save_error(wrapped, str(tmp_path), tmp))
+    other = save_error(ValueError("bad shard"), str(tmp_path / "none"), tmp)
+    assert "failed (ValueError: bad shard); there is no earlier checkpoint" in str(other)
+
+
+# ------------------------------------------------------------------ help
+
+def test_help_teaches(capsys):
+    import yaml
+
+    from megarlhf.cli import build_parser, main
+    top = build_parser().format_help()
+    assert "megarlhf sft configs/sft_tiny.yaml" in top and "key.sub=value" in top
+    for stage in ("sft", "rm", "ppo"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([stage, "--help"])
+        text = capsys.readouterr().out
+        for needle in ("example:", f"megarlhf {stage} configs/", "key.sub=value",
+                       "resumes from the latest", "SIGUSR1", "Ctrl-C"):
+            assert needle in text, (stage, needle)
+    assert main(["config", "show", "configs/demo/ppo.yaml", "--docs"]) == 0
+    shown = capsys.readouterr().out
+    assert "# Policy ratio clip (1 +- clip_eps)." in shown
+    assert yaml.safe_load(shown)["ppo"]["num_iterations"] == 40

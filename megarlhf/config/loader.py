@@ -238,5 +238,42 @@ def config_to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+def dump_config(cfg: Config, docs: bool = False) -> str:
+    """The config as YAML; ``docs`` puts each field's docstring above it as comments."""
+    if not docs:
+        return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    return "".join(_documented(cfg, 0))
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of a config dataclass (read from its source)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) \
+                and isinstance(after.value.value, str):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _documented(section, indent: int):
+    import textwrap
+
+    pad = "  " * indent
+    docs = field_docs(type(section))
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        for line in textwrap.wrap(docs.get(f.name, ""), 88 - len(pad)):
+            yield f"{pad}# {line}\n"
+        if dataclasses.is_dataclass(value):
+            yield f"{pad}{f.name}:\n"
+            yield from _documented(value, indent + 1)
+        else:
+            text = yaml.safe_dump({f.name: value}, sort_keys=False, width=1000).rstrip("\n")
+            yield "".join(f"{pad}{line}\n" for line in text.splitlines())
