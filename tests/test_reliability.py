@@ -157,3 +157,11 @@ def test_help_teaches(capsys):
     shown = capsys.readouterr().out
     assert "# Policy ratio clip (1 +- clip_eps)." in shown
     assert yaml.safe_load(shown)["ppo"]["num_iterations"] == 40
+
+
+def test_score_never_writes_nan_into_jsonl():
+    from megarlhf.stages.score import _json_row
+    assert _json_row({"tokens": [1, 2], "logprobs": [-0.5]}, "in.jsonl") == \
+        '{"tokens": [1, 2], "logprobs": [-0.5]}'
+    with pytest.raises(ValueError, match="scoring in.jsonl gave non-finite numbers"):
+        _json_row({"tokens": [1, 2], "logprobs": [float("nan")]}, "in.jsonl")

@@ -100,7 +100,34 @@ def test_a_signal_during_start_up_checkpoints_at_the_first_safe_point(tiny_check
     assert proc.returncode == 0, stderr[-2000:]
     assert "Traceback" not in stderr
     assert (out / name / "PREEMPTED").read_text().endswith("iter_000001")
+    assert "prompt rows kept" in stdout  # what PPO dropped from the prompts, reported
     if sig == signal.SIGINT:
         assert "Ctrl-C: checkpointing at the next safe point" in stdout
     resumed = run_cli(*ppo_args(tiny_checkpoints, name, "ppo.num_iterations=3"))
     assert "resumed iter_000001 at iteration 1" in resumed.stdout
+
+
+def test_signalling_torchrun_workers_checkpoints_every_rank(tiny_checkpoints):
+    """The local torchrun way the help and README give: SIGUSR1 to torchrun's children (the
+    workers), not to torchrun. Both ranks agree on one safe point, checkpoint, and exit 0."""
+    from conftest import free_port
+
+    out = tiny_checkpoints[0]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+            f"--master-port={free_port()}", "-m", "megarlhf.cli",
+            *ppo_args(tiny_checkpoints, "torchrun_sig", "ppo.num_iterations=30",
+                      "parallel.tensor_model_parallel_size=2")]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env(), cwd=ROOT)
+    metrics = out / "torchrun_sig" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:  # iteration 1 done
+            break
+        time.sleep(0.2)
+    subprocess.run(["pkill", "-USR1", "-P", str(proc.pid)], check=True)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    tag = (out / "torchrun_sig" / "PREEMPTED").read_text().rsplit("/", 1)[-1]
+    assert (out / "torchrun_sig" / "checkpoints" / "latest").read_text() == tag
+    assert int(tag.split("_")[1]) < 30
