@@ -302,14 +302,14 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None
     _check_vocab(specs, tokenizer)
     longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     for spec in specs.values():
-        _check_positions(spec, longest, "data.max_prompt_len + rollout.max_new_tokens")
+        check_positions(spec, longest, "data.max_prompt_len + rollout.max_new_tokens")
     # Dropout makes the ratio's numerator and denominator come from different networks.
     return {name: dataclasses.replace(spec, model=dataclasses.replace(
                 spec.model, hidden_dropout=0.0, attention_dropout=0.0))
             for name, spec in specs.items()}
 
 
-def _check_positions(spec: RoleSpec, longest: int, what: str) -> None:
+def check_positions(spec: RoleSpec, longest: int, what: str) -> None:
     """Sequences longer than the position table index past it (GPT-2) or run on positions
     RoPE was never trained at (Llama): refused before any work."""
     if longest > spec.model.max_position_embeddings:
@@ -342,6 +342,4 @@ def single_role_spec(cfg: Config, *, name: str, kind: str, world_size: int, trai
                  world_size=world_size, optimizer=cfg.optimizer if trained else None,
                  allow_trunk=trained, vocab_tps=(cfg.rollout.tensor_parallel_size,))
     _check_vocab({name: spec}, tokenizer)
-    if trained:  # sft / rm read data.max_seq_len tokens per sequence
-        _check_positions(spec, cfg.data.max_seq_len, "data.max_seq_len")
     return spec

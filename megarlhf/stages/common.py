@@ -19,7 +19,7 @@ from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, save_checkp
 from megarlhf.engine.metrics import MetricsLogger
 from megarlhf.engine.optimizer import check_runaway, train_step
 from megarlhf.engine.preemption import PreemptionGuard, mark_preempted
-from megarlhf.engine.role_specs import RoleSpec, single_role_spec
+from megarlhf.engine.role_specs import RoleSpec, check_positions, single_role_spec
 from megarlhf.engine.roles import Role, build_role
 from megarlhf.engine.schedule import run_schedule
 from megarlhf.engine.steps import reduce_logs
@@ -150,8 +150,10 @@ class SupervisedTask:
 def supervised_spec(cfg: Config, name: str, kind: str, tokenizer) -> RoleSpec:
     """The trained role of ``sft`` / ``rm`` (``name``: its name in checkpoints), resolved
     and checked against the launcher's world size before any process group exists."""
-    return single_role_spec(cfg, name=name, kind=kind, world_size=read_dist_env().world_size,
+    spec = single_role_spec(cfg, name=name, kind=kind, world_size=read_dist_env().world_size,
                             trained=True, tokenizer=fingerprint(tokenizer))
+    check_positions(spec, cfg.data.max_seq_len, "data.max_seq_len")  # its longest sequence
+    return spec
 
 
 def run_supervised(cfg: Config, spec: RoleSpec, task: SupervisedTask, tokenizer) -> dict:
