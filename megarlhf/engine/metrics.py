@@ -49,8 +49,11 @@ class MetricsLogger:
         if not self.active:
             return
         clean = {k: _scalar(v) for k, v in metrics.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **clean}) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, **clean}) + "\n")
+        except OSError as err:  # a full disk: the next resume cuts the torn row back
+            raise RuntimeError(f"cannot append to {self.path}: {err.strerror}") from err
         if self._tb is not None:
             for key, value in clean.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
