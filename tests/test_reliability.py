@@ -153,7 +153,9 @@ def test_help_teaches(capsys):
         for needle in ("example:", f"megarlhf {stage} configs/", "key.sub=value",
                        "resumes from the latest", "SIGUSR1", "Ctrl-C"):
             assert needle in text, (stage, needle)
-    assert main(["config", "show", "configs/demo/ppo.yaml", "--docs"]) == 0
+    # (no roles to resolve: a fresh clone has no demo checkpoints)
+    assert main(["config", "show", "configs/demo/ppo.yaml", "ppo.sft_checkpoint=null",
+                 "--docs"]) == 0
     shown = capsys.readouterr().out
     assert "# Policy ratio clip (1 +- clip_eps)." in shown
     assert yaml.safe_load(shown)["ppo"]["num_iterations"] == 40
@@ -165,3 +167,19 @@ def test_score_never_writes_nan_into_jsonl():
         '{"tokens": [1, 2], "logprobs": [-0.5]}'
     with pytest.raises(ValueError, match="scoring in.jsonl gave non-finite numbers"):
         _json_row({"tokens": [1, 2], "logprobs": [float("nan")]}, "in.jsonl")
+
+
+
+def test_empty_data_and_unwritable_run_directory_are_named(tmp_path):
+    from megarlhf.data.datasets import load_rows
+    from megarlhf.stages.common import check_writable
+
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="empty.jsonl' is empty"):
+        load_rows(str(tmp_path / "empty.jsonl"))
+    (tmp_path / "a_file").write_text("not a folder")
+    cfg = load_config(None, [f"run.output_dir={tmp_path / 'a_file'}"])
+    with pytest.raises(ValueError, match="a_file/megarlhf is not writable"):
+        check_writable(cfg)
+    assert check_writable(load_config(None, [f"run.output_dir={tmp_path}"])) == \
+        str(tmp_path / "megarlhf")
