@@ -58,6 +58,16 @@ def hf_llama(size: str, path: str):
     return model.eval()
 
 
+def child_env() -> dict:
+    """This process's environment without its process-group address: a child started after
+    ``init_distributed`` must pick its own port, not bind the parent's."""
+    drop = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
 def convert(hf_dir: str, out: str, *extra: str) -> None:
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_hf_to_megatron.py"),
-                    "--hf-dir", hf_dir, "--out", out, *extra], check=True, capture_output=True)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_hf_to_megatron.py"),
+                           "--hf-dir", hf_dir, "--out", out, *extra], capture_output=True,
+                          text=True, env=child_env())
+    if proc.returncode:
+        raise SystemExit(f"conversion failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")

@@ -16,6 +16,7 @@ meaning). `megarlhf <command> --help` explains each command."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 
@@ -254,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as err:
+        if os.environ.get("MEGARLHF_TRACEBACK"):  # the full traceback, for bug reports
+            raise
         print(f"megarlhf: error: {err}", file=sys.stderr)
         return 2
     finally:

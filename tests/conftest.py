@@ -39,11 +39,12 @@ def torchrun(script_or_args, nprocs: int, *args: str, timeout: int = 600,
     return proc
 
 
-def run_cli(*argv: str, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_cli(*argv: str, check: bool = True, timeout: int = 600,
+            env: dict | None = None) -> subprocess.CompletedProcess:
     """The real CLI in a subprocess (single process)."""
     proc = subprocess.run([sys.executable, "-m", "megarlhf.cli", *argv], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                          env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"megarlhf {' '.join(argv)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

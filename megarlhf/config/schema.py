@@ -168,7 +168,9 @@ class ParallelConfig:
     make_vocab_size_divisible_by: int = 128
     """The vocabulary is padded to a multiple of this times the TP size."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """torch.distributed backend; auto picks NCCL with CUDA and gloo without."""
+    """torch.distributed backend. With CUDA, ``auto`` and ``nccl`` are NCCL for tensors on
+    the GPU plus gloo for host-side bookkeeping (``cuda:nccl,cpu:gloo``); without CUDA,
+    ``auto`` and ``gloo`` are gloo."""
     timeout_minutes: int = 30
     """Collective timeout."""
 

@@ -13,6 +13,7 @@ from megarlhf.engine.checkpoint import RoleState, load_checkpoint, read_meta
 from megarlhf.engine.optimizer import TrainedRole, build_optimizer, wrap_ddp
 from megarlhf.engine.role_specs import RoleSpec
 from megarlhf.models.gpt import build_model, fold_head_affine, init_weights
+from megarlhf.parallel.launch import compute_device
 from megarlhf.parallel.layout import ParallelLayout, build_layout
 
 
@@ -47,14 +48,17 @@ class Role:
 
 
 def build_chunks(spec: RoleSpec, layout: ParallelLayout) -> list:
-    """This rank's model chunks of ``spec`` (one, or ``vpp`` for the interleaved schedule)."""
+    """This rank's model chunks of ``spec`` (one, or ``vpp`` for the interleaved schedule),
+    on this process's compute device (megatron builds them on the host:
+    ``use_cpu_initialization``)."""
     vpp = layout.vpp_size or 1
+    device = compute_device()
     return [build_model(spec.model, kind=spec.kind, padded_vocab=spec.padded_vocab,
                         pg_collection=layout.pg_collection,
                         pre_process=layout.is_first_stage and vp_stage == 0,
                         post_process=layout.is_last_stage and vp_stage == vpp - 1,
                         vp_stage=vp_stage if layout.vpp_size else None,
-                        vpp_size=layout.vpp_size)
+                        vpp_size=layout.vpp_size).to(device)
             for vp_stage in range(vpp)]
 
 

@@ -12,6 +12,8 @@ from typing import Any, Callable
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megarlhf.parallel.launch import to_device
+
 
 def _bare(chunk):
     return getattr(chunk, "module", chunk)
@@ -24,6 +26,7 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
     loss functions produced (empty on other stages)."""
     if not microbatches:
         return []
+    device = next(_bare(model_chunks[0]).parameters()).device
     vpp = len(model_chunks)
     if vpp > 1:
         # The interleaved schedule needs a multiple of the pipeline size; top up with
@@ -32,10 +35,10 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
         microbatches = list(microbatches) + [weightless(microbatches[-1])] * (
             -len(microbatches) % pp)
         # Interleaved schedule: one iterator per chunk, each seeing every micro-batch.
-        data_iterator: Any = [iter(list(microbatches)) for _ in range(vpp)]
+        data_iterator: Any = [_feed(microbatches, device) for _ in range(vpp)]
         model: Any = model_chunks
     else:
-        data_iterator = iter(list(microbatches))
+        data_iterator = _feed(microbatches, device)
         model = model_chunks[0]
     # The role's own groups: the schedule, its p2p communicator and the gradient
     # finalisation never fall back to megatron's global parallel_state.
@@ -58,6 +61,12 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
         collect_non_loss_data=collect_non_loss_data,
         **extra,
     )
+
+
+def _feed(microbatches: list, device: torch.device):
+    """Micro-batches are made on the host; each moves to the model's device as the
+    schedule takes it."""
+    return (to_device(batch, device) for batch in list(microbatches))
 
 
 WEIGHT_KEYS = ("loss_mask", "pair_mask", "weight_mask", "response_mask", "policy_mask",

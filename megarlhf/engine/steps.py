@@ -73,7 +73,7 @@ def make_pairwise_rm_step():
         output = model_forward(model, batch)
 
         def loss_func(values_BS1, non_loss_data=False):
-            rows = torch.arange(values_BS1.shape[0])
+            rows = torch.arange(values_BS1.shape[0], device=values_BS1.device)
             rewards_B = values_BS1[rows, batch["last_index"], 0].float()
             chosen, rejected = rewards_B[0::2], rewards_B[1::2]
             real = batch["pair_mask"].float()  # 0 for padding pairs in a short micro-batch
@@ -129,7 +129,7 @@ def make_sequence_step(kind: str, *, prompt_len: int, tp_group=None, true_vocab:
 
         def loss_func(out, non_loss_data=True):
             if kind == "value":
-                rows = torch.arange(out.shape[0])
+                rows = torch.arange(out.shape[0], device=out.device)
                 return {"values": out[:, P - 1:-1, 0].float(),
                         "last": out[rows, batch["last_index"], 0].float()}
             logprobs_BT, entropy_BT = vocab_parallel_logprobs(

@@ -82,7 +82,7 @@ def transformer_config(model: ModelConfig, *, tp_size: int, pp_size: int,
 def _backend_is_nccl() -> bool:
     import torch.distributed as dist
     if dist.is_initialized():
-        return dist.get_backend() == "nccl"
+        return "nccl" in str(dist.get_backend())
     return torch.cuda.is_available()
 
 
@@ -155,6 +155,12 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, pg_coll
             _tied_output_state_dict, model)
     model.megarlhf_role = kind
     model.megarlhf_true_vocab = model_cfg.vocab_size
+    if tcfg.params_dtype != torch.float32:
+        # Without apex, megatron's local norms (torch.nn.RMSNorm / LayerNorm) are built in
+        # fp32 whatever params_dtype says; megatron's own training loop casts the whole
+        # model (Float16Module). One dtype for every weight, as the distributed optimizer's
+        # fp32 main copies assume (a mixed model breaks its state-dict mapping).
+        model.to(tcfg.params_dtype)
     return model
 
 

@@ -83,6 +83,40 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def process_group_backend(choice: str, cuda: bool) -> str:
+    """The backend string for ``init_process_group``. On CUDA, model tensors travel over
+    NCCL while host-side bookkeeping (metric sums, the preemption flag, object gathers)
+    stays on CPU tensors and travels over gloo: ``cuda:nccl,cpu:gloo``. Every subgroup
+    (megatron's layouts) inherits both."""
+    if choice == "nccl" and not cuda:
+        raise ValueError("parallel.backend=nccl needs CUDA; use 'auto' or 'gloo' on CPU")
+    if choice == "gloo" and cuda:
+        raise ValueError("parallel.backend=gloo with CUDA: the models live on the GPU and "
+                         "their tensors need NCCL; use 'auto' (NCCL plus gloo for host "
+                         "tensors)")
+    return "cuda:nccl,cpu:gloo" if cuda else "gloo"
+
+
+def uses_nccl() -> bool:
+    """Whether GPU tensors travel over NCCL in the default process group."""
+    return dist.is_initialized() and "nccl" in str(dist.get_backend())
+
+
+def compute_device() -> torch.device:
+    """Where models and their passes run: this process's GPU with CUDA, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """A micro-batch's tensors on ``device`` (other entries as they are)."""
+    if device.type == "cpu":
+        return batch
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()}
+
+
 def init_distributed(cfg: Config, env: DistEnv | None = None) -> DistEnv:
     """Start the default process group (NCCL with CUDA, gloo without) and seed every RNG.
     Layouts and their groups come later, per role (``parallel.layout.build_layout``); the
@@ -93,21 +127,20 @@ def init_distributed(cfg: Config, env: DistEnv | None = None) -> DistEnv:
     if cfg.run.deterministic:
         torch.use_deterministic_algorithms(True)
     cuda = torch.cuda.is_available()
-    backend = cfg.parallel.backend
-    if backend == "auto":
-        backend = "nccl" if cuda else "gloo"
-    if backend == "nccl" and not cuda:
-        raise ValueError("parallel.backend=nccl needs CUDA; use 'auto' or 'gloo' on CPU")
+    backend = process_group_backend(cfg.parallel.backend, cuda)
     if cuda:
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     else:
         cpu_backend.activate()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", env.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        if env.launcher != "single":
+            # A lone process keeps its port to itself: children it starts (a converter,
+            # another CLI run) must not inherit it and bind the same port.
+            os.environ.setdefault("MASTER_ADDR", env.master_addr)
+            os.environ.setdefault("MASTER_PORT", str(env.master_port))
         dist.init_process_group(
             backend=backend, rank=env.rank, world_size=env.world_size,
-            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
             timeout=datetime.timedelta(minutes=cfg.parallel.timeout_minutes))
     seed_everything(cfg.run.seed)
     return env

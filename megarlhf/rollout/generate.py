@@ -77,7 +77,8 @@ def _attention_blocked(key_mask_BK: torch.Tensor, num_queries: int) -> torch.Ten
     B, K = key_mask_BK.shape
     blocked = (key_mask_BK == 0).view(B, 1, 1, K).expand(B, 1, num_queries, K)
     if num_queries > 1:
-        causal = torch.ones(num_queries, K, dtype=torch.bool).tril(K - num_queries)
+        causal = torch.ones(num_queries, K, dtype=torch.bool,
+                            device=key_mask_BK.device).tril(K - num_queries)
         blocked = blocked | ~causal.view(1, 1, num_queries, K)
     return blocked
 
@@ -92,23 +93,30 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
 
     With ``row_seeds`` each row samples by the Gumbel-max trick from its own generator, so
     a prompt's response depends on its seed only - not on which replica, batch or layout
-    generated it (PPO runs at different layouts then see the same samples)."""
-    prompt_tokens, prompt_mask = left_pad(prompts, pad_id)
+    generated it (PPO runs at different layouts then see the same samples). The row
+    generators live on the model's device: the CPU and CUDA draw different streams, so
+    samples are reproducible per device type. Everything runs on the model's device;
+    the returned tensors are on the host."""
+    device = next(model.parameters()).device
+    prompt_tokens, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
     B, P = prompt_tokens.shape
     T = params.max_new_tokens
     stops = set(params.stop_token_ids) | ({eos_id} if stop_at_eos else set())
-    stop_tensor = torch.tensor(sorted(stops), dtype=torch.long)
-    tokens = torch.cat([prompt_tokens, torch.full((B, T), pad_id, dtype=torch.long)], dim=1)
-    key_mask = torch.cat([prompt_mask, torch.zeros(B, T, dtype=torch.long)], dim=1)
+    stop_tensor = torch.tensor(sorted(stops), dtype=torch.long, device=device)
+    tokens = torch.cat([prompt_tokens, torch.full((B, T), pad_id, dtype=torch.long, device=device)],
+                       dim=1)
+    key_mask = torch.cat([prompt_mask, torch.zeros(B, T, dtype=torch.long, device=device)], dim=1)
     # Position ids count real tokens only: prompt tokens 0..n-1, then n, n+1, ...
     positions = torch.cat([(prompt_mask.cumsum(dim=1) - 1).clamp(min=0),
-                           prompt_mask.sum(dim=1, keepdim=True) + torch.arange(T)], dim=1)
-    response = torch.full((B, T), pad_id, dtype=torch.long)
-    response_mask = torch.zeros(B, T, dtype=torch.long)
-    logprobs = torch.zeros(B, T)
-    finished = torch.zeros(B, dtype=torch.bool)
+                           prompt_mask.sum(dim=1, keepdim=True) + torch.arange(T, device=device)],
+                          dim=1)
+    response = torch.full((B, T), pad_id, dtype=torch.long, device=device)
+    response_mask = torch.zeros(B, T, dtype=torch.long, device=device)
+    logprobs = torch.zeros(B, T, device=device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
     ctx = StaticInferenceContext(B, P + T) if use_cache else None
-    row_gens = [torch.Generator().manual_seed(int(s)) for s in row_seeds] if row_seeds else None
+    row_gens = [torch.Generator(device).manual_seed(int(s)) for s in row_seeds] \
+        if row_seeds else None
 
     def last_logits(length: int, new: int) -> torch.Tensor:
         """Logits at column ``length - 1`` after feeding the last ``new`` columns."""
@@ -134,13 +142,16 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
         else:
             filtered = filter_logits(scaled, params.top_k, params.top_p)
             if row_gens is not None:
-                uniform = torch.stack([torch.rand(filtered.shape[-1], generator=g)
-                                       for g in row_gens])
+                uniform = torch.stack([torch.rand(filtered.shape[-1], generator=g,
+                                                  device=device) for g in row_gens])
                 gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1.0 - 1e-7)))
                 next_token = (filtered + gumbel).argmax(dim=-1)
             else:
-                next_token = torch.multinomial(torch.softmax(filtered, dim=-1), 1,
-                                               generator=generator).squeeze(-1)
+                probs = torch.softmax(filtered, dim=-1)
+                if generator is not None and generator.device != device:
+                    probs = probs.to(generator.device)  # a host generator draws on the host
+                next_token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+                next_token = next_token.to(device)
         token_logprob = torch.log_softmax(scaled, dim=-1).gather(
             -1, next_token.unsqueeze(-1)).squeeze(-1)
         active = ~finished
@@ -158,4 +169,5 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
             logits = last_logits(col + 1, col + 1)
         else:
             logits = last_logits(col + 1, 1)
-    return Generation(prompt_tokens, prompt_mask, response, response_mask, logprobs, finished)
+    return Generation(*(t.cpu() for t in (prompt_tokens, prompt_mask, response, response_mask,
+                                          logprobs, finished)))

@@ -23,6 +23,7 @@ from megatron.core.resharding.refit import swap_model_weights
 
 from megarlhf.engine.role_specs import RoleSpec
 from megarlhf.engine.roles import build_chunks
+from megarlhf.parallel.launch import uses_nccl
 from megarlhf.parallel.layout import ParallelLayout, build_layout
 
 
@@ -133,7 +134,7 @@ def _global_name(name: str, prefix_map: dict[str, str]) -> str:
 
 def copy_service():
     """megatron's NCCL service on GPU; ours over gloo."""
-    if dist.get_backend() == "nccl":
+    if uses_nccl():
         return "nccl"
     return GlooP2PCopyService()
 

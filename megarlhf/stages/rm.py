@@ -63,7 +63,7 @@ def last_value_step(data_iterator, model):
     """Forward-only step: the value head's output at each row's ``last_index``."""
     batch = next(data_iterator)
     out = model_forward(model, batch)
-    rows = torch.arange(batch["tokens"].shape[0])
+    rows = torch.arange(batch["tokens"].shape[0], device=batch["tokens"].device)
     return out, lambda v, non_loss_data=True: {"last": v[rows, batch["last_index"], 0].float()}
 
 

@@ -1,0 +1,114 @@
+"""The model paths on one device, for the CUDA-vs-CPU tests (``tests/test_gpu.py``).
+
+Run once without CUDA (``CUDA_VISIBLE_DEVICES=``: the CPU backend, fp32) and once on the
+GPU (fp32, then bf16). The seeded initialisation gives both runs the same weights, so the
+test compares their numbers. Results -> OUT/gpu_paths_{cpu,cuda}.pt.
+
+Cases: teacher-forced log-probs of fixed sequences; greedy generation with and without the
+KV cache; sampled generation against teacher-forced scoring (the rollout/train mismatch);
+on CUDA also bf16 versions of these, an offload/reload round trip with the bytes the GPU
+freed, and resharding a trained actor into the inference model through megatron's NCCL
+copy service.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import build, fixed_sequences, make_config  # noqa: E402
+
+from megarlhf.engine.offload import Offloader  # noqa: E402
+from megarlhf.rollout.generate import SamplingParams, generate  # noqa: E402
+from megarlhf.stages.score import score_sequences  # noqa: E402
+
+PROMPTS = [[5, 17, 42, 8], [9, 3], [100, 101, 102, 103, 104, 105], [7]]
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def model_cases(dtype: str, results: dict) -> None:
+    cfg = make_config("llama", 1, 1, extra=(f"model.params_dtype={DTYPES[dtype]}",))
+    role = build(cfg, "lm")
+    (model,) = role.chunks
+    out: dict = {"device": str(next(model.parameters()).device)}
+    seqs = fixed_sequences(6)
+    out["logprobs"] = [r["logprobs"] for r in score_sequences(role, seqs, micro_batch_size=2)]
+    common = dict(eos_id=2, pad_id=0, true_vocab=cfg.model.vocab_size)
+    greedy = SamplingParams(max_new_tokens=12, greedy=True)
+    out["greedy_cached"] = generate(model, PROMPTS, greedy, **common)
+    out["greedy_full"] = generate(model, PROMPTS, greedy, use_cache=False, **common)
+    sampled = generate(model, PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.9),
+                       **common, row_seeds=[1000 + i for i in range(len(PROMPTS))])
+    samples = []
+    for b, prompt in enumerate(PROMPTS):
+        n = int(sampled.response_mask_BT[b].sum())
+        samples.append(prompt + sampled.response_tokens_BT[b, :n].tolist())
+    rows = score_sequences(role, samples, micro_batch_size=2, temperature=0.9)
+    out["sampled"] = sampled
+    out["teacher"] = [r["logprobs"] for r in rows]
+    if torch.cuda.is_available():
+        out["offload"] = offload_case(role, seqs)
+    results[dtype] = out
+
+
+def offload_case(role, seqs) -> dict:
+    """Bytes the GPU frees when the role is offloaded, and its log-probs after reload."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    offloader = Offloader(role.chunks, enabled=True)
+    offloader.offload()
+    torch.cuda.synchronize()
+    during = torch.cuda.memory_allocated()
+    pinned = all(host.is_pinned() for host in offloader.stash)
+    offloader.reload()
+    torch.cuda.synchronize()
+    param_bytes = sum(p.numel() * p.element_size() for p in role.parameters)
+    after = [r["logprobs"] for r in score_sequences(role, seqs, micro_batch_size=2)]
+    return {"freed": before - during, "param_bytes": param_bytes, "logprobs": after,
+            "pinned": pinned}
+
+
+def reshard_case(results: dict) -> None:
+    """A trained actor (distributed optimizer) resharded into the inference model over the
+    NCCL copy service; both then score the same sequences."""
+    from megarlhf.rollout.reshard import (Resharder, build_inference_model, copy_service,
+                                          inference_layout)
+
+    cfg = make_config("llama", 1, 1, extra=("optimizer.lr=0.01",))
+    actor = build(cfg, "lm", trained=True, seed_offset=5)
+    layout = inference_layout(1)
+    inference = build_inference_model(actor.spec, layout)
+    stats = Resharder(actor.chunks, inference)()
+    seqs = fixed_sequences(4)
+    train_rows = [r["logprobs"] for r in score_sequences(actor, seqs, micro_batch_size=2)]
+    from megarlhf.stages.score import right_padded_batch
+
+    direct = []
+    with torch.no_grad():
+        for seq in seqs:
+            batch = right_padded_batch([seq], len(seq))
+            device = next(inference.parameters()).device
+            logits = inference(batch["tokens"].to(device), batch["position_ids"].to(device),
+                               None)
+            lp = torch.log_softmax(logits[0, :-1, :cfg.model.vocab_size].float(), -1)
+            direct.append(lp.gather(-1, batch["tokens"][0, 1:, None].to(device))[:, 0].cpu())
+    results["reshard"] = {"service": str(copy_service()), "train": train_rows,
+                          "inference": direct, "bytes": stats.bytes_received}
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    results: dict = {}
+    model_cases("fp32", results)
+    if torch.cuda.is_available():
+        model_cases("bf16", results)
+        reshard_case(results)
+    name = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.save(results, os.path.join(out_dir, f"gpu_paths_{name}.pt"))
+
+
+if __name__ == "__main__":
+    main()
