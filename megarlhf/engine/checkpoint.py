@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megarlhf.engine.optimizer import ensure_optimizer_state, use_fused_torch_adam
 from megarlhf.models.gpt import sharded_state_dict
@@ -198,10 +199,11 @@ def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
             state[name]["scheduler"] = role.scheduler.state_dict()
     try:
         dist_checkpointing.save(state, tmp)
-    except Exception as err:
+    except (Exception, CheckpointException) as err:  # the latter is a BaseException
+        error = save_error(err, save_dir, tmp)  # measures the free space before cleanup
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back
-        raise save_error(err, save_dir, tmp) from err
+        raise error from err
     _barrier()
     _saves_in_process[0] += 1
     fault = os.environ.get(FAULT_ENV, "")
@@ -244,6 +246,9 @@ def save_error(err: Exception, save_dir: str, tmp: str) -> RuntimeError:
     latest = open(latest_file).read().strip() if os.path.exists(latest_file) else None
     still = f"latest is still {latest}" if latest else "there is no earlier checkpoint"
     text = f"{type(err).__name__}: {err}"
+    # torch's checkpoint writer reports a worker's failure by text, one cause per rank
+    for cause in getattr(err, "failures", {}).values():
+        text += f" {cause[0] if isinstance(cause, tuple) else cause}"
     errno_28 = any(getattr(e, "errno", None) == 28 for e in _chain(err))
     try:
         free = shutil.disk_usage(save_dir).free
