@@ -127,6 +127,36 @@ def cmd_ppo(args) -> int:
     return 0
 
 
+def cmd_dpo(args) -> int:
+    from megarlhf.stages.offline import run_dpo
+
+    cfg = _resolve(args)
+    _needs_tokenizer(cfg, args)
+    run_dpo(cfg, args.tokenizer)
+    return 0
+
+
+def cmd_distill(args) -> int:
+    from megarlhf.stages.offline import run_distill
+
+    cfg = _resolve(args)
+    _needs_tokenizer(cfg, args)
+    run_distill(cfg, args.tokenizer)
+    return 0
+
+
+def cmd_cache_build(args) -> int:
+    from megarlhf.stages.offline import run_cache_build
+
+    cfg = _resolve(args)
+    _needs_tokenizer(cfg, args)
+    path = run_cache_build(cfg, args.tokenizer, args.stage)
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"cache ready: {path}")
+    return 0
+
+
 def cmd_plot(args) -> int:
     from megarlhf.stages.plot import plot_run
 
@@ -166,6 +196,23 @@ STAGES = [
      "ppo.group_size=8 ppo.kl_loss_coef=0.04 (GRPO keeps the KL out of the reward, so "
      "ppo.init_kl_coef and an adaptive controller are refused there).\n\ndata: rows with 'prompt'. `megarlhf config show FILE "
      "--world-size N` prints the roles as this run would build them."),
+    ("dpo", cmd_dpo, "DPO (sigmoid, cDPO label smoothing, or IPO) on preference pairs, "
+     "reference log-probs from the cache",
+     "example:\n  megarlhf dpo configs/dpo_tiny.yaml checkpoint.load=runs/sft/checkpoints "
+     "data.train_path=prefs.jsonl dpo.beta=0.1\n\ndata: rows with 'prompt', 'chosen', "
+     "'rejected'. The reference (dpo.reference_checkpoint, default the policy's "
+     "checkpoint.load) scores every pair once into cache.path (default RUN_DIR/cache/"
+     "reference) and is released before the policy is built; reruns reuse the cache, "
+     "a stale one (other checkpoint or data) is rebuilt (cache.on_stale=error refuses). "
+     "Metrics: train/loss, train/rewards/{chosen,rejected,margin,accuracy} and eval/*."),
+    ("distill", cmd_distill, "distillation: a student learns a teacher's cached top-k "
+     "next-token log-probs on the response tokens",
+     "example:\n  megarlhf distill configs/sft_tiny.yaml distill.teacher_checkpoint="
+     "runs/big-sft/checkpoints data.train_path=sft.jsonl distill.top_k=16\n\ndata: rows "
+     "with 'prompt' and 'response'. distill.divergence=forward is KL(teacher || student) "
+     "over the teacher's top-k tokens plus one bucket for the rest; reverse is "
+     "KL(student || teacher) on the same buckets. The teacher runs once, at "
+     "roles.teacher.parallel, into the cache."),
 ]
 
 STAGE_EPILOG = """
@@ -219,8 +266,22 @@ def build_parser() -> argparse.ArgumentParser:
                                 "optimizer.lr=1e-5 roles.critic.parallel."
                                 "pipeline_model_parallel_size=2")
         stage.set_defaults(func=func)
+    cache = sub.add_parser("cache", help="the frozen-model cache of dpo / distill")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True)
+    build = cache_sub.add_parser(
+        "build", help="build (or verify) the cache a dpo/distill config reads",
+        description="Score the config's data with its frozen model (DPO reference or "
+        "distillation teacher) at that model's layout and write the cache atomically, "
+        "so the training run never builds the frozen model. Runs under torchrun like the "
+        "stages.\n\nexample:\n  megarlhf cache build dpo configs/dpo_tiny.yaml "
+        "checkpoint.load=runs/sft/checkpoints data.train_path=prefs.jsonl",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    build.add_argument("stage", choices=["dpo", "distill"])
+    build.add_argument("config", help="the stage's YAML config")
+    build.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    build.set_defaults(func=cmd_cache_build)
     launch = sub.add_parser("launch", help="render and submit an sbatch script for a stage")
-    launch.add_argument("stage", choices=["sft", "rm", "ppo"])
+    launch.add_argument("stage", choices=["sft", "rm", "ppo", "dpo", "distill"])
     launch.add_argument("config", help="YAML config")
     launch.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     launch.add_argument("--slurm", action="store_true", help="submit to Slurm with sbatch")
@@ -242,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*The .grad attribute of a Tensor that is not a leaf.*")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command in ("sft", "rm", "ppo"):
+    if args.command in ("sft", "rm", "ppo", "dpo", "distill"):
         # Before anything slow: a signal during start-up is honoured at the first safe point.
         from megarlhf.engine.signals import install_handlers
         install_handlers()
@@ -260,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megarlhf: error: {err}", file=sys.stderr)
         return 2
     finally:
-        if args.command not in ("config", "plot", "launch"):
+        if args.command not in ("config", "plot", "launch"):  # (cache build: a group too)
             from megarlhf.parallel.launch import shutdown
             shutdown()
 

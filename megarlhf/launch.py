@@ -14,7 +14,7 @@ import subprocess
 
 from megarlhf.config import Config, ConfigError, check_ppo
 
-STAGES = ("sft", "rm", "ppo", "score")
+STAGES = ("sft", "rm", "ppo", "dpo", "distill", "score")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

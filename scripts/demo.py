@@ -1,6 +1,6 @@
 """megarlhf's main job on CPU: a complete RLHF pipeline on a synthetic task with a known
 gold reward - tokenizer, SFT, reward model (trained on gold-labelled pairs with label
-noise), PPO against the learned reward model - then curves (runs/demo/ppo-tiny/curves.png)
+noise), PPO against the learned reward model, DPO on the same pairs - then curves (runs/demo/ppo-tiny/curves.png)
 and a check that the SFT checkpoint scores the same at TP=1, TP=2 and PP=2."""
 
 from __future__ import annotations
@@ -49,7 +49,12 @@ def main() -> None:
               f"ppo.sft_checkpoint={OUT}/sft-tiny/checkpoints",
               f"ppo.reward_checkpoint={OUT}/rm-tiny/checkpoints", *common])
     megarlhf(["plot", os.path.join(OUT, "ppo-tiny")])
-    print("5. score held-out texts with the SFT checkpoint at three layouts")
+    print("5. DPO from the same SFT policy on the preference pairs, no reward model "
+          "(configs/dpo_tiny.yaml; the reference's log-probs are cached once)")
+    megarlhf(["dpo", "configs/dpo_tiny.yaml", f"data.train_path={task['prefs']}",
+              f"checkpoint.load={OUT}/sft-tiny/checkpoints",
+              f"dpo.gold_eval_path={task['eval_prompts']}", *common])
+    print("6. score held-out texts with the SFT checkpoint at three layouts")
     texts = os.path.join(OUT, "texts.jsonl")
     with open(texts, "w") as f:
         for line in open(task["prompts"]).readlines()[:16]:
@@ -91,6 +96,10 @@ def main() -> None:
                   f"{r.get('eval/response_len', float('nan')):>6.2f}")
     gold = [r["eval/gold_score"] for r in records if "eval/gold_score" in r]
     print(f"  gap to the best gold score closed: {(gold[-1] - gold[0]) / (3.0 - gold[0]):.0%}")
+    dpo = [json.loads(line) for line in open(os.path.join(OUT, "dpo-tiny", "metrics.jsonl"))]
+    dpo_gold = [r["eval/gold_score"] for r in dpo if "eval/gold_score" in r]
+    print(f"DPO: gold score {dpo_gold[0]:.3f} -> {dpo_gold[-1]:.3f} (greedy, held-out prompts); "
+          f"gap closed {(dpo_gold[-1] - dpo_gold[0]) / (3.0 - dpo_gold[0]):.0%}")
     print(f"curves: {OUT}/ppo-tiny/curves.png; metrics (JSONL, TensorBoard) and checkpoints "
           f"under {OUT}/")
     print(f"demo finished in {time.time() - start:.0f} s")

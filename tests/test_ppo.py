@@ -35,6 +35,21 @@ def curve(out, name, key):
     return {r["step"]: r[key] for r in read_metrics(os.path.join(out, name)) if key in r}
 
 
+def test_dpo_improves_gold_reward(pipeline):
+    """DPO from the SFT policy on the synthetic task's preference pairs (one epoch, the
+    reference's log-probs from the cache) raises the gold reward of greedy samples."""
+    out, ppo = pipeline
+    task = str(out / "task")
+    run_cli("dpo", "configs/dpo_tiny.yaml", f"data.train_path={task}/prefs.jsonl",
+            f"checkpoint.load={out}/sft-tiny/checkpoints", f"tokenizer.path={task}/tok.model",
+            f"run.output_dir={out}", "logging.progress_bar=false", "train.eval_interval=0",
+            f"dpo.gold_eval_path={task}/eval_prompts.jsonl", "rollout.max_new_tokens=10",
+            "dpo.gold_reward_fn=megarlhf.data.synthetic:gold_reward_pair")
+    gold = curve(out, "dpo-tiny", "eval/gold_score")
+    first, last = gold[min(gold)], gold[max(gold)]
+    assert last > first + 0.3, gold
+
+
 def test_ppo_improves_gold_reward(pipeline):
     out, ppo = pipeline
     proc = run_cli(*ppo, "run.name=ppo1")

@@ -12,7 +12,8 @@ from megarlhf.engine.schedule import forward_only
 
 
 def forward_rows(role, rows: Sequence[Any], make_batch: Callable[[list[Any]], dict],
-                 forward_step: Callable, *, micro_batch_size: int) -> list[dict]:
+                 forward_step: Callable, *, micro_batch_size: int,
+                 gather: bool = True) -> list[dict] | dict[int, dict]:
     """Score ``rows`` (every rank passes the same list) with ``role`` - any role at any
     TP/PP/VPP/DP layout - and return, on every rank, one dict of tensors per row.
 
@@ -21,6 +22,9 @@ def forward_rows(role, rows: Sequence[Any], make_batch: Callable[[list[Any]], di
     micro-batch is topped up with copies of a row whose results are dropped.
     ``forward_step``'s loss function returns a dict of per-row tensors ``(B, ...)``; the
     last stage's TP rank 0 of each replica reports them and every rank receives all rows.
+    With ``gather=False`` nothing is exchanged: the reporting rank of each replica gets
+    ``{row index: result}`` for its own rows (others an empty dict) - what a cache writer
+    that shards by owner needs.
     """
     layout = role.layout
     mine = list(range(layout.dp_rank, len(rows), layout.dp_size))
@@ -42,6 +46,8 @@ def forward_rows(role, rows: Sequence[Any], make_batch: Callable[[list[Any]], di
                     if i not in seen:  # the top-up copies come last
                         seen.add(i)
                         local[i] = {key: value[b].detach().cpu() for key, value in out.items()}
+    if not gather:
+        return local
     parts: list = [local]
     if dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()

@@ -296,6 +296,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None
                 else "rollout.reward_fn replaces the reward model"
             raise ConfigError(f"roles.{name} is configured but this run has no {name} "
                               f"({why}): remove roles.{name}")
+    check_unused_roles(cfg, PPO_ROLES, "ppo")
     for name in ("reference", "reward"):
         if getattr(roles, name).optimizer is not None:
             raise ConfigError(f"roles.{name}.optimizer is set, but the {name} role is frozen")
@@ -343,3 +344,34 @@ def single_role_spec(cfg: Config, *, name: str, kind: str, world_size: int, trai
                  allow_trunk=trained, vocab_tps=(cfg.rollout.tensor_parallel_size,))
     _check_vocab({name: spec}, tokenizer)
     return spec
+
+
+def frozen_role_spec(cfg: Config, *, name: str, checkpoint: str, where: str, base: RoleSpec,
+                     world_size: int, tokenizer: dict | None = None) -> RoleSpec:
+    """A frozen LM of ``dpo`` (the reference) or ``distill`` (the teacher): its checkpoint's
+    model with ``roles.<name>.model`` on top and the precision fields of ``model``; its
+    layout ``roles.<name>.parallel`` on top of ``parallel``. ``where`` names the field that
+    gave the checkpoint. Its vocabulary must be the trained role's (``base``)."""
+    own = getattr(cfg.roles, name)
+    if own.optimizer is not None:
+        raise ConfigError(f"roles.{name}.optimizer is set, but the {name} role is frozen")
+    saved = read_saved_role(checkpoint, ("policy", "actor", name), where)
+    model = _model_of(f"roles.{name}", saved, cfg.model,
+                      [("model", cfg.model, PRECISION_FIELDS),
+                       (f"roles.{name}.model", own.model, None)])
+    par = cfg.parallel
+    layout = _layout_of((par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                         par.virtual_pipeline_model_parallel_size), own.parallel)
+    spec = _spec(cfg, name=name, kind="lm", where=f"roles.{name}", saved=saved, model=model,
+                 layout=layout, world_size=world_size)
+    _check_vocab({"actor": base, name: spec}, tokenizer)
+    return spec
+
+
+def check_unused_roles(cfg: Config, used: tuple[str, ...], stage: str) -> None:
+    """A ``roles.<name>`` block that ``stage`` does not read is an error (it would do
+    nothing)."""
+    for name in ("actor", "critic", "reference", "reward", "teacher"):
+        if name not in used and _role_is_set(getattr(cfg.roles, name)):
+            raise ConfigError(f"roles.{name} is configured but {stage} has no {name} role: "
+                              f"remove roles.{name}")

@@ -239,3 +239,77 @@ def make_value_step(*, prompt_len: int, cliprange_value: float | None, agg: str,
         return output, loss_func
 
     return forward_step
+
+
+def make_dpo_step(*, tp_group, true_vocab: int, beta: float, loss: str,
+                  label_smoothing: float):
+    """DPO on micro-batches whose rows alternate chosen, rejected of one pair: the policy's
+    log-probs summed over each row's response tokens (``loss_mask``; averaged for IPO)
+    against the reference's (``ref``, (2B,), from the cache). Returns (loss sum, pairs,
+    logs); megatron divides by the pairs of every micro-batch and replica."""
+    from megarlhf.algos.preference import dpo_loss
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model_forward(model, batch)
+
+        def loss_func(logits, non_loss_data=False):
+            logprobs_BS, _ = vocab_parallel_logprobs(
+                logits[:, :-1], batch["tokens"][:, 1:], tp_group=tp_group,
+                true_vocab=true_vocab)
+            weights = batch["loss_mask"][:, :-1]
+            seq = (logprobs_BS * weights).sum(-1)
+            if loss == "ipo":
+                seq = seq / weights.sum(-1).clamp(min=1.0)
+            ref = batch["ref"].to(seq.dtype)
+            losses, chosen, rejected = dpo_loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2],
+                                                beta=beta, loss=loss,
+                                                label_smoothing=label_smoothing)
+            real = batch["pair_mask"].to(losses.dtype)
+            loss_sum = (losses * real).sum()
+            num_pairs = real.sum()
+            logs = {"loss_sum": loss_sum.detach(), "pairs": num_pairs,
+                    "chosen_sum": (chosen * real).sum(), "rejected_sum": (rejected * real).sum(),
+                    "correct": ((chosen > rejected).to(real.dtype) * real).sum()}
+            return loss_sum, num_pairs.to(torch.int), logs
+
+        return output, loss_func
+
+    return forward_step
+
+
+def make_distill_step(*, tp_group, true_vocab: int, divergence: str, temperature: float,
+                      nll_coef: float):
+    """Distillation on SFT-format rows: per response position (``loss_mask``), the KL
+    between the teacher's cached top-k log-probs (``teacher_logprobs``/``teacher_ids``,
+    (B, S, k)) and the student's log-probs of the same ids, plus ``nll_coef`` x the
+    next-token NLL. Returns (sum, tokens, logs)."""
+    from megarlhf.algos.preference import topk_kl
+    from megarlhf.models.logprobs import vocab_parallel_gather_logprobs
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model_forward(model, batch)
+
+        def loss_func(logits, non_loss_data=False):
+            weights = batch["loss_mask"][:, :-1]
+            student = vocab_parallel_gather_logprobs(
+                logits[:, :-1], batch["teacher_ids"][:, :-1], tp_group=tp_group,
+                temperature=temperature, true_vocab=true_vocab)
+            kl = topk_kl(student, batch["teacher_logprobs"][:, :-1], divergence)
+            kl_sum = (kl * weights).sum()
+            total = kl_sum
+            logs = {"kl_sum": kl_sum.detach(), "tokens": weights.sum()}
+            if nll_coef:
+                logprobs_BS, _ = vocab_parallel_logprobs(
+                    logits[:, :-1], batch["tokens"][:, 1:], tp_group=tp_group,
+                    true_vocab=true_vocab)
+                nll_sum = -(logprobs_BS * weights).sum()
+                total = total + nll_coef * nll_sum
+                logs["nll_sum"] = nll_sum.detach()
+            logs["loss_sum"] = total.detach()
+            return total, weights.sum().to(torch.int), logs
+
+        return output, loss_func
+
+    return forward_step

@@ -82,3 +82,82 @@ def vocab_parallel_logprobs(logits_BTV: torch.Tensor, target_BT: torch.Tensor, *
     if true_vocab is not None:
         logits = mask_padded_vocab(logits, true_vocab, tp_group)
     return _VocabParallelLogprob.apply(logits, target_BT, tp_group)
+
+
+@torch.no_grad()
+def vocab_parallel_topk(logits_BTV: torch.Tensor, k: int, *, tp_group=None,
+                        temperature: float = 1.0, true_vocab: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens per position under softmax(logits / temperature):
+    (B, T, k) fp32 log-probs and (B, T, k) int64 global token ids, identical on every TP
+    rank. Each rank offers its shard's top k; the TP group keeps the best k of those."""
+    logits = logits_BTV.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if true_vocab is not None:
+        logits = mask_padded_vocab(logits, true_vocab, tp_group)
+    world = 1 if tp_group is None else tp_group.size()
+    rank = 0 if tp_group is None else tp_group.rank()
+    shard = logits.shape[-1]
+    values, ids = logits.topk(min(k, shard), dim=-1)
+    ids = ids + rank * shard
+    log_z = torch.logsumexp(logits, dim=-1)
+    if world > 1:
+        gathered_values = [torch.empty_like(values) for _ in range(world)]
+        gathered_ids = [torch.empty_like(ids) for _ in range(world)]
+        all_z = [torch.empty_like(log_z) for _ in range(world)]
+        dist.all_gather(gathered_values, values.contiguous(), group=tp_group)
+        dist.all_gather(gathered_ids, ids.contiguous(), group=tp_group)
+        dist.all_gather(all_z, log_z.contiguous(), group=tp_group)
+        values, order = torch.cat(gathered_values, -1).topk(k, dim=-1)
+        ids = torch.cat(gathered_ids, -1).gather(-1, order)
+        log_z = torch.logsumexp(torch.stack(all_z), dim=0)
+    return values - log_z.unsqueeze(-1), ids
+
+
+class _VocabParallelGather(torch.autograd.Function):
+    """Log-probs of several token ids per position, (B, T, K), from vocab-parallel logits."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, group):
+        world = 1 if group is None else group.size()
+        rank = 0 if group is None else group.rank()
+        logits_max = logits.max(dim=-1).values
+        if world > 1:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - logits_max.unsqueeze(-1)
+        shard = logits.shape[-1]
+        local = ids - rank * shard
+        off = (local < 0) | (local >= shard)
+        local = local.masked_fill(off, 0)
+        picked = shifted.gather(-1, local).masked_fill(off, 0.0)
+        exp_logits = shifted.exp()
+        sum_exp = exp_logits.sum(-1)
+        if world > 1:
+            dist.all_reduce(picked, group=group)
+            dist.all_reduce(sum_exp, group=group)
+        log_z = torch.log(sum_exp)
+        probs = exp_logits / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(probs, off, local)
+        return picked - log_z.unsqueeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        probs, off, local = ctx.saved_tensors
+        # d logp_j / dz_i = [i == id_j] - p_i
+        grad = -probs * grad_out.sum(-1, keepdim=True)
+        grad.scatter_add_(-1, local, grad_out.masked_fill(off, 0.0))
+        return grad, None, None
+
+
+def vocab_parallel_gather_logprobs(logits_BTV: torch.Tensor, ids_BTK: torch.Tensor, *,
+                                   tp_group=None, temperature: float = 1.0,
+                                   true_vocab: int | None = None) -> torch.Tensor:
+    """(B, T, K) fp32 log-probs of the global token ids ``ids_BTK`` under softmax(logits /
+    temperature), differentiable in the logits; identical on every TP rank."""
+    logits = logits_BTV.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if true_vocab is not None:
+        logits = mask_padded_vocab(logits, true_vocab, tp_group)
+    return _VocabParallelGather.apply(logits, ids_BTK, tp_group)

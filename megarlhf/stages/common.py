@@ -145,6 +145,9 @@ class SupervisedTask:
     summarize: Callable[[dict[str, float]], dict[str, float]]  # summed logs -> metrics
     describe: str = ""  # extra start-up line
     finish: Callable[[Role], dict] | None = None  # after training: values saved with the role
+    before_batch: Callable[[list], None] | None = None  # every rank, the whole global (or
+    # evaluation) batch's items before they are split: e.g. a frozen model scores them
+    extra_eval: Callable[[Role], dict] | None = None  # more eval/* metrics (gold score)
 
 
 def supervised_spec(cfg: Config, name: str, kind: str, tokenizer) -> RoleSpec:
@@ -207,6 +210,8 @@ def resume(cfg: Config, role: Role, name: str) -> int:
 def _evaluate(task: SupervisedTask, role: Role, step_fn) -> dict[str, float] | None:
     if not task.eval_items:
         return None
+    if task.before_batch:
+        task.before_batch(task.eval_items)
     batches, length = task.make_batches(rank_share_strided(task.eval_items, role.layout), False)
     for chunk in role.model:
         chunk.eval()
@@ -214,7 +219,10 @@ def _evaluate(task: SupervisedTask, role: Role, step_fn) -> dict[str, float] | N
         logs = run_schedule(role.model, step_fn, batches, seq_length=length,
                             micro_batch_size=task.rows_per_micro_batch,
                             forward_only=True) if batches else []
-    return {f"eval/{k}": v for k, v in task.summarize(reduce_logs(logs, role.layout)).items()}
+    out = {f"eval/{k}": v for k, v in task.summarize(reduce_logs(logs, role.layout)).items()}
+    if task.extra_eval:
+        out.update(task.extra_eval(role))
+    return out
 
 
 def rank_share_strided(items: list, layout: ParallelLayout) -> list:
@@ -235,6 +243,8 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
             logger.log(0, first)
             result["eval_start"] = first
     for step, epoch, indices in global_batches(plan, cfg.run.seed, start_step):
+        if task.before_batch:
+            task.before_batch([task.train_items[i] for i in indices])
         mine = [task.train_items[i] for i in rank_share(indices, layout)]
         batches, length = task.make_batches(mine, True)
         logs, applied, grad_norm = train_step(role.trained, step_fn, batches,
