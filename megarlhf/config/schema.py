@@ -544,9 +544,6 @@ class RolloutConfig:
     None uses the reward model."""
     offload_frozen_models: bool = True
     """Offload reference and reward models between experience phases."""
-    ref_cache_path: str | None = None
-    """Reference log-probs keyed by token sequence: read at start-up when the file exists
-    (e.g. from an earlier run on the same prompts) and written at every checkpoint."""
 
     def __post_init__(self):
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size",

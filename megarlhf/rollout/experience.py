@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -39,15 +38,15 @@ from megarlhf.rollout.reshard import Resharder
 # ------------------------------------------------------------------ frozen-model cache
 
 class SequenceCache:
-    """Per-sequence outputs of a frozen model (reference log-probs, reward scores), keyed
-    by the token sequence; a sequence is never scored twice. Can be saved and reloaded
-    (e.g. DPO reference log-probs computed offline)."""
+    """Per-sequence reference log-probs within a PPO run, keyed by the token sequence: a
+    sequence sampled twice (GRPO groups, short responses) is scored once. Saved in every
+    checkpoint so a resume is exact. Sampled responses rarely repeat (the demo: 0.06% hits
+    over 40 iterations), so nothing persists it across runs; offline data, where a cache
+    pays, uses ``engine.logit_cache`` (DPO, distillation)."""
 
-    def __init__(self, path: str | None = None):
+    def __init__(self):
         self.store: dict[str, torch.Tensor] = {}
         self.hits = self.misses = 0
-        if path and os.path.exists(path):
-            self.store = torch.load(path, weights_only=True)
 
     @staticmethod
     def key(tokens: list[int]) -> str:
@@ -75,11 +74,6 @@ class SequenceCache:
     def load_state_dict(self, state: dict) -> None:
         self.store = dict(state["store"])
         self.hits, self.misses = int(state["hits"]), int(state["misses"])
-
-    def save(self, path: str) -> None:
-        tmp = path + ".tmp"
-        torch.save(self.store, tmp)
-        os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------ batching

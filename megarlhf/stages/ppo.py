@@ -152,7 +152,7 @@ class PPOSession:
                                      eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                                      offload=r.offload_frozen_models,
                                      micro_batch_size=ppo.micro_batch_size,
-                                     ref_cache=SequenceCache(r.ref_cache_path))
+                                     ref_cache=SequenceCache())
         self.kl_ctl = algos.make_kl_controller(ppo.kl_controller, ppo.init_kl_coef,
                                                ppo.kl_target, ppo.kl_horizon)
         # EMA of the actor (evaluation only): its own frozen role at the actor's layout, so
@@ -295,8 +295,6 @@ def run_ppo(cfg: Config, tokenizer) -> dict:
                 config=dataclasses.asdict(cfg), layout=session.layouts,
                 keep_last=cfg.checkpoint.keep_last,
                 objects={"ref_cache": cache.state_dict()} if cache is not None else None)
-            if cfg.rollout.ref_cache_path and cache is not None and dist.get_rank() == 0:
-                cache.save(cfg.rollout.ref_cache_path)  # atomic: write, then rename
             if preempted:
                 mark_preempted(run_dir(cfg), path)
                 bar.close()
