@@ -244,3 +244,39 @@ def test_distillation_lowers_the_kl_to_the_teacher(tiny_checkpoints):
             "optimizer.lr=3e-3", "logging.progress_bar=false", *common)
     kl = [r["eval/kl"] for _, r in sorted(losses(out, "distill").items()) if "eval/kl" in r]
     assert len(kl) == 3 and kl[2] < 0.8 * kl[0], kl
+
+
+def test_bad_dpo_and_distill_settings_are_refused_before_any_work(tiny_checkpoints):
+    from megarlhf.config import ConfigError, load_config
+    from megarlhf.data.tokenizer import load_tokenizer
+    from megarlhf.stages.offline import distill_specs, dpo_specs
+
+    out, task, common = tiny_checkpoints
+    base = [f"tokenizer.path={task['tokenizer']}", "parallel.make_vocab_size_divisible_by=16",
+            "data.max_seq_len=32", "data.max_prompt_len=16"]
+    tok = load_tokenizer(load_config(None, base).tokenizer)
+
+    def cfg(*extra):
+        c = load_config(None, [*base, *extra])
+        c.model.vocab_size = c.model.vocab_size or tok.vocab_size
+        return c
+
+    with pytest.raises(ConfigError, match="DPO needs a reference"):
+        dpo_specs(cfg(), tok)
+    with pytest.raises(ConfigError, match="roles.teacher is configured but dpo has no teacher"):
+        dpo_specs(cfg(f"checkpoint.load={out}/sft-tiny/checkpoints",
+                      "roles.teacher.parallel.tensor_model_parallel_size=1"), tok)
+    with pytest.raises(ConfigError, match="is a value model .* needs a language model"):
+        dpo_specs(cfg(f"checkpoint.load={out}/sft-tiny/checkpoints",
+                      f"dpo.reference_checkpoint={out}/rm-tiny/checkpoints"), tok)
+    with pytest.raises(ConfigError, match="distill needs a teacher"):
+        distill_specs(cfg(), tok)
+    with pytest.raises(ConfigError, match="label_smoothing"):
+        cfg("dpo.loss=ipo", "dpo.label_smoothing=0.1")
+    with pytest.raises(ConfigError, match="go together"):
+        cfg("dpo.gold_reward_fn=megarlhf.data.synthetic:gold_reward_pair")
+    with pytest.raises(ConfigError, match="roles.teacher is configured but ppo"):
+        from megarlhf.engine.role_specs import ppo_role_specs
+        ppo_role_specs(cfg(f"ppo.sft_checkpoint={out}/sft-tiny/checkpoints",
+                           f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints",
+                           "roles.teacher.parallel.tensor_model_parallel_size=1"), 1)

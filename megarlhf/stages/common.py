@@ -159,16 +159,23 @@ def supervised_spec(cfg: Config, name: str, kind: str, tokenizer) -> RoleSpec:
     return spec
 
 
+def step_plan(cfg: Config, spec: RoleSpec, num_items: int) -> StepPlan:
+    """The batch arithmetic of training ``spec`` on ``num_items``; bad arithmetic raises
+    here, before any work."""
+    train = cfg.train
+    world = read_dist_env().world_size
+    plan = StepPlan(train.global_batch_size, train.micro_batch_size,
+                    world // (spec.tp * spec.pp), num_items, train.num_epochs,
+                    train.max_steps)
+    _ = (plan.micro_batches, plan.total_steps)
+    return plan
+
+
 def run_supervised(cfg: Config, spec: RoleSpec, task: SupervisedTask, tokenizer) -> dict:
     """Train ``spec`` on ``task``: build it (or resume the run's latest checkpoint, at any
     layout), then global batches -> micro-batches -> one optimizer step each, with
     evaluation, metrics, progress, preemption and checkpoints."""
-    train = cfg.train
-    world = read_dist_env().world_size
-    plan = StepPlan(train.global_batch_size, train.micro_batch_size,
-                    world // (spec.tp * spec.pp), len(task.train_items), train.num_epochs,
-                    train.max_steps)
-    _ = (plan.micro_batches, plan.total_steps)  # bad batch arithmetic raises before start-up
+    plan = step_plan(cfg, spec, len(task.train_items))
     check_writable(cfg)
     init_distributed(cfg)
     role = build_role(spec, seed=cfg.run.seed, total_steps=plan.total_steps)

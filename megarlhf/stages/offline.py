@@ -24,7 +24,7 @@ from megarlhf.engine.roles import build_role
 from megarlhf.engine.steps import make_distill_step, make_dpo_step, ratio
 from megarlhf.parallel.launch import init_distributed, read_dist_env
 from megarlhf.stages.common import (SupervisedTask, check_writable, print0, run_dir,
-                                    run_supervised, supervised_spec)
+                                    run_supervised, step_plan, supervised_spec)
 
 
 def cache_path(cfg: Config, role: str) -> str:
@@ -183,6 +183,7 @@ def run_dpo(cfg: Config, tokenizer) -> dict:
                           response_logprob(results_for[2 * i + 1], len(prompt), len(rejected),
                                            mean))
 
+    step_plan(cfg, policy, len(train_pairs))  # bad batch arithmetic: before any work
     check_writable(cfg)
     init_distributed(cfg)
     before_batch = None
@@ -286,6 +287,7 @@ def run_distill(cfg: Config, tokenizer) -> dict:
     train, held = load_sft_data(cfg, tokenizer)
     max_len = min(cfg.data.max_seq_len, student.model.max_position_embeddings)
     examples = train + held
+    step_plan(cfg, student, len(train))
     check_writable(cfg)
     init_distributed(cfg)
     d = cfg.distill
