@@ -100,49 +100,26 @@ def _needs_tokenizer(cfg: Config, args) -> None:
         raise ConfigError("data.train_path is required for this stage")
 
 
-def cmd_sft(args) -> int:
-    from megarlhf.stages.sft import run_sft
+def _stage(module: str, function: str):
+    """The command of a training stage: resolve the config (tokenizer and data required),
+    then ``module.function(cfg, tokenizer)``."""
 
-    cfg = _resolve(args)
-    _needs_tokenizer(cfg, args)
-    run_sft(cfg, args.tokenizer)
-    return 0
+    def command(args) -> int:
+        import importlib
 
+        cfg = _resolve(args)
+        _needs_tokenizer(cfg, args)
+        getattr(importlib.import_module(module), function)(cfg, args.tokenizer)
+        return 0
 
-def cmd_rm(args) -> int:
-    from megarlhf.stages.rm import run_rm
-
-    cfg = _resolve(args)
-    _needs_tokenizer(cfg, args)
-    run_rm(cfg, args.tokenizer)
-    return 0
+    return command
 
 
-def cmd_ppo(args) -> int:
-    from megarlhf.stages.ppo import run_ppo
-
-    cfg = _resolve(args)
-    _needs_tokenizer(cfg, args)
-    run_ppo(cfg, args.tokenizer)
-    return 0
-
-
-def cmd_dpo(args) -> int:
-    from megarlhf.stages.offline import run_dpo
-
-    cfg = _resolve(args)
-    _needs_tokenizer(cfg, args)
-    run_dpo(cfg, args.tokenizer)
-    return 0
-
-
-def cmd_distill(args) -> int:
-    from megarlhf.stages.offline import run_distill
-
-    cfg = _resolve(args)
-    _needs_tokenizer(cfg, args)
-    run_distill(cfg, args.tokenizer)
-    return 0
+cmd_sft = _stage("megarlhf.stages.sft", "run_sft")
+cmd_rm = _stage("megarlhf.stages.rm", "run_rm")
+cmd_ppo = _stage("megarlhf.stages.ppo", "run_ppo")
+cmd_dpo = _stage("megarlhf.stages.offline", "run_dpo")
+cmd_distill = _stage("megarlhf.stages.offline", "run_distill")
 
 
 def cmd_cache_build(args) -> int:

@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from megarlhf.data.batching import pad_batch
 from megarlhf.engine.checkpoint import META_FILE, resolve_checkpoint
 from megarlhf.engine.forward import forward_rows
 from megarlhf.models.logprobs import vocab_parallel_logprobs, vocab_parallel_topk
@@ -209,8 +210,6 @@ def build_cache(role, rows: Sequence[Sequence[int]], path: str, key: CacheKey, *
     shard d; rank 0 writes the manifest and renames the folder into place."""
     from safetensors.torch import save_file
 
-    from megarlhf.stages.score import right_padded_batch
-
     layout = role.layout
     parent = os.path.dirname(os.path.abspath(path)) or "."
     token = [uuid.uuid4().hex[:8] if _rank() == 0 else None]
@@ -227,9 +226,9 @@ def build_cache(role, rows: Sequence[Sequence[int]], path: str, key: CacheKey, *
     length = min(max(len(r) for r in rows), max_len)
     step = _cache_step(tp_group=layout.tp_group, true_vocab=role.spec.model.vocab_size,
                        temperature=key.temperature, top_k=key.top_k)
-    local = forward_rows(role, list(rows), lambda batch: right_padded_batch(batch, length,
-                                                                            pad_id),
-                         step, micro_batch_size=micro_batch_size, gather=False)
+    local = forward_rows(role, list(rows), lambda batch: pad_batch(
+        [(list(r), []) for r in batch], length, pad_id), step,
+        micro_batch_size=micro_batch_size, gather=False)
     shard_name = f"shard-{layout.dp_rank:05d}-of-{layout.dp_size:05d}.safetensors"
     if layout.writes_results:
         ids = sorted(local)

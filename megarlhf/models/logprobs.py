@@ -26,19 +26,34 @@ def mask_padded_vocab(logits_BTV: torch.Tensor, true_vocab: int, tp_group) -> to
     return logits_BTV.masked_fill(ids >= max(first_pad, 0), _MASKED)
 
 
+def _shift_and_localize(logits, ids, group):
+    """Logits minus their global max (over the TP group), the world size, and ``ids`` as
+    indices into this rank's shard with a mask of the ids that live elsewhere (index 0)."""
+    world = 1 if group is None else group.size()
+    rank = 0 if group is None else group.rank()
+    logits_max = logits.max(dim=-1).values
+    if world > 1:
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+    shard = logits.shape[-1]
+    local = ids - rank * shard
+    elsewhere = (local < 0) | (local >= shard)
+    return logits - logits_max.unsqueeze(-1), world, local.masked_fill(elsewhere, 0), elsewhere
+
+
+def _scaled(logits_BTV, temperature: float, true_vocab: int | None, tp_group):
+    """fp32 logits / temperature with the vocabulary padding masked out."""
+    logits = logits_BTV.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if true_vocab is not None:
+        logits = mask_padded_vocab(logits, true_vocab, tp_group)
+    return logits
+
+
 class _VocabParallelLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group):
-        world = 1 if group is None else group.size()
-        rank = 0 if group is None else group.rank()
-        logits_max = logits.max(dim=-1).values
-        if world > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - logits_max.unsqueeze(-1)
-        shard = logits.shape[-1]
-        local_target = target - rank * shard
-        target_mask = (local_target < 0) | (local_target >= shard)  # True: not on this rank
-        local_target = local_target.masked_fill(target_mask, 0)
+        shifted, world, local_target, target_mask = _shift_and_localize(logits, target, group)
         predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         predicted = predicted.masked_fill(target_mask, 0.0)
         exp_logits = shifted.exp()
@@ -76,11 +91,7 @@ def vocab_parallel_logprobs(logits_BTV: torch.Tensor, target_BT: torch.Tensor, *
     ``logits_BTV`` is this rank's vocabulary shard (B, T, V/tp); returns two fp32
     (B, T) tensors, identical on every TP rank. Differentiable in the logits.
     """
-    logits = logits_BTV.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    if true_vocab is not None:
-        logits = mask_padded_vocab(logits, true_vocab, tp_group)
+    logits = _scaled(logits_BTV, temperature, true_vocab, tp_group)
     return _VocabParallelLogprob.apply(logits, target_BT, tp_group)
 
 
@@ -91,11 +102,7 @@ def vocab_parallel_topk(logits_BTV: torch.Tensor, k: int, *, tp_group=None,
     """The ``k`` most likely tokens per position under softmax(logits / temperature):
     (B, T, k) fp32 log-probs and (B, T, k) int64 global token ids, identical on every TP
     rank. Each rank offers its shard's top k; the TP group keeps the best k of those."""
-    logits = logits_BTV.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    if true_vocab is not None:
-        logits = mask_padded_vocab(logits, true_vocab, tp_group)
+    logits = _scaled(logits_BTV, temperature, true_vocab, tp_group)
     world = 1 if tp_group is None else tp_group.size()
     rank = 0 if tp_group is None else tp_group.rank()
     shard = logits.shape[-1]
@@ -120,16 +127,7 @@ class _VocabParallelGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, group):
-        world = 1 if group is None else group.size()
-        rank = 0 if group is None else group.rank()
-        logits_max = logits.max(dim=-1).values
-        if world > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - logits_max.unsqueeze(-1)
-        shard = logits.shape[-1]
-        local = ids - rank * shard
-        off = (local < 0) | (local >= shard)
-        local = local.masked_fill(off, 0)
+        shifted, world, local, off = _shift_and_localize(logits, ids, group)
         picked = shifted.gather(-1, local).masked_fill(off, 0.0)
         exp_logits = shifted.exp()
         sum_exp = exp_logits.sum(-1)
@@ -155,9 +153,5 @@ def vocab_parallel_gather_logprobs(logits_BTV: torch.Tensor, ids_BTK: torch.Tens
                                    true_vocab: int | None = None) -> torch.Tensor:
     """(B, T, K) fp32 log-probs of the global token ids ``ids_BTK`` under softmax(logits /
     temperature), differentiable in the logits; identical on every TP rank."""
-    logits = logits_BTV.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    if true_vocab is not None:
-        logits = mask_padded_vocab(logits, true_vocab, tp_group)
+    logits = _scaled(logits_BTV, temperature, true_vocab, tp_group)
     return _VocabParallelGather.apply(logits, ids_BTK, tp_group)
