@@ -204,20 +204,21 @@ def losses(out, name):
 
 @pytest.mark.slow
 def test_dpo_layouts_equal_one_process_and_cache_equals_recomputation(tiny_checkpoints):
-    """The reference cache is built at TP=2 (``megarlhf cache build``); DPO at one process,
-    TP=2 and DP=2 reads it and equals one process; PP=2 recomputing the reference every
-    step (dpo.use_cache=false) equals the cached runs."""
+    """The reference cache is built at TP=2 (``megarlhf cache build``); DPO at PP=2, TP=2
+    and DP=2 reads it; each equals one process that recomputes the reference every step
+    (dpo.use_cache=false)."""
     out = tiny_checkpoints[0]
     built = torchrun(["cache", "build", "dpo", *dpo_args(tiny_checkpoints, "dpo-build",
                       "roles.reference.parallel.tensor_model_parallel_size=2")[1:]], 2)
     assert "reference at TP=2 PP=1 DP=1 scores" in built.stdout
-    single = run_cli(*dpo_args(tiny_checkpoints, "dpo-1"))
-    assert "complete, " in single.stdout and "the reference model is not resident" in single.stdout
+    single = run_cli(*dpo_args(tiny_checkpoints, "dpo-1", "dpo.use_cache=false"))
+    assert "reference resident" in single.stdout
+    pp2 = torchrun(dpo_args(tiny_checkpoints, "dpo-pp2",
+                            "parallel.pipeline_model_parallel_size=2"), 2)
+    assert "complete, " in pp2.stdout and "the reference model is not resident" in pp2.stdout
     torchrun(dpo_args(tiny_checkpoints, "dpo-tp2",
                       "parallel.tensor_model_parallel_size=2"), 2)
     torchrun(dpo_args(tiny_checkpoints, "dpo-dp2"), 2)
-    torchrun(dpo_args(tiny_checkpoints, "dpo-pp2", "parallel.pipeline_model_parallel_size=2",
-                      "dpo.use_cache=false"), 2)
     ref = losses(out, "dpo-1")
     assert ref[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference
     for name in ("dpo-tp2", "dpo-dp2", "dpo-pp2"):
