@@ -190,7 +190,8 @@ def dpo_args(tiny, name, *extra):
             f"checkpoint.load={out}/sft-tiny/checkpoints", f"run.name={name}",
             "train.max_steps=4", "train.global_batch_size=8", "train.micro_batch_size=2",
             "train.eval_interval=0", "logging.progress_bar=false",
-            f"cache.path={out}/dpo-cache", *common, *extra]
+            f"cache.path={out}/dpo-cache", "dpo.gold_reward_fn=null",
+            "dpo.gold_eval_path=null", *common, *extra]
 
 
 def losses(out, name):
