@@ -26,6 +26,24 @@ def tool(name, *args, check=True):
     return proc
 
 
+def convert_here(*args):
+    """tools/convert_hf_to_megatron.py's main() in this process (its error paths; the
+    subprocess runs above cover the command itself): (returncode, stdout, stderr)."""
+    import contextlib
+    import importlib.util
+    import io
+    import types
+
+    spec = importlib.util.spec_from_file_location(
+        "convert_hf_to_megatron", os.path.join(ROOT, "tools", "convert_hf_to_megatron.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = module.main(list(args))
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 def make_hf(arch, path):
     torch.manual_seed(0)
     common = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
@@ -113,14 +131,12 @@ def test_bad_inputs(converted, tmp_path):
     bad.mkdir()
     cfg = json.load(open(hf / "config.json"))
     (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "falcon"}))
-    proc = tool("convert_hf_to_megatron.py", "--hf-dir", str(bad), "--out", str(tmp_path / "o"),
-                check=False)
+    proc = convert_here("--hf-dir", str(bad), "--out", str(tmp_path / "o"))
     assert proc.returncode == 2 and "unsupported model_type 'falcon'" in proc.stderr
     (bad / "config.json").write_text(json.dumps(cfg))
     (bad / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
-    proc = tool("convert_hf_to_megatron.py", "--hf-dir", str(bad), "--out", str(tmp_path / "o"),
-                check=False)
+    proc = convert_here("--hf-dir", str(bad), "--out", str(tmp_path / "o"))
     assert proc.returncode == 2 and "shard model-00001-of-00002.safetensors" in proc.stderr
     # wrong shape: a k_proj with too many rows
     from safetensors.torch import load_file, save_file
@@ -128,29 +144,25 @@ def test_bad_inputs(converted, tmp_path):
     tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(48, 64)
     (bad / "model.safetensors.index.json").unlink()
     save_file(tensors, bad / "model.safetensors")
-    proc = tool("convert_hf_to_megatron.py", "--hf-dir", str(bad), "--out", str(tmp_path / "o"),
-                check=False)
+    proc = convert_here("--hf-dir", str(bad), "--out", str(tmp_path / "o"))
     assert proc.returncode == 2 and "shape mismatch for HF 'model.layers.0.self_attn.k_proj.weight'" in proc.stderr
     # an unknown key
     tensors = load_file(hf / "model.safetensors")
     tensors["model.layers.0.extra.weight"] = torch.zeros(2)
     save_file(tensors, bad / "model.safetensors")
-    proc = tool("convert_hf_to_megatron.py", "--hf-dir", str(bad), "--out", str(tmp_path / "o"),
-                check=False)
+    proc = convert_here("--hf-dir", str(bad), "--out", str(tmp_path / "o"))
     assert proc.returncode == 2 and "unknown HF keys" in proc.stderr \
         and "model.layers.0.extra.weight" in proc.stderr
     # damaged files: truncated (a copy cut short), and NaN written over a tensor
     data = (hf / "model.safetensors").read_bytes()
     (bad / "model.safetensors").write_bytes(data[:len(data) // 2])
-    proc = tool("convert_hf_to_megatron.py", "--hf-dir", str(bad), "--out", str(tmp_path / "o"),
-                check=False)
+    proc = convert_here("--hf-dir", str(bad), "--out", str(tmp_path / "o"))
     assert proc.returncode == 2 and f"{bad / 'model.safetensors'}" in proc.stderr \
         and "truncated or damaged" in proc.stderr and "Traceback" not in proc.stderr
     tensors = load_file(hf / "model.safetensors")
     tensors["model.layers.1.mlp.up_proj.weight"][3, :5] = float("nan")
     save_file(tensors, bad / "model.safetensors")
-    proc = tool("convert_hf_to_megatron.py", "--hf-dir", str(bad), "--out", str(tmp_path / "o"),
-                check=False)
+    proc = convert_here("--hf-dir", str(bad), "--out", str(tmp_path / "o"))
     assert proc.returncode == 2 and "tensor 'model.layers.1.mlp.up_proj.weight' holds 5 " \
         "non-finite values" in proc.stderr
     assert not (tmp_path / "o" / "latest").exists()
