@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -250,6 +251,7 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
             logger.log(0, first)
             result["eval_start"] = first
     for step, epoch, indices in global_batches(plan, cfg.run.seed, start_step):
+        started = time.perf_counter()
         if task.before_batch:
             task.before_batch([task.train_items[i] for i in indices])
         mine = [task.train_items[i] for i in rank_share(indices, layout)]
@@ -262,7 +264,8 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
         check_runaway(role.trained, role.spec.name)
         done = step + 1
         metrics = {f"train/{k}": v for k, v in task.summarize(reduce_logs(logs, layout)).items()}
-        metrics.update({"train/grad_norm": grad_norm,
+        metrics.update({"perf/step_seconds": time.perf_counter() - started,
+                        "train/grad_norm": grad_norm,
                         "train/lr": role.trained.optimizer.param_groups[0]["lr"],
                         "train/epoch": epoch,
                         "train/skipped_steps": role.trained.num_skipped_steps})
