@@ -6,6 +6,7 @@ The pipeline, on the synthetic task that `bash scripts/demo.sh` writes:
   megarlhf sft configs/sft_tiny.yaml tokenizer.path=runs/task/tok.model
   megarlhf rm  configs/rm_tiny.yaml  tokenizer.path=runs/task/tok.model
   megarlhf ppo configs/demo/ppo.yaml
+  megarlhf dpo configs/dpo_tiny.yaml      # or DPO on the pairs, no reward model
   torchrun --nproc-per-node 2 -m megarlhf.cli ppo configs/demo/ppo.yaml \\
       parallel.tensor_model_parallel_size=2
 
