@@ -543,7 +543,8 @@ class RolloutConfig:
     (decoded text, the response without its stop token) used instead of a reward model;
     None uses the reward model."""
     offload_frozen_models: bool = True
-    """Offload reference and reward models between experience phases."""
+    """Offload reference and reward models between their scoring passes (the default of
+    roles.reference.offload / roles.reward.offload)."""
 
     def __post_init__(self):
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size",
@@ -667,6 +668,9 @@ class LoggingConfig:
     """Print a table of sample prompts and responses every N iterations."""
     progress_bar: bool = True
     """Show a progress bar on rank 0."""
+    memory_metrics: bool = True
+    """PPO: per-phase memory accounting of every role (memory/* metrics in MiB and a table
+    at the end of the run); false skips the bookkeeping."""
 
     def __post_init__(self):
         _require(self.log_interval >= 1, "logging.log_interval", self.log_interval,
@@ -698,6 +702,9 @@ class LaunchConfig:
     """Where job logs go (one file per job)."""
     python: str = "python"
     """Python executable on the compute nodes (e.g. a venv's)."""
+    gpu_memory_gib: float | None = None
+    """Memory of one GPU in GiB (e.g. 80): ``megarlhf launch`` then refuses a config whose
+    predicted per-GPU memory (``megarlhf plan``) does not fit. None: no check."""
 
     def __post_init__(self):
         for name in ("nodes", "tasks_per_node", "cpus_per_task"):
@@ -707,6 +714,9 @@ class LaunchConfig:
                  "must be >= 0")
         _require(self.preempt_signal_seconds >= 1, "launch.preempt_signal_seconds",
                  self.preempt_signal_seconds, "must be >= 1")
+        if self.gpu_memory_gib is not None:
+            _require(self.gpu_memory_gib > 0, "launch.gpu_memory_gib", self.gpu_memory_gib,
+                     "must be > 0 or null")
 
 
 
@@ -741,6 +751,14 @@ class RoleConfig:
     optimizer: OptimizerConfig | None = None
     """Trained roles only (actor, critic): the fields written here replace the top-level
     ``optimizer``'s (lr, schedule, use_distributed_optimizer, ...)."""
+    offload: Literal["none", "optimizer", "optimizer+grads", "all"] | None = None
+    """What leaves the accelerator (to pinned host memory) while it is not needed.
+    Trained roles (actor, critic) during the rollout: none (default); optimizer (Adam
+    state and fp32 master weights); optimizer+grads (also megatron's gradient buffers,
+    dropped rather than copied); all (also the parameters, after the actor is resharded
+    into the inference model; they return for the experience passes). Frozen roles
+    (reference, reward): none or all (parameters between their scoring passes); null
+    follows rollout.offload_frozen_models. ``megarlhf plan`` shows what each saves."""
 
 
 @dataclass(kw_only=True)

@@ -44,6 +44,8 @@ class RoleSpec:
     where: str = "model"  # config section, for messages
     saved_tokenizer: dict | None = None  # the checkpoint's tokenizer fingerprint
     head_affine: tuple[float, float] | None = None  # (gain, bias) folded into the scalar head
+    # what leaves the device between phases (engine.offload levels); None: not resolved
+    offload: str | None = None
 
     @property
     def trained(self) -> bool:
@@ -300,6 +302,8 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None
     for name in ("reference", "reward"):
         if getattr(roles, name).optimizer is not None:
             raise ConfigError(f"roles.{name}.optimizer is set, but the {name} role is frozen")
+    specs = {name: dataclasses.replace(spec, offload=_offload_of(cfg, name, spec.trained))
+             for name, spec in specs.items()}
     _check_vocab(specs, tokenizer)
     longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     for spec in specs.values():
@@ -308,6 +312,20 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None
     return {name: dataclasses.replace(spec, model=dataclasses.replace(
                 spec.model, hidden_dropout=0.0, attention_dropout=0.0))
             for name, spec in specs.items()}
+
+
+def _offload_of(cfg: Config, name: str, trained: bool) -> str:
+    """``roles.<name>.offload`` resolved: trained roles default to none, frozen ones to
+    ``rollout.offload_frozen_models``; a frozen role has only parameters to move."""
+    level = getattr(cfg.roles, name).offload
+    if trained:
+        return level or "none"
+    if level is None:
+        return "all" if cfg.rollout.offload_frozen_models else "none"
+    if level not in ("none", "all"):
+        raise ConfigError(f"roles.{name}.offload={level!r}: the {name} role is frozen and "
+                          "has only parameters to move; use none or all")
+    return level
 
 
 def check_positions(spec: RoleSpec, longest: int, what: str) -> None:
@@ -355,6 +373,9 @@ def frozen_role_spec(cfg: Config, *, name: str, checkpoint: str, where: str, bas
     own = getattr(cfg.roles, name)
     if own.optimizer is not None:
         raise ConfigError(f"roles.{name}.optimizer is set, but the {name} role is frozen")
+    if own.offload is not None:
+        raise ConfigError(f"roles.{name}.offload is set, but the {name} role only fills the "
+                          "cache and is released before training: remove it")
     saved = read_saved_role(checkpoint, ("policy", "actor", name), where)
     model = _model_of(f"roles.{name}", saved, cfg.model,
                       [("model", cfg.model, PRECISION_FIELDS),

@@ -136,17 +136,25 @@ class ExperienceMaker:
     critic: Role | None
     eos_id: int
     pad_id: int
-    offload: bool = True
+    offload: bool = True  # frozen roles whose spec does not say (spec.offload None)
     micro_batch_size: int = 4
     ref_cache: SequenceCache | None = field(default_factory=SequenceCache)
+    # phase hooks (memory accounting, trained-role offload): before_generate(),
+    # after_generate(kv_cache_bytes), during_pass() - see stages.ppo.PhaseHooks
+    hooks: object | None = None
 
     def __post_init__(self):
         self.resharder = Resharder(self.actor.chunks, self.inference_model)
-        self.ref_offloader = Offloader(self.reference.chunks, self.offload)
+        self.ref_offloader = Offloader(self.reference.chunks, self._offloads(self.reference))
         self.rm_offloader = Offloader(self.reward.role.chunks if self.reward.role else [],
-                                      self.offload)
+                                      self._offloads(self.reward.role))
         self.ref_offloader.offload()
         self.rm_offloader.offload()
+
+    def _offloads(self, role: Role | None) -> bool:
+        if role is None or role.spec.offload is None:
+            return self.offload
+        return role.spec.offload == "all"
 
     def restore_frozen_models(self) -> None:
         """Bring the reference and reward models back (e.g. before handing them elsewhere)."""
@@ -165,12 +173,17 @@ class ExperienceMaker:
                                 stop_token_ids=tuple(r.stop_token_ids))
         # One seed per (iteration, prompt): samples do not depend on the layout, and TP
         # peers of a replica (same gathered logits) draw the same tokens.
+        if self.hooks is not None:
+            self.hooks.before_generate()
         start = time.perf_counter()
+        gen_stats: dict = {}
         gen = generate(self.inference_model, mine, params, eos_id=self.eos_id,
                        pad_id=self.pad_id, true_vocab=self.actor.spec.model.vocab_size,
                        stop_at_eos=r.stop_at_eos,
-                       row_seeds=[seed * 1000003 + i for i in indices])
+                       row_seeds=[seed * 1000003 + i for i in indices], stats=gen_stats)
         seconds = time.perf_counter() - start
+        if self.hooks is not None:
+            self.hooks.after_generate(gen_stats["kv_cache_bytes"])
         gen = _gather_generations(gen, prompts, inf, self.pad_id)
         return gen, {"timing/reshard": stats.seconds, "perf/reshard_bytes": stats.bytes_received,
                      "timing/generate": seconds}
@@ -181,6 +194,8 @@ class ExperienceMaker:
                                   tp_group=role.layout.tp_group,
                                   true_vocab=role.spec.model.vocab_size,
                                   temperature=self.cfg.rollout.temperature)
+        if self.hooks is not None:
+            self.hooks.during_pass()
         return forward_rows(role, rows, sequence_batch_fn(gen, self.pad_id), step,
                             micro_batch_size=self.micro_batch_size)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
+from megarlhf.engine.memory import kv_cache_bytes
 from megarlhf.parallel import cpu_backend
 
 _NEG = -1e30
@@ -87,7 +88,7 @@ def _attention_blocked(key_mask_BK: torch.Tensor, num_queries: int) -> torch.Ten
 def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id: int,
              pad_id: int, true_vocab: int, stop_at_eos: bool = True,
              generator: torch.Generator | None = None, row_seeds: list[int] | None = None,
-             use_cache: bool = True) -> Generation:
+             use_cache: bool = True, stats: dict | None = None) -> Generation:
     """Sample up to ``max_new_tokens`` per prompt. Every TP rank of one replica must pass
     the same prompts and an identically seeded ``generator``.
 
@@ -96,7 +97,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     generated it (PPO runs at different layouts then see the same samples). The row
     generators live on the model's device: the CPU and CUDA draw different streams, so
     samples are reproducible per device type. Everything runs on the model's device;
-    the returned tensors are on the host."""
+    the returned tensors are on the host. ``stats`` receives ``kv_cache_bytes``."""
     device = next(model.parameters()).device
     prompt_tokens, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
     B, P = prompt_tokens.shape
@@ -169,5 +170,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
             logits = last_logits(col + 1, col + 1)
         else:
             logits = last_logits(col + 1, 1)
+    if stats is not None:
+        stats["kv_cache_bytes"] = kv_cache_bytes(ctx) if ctx is not None else 0
     return Generation(*(t.cpu() for t in (prompt_tokens, prompt_mask, response, response_mask,
                                           logprobs, finished)))

@@ -9,6 +9,7 @@ Each iteration reads as numbered stages:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -22,7 +23,9 @@ from megarlhf.data.batching import pad_batch, prompt_response_batch, sft_example
 from megarlhf.data.datasets import tokenize_dataset
 from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, load_object, save_checkpoint
+from megarlhf.engine.memory import ActivationMeter, MemoryTracker, format_table
 from megarlhf.engine.metrics import MetricsLogger
+from megarlhf.engine.offload import TrainedOffloader
 from megarlhf.engine.optimizer import check_runaway, forward_backward, step_together
 from megarlhf.engine.preemption import PreemptionGuard, mark_preempted
 from megarlhf.engine.role_specs import ppo_role_specs
@@ -99,6 +102,64 @@ class PtxData:
         return out
 
 
+class PhaseHooks:
+    """What happens at the phase boundaries of an iteration: the trained roles' state
+    leaves the device for the rollout and comes back (``roles.<name>.offload``, see
+    ``engine.offload.TrainedOffloader``), and ``tracker`` (when set) records each phase's
+    memory: rollout (after the offload, with the KV cache), experience (during every
+    scoring pass, with that pass's frozen role resident), train (with each trained
+    role's activation peak) and save."""
+
+    def __init__(self, trained: dict, tracker: MemoryTracker | None):
+        self.offloaders = {name: TrainedOffloader(role, role.spec.offload)
+                           for name, role in trained.items()
+                           if role.spec.offload not in (None, "none")}
+        self.trained, self.tracker = trained, tracker
+        self.meters: dict[str, ActivationMeter] = {}
+
+    def before_generate(self) -> None:
+        for off in self.offloaders.values():
+            off.release(("optimizer", "grads", "params"))
+        if self.tracker is not None:
+            self.tracker.start_phase("rollout")
+
+    def after_generate(self, kv_cache_bytes: int) -> None:
+        if self.tracker is not None:
+            self.tracker.snapshot("rollout", extra={("inference", "kv_cache"): kv_cache_bytes})
+            self.tracker.end_phase("rollout")
+            self.tracker.start_phase("experience")
+        for off in self.offloaders.values():
+            off.restore(("params",))
+
+    def during_pass(self) -> None:
+        if self.tracker is not None:
+            self.tracker.snapshot("experience")
+
+    def before_train(self) -> dict[str, ActivationMeter]:
+        """Bring optimizer state and gradients back; returns the activation meters the
+        update runs its roles under (empty without a tracker)."""
+        for off in self.offloaders.values():
+            off.restore(("optimizer", "grads", "params"))
+        if self.tracker is None:
+            return {}
+        self.tracker.end_phase("experience")
+        self.tracker.start_phase("train")
+        self.meters = {name: ActivationMeter(exclude=role.parameters)
+                       for name, role in self.trained.items()}
+        return self.meters
+
+    def after_train(self) -> None:
+        if self.tracker is not None:
+            self.tracker.snapshot("train", transient={(name, "activations"): m.peak
+                                                      for name, m in self.meters.items()})
+            self.tracker.end_phase("train")
+
+    def before_save(self) -> None:
+        if self.tracker is not None:
+            self.tracker.start_phase("save")
+            self.tracker.snapshot("save")
+
+
 def describe_layouts(roles: dict) -> str:
     return "; ".join(f"{name} {role.layout.describe()}" for name, role in roles.items())
 
@@ -166,6 +227,11 @@ class PPOSession:
         self.trained = {"actor": self.actor}
         if self.critic is not None:
             self.trained["critic"] = self.critic
+        self.tracker = MemoryTracker({
+            "actor": self.actor, "critic": self.critic, "reference": self.reference,
+            "reward": reward.role, "ema": self.ema_role,
+            "inference": [self.maker.inference_model]}) if cfg.logging.memory_metrics else None
+        self.hooks = self.maker.hooks = PhaseHooks(self.trained, self.tracker)
         built = {"actor": self.actor, "critic": self.critic, "reference": self.reference,
                  "reward": reward.role}
         self.layouts = describe_layouts({k: v for k, v in built.items() if v is not None})
@@ -219,8 +285,10 @@ class PPOSession:
         # 3. PPO epochs over shuffled mini-batches
         t_train = time.perf_counter()
         train_critic_only = it < ppo.critic_warmup_iterations
+        meters = self.hooks.before_train()
         metrics.update(_update(cfg, exp, self.actor, self.critic, self.tokenizer.pad_id, it,
-                               train_critic_only, self.ema, self.ptx))
+                               train_critic_only, self.ema, self.ptx, meters))
+        self.hooks.after_train()
         metrics["timing/train"] = time.perf_counter() - t_train
         if metrics["ppo/skipped_steps"]:
             print0(f"[ppo] iteration {it + 1}: {metrics['ppo/skipped_steps']} optimizer step(s) "
@@ -232,6 +300,8 @@ class PPOSession:
         tokens = exp.response_mask_BT.sum() + exp.prompt_mask_BP.sum()
         metrics["perf/tokens_per_s"] = float(tokens) / metrics["timing/iteration"]
         metrics["perf/samples_per_s"] = len(exp) / metrics["timing/iteration"]
+        if self.tracker is not None:
+            metrics.update(self.tracker.metrics())
         return metrics, exp, gen
 
     def close(self) -> None:
@@ -289,6 +359,7 @@ def run_ppo(cfg: Config, tokenizer) -> dict:
         if (cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0) \
                 or done == ppo.num_iterations or preempted:
             session.sync_ema()
+            session.hooks.before_save()
             path = save_checkpoint(
                 ckpt_dir, f"iter_{done:06d}", session.roles,
                 trainer_state={"iteration": done, "kl_controller": kl_ctl.state_dict()},
@@ -303,6 +374,12 @@ def run_ppo(cfg: Config, tokenizer) -> dict:
                 return {"preempted_at": done}
         result = metrics
     bar.close()
+    if session.tracker is not None:
+        table = format_table(session.tracker.metrics(),
+                             "[ppo] memory per rank, MiB (largest rank; megarlhf plan predicts "
+                             "these):")
+        print0(table)
+        logger.log_text(ppo.num_iterations, "memory", "    " + table.replace("\n", "\n    "))
     session.close()
     logger.close()
     print0(f"[ppo] done: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()
@@ -325,10 +402,12 @@ def _share(exp: algos.Experience, layout) -> algos.Experience:
     return exp.select(list(range(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)))
 
 
-def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None) -> dict:
+def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
+            meters: dict | None = None) -> dict:
     """``ppo_epochs`` passes of shuffled global mini-batches; actor and critic each take
     their own data-parallel share and step together (or skip together). With PPO-ptx
-    each actor mini-batch also carries its pretraining micro-batches."""
+    each actor mini-batch also carries its pretraining micro-batches. ``meters`` (by role
+    name) measure each role's activations."""
     ppo = cfg.ppo
     P = exp.prompt_tokens_BP.shape[1]
     S = P + exp.response_tokens_BT.shape[1]
@@ -352,9 +431,10 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None) -> 
                     _, count = algos.aggregate_parts(torch.zeros_like(mini.policy_mask_BT),
                                                      mini.policy_mask_BT, ppo.loss_agg)
                     batches += ptx.batches(it, step, S, role.layout, float(count))
-                logs[role.spec.name] += forward_backward(role.trained, fwd, batches,
-                                                         seq_length=S,
-                                                         micro_batch_size=ppo.micro_batch_size)
+                with (meters or {}).get(role.spec.name) or contextlib.nullcontext():
+                    logs[role.spec.name] += forward_backward(
+                        role.trained, fwd, batches, seq_length=S,
+                        micro_batch_size=ppo.micro_batch_size)
             if learners:
                 ok, _ = step_together([role.trained for role, _ in learners])
                 skipped += not ok

@@ -1,0 +1,95 @@
+"""The parameters one rank's model chunk holds, from the config alone (no process groups,
+no allocation): names, shapes and megatron's ``shared_embedding`` flag, in the order of
+``named_parameters()`` of the chunk :func:`~megarlhf.models.gpt.build_model` builds with the
+local layer spec. The memory planner reads them; a test compares them with built chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megarlhf.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    name: str
+    shape: tuple[int, ...]
+    shared_embedding: bool = False  # tied word embedding/output layer split over PP
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _layer(model: ModelConfig, tp: int, prefix: str) -> list[ParamShape]:
+    """One transformer layer with tensor parallelism ``tp`` (local spec order)."""
+    h, kv = model.hidden_size, model.hidden_size // model.num_attention_heads
+    qkv = (model.num_attention_heads + 2 * model.query_groups) * kv // tp
+    gated = model.arch == "llama"
+    fc1 = (2 if gated else 1) * model.ffn_size // tp
+    bias = model.arch == "gpt2"  # add_bias_linear; LayerNorm has a bias too
+    out: list[ParamShape] = []
+
+    def norm(name: str) -> None:
+        out.append(ParamShape(f"{prefix}{name}.weight", (h,)))
+        if bias:
+            out.append(ParamShape(f"{prefix}{name}.bias", (h,)))
+
+    norm("input_layernorm")
+    out.append(ParamShape(f"{prefix}self_attention.linear_proj.weight", (h, h // tp)))
+    if bias:  # a row-parallel layer's bias is whole on every TP rank
+        out.append(ParamShape(f"{prefix}self_attention.linear_proj.bias", (h,)))
+    out.append(ParamShape(f"{prefix}self_attention.linear_qkv.weight", (qkv, h)))
+    if model.qkv_bias:
+        out.append(ParamShape(f"{prefix}self_attention.linear_qkv.bias", (qkv,)))
+    norm("pre_mlp_layernorm")
+    out.append(ParamShape(f"{prefix}mlp.linear_fc1.weight", (fc1, h)))
+    if bias:
+        out.append(ParamShape(f"{prefix}mlp.linear_fc1.bias", (fc1,)))
+    out.append(ParamShape(f"{prefix}mlp.linear_fc2.weight", (h, model.ffn_size // tp)))
+    if bias:
+        out.append(ParamShape(f"{prefix}mlp.linear_fc2.bias", (h,)))
+    return out
+
+
+def chunk_params(model: ModelConfig, *, kind: str, padded_vocab: int, tp: int, pp: int,
+                 pp_rank: int, vpp: int | None = None, vp_stage: int = 0) -> list[ParamShape]:
+    """The parameters of pipeline rank ``pp_rank``'s chunk ``vp_stage`` (layers
+    ``num_layers / (pp x vpp)`` of them), for an ``"lm"`` or ``"value"`` model."""
+    chunks = pp * (vpp or 1)
+    per_chunk = model.num_layers // chunks
+    pre = pp_rank == 0 and vp_stage == 0
+    post = pp_rank == pp - 1 and vp_stage == (vpp or 1) - 1
+    tied = model.tied and kind == "lm"
+    h = model.hidden_size
+    out: list[ParamShape] = []
+    if pre:
+        out.append(ParamShape("embedding.word_embeddings.weight", (padded_vocab // tp, h),
+                              shared_embedding=tied and pp > 1))
+        if model.arch == "gpt2":
+            out.append(ParamShape("embedding.position_embeddings.weight",
+                                  (model.max_position_embeddings, h)))
+    for i in range(per_chunk):
+        out += _layer(model, tp, f"decoder.layers.{i}.")
+    if post:
+        out.append(ParamShape("decoder.final_layernorm.weight", (h,)))
+        if model.arch == "gpt2":
+            out.append(ParamShape("decoder.final_layernorm.bias", (h,)))
+        if kind == "value":
+            out += [ParamShape("output_layer.weight", (1, h)),
+                    ParamShape("output_layer.bias", (1,))]
+        elif not (tied and pre):  # tied on one stage: the embedding is the output layer
+            out.append(ParamShape("output_layer.weight", (padded_vocab // tp, h),
+                                  shared_embedding=tied))
+    return out
+
+
+def rank_chunks(model: ModelConfig, *, kind: str, padded_vocab: int, tp: int, pp: int,
+                pp_rank: int, vpp: int | None = None) -> list[list[ParamShape]]:
+    """Every chunk pipeline rank ``pp_rank`` holds (one, or ``vpp``)."""
+    return [chunk_params(model, kind=kind, padded_vocab=padded_vocab, tp=tp, pp=pp,
+                         pp_rank=pp_rank, vpp=vpp, vp_stage=v) for v in range(vpp or 1)]
