@@ -143,6 +143,27 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from megarlhf.engine.plan import GIB, explain, format_plan, parse_bytes, plan_ppo
+
+    cfg = _resolve(args)
+    gpus = args.gpus_per_node or cfg.launch.gpus_per_node or cfg.launch.tasks_per_node
+    nodes = args.nodes or cfg.launch.nodes
+    world = nodes * gpus
+    capacity = parse_bytes(args.gpu_memory) if args.gpu_memory else (
+        cfg.launch.gpu_memory_gib * GIB if cfg.launch.gpu_memory_gib else None)
+    if not 0 <= args.headroom < 1:
+        raise ConfigError(f"--headroom {args.headroom}: must be in [0, 1)")
+    print(f"megarlhf plan: PPO of {args.config} on {nodes} node(s) x {gpus} GPU(s) = "
+          f"{world} processes")
+    if capacity is None:
+        print(format_plan(plan_ppo(cfg, world), None, args.headroom))
+        return 0
+    ok, text = explain(cfg, world, capacity, gpus, args.headroom)
+    print(text)
+    return 0 if ok else 1
+
+
 def cmd_launch(args) -> int:
     from megarlhf.launch import render_sbatch, submit
 
@@ -258,6 +279,34 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("config", help="the stage's YAML config")
     build.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     build.set_defaults(func=cmd_cache_build)
+    plan = sub.add_parser(
+        "plan", help="predict per-GPU memory of every PPO role and phase; does it fit?",
+        description="Predict, before anything is built, the bytes every rank holds in each "
+        "PPO phase (rollout, experience, train, save) for every role: parameters, "
+        "gradients, optimizer state and the KV cache exactly (megatron's padded buffers "
+        "and distributed-optimizer shards included), activations and transient logits as "
+        "estimates. Says whether the run fits the GPUs, names the largest consumer, and "
+        "when it does not fit lists uniform layouts and offload levels that would. "
+        "Roles whose checkpoints do not exist yet are sized from the config's model "
+        "(model.* and roles.<name>.model.*). Runs in one process; no GPU needed. Exit "
+        "status 1 when it does not fit.\n\nexample (an 8B actor, critic and reference and "
+        "a 1B reward model on 2 nodes of 8 x 80 GiB):\n  megarlhf plan configs/plan_8b.yaml "
+        "--gpu-memory 80GiB --gpus-per-node 8 --nodes 2\n\nThe run itself logs the same "
+        "quantities measured (memory/<phase>/<role>/<part>, MiB) and prints a table at "
+        "the end; `megarlhf launch` refuses a config that does not fit "
+        "launch.gpu_memory_gib.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan.add_argument("config", help="a PPO YAML config")
+    plan.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    plan.add_argument("--gpu-memory", help="memory of one GPU, e.g. 80GiB or 141GB "
+                      "(default launch.gpu_memory_gib; none: report only)")
+    plan.add_argument("--gpus-per-node", type=int, default=None,
+                      help="processes per node (default launch.gpus_per_node)")
+    plan.add_argument("--nodes", type=int, default=None, help="nodes (default launch.nodes)")
+    plan.add_argument("--headroom", type=float, default=0.1,
+                      help="fraction of GPU memory kept for the CUDA context, NCCL and "
+                      "fragmentation (default 0.1)")
+    plan.set_defaults(func=cmd_plan)
     launch = sub.add_parser("launch", help="render and submit an sbatch script for a stage")
     launch.add_argument("stage", choices=["sft", "rm", "ppo", "dpo", "distill"])
     launch.add_argument("config", help="YAML config")

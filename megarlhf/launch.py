@@ -12,7 +12,7 @@ import os
 import shlex
 import subprocess
 
-from megarlhf.config import Config, ConfigError, check_ppo
+from megarlhf.config import Config, ConfigError, check_ppo, explicit_fields
 
 STAGES = ("sft", "rm", "ppo", "dpo", "distill", "score")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,12 +54,35 @@ def check_fit(cfg: Config) -> int:
     return world
 
 
+def check_memory(cfg: Config, world: int) -> None:
+    """With ``launch.gpu_memory_gib`` set: refuse a PPO config whose predicted per-GPU
+    memory (``megarlhf plan``) does not fit, with the plan and the layouts that would."""
+    if cfg.launch.gpu_memory_gib is None:
+        return
+    from megarlhf.engine.plan import GIB, explain, missing_checkpoints
+
+    missing = missing_checkpoints(cfg)
+    if missing and not (cfg.model.vocab_size and {"num_layers", "hidden_size"}
+                        <= explicit_fields(cfg.model)):
+        raise ConfigError(
+            "launch.gpu_memory_gib is set but the memory check cannot size these roles: "
+            f"{', '.join(missing)} not found on this machine. Write the model's shape in "
+            "the config (model.num_layers, model.hidden_size, ...) or unset "
+            "launch.gpu_memory_gib")
+    ok, text = explain(cfg, world, cfg.launch.gpu_memory_gib * GIB,
+                       cfg.launch.gpus_per_node or cfg.launch.tasks_per_node)
+    if not ok:
+        raise ConfigError(f"the PPO run does not fit launch.gpu_memory_gib="
+                          f"{cfg.launch.gpu_memory_gib:g} per GPU (megarlhf plan):\n{text}")
+
+
 def render_sbatch(cfg: Config, stage: str, config_path: str, overrides: list[str]) -> str:
     if stage not in STAGES:
         raise ConfigError(f"stage must be one of {', '.join(STAGES)}, got {stage!r}")
     world = check_fit(cfg)
     if stage == "ppo":
         check_ppo(cfg)  # a setting that would do nothing fails here, not on the cluster
+        check_memory(cfg, world)
     launch = cfg.launch
     run_dir = os.path.join(cfg.run.output_dir, cfg.run.name)
     lines = ["#!/bin/bash",

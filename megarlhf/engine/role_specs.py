@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 from megarlhf.config import (
@@ -208,17 +209,28 @@ def _check_vocab(specs: dict[str, RoleSpec], tokenizer: dict | None) -> None:
                               f"with another tokenizer than the actor's ({actor.checkpoint})")
 
 
-def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None
-                   ) -> dict[str, RoleSpec]:
+def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, *,
+                   planning: bool = False) -> dict[str, RoleSpec]:
     """The PPO roles (critic only for GAE; reward model unless ``rollout.reward_fn``). The
-    PPO settings are checked first (``config.check_ppo``)."""
+    PPO settings are checked first (``config.check_ppo``). ``planning`` (``megarlhf
+    plan``): a checkpoint that is not set or not there yet is a role of the config's
+    model (``model`` with ``roles.<name>.model`` on top), so a run can be sized before
+    its checkpoints exist."""
     check_ppo(cfg)
     ppo, roles = cfg.ppo, cfg.roles
+
+    def read(path, preferred, where):
+        if planning and (path is None or not os.path.exists(path)):
+            return None
+        return read_saved_role(path, preferred, where)
+
     actor_ckpt = _checkpoint_of(cfg, "actor", ppo.sft_checkpoint, "ppo.sft_checkpoint")
-    if actor_ckpt is None:
+    if actor_ckpt is None and not planning:
         raise ConfigError("the actor needs a checkpoint: set ppo.sft_checkpoint (or "
                           "roles.actor.checkpoint) to an SFT run's checkpoints")
     reward_ckpt = _checkpoint_of(cfg, "reward", ppo.reward_checkpoint, "ppo.reward_checkpoint")
+    if planning and reward_ckpt is None and cfg.rollout.reward_fn is None:
+        reward_ckpt = ""  # a reward model of the config's model
     if reward_ckpt is None and cfg.rollout.reward_fn is None:
         raise ConfigError("set ppo.reward_checkpoint (or roles.reward.checkpoint) or "
                           "rollout.reward_fn")
@@ -234,7 +246,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None
     rollout_tp = cfg.rollout.tensor_parallel_size
     specs: dict[str, RoleSpec] = {}
 
-    saved = read_saved_role(actor_ckpt, ("policy", "actor"), "roles.actor.checkpoint")
+    saved = read(actor_ckpt, ("policy", "actor"), "roles.actor.checkpoint")
     model = _model_of("roles.actor", saved, cfg.model,
                       policy_overrides + [("roles.actor.model", roles.actor.model, None)])
     specs["actor"] = _spec(cfg, name="actor", kind="lm", where="roles.actor", saved=saved,
@@ -244,8 +256,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None
     check_rollout_layout(model, rollout_tp, world_size)
 
     ref_ckpt = roles.reference.checkpoint or actor_ckpt
-    saved = read_saved_role(ref_ckpt, ("policy", "actor", "reference"),
-                            "roles.reference.checkpoint")
+    saved = read(ref_ckpt, ("policy", "actor", "reference"), "roles.reference.checkpoint")
     model = _model_of("roles.reference", saved, cfg.model,
                       policy_overrides + [("roles.reference.model", roles.reference.model,
                                            None)])
@@ -256,7 +267,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None
 
     reward_saved = None
     if reward_ckpt is not None:
-        reward_saved = read_saved_role(reward_ckpt, ("reward",), "roles.reward.checkpoint")
+        reward_saved = read(reward_ckpt, ("reward",), "roles.reward.checkpoint")
         model = _model_of("roles.reward", reward_saved, cfg.model,
                           [precision, ("roles.reward.model", roles.reward.model, None)])
         specs["reward"] = _spec(cfg, name="reward", kind="value", where="roles.reward",
@@ -272,8 +283,8 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None
                                   "with rollout.reward_fn use ppo.critic_init=sft or random")
             critic_ckpt = {"reward": reward_ckpt, "sft": actor_ckpt, "random": None}[
                 ppo.critic_init]
-        saved = read_saved_role(critic_ckpt, ("critic", "reward", "policy", "actor"),
-                                "roles.critic.checkpoint") if critic_ckpt else None
+        saved = read(critic_ckpt, ("critic", "reward", "policy", "actor"),
+                     "roles.critic.checkpoint") if critic_ckpt else None
         base = specs["actor"].model
         model = _model_of("roles.critic", saved, base,
                           [precision, ("roles.critic.model", roles.critic.model, None)])

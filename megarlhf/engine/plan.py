@@ -1,0 +1,487 @@
+"""Memory per rank before anything is built: ``megarlhf plan``.
+
+For every role, phase and rank the planner predicts what :mod:`engine.memory` measures:
+
+- **exact** (equal to the measured bytes): parameters (with the distributed optimizer, the
+  padded contiguous buffer megatron allocates), gradient buffers (fp32, padded the same
+  way), optimizer state (Adam's two moments and step per parameter shard, fp32 master
+  copies of low-precision weights), the inference model, the KV cache;
+- **estimated**: activations saved for backward (per-layer terms of this implementation's
+  layers, times the micro-batches a pipeline stage holds), and transient forward buffers
+  (logits) of the experience passes and of generation, which CPU runs do not measure.
+
+Phases and what is resident in each mirror the PPO loop and ``RoleConfig.offload``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from megarlhf.config import Config, ConfigError, check_model_layout, padded_vocab_size
+from megarlhf.engine.offload import LEVEL_PARTS, OFFLOAD_LEVELS
+from megarlhf.engine.role_specs import RoleSpec, ppo_role_specs
+from megarlhf.models.shapes import ParamShape, rank_chunks
+
+PHASES = ("rollout", "experience", "train", "save")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIB = 2**30
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '80GB', '81920MiB', '85899345920' -> bytes (GB is 10^9, GiB 2^30)."""
+    units = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+    raw = text.strip().lower().replace(" ", "")
+    num = raw.rstrip("kmgtib")
+    unit = raw[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise ConfigError(f"memory size {text!r}: write a positive number with a unit, "
+                          "e.g. 80GiB or 141GB")
+    return int(value * units[unit])
+
+
+# ------------------------------------------------------------------ exact parts
+
+def ddp_buffer(params: list[ParamShape], dp: int, distributed: bool
+               ) -> tuple[int, dict[str, tuple[int, int]], list[tuple[int, int]]]:
+    """megatron DDP's contiguous buffer for one chunk (bucketing off, as megarlhf builds
+    it): (padded numel, {name: (start, end)}, buckets). Parameters are laid out in
+    reverse order; with the distributed optimizer each starts 64-aligned, a shared
+    embedding gets its own bucket, and buckets end on a multiple of lcm(DP, 128)."""
+    def pad(n: int, d: int) -> int:
+        return -(-n // d) * d
+
+    end_pad = math.lcm(dp, 128) if distributed else 1
+    index: dict[str, tuple[int, int]] = {}
+    buckets: list[tuple[int, int]] = []
+    start = bucket_start = 0
+    in_bucket = 0
+    end = 0
+
+    def close(at: int) -> int:
+        nonlocal bucket_start, in_bucket
+        stop = pad(at, end_pad)
+        buckets.append((bucket_start, stop))
+        bucket_start, in_bucket = stop, 0
+        return stop
+
+    for p in reversed(params):
+        if distributed:
+            start = pad(start, 64)
+        own = p.shared_embedding and distributed
+        if own and in_bucket:
+            start = close(start)
+        end = start + p.numel
+        index[p.name] = (start, end)
+        in_bucket += 1
+        start = close(end) if own else end
+    if in_bucket:
+        close(end)
+    return (buckets[-1][1] if buckets else 0), index, buckets
+
+
+def static_bytes(spec: RoleSpec, dp: int, pp_rank: int, dp_rank: int) -> dict[str, int]:
+    """This rank's parameters, gradients and optimizer state of a built role (a frozen
+    role: parameters only; optimizer state as after the first step)."""
+    dsize = DTYPE_BYTES[spec.model.params_dtype]
+    chunks = rank_chunks(spec.model, kind=spec.kind, padded_vocab=spec.padded_vocab,
+                         tp=spec.tp, pp=spec.pp, pp_rank=pp_rank, vpp=spec.vpp)
+    if spec.optimizer is None:
+        return {"params": sum(p.numel for chunk in chunks for p in chunk) * dsize}
+    distributed = spec.optimizer.use_distributed_optimizer
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+    master = 4 if dsize != 4 else 0  # fp32 master copy of a low-precision weight
+    for chunk in chunks:
+        numel, index, buckets = ddp_buffer(chunk, dp, distributed)
+        out["grads"] += numel * 4  # grad_reduce_in_fp32
+        if not distributed:
+            out["params"] += sum(p.numel for p in chunk) * dsize
+            out["optimizer"] += sum((8 + master) * p.numel + 4 for p in chunk)
+            continue
+        out["params"] += numel * dsize
+        for b_start, b_end in buckets:
+            shard = (b_end - b_start) // dp
+            lo, hi = b_start + dp_rank * shard, b_start + (dp_rank + 1) * shard
+            for start, end in index.values():
+                if b_start <= start < b_end:
+                    n = max(0, min(end, hi) - max(start, lo))
+                    if n:
+                        out["optimizer"] += (8 + master) * n + 4  # exp_avg, exp_avg_sq, step
+    return out
+
+
+def kv_cache_bytes(model, *, tp: int, batch: int, seq: int) -> int:
+    """megatron's static KV cache: key and value, (seq, batch, groups / TP, head dim) per
+    layer, in the model's dtype."""
+    head_dim = model.hidden_size // model.num_attention_heads
+    return (2 * model.num_layers * seq * batch * (model.query_groups // tp) * head_dim
+            * DTYPE_BYTES[model.params_dtype])
+
+
+# ------------------------------------------------------------------ estimates
+
+def layer_activation_floats(model, tp: int, batch: int, seq: int) -> float:
+    """Values one transformer layer of this implementation keeps for backward per token
+    (local layers, SDPA): norms and residuals whole, attention and MLP split over TP,
+    SDPA's float mask (seq per token), RoPE tables (llama)."""
+    h, heads = model.hidden_size, model.num_attention_heads
+    kv = h // heads
+    gkv = model.query_groups * kv
+    ffn = model.ffn_size
+    if model.arch == "llama":
+        whole = 5 * h + 2
+        split = 4 * h + 3 * gkv + heads + 5 * ffn
+        rope = 4 * kv / batch
+    else:
+        whole = 3 * h + 4
+        split = 3 * h + 2 * gkv + heads + 2 * ffn
+        rope = 0.0
+    return whole + split / tp + seq + rope
+
+
+def chunk_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int,
+                           layers: int, pre: bool, post: bool) -> float:
+    """One micro-batch through one chunk, bytes saved for backward."""
+    model, tokens = spec.model, batch * seq
+    dsize = DTYPE_BYTES[model.params_dtype]
+    total = layers * layer_activation_floats(model, spec.tp, batch, seq) * tokens * dsize
+    if pre:
+        total += tokens * 8 * (2 if model.arch == "gpt2" else 1)  # token (and position) ids
+    if post:
+        total += (3 * model.hidden_size + 2) * tokens * dsize + 12 * batch * response * 4
+        if spec.kind == "lm":  # response logits and their softmax, fp32
+            total += 2 * batch * response * (spec.padded_vocab // spec.tp) * 4
+    return total
+
+
+def train_activation_bytes(spec: RoleSpec, *, pp_rank: int, micro: int, micro_batches: int,
+                           seq: int, response: int) -> float:
+    """Peak activations of pipeline rank ``pp_rank``: one micro-batch without a pipeline;
+    1F1B holds min(PP - stage, micro-batches); the interleaved schedule holds its warm-up
+    of chunk forwards."""
+    pp, vpp = spec.pp, spec.vpp or 1
+    layers = spec.model.num_layers // (pp * vpp)
+    per_chunk = [chunk_activation_bytes(
+        spec, batch=micro, seq=seq, response=response, layers=layers,
+        pre=pp_rank == 0 and v == 0, post=pp_rank == pp - 1 and v == vpp - 1)
+        for v in range(vpp)]
+    if pp == 1:
+        return max(per_chunk)
+    if vpp == 1:
+        return per_chunk[0] * min(pp - pp_rank, micro_batches)
+    in_flight = min((pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1, micro_batches * vpp)
+    return sum(per_chunk) / vpp * in_flight
+
+
+def prefill_bytes(spec: RoleSpec, *, batch: int, prompt: int) -> float:
+    """Transient buffers of generation's prefill (no autograd): one layer's hidden states,
+    MLP intermediates and SDPA's masks for the whole prompt, and the last position's
+    logits with the sampler's copies (megatron materialises only the last token)."""
+    m = spec.model
+    dsize = DTYPE_BYTES[m.params_dtype]
+    tokens = batch * prompt
+    return (tokens * (4 * m.hidden_size + 6 * m.ffn_size / spec.tp) * dsize
+            + 5 * batch * prompt * prompt + 5 * batch * spec.padded_vocab * 4)
+
+
+def forward_bytes(spec: RoleSpec, *, batch: int, seq: int) -> float:
+    """Transient buffers of a forward-only pass on the last stage: the fp32 logits and
+    their log-softmax (LM), or a few hidden-state copies (value model)."""
+    if spec.kind == "lm":
+        return 2 * batch * seq * (spec.padded_vocab // spec.tp) * 4
+    return 4 * batch * seq * spec.model.hidden_size * DTYPE_BYTES[spec.model.params_dtype]
+
+
+# ------------------------------------------------------------------ the plan
+
+@dataclass
+class Plan:
+    """Bytes per rank: ``ranks[rank][phase][(role, part)]``; ``exact`` names the parts that
+    equal measurement; totals follow the tracker's rules (activations of the trained
+    roles peak one after the other; in the experience phase offloaded frozen roles are
+    resident one at a time)."""
+
+    world: int
+    specs: dict[str, RoleSpec]
+    rollout_tp: int
+    ranks: list[dict[str, dict[tuple[str, str], float]]]
+    totals: list[dict[str, float]]
+    notes: list[str] = field(default_factory=list)
+
+    def worst(self) -> tuple[float, int, str]:
+        """(bytes, rank, phase) of the largest total."""
+        return max((total, rank, phase) for rank, by_phase in enumerate(self.totals)
+                   for phase, total in by_phase.items())
+
+    def largest_part(self, rank: int, phase: str) -> tuple[str, str, float]:
+        (role, part), value = max(self.ranks[rank][phase].items(), key=lambda kv: kv[1])
+        return role, part, value
+
+    def phase_max(self) -> dict[str, dict[tuple[str, str], float]]:
+        """Per phase, each (role, part)'s largest value over ranks (what the run's
+        memory/* metrics report)."""
+        out: dict[str, dict[tuple[str, str], float]] = {p: {} for p in PHASES}
+        for by_phase in self.ranks:
+            for phase, parts in by_phase.items():
+                for key, value in parts.items():
+                    out[phase][key] = max(out[phase].get(key, 0.0), value)
+        return out
+
+
+def _resident(spec: RoleSpec, phase: str, part: str) -> bool:
+    """Whether ``part`` of ``spec`` stays on the device throughout ``phase`` (offloaded
+    frozen roles come on for their own pass in the experience phase, counted apart)."""
+    level = spec.offload or "none"
+    if not spec.trained:
+        return level == "none"
+    away = LEVEL_PARTS[level]
+    if phase == "rollout":
+        return part not in away
+    if phase == "experience":
+        return part == "params" or part not in away
+    return True
+
+
+def _coords(rank: int, tp: int, pp: int, world: int) -> tuple[int, int, int]:
+    """(tp_rank, dp_rank, pp_rank) of ``rank`` (rank = tp + TP * dp + TP * DP * pp)."""
+    dp = world // (tp * pp)
+    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+
+def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = None,
+             rollout_tp: int | None = None, prompt_len: int | None = None,
+             response_len: int | None = None) -> Plan:
+    """Predict every rank's memory in every PPO phase. ``prompt_len`` / ``response_len``
+    default to the longest the config allows (data.max_prompt_len, rollout.max_new_tokens);
+    a measured run passes its batch's own to compare."""
+    specs = specs or ppo_role_specs(cfg, world, planning=True)
+    ppo, r = cfg.ppo, cfg.rollout
+    P = prompt_len if prompt_len is not None else cfg.data.max_prompt_len
+    T = response_len if response_len is not None else r.max_new_tokens
+    S = P + T
+    actor = specs["actor"]
+    inference = dataclasses.replace(actor, name="inference",
+                                    tp=rollout_tp or r.tensor_parallel_size, pp=1, vpp=None,
+                                    optimizer=None)
+    ema = dataclasses.replace(actor, name="ema", optimizer=None) if ppo.ema_decay else None
+    samples = ppo.rollout_batch_size * ppo.group_size
+    inf_dp = world // inference.tp
+    eval_prompts = ppo.num_eval_prompts if cfg.data.eval_path else 0
+    static_cache: dict = {}
+
+    def static(spec: RoleSpec, rank: int) -> dict[str, int]:
+        _, d, s = _coords(rank, spec.tp, spec.pp, world)
+        key = (spec.name, s, d)
+        if key not in static_cache:
+            static_cache[key] = static_bytes(spec, world // (spec.tp * spec.pp), s, d)
+        return static_cache[key]
+
+    ranks, totals = [], []
+    for rank in range(world):
+        inf_replica = _coords(rank, inference.tp, 1, world)[1]
+        rollout_rows = len(range(inf_replica, samples, inf_dp))
+        eval_rows = len(range(inf_replica, eval_prompts, inf_dp))
+        kv = kv_cache_bytes(inference.model, tp=inference.tp, batch=rollout_rows, seq=S)
+        by_phase: dict[str, dict[tuple[str, str], float]] = {p: {} for p in PHASES}
+        total: dict[str, float] = {}
+        for phase in PHASES:
+            parts = by_phase[phase]
+            for name, spec in specs.items():
+                for part, value in static(spec, rank).items():
+                    if _resident(spec, phase, part):
+                        parts[(name, part)] = float(value)
+            parts[("inference", "params")] = float(static(inference, rank)["params"])
+            if ema is not None:
+                parts[("ema", "params")] = float(static(ema, rank)["params"])
+            total[phase] = sum(parts.values())
+        # the KV cache, and generation's prefill buffers (an estimate)
+        by_phase["rollout"][("inference", "kv_cache")] = float(kv)
+        total["rollout"] += kv
+        gen_rows = max(rollout_rows, eval_rows)
+        prefill = prefill_bytes(inference, batch=gen_rows, prompt=P)
+        by_phase["rollout"][("inference", "activations")] = prefill
+        eval_kv = kv_cache_bytes(inference.model, tp=inference.tp, batch=eval_rows, seq=S)
+        total["rollout"] += prefill + max(0, eval_kv - kv)
+        # experience: offloaded frozen roles come on one at a time; one pass's buffers
+        frozen_on = [float(static(spec, rank)["params"]) for spec in specs.values()
+                     if not spec.trained and spec.offload == "all"]
+        for name, spec in specs.items():
+            if not spec.trained and spec.offload == "all":
+                by_phase["experience"][(name, "params")] = float(static(spec, rank)["params"])
+        passes = {}
+        for name, spec in specs.items():
+            _, _, s = _coords(rank, spec.tp, spec.pp, world)
+            if s == spec.pp - 1:
+                passes[name] = forward_bytes(spec, batch=ppo.micro_batch_size, seq=S)
+                by_phase["experience"][(name, "activations")] = passes[name]
+        total["experience"] += max(frozen_on, default=0.0) + max(passes.values(), default=0.0)
+        # train: each trained role's activations, one role at a time
+        acts = {}
+        for name, spec in specs.items():
+            if spec.trained:
+                _, _, s = _coords(rank, spec.tp, spec.pp, world)
+                dp = world // (spec.tp * spec.pp)
+                micro_batches = max(1, ppo.mini_batch_size // dp // ppo.micro_batch_size)
+                acts[name] = train_activation_bytes(spec, pp_rank=s, micro=ppo.micro_batch_size,
+                                                    micro_batches=micro_batches, seq=S,
+                                                    response=T)
+                by_phase["train"][(name, "activations")] = acts[name]
+        total["train"] += max(acts.values(), default=0.0)
+        ranks.append(by_phase)
+        totals.append(total)
+    notes = [f"sequences of {P} prompt + {T} response tokens; micro-batch "
+             f"{ppo.micro_batch_size}; {samples} rollout samples over {inf_dp} inference "
+             f"replica(s) of TP={inference.tp}"]
+    if eval_prompts > samples:
+        notes.append(f"evaluation generates for {eval_prompts} prompts (ppo.num_eval_prompts), "
+                     "more than a rollout: its KV cache is in the rollout total")
+    return Plan(world, specs, inference.tp, ranks, totals, notes)
+
+
+# ------------------------------------------------------------------ reporting
+
+def _unit(worst: float) -> tuple[str, float]:
+    return ("GiB", GIB) if worst >= GIB else ("MiB", 2.0**20)
+
+
+def missing_checkpoints(cfg: Config) -> list[str]:
+    """Role checkpoints the config names that are not on this machine: the plan sizes
+    those roles from the config's model instead."""
+    import os
+
+    named = {"roles.actor.checkpoint": cfg.roles.actor.checkpoint or cfg.ppo.sft_checkpoint,
+             "roles.reference.checkpoint": cfg.roles.reference.checkpoint,
+             "roles.reward.checkpoint": cfg.roles.reward.checkpoint or cfg.ppo.reward_checkpoint,
+             "roles.critic.checkpoint": cfg.roles.critic.checkpoint}
+    return [f"{k}={v}" for k, v in named.items() if v and not os.path.exists(v)]
+
+
+def model_params(spec: RoleSpec) -> int:
+    """Global parameter count (TP=1, PP=1; the embedding at the padded vocabulary)."""
+    (chunk,) = rank_chunks(spec.model, kind=spec.kind, padded_vocab=spec.padded_vocab,
+                           tp=1, pp=1, pp_rank=0)
+    return sum(p.numel for p in chunk)
+
+
+def fits(plan: Plan, capacity: float, headroom: float) -> bool:
+    return plan.worst()[0] <= capacity * (1.0 - headroom)
+
+
+def format_plan(plan: Plan, capacity: float | None, headroom: float) -> str:
+    lines = []
+    lines.append(f"{'role':10s} {'model':34s} {'layout':22s} offload")
+    for name, spec in plan.specs.items():
+        m = spec.model
+        n = model_params(spec)
+        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+        model = f"{m.arch} {m.num_layers}x{m.hidden_size} {spec.kind} {size} {m.params_dtype}"
+        dp = plan.world // (spec.tp * spec.pp)
+        layout = f"TP={spec.tp} PP={spec.pp} DP={dp}" + (f" VPP={spec.vpp}" if spec.vpp else "")
+        opt = ""
+        if spec.optimizer is not None:
+            opt = " (distributed optimizer)" if spec.optimizer.use_distributed_optimizer \
+                else " (plain optimizer)"
+        lines.append(f"{name:10s} {model:34s} {layout:22s} {spec.offload}{opt}")
+    lines.append(f"inference  rollout TP={plan.rollout_tp}, "
+                 f"{plan.world // plan.rollout_tp} replica(s)")
+    lines += [f"  {n}" for n in plan.notes]
+    lines.append("")
+    total, rank, phase = plan.worst()
+    unit, scale = _unit(total)
+    lines.append(f"{unit} per rank (the largest rank per phase); * = estimate, the rest is "
+                 "exact")
+    head = f"{'role':10s} {'part':12s}" + "".join(f"{p:>11s}" for p in PHASES)
+    lines += [head, "-" * len(head)]
+    per_phase = plan.phase_max()
+    keys = sorted({k for parts in per_phase.values() for k in parts})
+    for role, part in keys:
+        star = "*" if part == "activations" else " "
+        lines.append(f"{role:10s} {part + star:12s}" + "".join(
+            f"{per_phase[p][(role, part)] / scale:11.2f}" if (role, part) in per_phase[p]
+            else f"{'-':>11s}" for p in PHASES))
+    worst_by_phase = {p: max(t[p] for t in plan.totals) for p in PHASES}
+    lines.append(f"{'total':23s}" + "".join(f"{worst_by_phase[p] / scale:11.2f}"
+                                             for p in PHASES))
+    role, part, value = plan.largest_part(rank, phase)
+    lines.append("")
+    where = f"rank {rank} in the {phase} phase"
+    lines.append(f"peak: {total / GIB:.2f} GiB on {where}; largest consumer there: "
+                 f"{role} {part} ({value / GIB:.2f} GiB)")
+    if capacity is not None:
+        limit = capacity * (1.0 - headroom)
+        verdict = "fits" if total <= limit else "does NOT fit"
+        lines.append(f"{verdict}: {capacity / GIB:.1f} GiB per GPU, {headroom:.0%} kept for "
+                     f"the CUDA context and fragmentation -> {limit / GIB:.1f} GiB usable")
+    return "\n".join(lines)
+
+
+def relayout(specs: dict[str, RoleSpec], cfg: Config, world: int, tp: int, pp: int,
+             level: str) -> dict[str, RoleSpec]:
+    """``specs`` with every role at TP x PP (rollout TP = TP) and the trained roles
+    offloading at ``level``; ConfigError when a model does not split that way."""
+    out = {}
+    for name, spec in specs.items():
+        check_model_layout(spec.where, spec.model, tp, pp, None, world)
+        padded = padded_vocab_size(spec.model.vocab_size,
+                                   cfg.parallel.make_vocab_size_divisible_by, tp)
+        out[name] = dataclasses.replace(spec, tp=tp, pp=pp, vpp=None, padded_vocab=padded,
+                                        offload=level if spec.trained else spec.offload)
+    return out
+
+
+def layouts_that_fit(cfg: Config, specs: dict[str, RoleSpec], world: int, gpus_per_node: int,
+                     capacity: float, headroom: float, limit: int = 6
+                     ) -> list[tuple[int, int, str, float]]:
+    """(TP, PP, trained-role offload, peak bytes) of uniform layouts that fit: TP within a
+    node, fewest model-parallel ranks first, then the least offloading."""
+    found = []
+    for tp in (1, 2, 4, 8, 16):
+        if tp > gpus_per_node or world % tp:
+            continue
+        for pp in (1, 2, 4, 8, 16):
+            if world % (tp * pp):
+                continue
+            for level in OFFLOAD_LEVELS:
+                try:
+                    plan = plan_ppo(cfg, world, specs=relayout(specs, cfg, world, tp, pp, level),
+                                    rollout_tp=tp)
+                except (ConfigError, ValueError):
+                    break
+                peak = plan.worst()[0]
+                if peak <= capacity * (1.0 - headroom):
+                    found.append((tp, pp, level, peak))
+                    break
+    found.sort(key=lambda f: (f[0] * f[1], OFFLOAD_LEVELS.index(f[2])))
+    return found[:limit]
+
+
+def explain(cfg: Config, world: int, capacity: float, gpus_per_node: int,
+            headroom: float = 0.1) -> tuple[bool, str]:
+    """(fits, the plan's report with the layouts that would fit when it does not)."""
+    plan = plan_ppo(cfg, world)
+    ok = fits(plan, capacity, headroom)
+    text = format_plan(plan, capacity, headroom)
+    missing = missing_checkpoints(cfg)
+    if missing:
+        text += ("\nnot on this machine, sized from the config's model: "
+                 + ", ".join(missing))
+    if not ok:
+        options = layouts_that_fit(cfg, plan.specs, world, gpus_per_node, capacity, headroom)
+        if options:
+            text += "\nlayouts that fit on these GPUs (every role, rollout TP = TP):"
+            for tp, pp, level, peak in options:
+                text += (f"\n  parallel.tensor_model_parallel_size={tp} "
+                         f"parallel.pipeline_model_parallel_size={pp} "
+                         f"rollout.tensor_parallel_size={tp} roles.actor.offload={level}"
+                         + (f" roles.critic.offload={level}" if "critic" in plan.specs else "")
+                         + f"  (peak {peak / GIB:.1f} GiB)")
+        else:
+            text += ("\nno uniform layout of TP x PP on these GPUs fits: more GPUs, smaller "
+                     "micro-batches or shorter sequences")
+    return ok, text

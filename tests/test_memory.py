@@ -1,0 +1,227 @@
+"""Memory across phases: trained-role offload, per-phase accounting and ``megarlhf plan``.
+
+The worker runs PPO (actor, critic, reference, reward) at TP=1 (fp32 with the
+distributed optimizer; bf16 with the plain one), TP=2, PP=2 and DP=2, and measures every
+rank's bytes per phase. The plan's exact parts (parameters, gradients, optimizer state,
+the inference model, the KV cache) must equal them byte for byte on every rank; training
+activations must be within 20%. DP=2 runs twice more, without and with offload: the
+metrics must be bitwise identical and the rollout must hold exactly the predicted bytes
+less.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+
+import pytest
+
+from conftest import WORKERS, run_cli, torchrun
+from megarlhf.config import ConfigError, load_config
+from megarlhf.data.synthetic import write_jsonl
+
+EXACT = ("params", "grads", "optimizer", "kv_cache")
+OFFLOAD = ["roles.actor.offload=all", "roles.critic.offload=optimizer+grads",
+           "roles.reference.offload=none"]
+
+
+def uniform_prompts(task: dict, out) -> tuple[str, int]:
+    """The task's prompts that share the most common token length (so every replica's
+    KV cache has the planned width)."""
+    from megarlhf.config import DataConfig, TokenizerConfig
+    from megarlhf.data.datasets import tokenize_dataset
+    from megarlhf.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(TokenizerConfig(type="sentencepiece", path=task["tokenizer"]))
+    rows = [json.loads(line) for line in open(task["prompts"])]
+    ds = tokenize_dataset(task["prompts"], "prompt", DataConfig(max_prompt_len=64,
+                                                                 max_seq_len=128), tok)
+    assert len(ds.prompts) == len(rows)
+    lengths = [len(p) for p in ds.prompts]
+    common = collections.Counter(lengths).most_common(1)[0][0]
+    keep = [r for r, n in zip(rows, lengths) if n == common]
+    return write_jsonl(str(out / "uniform_prompts.jsonl"), keep), common
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_checkpoints):
+    out, task, common = tiny_checkpoints
+    prompts, length = uniform_prompts(task, out)
+    base = [f"data.train_path={prompts}", f"data.eval_path={task['eval_prompts']}",
+            f"data.max_prompt_len={length}", "ppo.num_eval_prompts=4",
+            f"ppo.sft_checkpoint={out}/sft-tiny/checkpoints/step_0000006",
+            f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", "ppo.ppo_epochs=1",
+            "ppo.rollout_batch_size=16", "ppo.mini_batch_size=8", "ppo.micro_batch_size=4",
+            "rollout.max_new_tokens=8", *common]
+    cases = {
+        1: {"tp1": {"overrides": [], "iterations": 2},
+            "plain_bf16": {"overrides": ["optimizer.use_distributed_optimizer=false",
+                                         "model.params_dtype=bfloat16"], "iterations": 2}},
+        2: {"tp2": {"overrides": ["parallel.tensor_model_parallel_size=2",
+                                  "rollout.tensor_parallel_size=2"], "iterations": 2},
+            "pp2": {"overrides": ["parallel.pipeline_model_parallel_size=2"], "iterations": 2},
+            "dp2": {"overrides": [], "iterations": 2},
+            "dp2_offload": {"overrides": OFFLOAD, "iterations": 2}},
+    }
+    # Two iterations: Adam's state exists from the first optimizer step on, so the second
+    # rollout is the steady state the plan describes.
+    for world, table in cases.items():
+        for case in table.values():
+            case["overrides"] = base + case["overrides"]
+        path = out / f"memory_cases{world}.json"
+        path.write_text(json.dumps(table))
+        torchrun(os.path.join(WORKERS, "memory_paths.py"), world, str(path), str(out))
+
+    def load(name: str, world: int) -> list[dict]:
+        return [json.load(open(out / f"{name}.rank{r}.json")) for r in range(world)]
+
+    return load
+
+
+LAYOUTS = [("tp1", 1), ("plain_bf16", 1), ("tp2", 2), ("pp2", 2), ("dp2", 2)]
+
+
+@pytest.mark.parametrize("name,world", LAYOUTS)
+def test_plan_lists_the_parameters_of_every_built_chunk(runs, name, world):
+    for rank, result in enumerate(runs(name, world)):
+        assert result["shape_mismatches"] == [], (rank, result["shape_mismatches"])
+
+
+@pytest.mark.parametrize("name,world", LAYOUTS)
+def test_plan_equals_measured_bytes(runs, name, world):
+    """Every exact part of every role in every phase, on every rank, byte for byte;
+    activations within 20%."""
+    for rank, result in enumerate(runs(name, world)):
+        measured, planned = result["measured"], result["planned"]
+        exact_measured = {k: v for k, v in measured.items()
+                          if k.rsplit("/", 1)[1] in EXACT and v}
+        exact_planned = {k: v for k, v in planned.items()
+                         if k.rsplit("/", 1)[1] in EXACT and v}
+        assert exact_measured == exact_planned, (rank, exact_measured, exact_planned)
+        for key in [k for k in measured if k.startswith("train/") and k.endswith("/activations")]:
+            assert planned[key] == pytest.approx(measured[key], rel=0.2), (rank, key)
+
+
+def test_the_layouts_measure_what_they_should(runs):
+    """TP=2 halves the actor's layer weights, PP=2 splits them by stage, DP=2 shards the
+    distributed optimizer's state: the measurements differ the way the layouts do."""
+    one = runs("tp1", 1)[0]["measured"]
+    tp2 = [r["measured"] for r in runs("tp2", 2)]
+    pp2 = [r["measured"] for r in runs("pp2", 2)]
+    dp2 = [r["measured"] for r in runs("dp2", 2)]
+    key = "train/actor/params"
+    assert tp2[0][key] == tp2[1][key] < one[key]
+    assert pp2[0][key] != pp2[1][key] and pp2[0][key] + pp2[1][key] < 1.2 * one[key]
+    opt = "train/actor/optimizer"
+    assert dp2[0][opt] + dp2[1][opt] == pytest.approx(one[opt], rel=0.01)
+    assert dp2[0][opt] < one[opt] and dp2[0][key] >= one[key]
+
+
+def test_offload_is_bitwise_neutral_and_frees_the_predicted_bytes(runs):
+    base, off = runs("dp2", 2), runs("dp2_offload", 2)
+    for rank in range(2):
+        assert base[rank]["metrics"] == off[rank]["metrics"]  # exact float equality
+        freed = base[rank]["measured_totals"]["rollout"] - off[rank]["measured_totals"]["rollout"]
+        planned = base[rank]["planned"], off[rank]["planned"]
+        predicted = sum(v for k, v in planned[0].items()
+                        if k.startswith("rollout/") and k.rsplit("/", 1)[1] in EXACT) - \
+            sum(v for k, v in planned[1].items()
+                if k.startswith("rollout/") and k.rsplit("/", 1)[1] in EXACT)
+        assert freed == predicted > 0
+        # level all: the actor's parameters, optimizer and grads leave; the critic's
+        # parameters stay (optimizer+grads)
+        m = off[rank]["measured"]
+        assert "rollout/actor/params" not in m or m["rollout/actor/params"] == 0
+        assert m["rollout/critic/params"] > 0 and not m.get("rollout/critic/grads")
+        assert m["train/actor/optimizer"] == base[rank]["measured"]["train/actor/optimizer"]
+        # reference.offload=none keeps it resident in every phase
+        assert m["rollout/reference/params"] > 0
+
+
+def test_plan_command_sizes_an_8b_run_and_suggests_layouts():
+    """The 8B actor, critic and reference and a 1B reward model on 2 x 8 x 80 GiB fit at
+    TP=4; on 40 GiB GPUs they do not, and the plan lists layouts that would."""
+    ok = run_cli("plan", "configs/plan_8b.yaml", "--gpu-memory", "80GiB")
+    assert "fits: 80.0 GiB" in ok.stdout and "8.03B" in ok.stdout and "1.24B" in ok.stdout
+    bad = run_cli("plan", "configs/plan_8b.yaml", "--gpu-memory", "40GiB",
+                  "parallel.tensor_model_parallel_size=2", "rollout.tensor_parallel_size=2",
+                  check=False)
+    assert bad.returncode == 1
+    assert "does NOT fit" in bad.stdout and "largest consumer there" in bad.stdout
+    assert "layouts that fit" in bad.stdout and "parallel.tensor_model_parallel_size=8" \
+        in bad.stdout
+
+
+def test_plan_numbers_by_hand():
+    """8B Llama at TP=4, DP=4, bf16, distributed optimizer: per rank the grads are the
+    fp32 buffer, the optimizer 12 bytes per parameter of a quarter of the shard."""
+    from megarlhf.engine.plan import plan_ppo
+    from megarlhf.engine.plan import model_params
+
+    cfg = load_config("configs/plan_8b.yaml")
+    plan = plan_ppo(cfg, 16)
+    actor = plan.specs["actor"]
+    n = model_params(actor)  # 8.03e9 at the padded vocabulary
+    assert 8.0e9 < n < 8.1e9
+    parts = plan.phase_max()["train"]
+    assert parts[("actor", "grads")] == pytest.approx(4 * n / 4, rel=1e-3)
+    assert parts[("actor", "params")] == pytest.approx(2 * n / 4, rel=1e-3)
+    assert parts[("actor", "optimizer")] == pytest.approx(12 * n / 16, rel=1e-3)
+
+
+def test_launch_refuses_a_run_that_does_not_fit(tmp_path):
+    from megarlhf.launch import render_sbatch
+
+    cfg = load_config("configs/plan_8b.yaml", ["launch.gpu_memory_gib=24"])
+    with pytest.raises(ConfigError, match="does not fit launch.gpu_memory_gib=24") as err:
+        render_sbatch(cfg, "ppo", "configs/plan_8b.yaml", [])
+    assert "largest consumer" in str(err.value)
+    fine = load_config("configs/plan_8b.yaml")
+    assert "#SBATCH --nodes=2" in render_sbatch(fine, "ppo", "configs/plan_8b.yaml", [])
+
+
+def test_offload_settings_are_checked():
+    from megarlhf.engine.role_specs import ppo_role_specs
+
+    with pytest.raises(ConfigError, match="roles.offload|must be one of|offload"):
+        load_config(None, ["roles.actor.offload=everything"])
+    cfg = load_config("configs/plan_8b.yaml", ["roles.reference.offload=optimizer"])
+    with pytest.raises(ConfigError, match="reference role is frozen"):
+        ppo_role_specs(cfg, 16, planning=True)
+    cfg = load_config("configs/plan_8b.yaml", ["ppo.advantage_estimator=grpo",
+                                               "ppo.group_size=4", "ppo.kl_loss_coef=0.01",
+                                               "ppo.init_kl_coef=0.0",
+                                               "roles.critic.offload=all"])
+    with pytest.raises(ConfigError, match="roles.critic is configured"):
+        ppo_role_specs(cfg, 16, planning=True)
+
+
+def test_storage_stash_keeps_views_valid():
+    import torch
+
+    from megarlhf.engine.offload import StorageStash, unique_storages
+
+    buf = torch.arange(12, dtype=torch.float32)
+    param, view = torch.nn.Parameter(buf[:6].view(2, 3)), buf[6:]
+    stash = StorageStash(keep=True)
+    assert stash.release(unique_storages([param, view])) == 48
+    assert buf.untyped_storage().nbytes() == 0
+    stash.restore()
+    assert torch.equal(buf, torch.arange(12, dtype=torch.float32))
+    assert torch.equal(param.detach().view(-1), torch.arange(6, dtype=torch.float32))
+    grads = StorageStash(keep=False)
+    grads.release(unique_storages([view]))
+    grads.restore()
+    assert torch.equal(buf, torch.zeros(12))
+
+
+def test_parse_bytes():
+    from megarlhf.engine.plan import parse_bytes
+
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("141GB") == 141 * 10**9
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    for bad in ("eighty", "-1GiB", "80XB"):
+        with pytest.raises(ConfigError, match="memory size"):
+            parse_bytes(bad)
