@@ -10,6 +10,9 @@ The pipeline, on the synthetic task that `bash scripts/demo.sh` writes:
   torchrun --nproc-per-node 2 -m megarlhf.cli ppo configs/demo/ppo.yaml \\
       parallel.tensor_model_parallel_size=2
 
+Before a big run, `megarlhf plan CONFIG --gpu-memory 80GiB` predicts every GPU's memory in
+each PPO phase and says whether it fits.
+
 Every setting is a field of one config tree: a YAML file plus key.sub=value overrides
 (`megarlhf config show FILE [overrides] --docs` prints every field, its value and its
 meaning). `megarlhf <command> --help` explains each command."""
@@ -193,7 +196,10 @@ STAGES = [
      "example:\n  megarlhf ppo configs/demo/ppo.yaml ppo.sft_checkpoint=runs/sft/checkpoints "
      "ppo.reward_checkpoint=runs/rm/checkpoints\n\nGRPO: ppo.advantage_estimator=grpo "
      "ppo.group_size=8 ppo.kl_loss_coef=0.04 (GRPO keeps the KL out of the reward, so "
-     "ppo.init_kl_coef and an adaptive controller are refused there).\n\ndata: rows with 'prompt'. `megarlhf config show FILE "
+     "ppo.init_kl_coef and an adaptive controller are refused there).\n\nMemory: roles.actor.offload="
+     "optimizer|optimizer+grads|all (and roles.critic.offload) moves the trained roles' state "
+     "off the GPU during the rollout; memory/<phase>/<role>/<part> metrics and an end-of-run "
+     "table report what each phase held; `megarlhf plan CONFIG` predicts it.\n\ndata: rows with 'prompt'. `megarlhf config show FILE "
      "--world-size N` prints the roles as this run would build them."),
     ("dpo", cmd_dpo, "DPO (sigmoid, cDPO label smoothing, or IPO) on preference pairs, "
      "reference log-probs from the cache",

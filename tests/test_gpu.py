@@ -182,6 +182,24 @@ def test_cli_sft_rm_ppo_and_resume_on_cuda(tiny_checkpoints, tmp_path):
 
 
 @pytest.mark.gpu
+def test_cuda_memory_plan_and_trained_role_offload(tiny_checkpoints):
+    """On the GPU the plan's exact parts equal the measured bytes, offload (pinned host
+    memory) is bitwise neutral, and the allocator's rollout peak falls by at least the
+    bytes that left."""
+    from test_memory import base_overrides, exact_parts, run_cases, OFFLOAD
+
+    load = run_cases(tiny_checkpoints[0], base_overrides(tiny_checkpoints),
+                     {"cuda_none": [], "cuda_offload": OFFLOAD}, 1, "cuda")
+    (none,), (off,) = load("cuda_none"), load("cuda_offload")
+    for result in (none, off):
+        assert exact_parts(result) == exact_parts(result, "planned")
+    assert none["metrics"] == off["metrics"]
+    freed = none["measured_totals"]["rollout"] - off["measured_totals"]["rollout"]
+    peak = "rollout/all/peak_allocated"
+    assert freed > 0 and none["measured"][peak] - off["measured"][peak] >= freed
+
+
+@pytest.mark.gpu
 def test_te_spec_fp8_forward_single_gpu():
     if not transformer_engine_available():
         pytest.skip("TransformerEngine is not installed (pip install -e .[fp8])")

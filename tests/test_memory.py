@@ -44,39 +44,45 @@ def uniform_prompts(task: dict, out) -> tuple[str, int]:
     return write_jsonl(str(out / "uniform_prompts.jsonl"), keep), common
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_checkpoints):
+def base_overrides(tiny_checkpoints) -> list[str]:
+    """PPO with actor, critic, reference and reward model on the tiny task, prompts of
+    one length; shared with the GPU test."""
     out, task, common = tiny_checkpoints
     prompts, length = uniform_prompts(task, out)
-    base = [f"data.train_path={prompts}", f"data.eval_path={task['eval_prompts']}",
+    return [f"data.train_path={prompts}", f"data.eval_path={task['eval_prompts']}",
             f"data.max_prompt_len={length}", "ppo.num_eval_prompts=4",
             f"ppo.sft_checkpoint={out}/sft-tiny/checkpoints/step_0000006",
             f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", "ppo.ppo_epochs=1",
             "ppo.rollout_batch_size=16", "ppo.mini_batch_size=8", "ppo.micro_batch_size=4",
             "rollout.max_new_tokens=8", *common]
-    cases = {
-        1: {"tp1": {"overrides": [], "iterations": 2},
-            "plain_bf16": {"overrides": ["optimizer.use_distributed_optimizer=false",
-                                         "model.params_dtype=bfloat16"], "iterations": 2}},
-        2: {"tp2": {"overrides": ["parallel.tensor_model_parallel_size=2",
-                                  "rollout.tensor_parallel_size=2"], "iterations": 2},
-            "pp2": {"overrides": ["parallel.pipeline_model_parallel_size=2"], "iterations": 2},
-            "dp2": {"overrides": [], "iterations": 2},
-            "dp2_offload": {"overrides": OFFLOAD, "iterations": 2}},
-    }
-    # Two iterations: Adam's state exists from the first optimizer step on, so the second
-    # rollout is the steady state the plan describes.
-    for world, table in cases.items():
-        for case in table.values():
-            case["overrides"] = base + case["overrides"]
-        path = out / f"memory_cases{world}.json"
-        path.write_text(json.dumps(table))
-        torchrun(os.path.join(WORKERS, "memory_paths.py"), world, str(path), str(out))
 
-    def load(name: str, world: int) -> list[dict]:
-        return [json.load(open(out / f"{name}.rank{r}.json")) for r in range(world)]
 
-    return load
+def run_cases(out, base: list[str], cases: dict, world: int, tag: str):
+    """Run the memory worker over ``cases`` ({name: extra overrides}); two iterations each:
+    Adam's state exists from the first optimizer step on, so the second rollout is the
+    steady state the plan describes. Returns load(name) -> one result per rank."""
+    table = {name: {"overrides": base + extra, "iterations": 2} for name, extra in cases.items()}
+    path = out / f"memory_cases_{tag}.json"
+    path.write_text(json.dumps(table))
+    torchrun(os.path.join(WORKERS, "memory_paths.py"), world, str(path), str(out))
+    return lambda name: [json.load(open(out / f"{name}.rank{r}.json")) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_checkpoints):
+    out = tiny_checkpoints[0]
+    base = base_overrides(tiny_checkpoints)
+    one = run_cases(out, base, {"tp1": [], "plain_bf16": [
+        "optimizer.use_distributed_optimizer=false", "model.params_dtype=bfloat16"]}, 1, "1")
+    two = run_cases(out, base, {
+        "tp2": ["parallel.tensor_model_parallel_size=2", "rollout.tensor_parallel_size=2"],
+        "pp2": ["parallel.pipeline_model_parallel_size=2"],
+        "dp2": [], "dp2_offload": OFFLOAD}, 2, "2")
+    return lambda name, world: (one if world == 1 else two)(name)
+
+
+def exact_parts(result: dict, key: str = "measured") -> dict:
+    return {k: v for k, v in result[key].items() if k.rsplit("/", 1)[1] in EXACT and v}
 
 
 LAYOUTS = [("tp1", 1), ("plain_bf16", 1), ("tp2", 2), ("pp2", 2), ("dp2", 2)]
@@ -94,13 +100,14 @@ def test_plan_equals_measured_bytes(runs, name, world):
     activations within 20%."""
     for rank, result in enumerate(runs(name, world)):
         measured, planned = result["measured"], result["planned"]
-        exact_measured = {k: v for k, v in measured.items()
-                          if k.rsplit("/", 1)[1] in EXACT and v}
-        exact_planned = {k: v for k, v in planned.items()
-                         if k.rsplit("/", 1)[1] in EXACT and v}
-        assert exact_measured == exact_planned, (rank, exact_measured, exact_planned)
+        assert exact_parts(result) == exact_parts(result, "planned"), rank
         for key in [k for k in measured if k.startswith("train/") and k.endswith("/activations")]:
             assert planned[key] == pytest.approx(measured[key], rel=0.2), (rank, key)
+        # phase totals: exact but for training, whose activations are estimated
+        want, have = result["planned_totals"], result["measured_totals"]
+        for phase in ("rollout", "experience", "save"):
+            assert want[phase] == have[phase], (rank, phase)
+        assert want["train"] == pytest.approx(have["train"], rel=0.1), rank
 
 
 def test_the_layouts_measure_what_they_should(runs):

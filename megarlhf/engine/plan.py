@@ -213,6 +213,9 @@ class Plan:
     ranks: list[dict[str, dict[tuple[str, str], float]]]
     totals: list[dict[str, float]]
     notes: list[str] = field(default_factory=list)
+    # totals as the run's tracker measures them: without the forward-only estimates
+    # (generation prefill, experience passes), which only a GPU allocator sees
+    measurable: list[dict[str, float]] = field(default_factory=list)
 
     def worst(self) -> tuple[float, int, str]:
         """(bytes, rank, phase) of the largest total."""
@@ -282,7 +285,7 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
             static_cache[key] = static_bytes(spec, world // (spec.tp * spec.pp), s, d)
         return static_cache[key]
 
-    ranks, totals = [], []
+    ranks, totals, measurables = [], [], []
     for rank in range(world):
         inf_replica = _coords(rank, inference.tp, 1, world)[1]
         rollout_rows = len(range(inf_replica, samples, inf_dp))
@@ -303,6 +306,7 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
         # the KV cache, and generation's prefill buffers (an estimate)
         by_phase["rollout"][("inference", "kv_cache")] = float(kv)
         total["rollout"] += kv
+        measurable = dict(total)
         gen_rows = max(rollout_rows, eval_rows)
         prefill = prefill_bytes(inference, batch=gen_rows, prompt=P)
         by_phase["rollout"][("inference", "activations")] = prefill
@@ -320,6 +324,7 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
             if s == spec.pp - 1:
                 passes[name] = forward_bytes(spec, batch=ppo.micro_batch_size, seq=S)
                 by_phase["experience"][(name, "activations")] = passes[name]
+        measurable["experience"] += max(frozen_on, default=0.0)
         total["experience"] += max(frozen_on, default=0.0) + max(passes.values(), default=0.0)
         # train: each trained role's activations, one role at a time
         acts = {}
@@ -333,15 +338,17 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
                                                     response=T)
                 by_phase["train"][(name, "activations")] = acts[name]
         total["train"] += max(acts.values(), default=0.0)
+        measurable["train"] += max(acts.values(), default=0.0)
         ranks.append(by_phase)
         totals.append(total)
+        measurables.append(measurable)
     notes = [f"sequences of {P} prompt + {T} response tokens; micro-batch "
              f"{ppo.micro_batch_size}; {samples} rollout samples over {inf_dp} inference "
              f"replica(s) of TP={inference.tp}"]
     if eval_prompts > samples:
         notes.append(f"evaluation generates for {eval_prompts} prompts (ppo.num_eval_prompts), "
                      "more than a rollout: its KV cache is in the rollout total")
-    return Plan(world, specs, inference.tp, ranks, totals, notes)
+    return Plan(world, specs, inference.tp, ranks, totals, notes, measurables)
 
 
 # ------------------------------------------------------------------ reporting

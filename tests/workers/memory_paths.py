@@ -76,7 +76,7 @@ def main() -> None:
             "planned": {f"{phase}/{role}/{part}": value
                         for phase, parts in plan.ranks[rank].items()
                         for (role, part), value in parts.items()},
-            "planned_totals": plan.totals[rank],
+            "planned_totals": plan.measurable[rank],
             "shape_mismatches": shape_mismatches(session),
             "metrics": metrics,
         }
