@@ -76,7 +76,7 @@ def runs(tiny_checkpoints):
         "optimizer.use_distributed_optimizer=false", "model.params_dtype=bfloat16"]}, 1, "1")
     two = run_cases(out, base, {
         "tp2": ["parallel.tensor_model_parallel_size=2", "rollout.tensor_parallel_size=2"],
-        "pp2": ["parallel.pipeline_model_parallel_size=2"],
+        "pp2": ["parallel.pipeline_model_parallel_size=2", "ppo.ema_decay=0.9"],
         "dp2": [], "dp2_offload": OFFLOAD}, 2, "2")
     return lambda name, world: (one if world == 1 else two)(name)
 
@@ -108,6 +108,24 @@ def test_plan_equals_measured_bytes(runs, name, world):
         for phase in ("rollout", "experience", "save"):
             assert want[phase] == have[phase], (rank, phase)
         assert want["train"] == pytest.approx(have["train"], rel=0.1), rank
+
+
+@pytest.fixture(scope="module")
+def built_roles(tmp_path_factory):
+    out = tmp_path_factory.mktemp("memory_roles")
+    torchrun(os.path.join(WORKERS, "memory_roles.py"), 2, str(out))
+    return [json.load(open(out / f"memory_roles.rank{r}.json")) for r in range(2)]
+
+
+def test_plan_equals_built_roles_at_more_layouts(built_roles):
+    """Tied GPT-2 at PP=2 (the shared embedding's own bucket), plain and distributed
+    optimizer, DP=2 shards, a value model at PP=2 x VPP=2, bf16 at TP=2, a frozen role."""
+    for rank, cases in enumerate(built_roles):
+        for name, case in cases.items():
+            assert case["shape_mismatches"] == [], (rank, name, case["shape_mismatches"])
+            assert case["measured"] == case["planned"], (rank, name)
+    dp = [cases["gpt2_dp2_distopt"]["measured"]["optimizer"] for cases in built_roles]
+    assert dp[0] != dp[1]  # the two shards hold different parameter ranges
 
 
 def test_the_layouts_measure_what_they_should(runs):
