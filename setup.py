@@ -14,6 +14,7 @@ INSTALL_REQUIRES = [
     "numpy",
     "sentencepiece",
     "tokenizers",
+    "jinja2",  # chat templates, rendered as transformers renders them (torch needs it too)
     "datasets",
     "safetensors",
     "pyyaml",

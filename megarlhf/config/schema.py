@@ -194,7 +194,11 @@ class TokenizerConfig:
     path: str | None = None
     """Path of the tokenizer file; None allowed only with a random model and token input."""
     add_bos: bool = True
-    """Prepend BOS when encoding prompts."""
+    """Prepend BOS when encoding prompts (text rows; a chat template writes its own)."""
+    chat_template: str = "auto"
+    """How conversations (``messages`` rows) become text: auto (the model directory's
+    template: ``chat_template`` in tokenizer_config.json or chat_template.jinja; none if it
+    has none), none (conversations are refused), or the path of a jinja template file."""
 
 
 @dataclass(kw_only=True)
@@ -213,6 +217,12 @@ class DataConfig:
     """Column holding the preferred response."""
     rejected_key: str = "rejected"
     """Column holding the dispreferred response."""
+    messages_key: str = "messages"
+    """Column holding a conversation (a list of {role, content}): SFT trains on every
+    assistant turn; PPO prompts end before the assistant's answer (the generation prompt
+    is appended). Preference rows may instead hold conversations in chosen/rejected
+    (sharing their first turns, HH-RLHF style) with an optional prompt (UltraFeedback
+    style). Needs a chat template (tokenizer.chat_template)."""
     max_prompt_len: int = 128
     """Prompts longer than this (in tokens) are dropped and counted."""
     max_seq_len: int = 256

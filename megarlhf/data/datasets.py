@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from megarlhf.config import DataConfig
+from megarlhf.data.batching import sft_example
 
 KINDS = {
     "prompt": ("prompt_key",),
@@ -30,11 +31,23 @@ class TokenizedDataset:
     chosen: list[list[int]] = field(default_factory=list)  # preference
     rejected: list[list[int]] = field(default_factory=list)  # preference
     texts: list[str] = field(default_factory=list)  # the prompt text, for sample tables
+    # sft rows from conversations: per-position next-token loss weights over
+    # prompt + response (every assistant turn); None for a prompt/response row
+    weights: list[list[int] | None] = field(default_factory=list)
     dropped: Counter = field(default_factory=Counter)
     source: str = ""
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def examples(self) -> list[tuple[list[int], list[int]]]:
+        """sft rows as (tokens, next-token loss weights)."""
+        out = []
+        for i, (prompt, response) in enumerate(zip(self.prompts, self.responses)):
+            weights = self.weights[i] if i < len(self.weights) else None
+            out.append(sft_example(prompt, response) if weights is None
+                       else (prompt + response, weights))
+        return out
 
     def report(self) -> str:
         kept = len(self)
@@ -84,12 +97,65 @@ def load_rows(path: str):
     return table
 
 
+def _conversational(table, kind: str, data_cfg: DataConfig) -> bool:
+    """Whether ``table`` holds conversations: a messages column (sft, prompt), or
+    message lists in chosen/rejected (preference)."""
+    columns = table.column_names
+    if kind == "preference":
+        return data_cfg.chosen_key in columns and isinstance(table[0][data_cfg.chosen_key], list)
+    if data_cfg.messages_key in columns and data_cfg.prompt_key not in columns:
+        return True
+    return data_cfg.prompt_key in columns and isinstance(table[0][data_cfg.prompt_key], list)
+
+
 def tokenize_dataset(path: str, kind: str, data_cfg: DataConfig, tokenizer,
                      ) -> TokenizedDataset:
-    """Read ``path`` as a ``kind`` dataset ('prompt', 'sft' or 'preference')."""
+    """Read ``path`` as a ``kind`` dataset ('prompt', 'sft' or 'preference'): text
+    columns (``data.prompt_key``...) or conversations (``data.messages_key``, or message
+    lists in chosen/rejected) rendered by the tokenizer's chat template."""
     if kind not in KINDS:
         raise ValueError(f"dataset kind must be one of {', '.join(KINDS)}, got {kind!r}")
     table = load_rows(path)
+    if _conversational(table, kind, data_cfg):
+        return _tokenize_chats(path, table, kind, data_cfg, tokenizer)
+    return _tokenize_texts(path, table, kind, data_cfg, tokenizer)
+
+
+def _keep(out: TokenizedDataset, data_cfg: DataConfig, prompt: list[int],
+          answers: list[list[int]]) -> bool:
+    """Length filtering, counted by reason."""
+    if not prompt:
+        out.dropped["empty prompt"] += 1
+        return False
+    if len(prompt) > data_cfg.max_prompt_len:
+        out.dropped[f"prompt > data.max_prompt_len={data_cfg.max_prompt_len}"] += 1
+        return False
+    if any(len(prompt) + len(a) > data_cfg.max_seq_len for a in answers):
+        out.dropped[f"prompt+response > data.max_seq_len={data_cfg.max_seq_len}"] += 1
+        return False
+    return True
+
+
+def _add(out: TokenizedDataset, kind: str, prompt: list[int], answers: list[list[int]],
+         text: str, weights: list[int] | None = None) -> None:
+    out.prompts.append(prompt)
+    out.texts.append(text)
+    if kind == "sft":
+        out.responses.append(answers[0])
+        out.weights.append(weights)
+    elif kind == "preference":
+        out.chosen.append(answers[0])
+        out.rejected.append(answers[1])
+
+
+def _finish(path: str, out: TokenizedDataset) -> TokenizedDataset:
+    if len(out) == 0:
+        raise ValueError(f"dataset {path!r}: no rows left after length filtering "
+                         f"({out.report()})")
+    return out
+
+
+def _tokenize_texts(path, table, kind, data_cfg, tokenizer) -> TokenizedDataset:
     columns = {key: getattr(data_cfg, key) for key in KINDS[kind]}
     for key, column in columns.items():
         if column not in table.column_names:
@@ -105,26 +171,96 @@ def tokenize_dataset(path: str, kind: str, data_cfg: DataConfig, tokenizer,
                                  f"string, got {type(value).__name__}")
             values[key] = value
         prompt = tokenizer.encode(values["prompt_key"], add_bos=getattr(tokenizer, "add_bos", True))
+        answers = [tokenizer.encode(values[key], add_eos=True) for key in KINDS[kind][1:]]
+        if _keep(out, data_cfg, prompt, answers):
+            _add(out, kind, prompt, answers, values["prompt_key"])
+    return _finish(path, out)
+
+
+def _tokenize_chats(path, table, kind, data_cfg, tokenizer) -> TokenizedDataset:
+    from megarlhf.data.chat import assistant_spans, check_messages, tokenize_pieces
+
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None:
+        raise ValueError(f"dataset {path!r} holds conversations, but the tokenizer has no chat "
+                         "template (tokenizer.chat_template=auto found none beside "
+                         "tokenizer.path): set tokenizer.chat_template to a jinja file")
+    encode = tokenizer.encode
+    out = TokenizedDataset(kind=kind, prompts=[], source=path)
+    for row_no, row in enumerate(table, 1):
+        where = f"dataset {path!r} row {row_no}"
+        if kind == "preference":
+            prompt_msgs, chosen, rejected = _preference_turns(row, data_cfg, where)
+            prompt_text = template.render(prompt_msgs, add_generation_prompt=True)
+            answers = []
+            for name, turns in (("chosen", chosen), ("rejected", rejected)):
+                full = template.render(prompt_msgs + turns, add_generation_prompt=False)
+                if not full.startswith(prompt_text):
+                    raise ValueError(f"{where}: the chat template {template.origin} does not "
+                                     f"render the {name} answer as an extension of the prompt")
+                answers.append(encode(full[len(prompt_text):]))
+            prompt = encode(prompt_text)
+            if _keep(out, data_cfg, prompt, answers):
+                _add(out, kind, prompt, answers, prompt_text)
+            continue
+        column = data_cfg.messages_key if data_cfg.messages_key in table.column_names \
+            else data_cfg.prompt_key
+        messages = check_messages(row[column], f"{where} column '{column}'",
+                                  needs_assistant=kind == "sft")
+        if kind == "prompt":
+            text = template.render(messages, add_generation_prompt=True)
+            prompt = encode(text)
+            if _keep(out, data_cfg, prompt, []):
+                _add(out, kind, prompt, [], text)
+            continue
+        text, spans = assistant_spans(template, messages, f"{where} column '{column}'")
+        tokens, trained = tokenize_pieces(text, spans, encode)
+        first = trained.index(1)
+        weights = trained[1:] + [0]  # weight t: the loss of predicting token t + 1
+        prompt, response = tokens[:first], tokens[first:]
+        if _keep(out, data_cfg, prompt, [response]):
+            _add(out, kind, prompt, [response], text[:spans[0][0]], weights)
+    return _finish(path, out)
+
+
+def _preference_turns(row, data_cfg: DataConfig, where: str
+                      ) -> tuple[list[dict], list[dict], list[dict]]:
+    """(prompt turns, chosen answer turns, rejected answer turns) of a conversational
+    preference row: an explicit prompt column (a string is one user turn; chosen/rejected
+    may repeat it, UltraFeedback-binarized style), else the turns chosen and rejected
+    share (HH-RLHF style)."""
+    from megarlhf.data.chat import check_messages
+
+    c_key, r_key = data_cfg.chosen_key, data_cfg.rejected_key
+    chosen = check_messages(row[c_key], f"{where} column '{c_key}'", needs_assistant=True,
+                            ends_with_assistant=True)
+    rejected = check_messages(row[r_key], f"{where} column '{r_key}'", needs_assistant=True,
+                              ends_with_assistant=True)
+    explicit = row.get(data_cfg.prompt_key)
+    if explicit is not None:
+        if isinstance(explicit, str):
+            prompt = check_messages([{"role": "user", "content": explicit}],
+                                    f"{where} column '{data_cfg.prompt_key}'",
+                                    needs_assistant=False)
+        else:
+            prompt = check_messages(explicit, f"{where} column '{data_cfg.prompt_key}'",
+                                    needs_assistant=False)
+        n = len(prompt)
+        chosen = chosen[n:] if chosen[:n] == prompt else chosen
+        rejected = rejected[n:] if rejected[:n] == prompt else rejected
+    else:
+        n = 0
+        while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
+            n += 1
+        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
         if not prompt:
-            out.dropped["empty prompt"] += 1
-            continue
-        if len(prompt) > data_cfg.max_prompt_len:
-            out.dropped[f"prompt > data.max_prompt_len={data_cfg.max_prompt_len}"] += 1
-            continue
-        answers = []
-        for key in KINDS[kind][1:]:
-            answers.append(tokenizer.encode(values[key], add_eos=True))
-        if any(len(prompt) + len(a) > data_cfg.max_seq_len for a in answers):
-            out.dropped[f"prompt+response > data.max_seq_len={data_cfg.max_seq_len}"] += 1
-            continue
-        out.prompts.append(prompt)
-        out.texts.append(values["prompt_key"])
-        if kind == "sft":
-            out.responses.append(answers[0])
-        elif kind == "preference":
-            out.chosen.append(answers[0])
-            out.rejected.append(answers[1])
-    if len(out) == 0:
-        raise ValueError(f"dataset {path!r}: no rows left after length filtering "
-                         f"({out.report()})")
-    return out
+            raise ValueError(f"{where}: '{c_key}' and '{r_key}' share no first turns and there "
+                             f"is no '{data_cfg.prompt_key}' column: the prompt is unknown")
+    for name, turns in (("chosen", chosen), ("rejected", rejected)):
+        if not turns or turns[0]["role"] != "assistant":
+            raise ValueError(f"{where}: the {name} answer must start with an assistant turn "
+                             "after the prompt")
+    if prompt[-1]["role"] == "assistant":
+        raise ValueError(f"{where}: the prompt (the turns chosen and rejected share) ends with "
+                         "an assistant turn")
+    return prompt, chosen, rejected

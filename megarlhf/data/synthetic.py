@@ -104,3 +104,48 @@ def write_task(folder: str, seed: int = 0, num_sft: int = 512, num_pairs: int = 
 def gold_reward_pair(prompt: str, response: str) -> float:
     """The gold reward in the (prompt, response) form PPO's evaluation calls."""
     return gold_reward(response)
+
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def write_chat_task(folder: str, seed: int = 0, num_sft: int = 512, num_pairs: int = 512
+                    ) -> dict:
+    """The same task as conversations, in the shapes the field uses: SFT ``messages``
+    (every third row two turns, both answered), prompt-only ``messages`` for RL, and
+    preference pairs half HH-RLHF style (chosen/rejected conversations sharing the user
+    turn) and half UltraFeedback-binarized style (a ``prompt`` string and conversations
+    that repeat it)."""
+    rng = random.Random(seed)
+
+    def user(text):
+        return {"role": "user", "content": text}
+
+    def assistant(text):
+        return {"role": "assistant", "content": text}
+
+    sft = []
+    for i in range(num_sft):
+        p = make_prompt(rng)
+        turns = [user(p), assistant(sft_response(p))]
+        if i % 3 == 0:
+            q = make_prompt(rng)
+            turns += [user(q), assistant(sft_response(q))]
+        sft.append({"messages": turns})
+    prefs = []
+    for i, row in enumerate(preference_rows(rng, num_pairs)):
+        u = user(row["prompt"])
+        pair = {"chosen": [u, assistant(row["chosen"])],
+                "rejected": [u, assistant(row["rejected"])]}
+        prefs.append(pair if i % 2 == 0 else {"prompt": row["prompt"], **pair})
+    return {
+        "sft": write_jsonl(os.path.join(folder, "chat_sft.jsonl"), sft),
+        "prefs": write_jsonl(os.path.join(folder, "chat_prefs.jsonl"), prefs),
+        "prompts": write_jsonl(os.path.join(folder, "chat_prompts.jsonl"),
+                               [{"messages": [user(make_prompt(rng))]} for _ in range(256)]),
+        "eval_prompts": write_jsonl(os.path.join(folder, "chat_eval_prompts.jsonl"),
+                                    [{"messages": [user(make_prompt(rng))]} for _ in range(64)]),
+        "corpus": corpus_lines(rng, 2000),
+    }

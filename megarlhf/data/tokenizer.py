@@ -54,6 +54,16 @@ class SentencePieceTokenizer:
     def pieces(self) -> list[str]:
         return [self.sp.id_to_piece(i) for i in range(self.vocab_size)]
 
+    def special_tokens(self) -> dict[str, str]:
+        out = {"eos_token": self.sp.id_to_piece(self.eos_id)}
+        if self.bos_id is not None:
+            out["bos_token"] = self.sp.id_to_piece(self.bos_id)
+        out["pad_token"] = self.sp.id_to_piece(self.pad_id)
+        return out
+
+    def default_chat_template(self) -> tuple[str, str] | None:
+        return None
+
 
 class HFTokenizer:
     """A Hugging Face ``tokenizers`` JSON file (``tokenizer.json``), with the special
@@ -74,7 +84,8 @@ class HFTokenizer:
             raise ValueError(f"{file} is not a readable tokenizers JSON file: {err}") from None
         self.path = file
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        named = self._special_tokens(os.path.dirname(file))
+        self.folder = os.path.dirname(file)
+        named = self._special_tokens(self.folder)
         self.eos_id = self._find(named.get("eos_token"), self._EOS)
         if self.eos_id is None:
             raise ValueError(f"{file}: no EOS token found (looked for {named.get('eos_token')} "
@@ -82,6 +93,32 @@ class HFTokenizer:
         self.bos_id = self._find(named.get("bos_token"), self._BOS)
         pad = self._find(named.get("pad_token"), self._PAD)
         self.pad_id = self.eos_id if pad is None else pad
+
+    def special_tokens(self) -> dict[str, str]:
+        """The special tokens' texts, as a chat template reads them (``bos_token``...)."""
+        out = {"eos_token": self.tok.id_to_token(self.eos_id),
+               "pad_token": self.tok.id_to_token(self.pad_id)}
+        if self.bos_id is not None:
+            out["bos_token"] = self.tok.id_to_token(self.bos_id)
+        return out
+
+    def default_chat_template(self) -> tuple[str, str] | None:
+        """(template, where it came from) of this model directory, if it has one:
+        ``chat_template.jinja``, else ``chat_template`` in tokenizer_config.json (a
+        string, or a list of named templates: the one named 'default')."""
+        jinja = os.path.join(self.folder, "chat_template.jinja")
+        if os.path.exists(jinja):
+            with open(jinja) as f:
+                return f.read(), jinja
+        config = os.path.join(self.folder, "tokenizer_config.json")
+        if not os.path.exists(config):
+            return None
+        with open(config) as f:
+            template = json.load(f).get("chat_template")
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        return (template, config) if isinstance(template, str) and template else None
 
     @staticmethod
     def _special_tokens(folder: str) -> dict:
@@ -139,7 +176,25 @@ def load_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
     tokenizer = SentencePieceTokenizer(cfg.path) if cfg.type == "sentencepiece" \
         else HFTokenizer(cfg.path)
     tokenizer.add_bos = cfg.add_bos  # prompts and scored texts start with BOS when set
+    tokenizer.chat_template = _chat_template(cfg, tokenizer)
     return tokenizer
+
+
+def _chat_template(cfg: TokenizerConfig, tokenizer):
+    """``tokenizer.chat_template`` resolved: auto, none or a jinja file."""
+    from megarlhf.data.chat import ChatTemplate
+
+    choice = cfg.chat_template
+    if choice == "none":
+        return None
+    if choice == "auto":
+        found = tokenizer.default_chat_template()
+        return ChatTemplate(found[0], tokenizer.special_tokens(), found[1]) if found else None
+    if not os.path.isfile(choice):
+        raise FileNotFoundError(f"tokenizer.chat_template={choice!r}: not 'auto', 'none' or "
+                                "an existing jinja file")
+    with open(choice) as f:
+        return ChatTemplate(f.read(), tokenizer.special_tokens(), choice)
 
 
 def train_sentencepiece(text_files: list[str], model_prefix: str, vocab_size: int,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megarlhf import algos
 from megarlhf.config import Config
-from megarlhf.data.batching import pad_batch, prompt_response_batch, sft_example
+from megarlhf.data.batching import pad_batch, prompt_response_batch
 from megarlhf.data.datasets import tokenize_dataset
 from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, load_object, save_checkpoint
@@ -64,7 +64,7 @@ class PtxData:
     def __init__(self, cfg: Config, tokenizer, mini_batches_per_iteration: int):
         ppo = cfg.ppo
         ds = tokenize_dataset(cfg.data.ptx_path, "sft", cfg.data, tokenizer)
-        self.examples = [sft_example(p, r) for p, r in zip(ds.prompts, ds.responses)]
+        self.examples = ds.examples()
         self.order = torch.randperm(len(self.examples), generator=torch.Generator()
                                     .manual_seed(cfg.run.seed + 31)).tolist()
         self.batch_size = ppo.ptx_batch_size or ppo.mini_batch_size

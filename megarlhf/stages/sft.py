@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from megarlhf.config import Config
-from megarlhf.data.batching import batch_length, pack_examples, pad_batch, sft_example, stack_batches
+from megarlhf.data.batching import batch_length, pack_examples, pad_batch, stack_batches
 from megarlhf.data.datasets import TokenizedDataset, tokenize_dataset
 from megarlhf.engine.steps import make_lm_loss_step, ratio
 from megarlhf.stages.common import SupervisedTask, print0, run_supervised, supervised_spec
@@ -24,11 +24,11 @@ def split_eval(data: TokenizedDataset, fraction: float, seed: int):
 def load_sft_data(cfg: Config, tokenizer):
     train = tokenize_dataset(cfg.data.train_path, "sft", cfg.data, tokenizer)
     print0(train.report())
-    examples = [sft_example(p, r) for p, r in zip(train.prompts, train.responses)]
+    examples = train.examples()
     if cfg.data.eval_path:
         held = tokenize_dataset(cfg.data.eval_path, "sft", cfg.data, tokenizer)
         print0(held.report())
-        return examples, [sft_example(p, r) for p, r in zip(held.prompts, held.responses)]
+        return examples, held.examples()
     if cfg.data.eval_fraction > 0:
         train_idx, eval_idx = split_eval(train, cfg.data.eval_fraction, cfg.run.seed)
         return [examples[i] for i in train_idx], [examples[i] for i in eval_idx]

@@ -1,0 +1,120 @@
+"""Chat templates and conversations.
+
+A Hugging Face model directory's chat template (``chat_template`` in
+``tokenizer_config.json``, or ``chat_template.jinja``) is rendered by jinja2 in the
+sandboxed environment and with the globals ``transformers``' ``apply_chat_template`` uses,
+so a conversation becomes the same text it would there.
+
+Which tokens are trained: each assistant turn is the text a render of the conversation up
+to that turn adds after a render of the turns before it with the generation prompt - so
+what the model learns to write is exactly what follows the prompt it will be given at
+generation time. The pieces are tokenized one by one (prompt pieces, then assistant
+pieces), as a rollout tokenizes its prompt alone and appends what it samples.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class ChatTemplate:
+    """A compiled jinja chat template with the tokenizer's special tokens as variables."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str], origin: str):
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                              separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.origin = origin
+        try:
+            self.template = env.from_string(source)
+        except TemplateError as err:
+            raise ValueError(f"chat template {origin}: {err}") from None
+        self.special_tokens = special_tokens
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return self.template.render(messages=messages,
+                                        add_generation_prompt=add_generation_prompt,
+                                        **self.special_tokens)
+        except TemplateError as err:
+            raise ValueError(f"chat template {self.origin}: {err}") from None
+
+
+def check_messages(messages, where: str, *, needs_assistant: bool,
+                   ends_with_assistant: bool = False) -> list[dict]:
+    """A conversation as a list of {role, content} with known roles and non-empty text;
+    errors name ``where`` (file, row, column) and the turn."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: a conversation must be a non-empty list of "
+                         f"{{'role', 'content'}} messages, got {type(messages).__name__}")
+    out = []
+    for i, msg in enumerate(messages):
+        turn = f"{where} message {i}"
+        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+            raise ValueError(f"{turn}: must be a mapping with 'role' and 'content'")
+        role, content = msg["role"], msg["content"]
+        if role not in ROLES:
+            raise ValueError(f"{turn}: unknown role {role!r} (use one of {', '.join(ROLES)})")
+        if not isinstance(content, str) or not content.strip():
+            raise ValueError(f"{turn} ({role}): empty content")
+        out.append({"role": role, "content": content})
+    if needs_assistant and not any(m["role"] == "assistant" for m in out):
+        raise ValueError(f"{where}: no assistant turn to train on")
+    if ends_with_assistant and out[-1]["role"] != "assistant":
+        raise ValueError(f"{where}: the conversation must end with the assistant's turn")
+    if not needs_assistant and out[-1]["role"] == "assistant":
+        raise ValueError(f"{where}: a prompt must not end with an assistant turn (the model "
+                         "answers it)")
+    return out
+
+
+def assistant_spans(template: ChatTemplate, messages: list[dict], where: str
+                    ) -> tuple[str, list[tuple[int, int]]]:
+    """(the whole conversation's text, the character spans of its assistant turns)."""
+    full = template.render(messages, add_generation_prompt=False)
+    spans = []
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        before = template.render(messages[:i], add_generation_prompt=True) if i else ""
+        upto = template.render(messages[:i + 1], add_generation_prompt=False)
+        if not (upto.startswith(before) and full.startswith(upto)):
+            raise ValueError(f"{where}: the chat template {template.origin} does not render "
+                             f"turn {i} as an extension of the turns before it, so the "
+                             "assistant's tokens cannot be told apart")
+        if len(upto) > len(before):
+            spans.append((len(before), len(upto)))
+    return full, spans
+
+
+def tokenize_pieces(text: str, spans: list[tuple[int, int]], encode
+                    ) -> tuple[list[int], list[int]]:
+    """(token ids, 1 on tokens inside ``spans``) with each piece encoded on its own."""
+    tokens: list[int] = []
+    trained: list[int] = []
+    start = 0
+    for lo, hi in spans + [(len(text), len(text))]:
+        for piece, flag in ((text[start:lo], 0), (text[lo:hi], 1)):
+            if piece:
+                ids = encode(piece)
+                tokens += ids
+                trained += [flag] * len(ids)
+        start = hi
+    return tokens, trained
