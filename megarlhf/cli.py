@@ -167,6 +167,32 @@ def cmd_plan(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_generate(args) -> int:
+    from megarlhf.stages.sample import run_generate
+
+    cfg = _resolve(args)
+    if args.tokenizer is None:
+        raise ConfigError("generate needs tokenizer.path (the model's tokenizer)")
+    return run_generate(cfg, args.tokenizer, input_path=args.input, output_path=args.output,
+                        role_name=args.role, batch_size=args.batch_size)
+
+
+def cmd_export(args) -> int:
+    from megarlhf.stages.common import run_dir
+    from megarlhf.stages.export import export_checkpoint
+
+    cfg = _resolve(args)
+    ckpt = args.ckpt or os.path.join(run_dir(cfg), "checkpoints")
+    if not os.path.exists(ckpt):
+        raise FileNotFoundError(f"no checkpoint at {ckpt} (the run's checkpoints folder): "
+                                "pass --ckpt, or the config and overrides the run used")
+    info = export_checkpoint(cfg, args.out, ckpt, args.role, args.model_type,
+                             args.shard_layers, tokenizer=args.tokenizer)
+    for key, value in info.items():
+        print(f"{key}: {value}")
+    return 0
+
+
 def cmd_launch(args) -> int:
     from megarlhf.launch import render_sbatch, submit
 
@@ -313,6 +339,53 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fraction of GPU memory kept for the CUDA context, NCCL and "
                       "fragmentation (default 0.1)")
     plan.set_defaults(func=cmd_plan)
+    gen = sub.add_parser(
+        "generate", help="sample from a checkpoint (any layout) with the rollout settings",
+        description="Sample responses from checkpoint.load's policy (or --role) with the "
+        "rollout settings (rollout.temperature, top_k, top_p, greedy, max_new_tokens, "
+        "stop_token_ids). The model is built at parallel.* (TP/PP) and resharded into "
+        "rollout.tensor_parallel_size; under torchrun the replicas share the prompts and "
+        "rank 0 writes the rows in input order. Each prompt has its own seed (run.seed), so "
+        "the samples do not depend on the layout.\n\ninput: JSONL rows with 'messages' "
+        "(chat template + generation prompt), 'prompt' (text) or 'tokens'; a line that is "
+        "not JSON is a text prompt. output: JSONL rows with prompt, response, "
+        "response_tokens, finished, logprob.\n\nexamples:\n  echo 'words: red cat' | "
+        "megarlhf generate configs/sft_tiny.yaml checkpoint.load=runs/sft-tiny/checkpoints "
+        "tokenizer.path=runs/task/tok.model -i - -o -\n  torchrun --nproc-per-node 2 -m "
+        "megarlhf.cli generate conv/config.yaml -i prompts.jsonl -o out.jsonl "
+        "parallel.tensor_model_parallel_size=2 rollout.greedy=true",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    gen.add_argument("config", help="YAML config (model, tokenizer, checkpoint.load)")
+    gen.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    gen.add_argument("-i", "--input", required=True, help="prompts file, or - for stdin")
+    gen.add_argument("-o", "--output", default="-", help="JSONL to write, or - for stdout")
+    gen.add_argument("--role", help="checkpoint role (default: actor, policy or its only one)")
+    gen.add_argument("--batch-size", type=int, default=16, help="prompts per batch")
+    gen.set_defaults(func=cmd_generate)
+    export = sub.add_parser(
+        "export", help="a run's trained policy (or EMA, critic, reward model) as a Hugging "
+        "Face directory", description="Write the latest checkpoint of a run (the config and "
+        "overrides it ran with) as a directory transformers loads with from_pretrained: "
+        "config.json, safetensors, the run's tokenizer files with its chat template, and "
+        "generation_config.json with the run's stop tokens and sampling settings. The "
+        "checkpoint may be at any layout; one process.\n\nexamples:\n  megarlhf export "
+        "configs/demo/ppo.yaml --out runs/ppo-tiny/hf             # the actor\n  megarlhf "
+        "export configs/demo/ppo.yaml --out hf-ema --role ema       # ppo.ema_decay runs\n  "
+        "megarlhf export configs/sft_tiny.yaml --out hf --ckpt runs/sft-tiny/checkpoints/"
+        "step_0000100\n\nThen: transformers.AutoModelForCausalLM.from_pretrained(OUT).",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    export.add_argument("config", help="the run's YAML config")
+    export.add_argument("overrides", nargs="*", help="key.sub=value overrides the run used")
+    export.add_argument("--out", required=True, help="Hugging Face directory to write")
+    export.add_argument("--ckpt", help="checkpoint folder or one checkpoint (default: the "
+                        "run's checkpoints, latest)")
+    export.add_argument("--role", help="role in the checkpoint: actor (ppo), policy (sft, "
+                        "dpo), ema, critic, reward (default: actor or policy)")
+    export.add_argument("--model-type", choices=["llama", "mistral", "qwen2", "gpt2"],
+                        help="HF architecture (default: from the checkpoint)")
+    export.add_argument("--shard-layers", type=int, default=0,
+                        help="layers per safetensors shard (0: one file)")
+    export.set_defaults(func=cmd_export)
     launch = sub.add_parser("launch", help="render and submit an sbatch script for a stage")
     launch.add_argument("stage", choices=["sft", "rm", "ppo", "dpo", "distill"])
     launch.add_argument("config", help="YAML config")

@@ -23,8 +23,8 @@ import sys
 import torch
 import yaml
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model")
+from megarlhf.models.hf_mapping import TOKENIZER_FILES
+
 # Buffers some HF checkpoints carry that are not weights.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 

@@ -18,6 +18,9 @@ from typing import Callable
 
 import torch
 
+# The files of a Hugging Face tokenizer that travel with a model directory.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "chat_template.jinja")
 LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM"}
 SUPPORTED = sorted(list(LLAMA_FAMILY) + ["gpt2"])

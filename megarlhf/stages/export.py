@@ -1,0 +1,165 @@
+"""``megarlhf export``: a trained role of a checkpoint as a Hugging Face directory that
+``transformers`` loads with ``from_pretrained`` (no remote code): config.json, safetensors
+weights, the tokenizer files of the run's tokenizer (with its chat template) and a
+``generation_config.json`` with the run's stop tokens and sampling settings.
+
+The checkpoint may have been saved at any TP/PP; it is loaded into one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import torch
+
+from megarlhf.config import Config
+from megarlhf.models.hf_mapping import TOKENIZER_FILES
+
+# Roles a policy export looks for, in order (ppo's actor, sft/dpo's policy).
+POLICY_ROLES = ("actor", "policy")
+
+
+def hf_config(model_type: str, m: dict, role: str) -> dict:
+    from megarlhf.models.hf_mapping import LLAMA_FAMILY
+
+    if model_type == "gpt2":
+        cfg = {"architectures": ["GPT2LMHeadModel" if role == "lm" else
+                                 "GPT2ForSequenceClassification"],
+               "model_type": "gpt2", "n_embd": m["hidden_size"], "n_layer": m["num_layers"],
+               "n_head": m["num_attention_heads"], "n_inner": m["ffn_hidden_size"],
+               "n_positions": m["max_position_embeddings"], "vocab_size": m["vocab_size"],
+               "layer_norm_epsilon": m["norm_epsilon"], "activation_function": "gelu_new",
+               "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+               "tie_word_embeddings": True}
+    else:
+        arch = LLAMA_FAMILY[model_type]
+        cfg = {"architectures": [arch if role == "lm" else
+                                 arch.replace("ForCausalLM", "ForSequenceClassification")],
+               "model_type": model_type, "hidden_size": m["hidden_size"],
+               "num_hidden_layers": m["num_layers"],
+               "num_attention_heads": m["num_attention_heads"],
+               "num_key_value_heads": m["num_query_groups"] or m["num_attention_heads"],
+               "intermediate_size": m["ffn_hidden_size"],
+               "max_position_embeddings": m["max_position_embeddings"],
+               "rope_theta": m["rotary_base"], "rms_norm_eps": m["norm_epsilon"],
+               "vocab_size": m["vocab_size"], "hidden_act": "silu",
+               "tie_word_embeddings": bool(m["tie_word_embeddings"]),
+               "attention_dropout": 0.0}
+    if role == "value":
+        cfg["num_labels"] = 1
+    cfg["torch_dtype"] = "float32"
+    return cfg
+
+
+def generation_config(cfg: Config, tokenizer) -> dict:
+    """transformers' generation_config.json from the run's rollout settings."""
+    r = cfg.rollout
+    eos = [tokenizer.eos_id] + [t for t in r.stop_token_ids if t != tokenizer.eos_id]
+    out = {"bos_token_id": tokenizer.bos_id, "eos_token_id": eos[0] if len(eos) == 1 else eos,
+           "pad_token_id": tokenizer.pad_id, "max_new_tokens": r.max_new_tokens,
+           "do_sample": not r.greedy}
+    if not r.greedy:
+        out.update(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+    return out
+
+
+def tokenizer_files(cfg: Config, fallback_dir: str | None) -> list[str]:
+    """The tokenizer's files: everything transformers reads beside ``tokenizer.path``
+    (tokenizer.json, its config, the chat template), else those in ``fallback_dir``."""
+    path = cfg.tokenizer.path
+    folder = (path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))) \
+        if path else fallback_dir
+    files = [os.path.join(folder, f) for f in TOKENIZER_FILES
+             if folder and os.path.exists(os.path.join(folder, f))]
+    if path and cfg.tokenizer.type == "sentencepiece" and os.path.isfile(path):
+        files.append(path)  # as tokenizer.model
+    return files
+
+
+def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = None,
+                      model_type: str | None = None, shard_layers: int = 0,
+                      tokenizer=None, tokenizer_dir: str | None = None) -> dict:
+    """Write ``ckpt``'s role ``role_name`` (default: its actor/policy, else its only role)
+    to ``out``. ``tokenizer`` (when given) fills generation_config.json."""
+    from safetensors.torch import save_file
+
+    from megarlhf.engine.checkpoint import checkpoint_role, read_meta, resolve_checkpoint
+    from megarlhf.engine.role_specs import single_role_spec
+    from megarlhf.engine.roles import build_role
+    from megarlhf.models.hf_mapping import ConversionError, megatron_to_hf
+    from megarlhf.parallel.launch import init_distributed, shutdown
+
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        setattr(cfg.parallel, key, 1)
+    cfg.parallel.virtual_pipeline_model_parallel_size = None
+    ckpt = resolve_checkpoint(ckpt)
+    meta = read_meta(ckpt)
+    if role_name is None:
+        role_name = next((r for r in POLICY_ROLES if r in meta["roles"]), None)
+    role = checkpoint_role(meta, role_name, ckpt)
+    kind = meta["roles"][role].get("kind", "lm")
+    cfg.checkpoint.load = ckpt
+    # The model is the checkpoint's own (the config's written fields must agree with it).
+    spec = single_role_spec(cfg, name=role, kind=kind, world_size=1, trained=False,
+                            checkpoint_role=role)
+    model_cfg = spec.model
+    m = dataclasses.asdict(model_cfg)
+    m["num_query_groups"] = model_cfg.query_groups
+    m["ffn_hidden_size"] = model_cfg.ffn_size
+    m["tie_word_embeddings"] = model_cfg.tied
+    model_type = model_type or meta["trainer"].get("hf_model_type") or (
+        "gpt2" if model_cfg.arch == "gpt2" else ("qwen2" if model_cfg.qkv_bias else "llama"))
+    init_distributed(cfg)
+    try:
+        (chunk,) = build_role(spec, seed=cfg.run.seed).chunks
+        sd = {k: v.detach().float() for k, v in chunk.state_dict().items()
+              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+        if kind == "value" and sd.get("output_layer.bias", torch.zeros(1)).abs().max() > 0:
+            raise ConversionError("the value head has a non-zero bias, which HF's "
+                                  "*ForSequenceClassification 'score' layer cannot hold")
+        tensors = megatron_to_hf(model_type, m, sd, model_cfg.vocab_size, kind)
+        os.makedirs(out, exist_ok=True)
+        files = save_sharded(tensors, out, m["num_layers"], shard_layers, save_file)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(hf_config(model_type, m, kind), f, indent=1)
+        copied = []
+        for path in tokenizer_files(cfg, tokenizer_dir):
+            name = os.path.basename(path)
+            name = "tokenizer.model" if name.endswith(".model") else name
+            if os.path.abspath(path) != os.path.abspath(os.path.join(out, name)):
+                shutil.copy(path, os.path.join(out, name))
+            copied.append(name)
+        if tokenizer is not None and kind == "lm":
+            with open(os.path.join(out, "generation_config.json"), "w") as f:
+                json.dump(generation_config(cfg, tokenizer), f, indent=1)
+            copied.append("generation_config.json")
+        return {"model_type": model_type, "role": f"{role} ({kind})", "checkpoint": ckpt,
+                "parameters": sum(t.numel() for t in tensors.values()),
+                "files": ["config.json", *files, *copied]}
+    finally:
+        shutdown()
+
+
+def save_sharded(tensors: dict, out: str, num_layers: int, shard_layers: int, save_file):
+    if shard_layers <= 0 or shard_layers >= num_layers:
+        save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    groups: dict[int, dict] = {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        layer = int(parts[parts.index("layers") + 1]) if "layers" in parts else \
+            int(parts[parts.index("h") + 1]) if ".h." in name else -1
+        groups.setdefault(max(layer, 0) // shard_layers, {})[name] = t
+    total = len(groups)
+    weight_map, files = {}, []
+    for i, (_, group) in enumerate(sorted(groups.items())):
+        fname = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        save_file(group, os.path.join(out, fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in group})
+        files.append(fname)
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    return files + ["model.safetensors.index.json"]

@@ -1,0 +1,111 @@
+"""README "Your own model", run exactly: a Hugging Face Llama directory with a chat
+template -> convert -> SFT on ``messages`` -> reward model on preference conversations ->
+PPO on chat prompts -> export -> transformers ``generate``, whose greedy tokens must be
+megarlhf's (``megarlhf generate``, also at TP=2 and PP=2 under torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from chat_model import make_chat_model
+from conftest import ROOT, run_cli, torchrun
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def walk(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("walk")
+    model = make_chat_model(str(tmp / "my"))
+    conv = str(tmp / "my-model")
+    subprocess.run([sys.executable, "tools/convert_hf_to_megatron.py", "--hf-dir",
+                    model["hf"], "--out", conv], check=True, cwd=ROOT, capture_output=True)
+    common = [f"tokenizer.path={conv}", f"run.output_dir={tmp}", "logging.progress_bar=false",
+              "logging.tensorboard=false"]
+    sft = run_cli("sft", "configs/chat/sft.yaml", f"checkpoint.load={conv}/checkpoints",
+                  f"data.train_path={model['sft']}", *common)
+    rm = run_cli("rm", "configs/chat/rm.yaml", f"checkpoint.load={conv}/checkpoints",
+                 f"data.train_path={model['prefs']}", "train.max_steps=16", *common)
+    ppo_args = ["configs/chat/ppo.yaml", f"ppo.sft_checkpoint={tmp}/chat-sft/checkpoints",
+                f"ppo.reward_checkpoint={tmp}/chat-rm/checkpoints",
+                f"data.train_path={model['prompts']}", "ppo.num_iterations=2", *common]
+    ppo = run_cli("ppo", *ppo_args)
+    out = str(tmp / "exported")
+    export = run_cli("export", *ppo_args, "--out", out)
+    return {"tmp": tmp, "model": model, "conv": conv, "out": out, "ppo_args": ppo_args,
+            "common": common, "logs": {"sft": sft, "rm": rm, "ppo": ppo, "export": export}}
+
+
+def test_the_stages_read_conversations(walk):
+    logs = walk["logs"]
+    assert "of 512 sft rows kept" in logs["sft"].stdout
+    assert "of 512 preference rows kept" in logs["rm"].stdout
+    assert "of 256 prompt rows kept" in logs["ppo"].stdout
+    sft = [json.loads(line) for line in open(walk["tmp"] / "chat-sft" / "metrics.jsonl")]
+    evals = [r["eval/loss"] for r in sft if "eval/loss" in r]
+    assert evals[-1] < 0.7 * evals[0]  # SFT on the assistant turns learns
+    # the sample table shows chat prompts ending with the generation prompt
+    assert "<|im_start|>assistant" in logs["ppo"].stdout
+    rows = [json.loads(line) for line in open(walk["tmp"] / "chat-ppo" / "metrics.jsonl")]
+    assert rows[-1]["objective/score"] == rows[-1]["objective/score"]  # finite, logged
+
+
+def test_exported_directory_loads_in_transformers_with_its_tokenizer(walk):
+    out = walk["out"]
+    files = set(os.listdir(out))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "generation_config.json"} <= files
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    gen_cfg = json.load(open(os.path.join(out, "generation_config.json")))
+    assert gen_cfg["eos_token_id"] == tok.convert_tokens_to_ids("<|im_end|>")
+    messages = [{"role": "user", "content": "words: red cat"}]
+    assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        "<|im_start|>user\nwords: red cat<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _megarlhf_greedy(walk, nprocs: int, *layout: str) -> list[dict]:
+    prompts = walk["tmp"] / "gen_prompts.jsonl"
+    rows = [json.loads(line) for line in open(walk["model"]["eval_prompts"])][:6]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = walk["tmp"] / f"gen_{nprocs}_{'_'.join(layout) or 'base'}.jsonl"
+    argv = ["generate", walk["ppo_args"][0], f"checkpoint.load={walk['tmp']}/chat-ppo/checkpoints",
+            *walk["common"], "rollout.greedy=true", "rollout.max_new_tokens=12",
+            "rollout.stop_at_eos=false",  # 12 tokens each: a long comparison
+            "-i", str(prompts), "-o", str(out), *layout]
+    if nprocs == 1:
+        run_cli(*argv)
+    else:
+        torchrun(argv, nprocs)
+    return [json.loads(line) for line in open(out)], rows
+
+
+def test_transformers_greedy_generation_equals_megarlhf(walk):
+    import torch
+
+    ours, rows = _megarlhf_greedy(walk, 1)
+    out = walk["out"]
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    model.generation_config.eos_token_id = None  # as rollout.stop_at_eos=false
+    for row, mine in zip(rows, ours):
+        ids = tok.apply_chat_template(row["messages"], add_generation_prompt=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        with torch.no_grad():
+            full = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12)
+        theirs = full[0, len(ids):].tolist()
+        assert len(theirs) == 12 and mine["response_tokens"] == theirs, (row, mine, theirs)
+        assert mine["prompt"] == tok.decode(ids)
+
+
+@pytest.mark.parametrize("layout", [["parallel.tensor_model_parallel_size=2",
+                                     "rollout.tensor_parallel_size=2"],
+                                    ["parallel.pipeline_model_parallel_size=2"]])
+def test_generate_at_other_layouts_equals_one_process(walk, layout):
+    one, _ = _megarlhf_greedy(walk, 1)
+    two, _ = _megarlhf_greedy(walk, 2, *layout)
+    assert [r["response_tokens"] for r in two] == [r["response_tokens"] for r in one]
