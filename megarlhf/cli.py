@@ -212,11 +212,16 @@ def cmd_launch(args) -> int:
 STAGES = [
     ("sft", cmd_sft, "supervised fine-tuning: next-token loss on the response tokens",
      "example:\n  megarlhf sft configs/sft_tiny.yaml data.train_path=sft.jsonl "
-     "tokenizer.path=tok.model train.num_epochs=2\n\ndata: JSONL/Parquet rows with "
-     "'prompt' and 'response' (data.prompt_key, data.response_key)."),
+     "tokenizer.path=tok.model train.num_epochs=2\n  megarlhf sft configs/chat/sft.yaml "
+     "checkpoint.load=runs/my-model/checkpoints tokenizer.path=runs/my-model "
+     "data.train_path=chat.jsonl\n\ndata: JSONL/Parquet rows with 'prompt' and 'response' "
+     "(data.prompt_key, data.response_key), or chat 'messages' (data.messages_key; loss "
+     "on every assistant turn, rendered with the tokenizer's chat template)."),
     ("rm", cmd_rm, "reward model: pairwise Bradley-Terry loss, then score normalisation",
      "example:\n  megarlhf rm configs/rm_tiny.yaml data.train_path=prefs.jsonl "
-     "tokenizer.path=tok.model\n\ndata: rows with 'prompt', 'chosen', 'rejected'."),
+     "tokenizer.path=tok.model\n\ndata: rows with 'prompt', 'chosen', 'rejected' strings, or "
+     "chosen/rejected conversations sharing their first turns (HH-RLHF) with an optional "
+     "'prompt' (UltraFeedback-binarized)."),
     ("ppo", cmd_ppo, "PPO (GRPO, RLOO, REINFORCE++) with actor, critic, reference and "
      "reward roles, each at its own layout",
      "example:\n  megarlhf ppo configs/demo/ppo.yaml ppo.sft_checkpoint=runs/sft/checkpoints "
@@ -225,7 +230,8 @@ STAGES = [
      "ppo.init_kl_coef and an adaptive controller are refused there).\n\nMemory: roles.actor.offload="
      "optimizer|optimizer+grads|all (and roles.critic.offload) moves the trained roles' state "
      "off the GPU during the rollout; memory/<phase>/<role>/<part> metrics and an end-of-run "
-     "table report what each phase held; `megarlhf plan CONFIG` predicts it.\n\ndata: rows with 'prompt'. `megarlhf config show FILE "
+     "table report what each phase held; `megarlhf plan CONFIG` predicts it.\n\ndata: rows with 'prompt' text or chat 'messages' ending with the user's turn. "
+     "`megarlhf config show FILE "
      "--world-size N` prints the roles as this run would build them."),
     ("dpo", cmd_dpo, "DPO (sigmoid, cDPO label smoothing, or IPO) on preference pairs, "
      "reference log-probs from the cache",
@@ -235,7 +241,8 @@ STAGES = [
      "checkpoint.load) scores every pair once into cache.path (default RUN_DIR/cache/"
      "reference) and is released before the policy is built; reruns reuse the cache, "
      "a stale one (other checkpoint or data) is rebuilt (cache.on_stale=error refuses). "
-     "Metrics: train/loss, train/rewards/{chosen,rejected,margin,accuracy} and eval/*."),
+     "Metrics: train/loss, train/rewards/{chosen,rejected,margin,accuracy} and eval/*. "
+     "Pairs may also be conversations (as for `megarlhf rm`)."),
     ("distill", cmd_distill, "distillation: a student learns a teacher's cached top-k "
      "next-token log-probs on the response tokens",
      "example:\n  megarlhf distill configs/sft_tiny.yaml distill.teacher_checkpoint="
@@ -247,6 +254,10 @@ STAGES = [
 ]
 
 STAGE_EPILOG = """
+
+Overrides: any config field as key.sub=value after the config (lists as [a,b], null
+for None); `megarlhf config show CONFIG [overrides] --docs` prints every field with its
+meaning and valid range.
 
 Outputs go to {run.output_dir}/{run.name}: metrics.jsonl, TensorBoard, curves
 (`megarlhf plot`), checkpoints/. Rerunning the same command resumes from the latest
@@ -399,6 +410,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _note_missing_gpu_extras() -> None:
+    """On a GPU without TransformerEngine, one line instead of megatron's import warnings
+    (which are silenced above): what runs instead and how to get the fast path."""
+    import torch
+
+    if not torch.cuda.is_available() or int(os.environ.get("RANK", "0")) != 0:
+        return
+    from megarlhf.models.spec import transformer_engine_available
+
+    if not transformer_engine_available():
+        print("megarlhf: note: TransformerEngine is not installed; megatron-core's local "
+              "layers run (no fp8, unfused kernels). pip install 'megarlhf[fp8]' for the "
+              "TransformerEngine path.", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     # megatron-core announces its torch fallbacks for Apex/TE on every import; on CPU they
     # are expected, and the layer spec choice is printed by the stages themselves.
@@ -413,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         # Before anything slow: a signal during start-up is honoured at the first safe point.
         from megarlhf.engine.signals import install_handlers
         install_handlers()
+        _note_missing_gpu_extras()
     # key=value overrides may come before or after options.
     unknown = [a for a in extra if a.startswith("-") or "=" not in a]
     if unknown or (extra and not hasattr(args, "overrides")):

@@ -14,7 +14,9 @@ if [ ! -f "$stamp" ]; then
     # Pinned CPU torch: an unpinned torch pulls a multi-GB CUDA build. GPU users install
     # their own torch (e.g. an NGC container) and skip this script.
     .venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
-    .venv/bin/python -m pip install -q -e ".[${EXTRAS}]" 2>&1 | grep -v "^WARNING: Location" || true
+    # PYTHONWARNINGS: setuptools' notes on editable installs are not for the user.
+    PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -e ".[${EXTRAS}]" 2>&1 \
+        | grep -v "^WARNING: Location" || true
     if [[ "$EXTRAS" == *test* ]]; then
         # trl 0.11.4's AdaptiveKLController is a test oracle; it cannot be installed beside
         # trl 1.12.0, so its wheel is kept for the test to read.
@@ -22,7 +24,8 @@ if [ ! -f "$stamp" ]; then
         .venv/bin/python -m pip download -q --no-deps "trl==0.11.4" -d .venv/oracles 2>&1 \
             | grep -v "^WARNING: Location" || true
     fi
-    .venv/bin/python -c "import megarlhf, megatron.core, torch; print('megarlhf env ready:', 'torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
+    # -W ignore: megatron-core's Apex/TransformerEngine fallback notes are expected on CPU.
+    .venv/bin/python -W ignore -c "import megarlhf, megatron.core, torch; print('megarlhf env ready:', 'torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
     rm -f .venv/.megarlhf-installed-*
     touch "$stamp"
 fi
