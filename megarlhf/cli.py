@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
+from megarlhf import quiet_known_warnings
 from megarlhf.config import Config, ConfigError, dump_config, load_config
 
 
@@ -426,13 +426,7 @@ def _note_missing_gpu_extras() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # megatron-core announces its torch fallbacks for Apex/TE on every import; on CPU they
-    # are expected, and the layer spec choice is printed by the stages themselves.
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
-    warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")
-    warnings.filterwarnings("ignore", module=r"megatron\..*")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*The .grad attribute of a Tensor that is not a leaf.*")
+    quiet_known_warnings()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command in ("sft", "rm", "ppo", "dpo", "distill"):

@@ -138,3 +138,51 @@ def test_the_chat_task_files_read(model, tok):
         assert len(ds) == sum(1 for _ in open(model[key]))
     multi = [json.loads(line) for line in open(model["sft"])][0]
     assert sum(m["role"] == "assistant" for m in multi["messages"]) == 2
+
+
+FIXTURES = "tests/fixtures/chat"
+
+
+SHAPES = (("sft_messages", "sft"), ("prompts_messages", "prompt"), ("prefs_hh", "preference"),
+          ("prefs_ultrafeedback", "preference"), ("prefs_strings", "preference"))
+
+
+def _read_fixture(tok, path: str, kind: str) -> tuple:
+    ds = tokenize_dataset(path, kind, DATA, tok)
+    return ds.prompts, ds.responses, ds.chosen, ds.rejected, ds.weights
+
+
+def _converted(src: str, fmt: str, out) -> str:
+    """``src`` (JSONL) written by ``datasets`` as Parquet, a folder of .arrow files, or a
+    save_to_disk folder."""
+    import datasets
+
+    table = datasets.load_dataset("json", data_files=src, split="train")
+    if fmt == "parquet":
+        table.to_parquet(str(out) + ".parquet")
+        return str(out) + ".parquet"
+    table.save_to_disk(str(out))
+    if fmt == "save_to_disk":
+        return str(out)
+    arrows = out.parent / f"{out.name}_arrow"
+    arrows.mkdir()
+    for f in out.glob("*.arrow"):
+        (arrows / f.name).write_bytes(f.read_bytes())
+    return str(arrows)
+
+
+def test_hand_written_fixtures_of_each_shape(tok):
+    got = {name: _read_fixture(tok, f"{FIXTURES}/{name}.jsonl", kind) for name, kind in SHAPES}
+    hh, uf = got["prefs_hh"], got["prefs_ultrafeedback"]
+    assert hh[0] == uf[0] and hh[2] == uf[2] and hh[3] == uf[3]  # one pair, two shapes
+    prompts, _, _, _, weights = got["sft_messages"]
+    assert len(prompts) == 2 and sum(weights[1]) > sum(weights[0])  # two answered turns
+    assert got["prompts_messages"][0][1] != got["prompts_messages"][0][0]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow", "save_to_disk"])
+def test_fixtures_read_the_same_from_every_file_format(tok, tmp_path, fmt):
+    for name, kind in SHAPES:
+        src = f"{FIXTURES}/{name}.jsonl"
+        assert _read_fixture(tok, _converted(src, fmt, tmp_path / name), kind) == \
+            _read_fixture(tok, src, kind), name

@@ -68,6 +68,18 @@ def test_exported_directory_loads_in_transformers_with_its_tokenizer(walk):
         "<|im_start|>user\nwords: red cat<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_the_ema_policy_exports_too(walk):
+    import torch
+
+    out = str(walk["tmp"] / "exported_ema")
+    run_cli("export", *walk["ppo_args"], "--out", out, "--role", "ema")
+    ema = transformers.AutoModelForCausalLM.from_pretrained(out)
+    actor = transformers.AutoModelForCausalLM.from_pretrained(walk["out"])
+    gaps = [float((a - b).abs().max()) for a, b in zip(ema.parameters(), actor.parameters())]
+    assert 0 < max(gaps) < 1.0  # the average lags the actor it follows
+    assert all(torch.isfinite(p).all() for p in ema.parameters())
+
+
 def _megarlhf_greedy(walk, nprocs: int, *layout: str) -> list[dict]:
     prompts = walk["tmp"] / "gen_prompts.jsonl"
     rows = [json.loads(line) for line in open(walk["model"]["eval_prompts"])][:6]

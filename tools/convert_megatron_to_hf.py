@@ -32,6 +32,9 @@ def convert(config_path: str, out: str, ckpt: str | None, role_name: str | None,
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megarlhf import quiet_known_warnings
+
+    quiet_known_warnings()
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="megarlhf YAML config of the model")

@@ -1,4 +1,5 @@
-"""Prompt, SFT and preference datasets from local JSONL / Parquet through HF ``datasets``.
+"""Prompt, SFT and preference datasets from local JSONL / Parquet / Arrow (or a
+``save_to_disk`` folder) through HF ``datasets``.
 
 Columns are mapped by the ``data.*_key`` fields; rows too long for the model are dropped
 and counted by reason; malformed files, missing columns, wrong types and empty results
@@ -62,24 +63,40 @@ def _data_files(path: str) -> tuple[str, list[str]]:
         raise FileNotFoundError(f"dataset {path!r} does not exist")
     files = [path]
     if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "state.json")):
+            return "saved", [path]  # Dataset.save_to_disk
         files = sorted(os.path.join(path, f) for f in os.listdir(path)
-                       if f.endswith((".jsonl", ".json", ".parquet")))
+                       if f.endswith((".jsonl", ".json", ".parquet", ".arrow")))
         if not files:
-            raise ValueError(f"dataset folder {path!r} holds no .jsonl, .json or .parquet files")
+            raise ValueError(f"dataset folder {path!r} holds no .jsonl, .json, .parquet or "
+                             ".arrow files")
     exts = {os.path.splitext(f)[1] for f in files}
     if exts <= {".jsonl", ".json"}:
         return "json", files
     if exts == {".parquet"}:
         return "parquet", files
-    raise ValueError(f"dataset {path!r}: use .jsonl/.json or .parquet files, not a mix "
-                     f"({', '.join(sorted(exts))})")
+    if exts == {".arrow"}:
+        return "arrow", files
+    raise ValueError(f"dataset {path!r}: use .jsonl/.json, .parquet or .arrow files (or a "
+                     f"save_to_disk folder), not a mix ({', '.join(sorted(exts))})")
 
 
 def load_rows(path: str):
     """The raw table as an HF ``datasets.Dataset``."""
     import datasets
 
+    datasets.disable_progress_bars()
     builder, files = _data_files(path)
+    if builder == "saved":
+        table = datasets.load_from_disk(path)
+        if isinstance(table, datasets.DatasetDict):
+            if "train" not in table:
+                raise ValueError(f"dataset {path!r} is a DatasetDict without a 'train' split "
+                                 f"(it has {', '.join(table)}): point at one split's folder")
+            table = table["train"]
+        if len(table) == 0:
+            raise ValueError(f"dataset {path!r} is empty")
+        return table
     empty = [f for f in files if os.path.getsize(f) == 0 or (
         builder == "json" and not open(f, "rb").read(65536).strip())]
     if len(empty) == len(files):
