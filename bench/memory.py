@@ -81,7 +81,7 @@ def phases(size: str, iterations: int) -> None:
             session.close()
             continue
         session.hooks.before_save()
-        metrics = session.tracker.metrics()
+        metrics = session.tracker.metrics(whole_run=True)
         plan = plan_ppo(cfg, 1, specs=session.specs, prompt_len=exp.prompt_tokens_BP.shape[1],
                         response_len=exp.response_tokens_BT.shape[1])
         cells = [f"{metrics.get(f'memory/{phase}/total', 0):8.1f} / "

@@ -288,7 +288,7 @@ def test_two_processes_with_dp2_follow_one_process(setup):
     one, two = load(setup, "dp", 1), load(setup, "dp", 2)
     for it, (a, b) in enumerate(zip(one["metrics"], two["metrics"])):
         for key, value in a.items():
-            if key.startswith(("timing/", "perf/")):
+            if key.startswith(("timing/", "perf/", "memory/")):  # memory differs by layout
                 continue
             assert abs(value - b[key]) <= 1e-5 + 1e-4 * abs(value), (it, key, value, b[key])
     torch.testing.assert_close(one["after"], two["after"], rtol=1e-4, atol=1e-6)

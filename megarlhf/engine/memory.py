@@ -8,7 +8,8 @@ once, parameters excluded). On GPU the allocator's peak per phase is recorded to
 (``memory/<phase>/peak_allocated``): it also sees transient buffers the CPU counters
 cannot.
 
-Metrics are MiB, the maximum over ranks; :meth:`MemoryTracker.table` prints the same.
+Metrics are MiB, the maximum over ranks, per iteration (the rollout, experience and
+training of that iteration); :func:`format_table` prints the whole run's, with the saves.
 """
 
 from __future__ import annotations
@@ -115,13 +116,20 @@ class MemoryTracker:
 
     def __init__(self, roles: dict):
         self.roles = {k: v for k, v in roles.items() if v is not None}
+        # this iteration's peaks (the memory/* metrics), and the whole run's (the table)
         self.parts: dict[tuple[str, str, str], int] = {}
         self.totals: dict[str, int] = {}
+        self.run_parts: dict[tuple[str, str, str], int] = {}
+        self.run_totals: dict[str, int] = {}
         self.cuda = torch.cuda.is_available()
+
+    def begin_iteration(self) -> None:
+        self.parts, self.totals = {}, {}
 
     def _put(self, phase: str, role: str, part: str, value: int) -> None:
         key = (phase, role, part)
         self.parts[key] = max(self.parts.get(key, 0), int(value))
+        self.run_parts[key] = max(self.run_parts.get(key, 0), int(value))
 
     def snapshot(self, phase: str, extra: dict[tuple[str, str], int] | None = None,
                  transient: dict[tuple[str, str], int] | None = None) -> int:
@@ -142,6 +150,7 @@ class MemoryTracker:
             self._put(phase, name, part, value)
         total += max((transient or {}).values(), default=0)
         self.totals[phase] = max(self.totals.get(phase, 0), total)
+        self.run_totals[phase] = max(self.run_totals.get(phase, 0), total)
         return total
 
     def start_phase(self, phase: str) -> None:
@@ -152,11 +161,14 @@ class MemoryTracker:
         if self.cuda:
             self._put(phase, "all", "peak_allocated", torch.cuda.max_memory_allocated())
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, whole_run: bool = False) -> dict[str, float]:
         """``memory/<phase>/<role>/<part>`` and ``memory/<phase>/total`` in MiB, the
-        maximum over ranks (a collective: every rank calls it)."""
-        keys = sorted(self.parts) + [(phase, "", "total") for phase in sorted(self.totals)]
-        values = torch.tensor([float(self.parts.get(k, 0)) if k[1] else float(self.totals[k[0]])
+        maximum over ranks, of this iteration (or of the whole run); a collective: every
+        rank calls it."""
+        parts, totals = (self.run_parts, self.run_totals) if whole_run else \
+            (self.parts, self.totals)
+        keys = sorted(parts) + [(phase, "", "total") for phase in sorted(totals)]
+        values = torch.tensor([float(parts.get(k, 0)) if k[1] else float(totals[k[0]])
                                for k in keys], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(values, op=dist.ReduceOp.MAX)

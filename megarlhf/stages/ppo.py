@@ -278,6 +278,8 @@ class PPOSession:
         """One PPO iteration: (metrics, experience, generation)."""
         cfg, ppo = self.cfg, self.cfg.ppo
         t_iter = time.perf_counter()
+        if self.tracker is not None:
+            self.tracker.begin_iteration()
         # 1-2. rollout and experience
         exp, gen, metrics = self.maker.make(self.prompt_batch(it), seed=cfg.run.seed + it,
                                             kl_coef=self.kl_ctl.value,
@@ -375,7 +377,7 @@ def run_ppo(cfg: Config, tokenizer) -> dict:
         result = metrics
     bar.close()
     if session.tracker is not None:
-        table = format_table(session.tracker.metrics(),
+        table = format_table(session.tracker.metrics(whole_run=True),
                              "[ppo] memory per rank, MiB (largest rank; megarlhf plan predicts "
                              "these):")
         print0(table)

@@ -71,8 +71,8 @@ def main() -> None:
                         prompt_len=exp.prompt_tokens_BP.shape[1],
                         response_len=exp.response_tokens_BT.shape[1])
         result = {
-            "measured": {"/".join(k): v for k, v in tracker.parts.items()},
-            "measured_totals": tracker.totals,
+            "measured": {"/".join(k): v for k, v in tracker.run_parts.items()},
+            "measured_totals": tracker.run_totals,
             "planned": {f"{phase}/{role}/{part}": value
                         for phase, parts in plan.ranks[rank].items()
                         for (role, part), value in parts.items()},
