@@ -81,6 +81,9 @@ def test_the_ema_policy_exports_too(walk):
 
 
 def _megarlhf_greedy(walk, nprocs: int, *layout: str) -> list[dict]:
+    key = (nprocs, *layout)
+    if key in walk.setdefault("greedy", {}):
+        return walk["greedy"][key]
     prompts = walk["tmp"] / "gen_prompts.jsonl"
     rows = [json.loads(line) for line in open(walk["model"]["eval_prompts"])][:6]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -93,7 +96,8 @@ def _megarlhf_greedy(walk, nprocs: int, *layout: str) -> list[dict]:
         run_cli(*argv)
     else:
         torchrun(argv, nprocs)
-    return [json.loads(line) for line in open(out)], rows
+    walk["greedy"][key] = [json.loads(line) for line in open(out)], rows
+    return walk["greedy"][key]
 
 
 def test_transformers_greedy_generation_equals_megarlhf(walk):
