@@ -77,7 +77,8 @@ def runs(tiny_checkpoints):
     two = run_cases(out, base, {
         "tp2": ["parallel.tensor_model_parallel_size=2", "rollout.tensor_parallel_size=2"],
         "pp2": ["parallel.pipeline_model_parallel_size=2", "ppo.ema_decay=0.9"],
-        "dp2": [], "dp2_offload": OFFLOAD}, 2, "2")
+        "dp2": [], "dp2_offload": OFFLOAD,
+        "dp2_keep": ["rollout.release_inference_weights=false"]}, 2, "2")
     return lambda name, world: (one if world == 1 else two)(name)
 
 
@@ -85,7 +86,7 @@ def exact_parts(result: dict, key: str = "measured") -> dict:
     return {k: v for k, v in result[key].items() if k.rsplit("/", 1)[1] in EXACT and v}
 
 
-LAYOUTS = [("tp1", 1), ("plain_bf16", 1), ("tp2", 2), ("pp2", 2), ("dp2", 2)]
+LAYOUTS = [("tp1", 1), ("plain_bf16", 1), ("tp2", 2), ("pp2", 2), ("dp2", 2), ("dp2_keep", 2)]
 
 
 @pytest.mark.parametrize("name,world", LAYOUTS)
@@ -162,6 +163,21 @@ def test_offload_is_bitwise_neutral_and_frees_the_predicted_bytes(runs):
         assert m["train/actor/optimizer"] == base[rank]["measured"]["train/actor/optimizer"]
         # reference.offload=none keeps it resident in every phase
         assert m["rollout/reference/params"] > 0
+
+
+def test_released_inference_weights_come_back_exactly(runs):
+    """rollout.release_inference_weights (the default) frees the inference model after
+    each generation (it comes back filled with NaN bytes, then the reshard rewrites every
+    weight): the run is bitwise the one that keeps it, and only the rollout holds it."""
+    released, kept = runs("dp2", 2), runs("dp2_keep", 2)
+    for rank in range(2):
+        assert released[rank]["metrics"] == kept[rank]["metrics"]
+        r, k = released[rank]["measured"], kept[rank]["measured"]
+        assert r["rollout/inference/params"] == k["rollout/inference/params"] > 0
+        for phase in ("experience", "train", "save"):
+            assert f"{phase}/inference/params" not in r or not r[f"{phase}/inference/params"]
+            assert k[f"{phase}/inference/params"] == k["rollout/inference/params"]
+        assert exact_parts(kept[rank]) == exact_parts(kept[rank], "planned")
 
 
 def test_plan_command_sizes_an_8b_run_and_suggests_layouts():

@@ -555,6 +555,10 @@ class RolloutConfig:
     offload_frozen_models: bool = True
     """Offload reference and reward models between their scoring passes (the default of
     roles.reference.offload / roles.reward.offload)."""
+    release_inference_weights: bool = True
+    """Free the inference model's weights (the actor at the rollout layout) after each
+    generation: the next reshard rewrites all of them, so nothing is copied; the actor's
+    size at rollout TP less per GPU in the experience, train and save phases."""
 
     def __post_init__(self):
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size",

@@ -45,8 +45,9 @@ class StorageStash:
     zeroes them first); they come back zeroed. Host buffers are kept for the next cycle
     (pinned allocations are slow)."""
 
-    def __init__(self, keep: bool = True):
+    def __init__(self, keep: bool = True, fill: int = 0):
         self.keep = keep
+        self.fill = fill  # the byte a storage that was not kept comes back filled with
         self.held: list[tuple[torch.UntypedStorage, int]] = []  # released, with their size
         self.host: list[torch.Tensor] = []
 
@@ -87,7 +88,8 @@ class StorageStash:
             if self.keep:
                 storage.copy_(self.host[i].untyped_storage(), non_blocking=True)
             else:
-                torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).zero_()
+                torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage) \
+                    .fill_(self.fill)
         self.held = []
         return total
 

@@ -299,7 +299,8 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
                 for part, value in static(spec, rank).items():
                     if _resident(spec, phase, part):
                         parts[(name, part)] = float(value)
-            parts[("inference", "params")] = float(static(inference, rank)["params"])
+            if phase == "rollout" or not r.release_inference_weights:
+                parts[("inference", "params")] = float(static(inference, rank)["params"])
             if ema is not None:
                 parts[("ema", "params")] = float(static(ema, rank)["params"])
             total[phase] = sum(parts.values())

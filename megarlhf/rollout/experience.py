@@ -32,7 +32,7 @@ from megarlhf.engine.roles import Role
 from megarlhf.engine.steps import make_sequence_step
 from megarlhf.parallel.layout import ParallelLayout
 from megarlhf.rollout.generate import Generation, SamplingParams, generate
-from megarlhf.rollout.reshard import Resharder
+from megarlhf.rollout.reshard import Resharder, release_inference_weights
 
 
 # ------------------------------------------------------------------ frozen-model cache
@@ -142,6 +142,9 @@ class ExperienceMaker:
     # phase hooks (memory accounting, trained-role offload): before_generate(),
     # after_generate(kv_cache_bytes), during_pass() - see stages.ppo.PhaseHooks
     hooks: object | None = None
+    # free the inference model's weights after each generation (the next reshard
+    # rewrites them all): rollout.release_inference_weights
+    release_inference: bool = False
 
     def __post_init__(self):
         self.resharder = Resharder(self.actor.chunks, self.inference_model)
@@ -184,6 +187,8 @@ class ExperienceMaker:
         seconds = time.perf_counter() - start
         if self.hooks is not None:
             self.hooks.after_generate(gen_stats["kv_cache_bytes"])
+        if self.release_inference:
+            release_inference_weights(self.inference_model)
         gen = _gather_generations(gen, prompts, inf, self.pad_id)
         return gen, {"timing/reshard": stats.seconds, "perf/reshard_bytes": stats.bytes_received,
                      "timing/generate": seconds}

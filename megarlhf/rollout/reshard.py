@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron.core.resharding.copy_services.base import CopyService
 from megatron.core.resharding.refit import swap_model_weights
 
+from megarlhf.engine.offload import StorageStash, unique_storages
 from megarlhf.engine.role_specs import RoleSpec
 from megarlhf.engine.roles import build_chunks
 from megarlhf.parallel.launch import uses_nccl
@@ -145,9 +146,22 @@ class ReshardStats:
     bytes_received: int  # summed over all ranks
 
 
+def release_inference_weights(model) -> int:
+    """Free the inference model's weights until the next reshard, which overwrites every
+    one of them (``rollout.release_inference_weights``): nothing is copied out. Returns
+    the bytes freed."""
+    stash = getattr(model, "_megarlhf_stash", None)
+    if stash is None:
+        # Back filled with 0xFF bytes (NaN in every float dtype): a weight the reshard did
+        # not write would show at once.
+        stash = model._megarlhf_stash = StorageStash(keep=False, fill=0xFF)
+    return stash.release(unique_storages(p for p in model.parameters()))
+
+
 class Resharder:
     """Copies training-layout weights into the inference model; the plan is built on the
-    first call and reused (megatron caches it on the target model)."""
+    first call and reused (megatron caches it on the target model). Weights released by
+    :func:`release_inference_weights` are reallocated first."""
 
     def __init__(self, train_chunks: list, inference_model):
         chunks = [getattr(c, "module", c) for c in train_chunks]
@@ -158,6 +172,9 @@ class Resharder:
     @torch.no_grad()
     def __call__(self) -> ReshardStats:
         start = time.perf_counter()
+        stash = getattr(self.dst, "_megarlhf_stash", None)
+        if stash is not None:
+            stash.restore()
         swap_model_weights([self.src], [self.dst], refit_method=self.service)
         seconds = time.perf_counter() - start
         plan = getattr(getattr(self.dst, "module", self.dst), "_cached_reshard_plan", None)

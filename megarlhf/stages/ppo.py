@@ -35,7 +35,8 @@ from megarlhf.parallel.launch import init_distributed, read_dist_env
 from megarlhf.rollout.experience import (
     ExperienceMaker, RewardSource, SequenceCache, decode_sample, load_reward_fn)
 from megarlhf.rollout.generate import SamplingParams, generate
-from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout
+from megarlhf.rollout.reshard import (
+    Resharder, build_inference_model, inference_layout, release_inference_weights)
 from megarlhf.stages.common import check_writable, print0, progress, run_dir
 
 
@@ -213,7 +214,8 @@ class PPOSession:
                                      eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                                      offload=r.offload_frozen_models,
                                      micro_batch_size=ppo.micro_batch_size,
-                                     ref_cache=SequenceCache())
+                                     ref_cache=SequenceCache(),
+                                     release_inference=r.release_inference_weights)
         self.kl_ctl = algos.make_kl_controller(ppo.kl_controller, ppo.init_kl_coef,
                                                ppo.kl_target, ppo.kl_horizon)
         # EMA of the actor (evaluation only): its own frozen role at the actor's layout, so
@@ -490,6 +492,8 @@ def _evaluator(cfg, maker, eval_ds, tokenizer, gold_fn):
                        eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                        true_vocab=maker.actor.spec.model.vocab_size,
                        stop_at_eos=cfg.rollout.stop_at_eos)
+        if maker.release_inference:
+            release_inference_weights(maker.inference_model)
         local = torch.zeros(3, dtype=torch.float64)
         if inf.tp_rank == 0:
             for b in range(len(mine_idx)):
