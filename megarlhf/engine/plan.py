@@ -419,13 +419,15 @@ def format_plan(plan: Plan, capacity: float | None, headroom: float) -> str:
     role, part, value = plan.largest_part(rank, phase)
     lines.append("")
     where = f"rank {rank} in the {phase} phase"
-    lines.append(f"peak: {total / GIB:.2f} GiB on {where}; largest consumer there: "
-                 f"{role} {part} ({value / GIB:.2f} GiB)")
+    lines.append(f"peak: {total / scale:.2f} {unit} on {where}; largest consumer there: "
+                 f"{role} {part} ({value / scale:.2f} {unit})")
     if capacity is not None:
         limit = capacity * (1.0 - headroom)
         verdict = "fits" if total <= limit else "does NOT fit"
-        lines.append(f"{verdict}: {capacity / GIB:.1f} GiB per GPU, {headroom:.0%} kept for "
-                     f"the CUDA context and fragmentation -> {limit / GIB:.1f} GiB usable")
+        cunit, cscale = _unit(capacity)
+        lines.append(f"{verdict}: {capacity / cscale:.1f} {cunit} per GPU, {headroom:.0%} kept "
+                     f"for the CUDA context and fragmentation -> {limit / cscale:.1f} {cunit} "
+                     "usable")
     return "\n".join(lines)
 
 
@@ -488,7 +490,7 @@ def explain(cfg: Config, world: int, capacity: float, gpus_per_node: int,
                          f"parallel.pipeline_model_parallel_size={pp} "
                          f"rollout.tensor_parallel_size={tp} roles.actor.offload={level}"
                          + (f" roles.critic.offload={level}" if "critic" in plan.specs else "")
-                         + f"  (peak {peak / GIB:.1f} GiB)")
+                         + f"  (peak {peak / _unit(peak)[1]:.1f} {_unit(peak)[0]})")
         else:
             text += ("\nno uniform layout of TP x PP on these GPUs fits: more GPUs, smaller "
                      "micro-batches or shorter sequences")
