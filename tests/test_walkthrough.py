@@ -125,3 +125,29 @@ def test_generate_at_other_layouts_equals_one_process(walk, layout):
     one, _ = _megarlhf_greedy(walk, 1)
     two, _ = _megarlhf_greedy(walk, 2, *layout)
     assert [r["response_tokens"] for r in two] == [r["response_tokens"] for r in one]
+
+
+def test_generate_reads_stdin_and_refuses_what_it_cannot_do(tiny_checkpoints, tmp_path):
+    """Plain-text prompts on stdin, JSONL on stdout (the notes go to stderr), the same
+    samples for the same seed; a value model, an empty prompt and a too-long prompt are
+    errors before any work."""
+    out, task, common = tiny_checkpoints
+    base = ["generate", "configs/sft_tiny.yaml", f"checkpoint.load={out}/sft-tiny/checkpoints",
+            *common, "rollout.max_new_tokens=6", "-i", "-", "-o", "-"]
+
+    def run(*extra, stdin="words: red cat\nwords: blue tree house\n", check=True):
+        return subprocess.run([sys.executable, "-m", "megarlhf.cli", *base, *extra],
+                              input=stdin, capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore"}, check=check)
+
+    first, again = run(), run()
+    rows = [json.loads(line) for line in first.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == ["words: red cat", "words: blue tree house"]
+    assert first.stdout == again.stdout and "[generate]" in first.stderr
+    assert all(1 <= len(r["response_tokens"]) <= 6 for r in rows)
+    bad = run(f"checkpoint.load={out}/rm-tiny/checkpoints", check=False)
+    assert bad.returncode == 2 and "is a value model" in bad.stderr
+    bad = run(stdin='{"tokens": []}\n', check=False)
+    assert bad.returncode == 2 and "the prompt is empty" in bad.stderr
+    bad = run(stdin="words: " + "red " * 80 + "\n", check=False)
+    assert bad.returncode == 2 and "beyond the model's 64" in bad.stderr
