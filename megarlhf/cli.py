@@ -269,6 +269,12 @@ local torchrun, signal the workers (pkill -USR1 -f megarlhf.cli), not torchrun i
 Bad settings and mismatched checkpoints are refused before any work (exit 2)."""
 
 
+def _config_args(parser, config_help: str,
+                 overrides_help: str = "key.sub=value overrides") -> None:
+    parser.add_argument("config", help=config_help)
+    parser.add_argument("overrides", nargs="*", help=overrides_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarlhf", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -319,8 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint.load=runs/sft/checkpoints data.train_path=prefs.jsonl",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     build.add_argument("stage", choices=["dpo", "distill"])
-    build.add_argument("config", help="the stage's YAML config")
-    build.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    _config_args(build, "the stage's YAML config")
     build.set_defaults(func=cmd_cache_build)
     plan = sub.add_parser(
         "plan", help="predict per-GPU memory of every PPO role and phase; does it fit?",
@@ -339,8 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the end; `megarlhf launch` refuses a config that does not fit "
         "launch.gpu_memory_gib.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    plan.add_argument("config", help="a PPO YAML config")
-    plan.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    _config_args(plan, "a PPO YAML config")
     plan.add_argument("--gpu-memory", help="memory of one GPU, e.g. 80GiB or 141GB "
                       "(default launch.gpu_memory_gib; none: report only)")
     plan.add_argument("--gpus-per-node", type=int, default=None,
@@ -366,8 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
         "megarlhf.cli generate conv/config.yaml -i prompts.jsonl -o out.jsonl "
         "parallel.tensor_model_parallel_size=2 rollout.greedy=true",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    gen.add_argument("config", help="YAML config (model, tokenizer, checkpoint.load)")
-    gen.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    _config_args(gen, "YAML config (model, tokenizer, checkpoint.load)")
     gen.add_argument("-i", "--input", required=True, help="prompts file, or - for stdin")
     gen.add_argument("-o", "--output", default="-", help="JSONL to write, or - for stdout")
     gen.add_argument("--role", help="checkpoint role (default: actor, policy or its only one)")
@@ -385,8 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
         "megarlhf export configs/sft_tiny.yaml --out hf --ckpt runs/sft-tiny/checkpoints/"
         "step_0000100\n\nThen: transformers.AutoModelForCausalLM.from_pretrained(OUT).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    export.add_argument("config", help="the run's YAML config")
-    export.add_argument("overrides", nargs="*", help="key.sub=value overrides the run used")
+    _config_args(export, "the run's YAML config", "key.sub=value overrides the run used")
     export.add_argument("--out", required=True, help="Hugging Face directory to write")
     export.add_argument("--ckpt", help="checkpoint folder or one checkpoint (default: the "
                         "run's checkpoints, latest)")
@@ -399,8 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=cmd_export)
     launch = sub.add_parser("launch", help="render and submit an sbatch script for a stage")
     launch.add_argument("stage", choices=["sft", "rm", "ppo", "dpo", "distill"])
-    launch.add_argument("config", help="YAML config")
-    launch.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    _config_args(launch, "YAML config")
     launch.add_argument("--slurm", action="store_true", help="submit to Slurm with sbatch")
     launch.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
     launch.set_defaults(func=cmd_launch)
