@@ -296,6 +296,16 @@ def checkpoint_role(meta: dict, wanted: str | None, path: str) -> str:
     return wanted
 
 
+POLICY_ROLES = ("actor", "policy")  # ppo's trained policy, sft's and dpo's
+
+
+def policy_role(meta: dict, wanted: str | None, path: str) -> str:
+    """``wanted``, else the checkpoint's policy (actor or policy), else its only role."""
+    if wanted is None:
+        wanted = next((r for r in POLICY_ROLES if r in meta.get("roles", {})), None)
+    return checkpoint_role(meta, wanted, path)
+
+
 def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: bool = True,
                     load_rng: bool = True, layout: str = "",
                     source_roles: dict[str, str] | None = None,

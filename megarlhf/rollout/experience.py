@@ -189,7 +189,7 @@ class ExperienceMaker:
             self.hooks.after_generate(gen_stats["kv_cache_bytes"])
         if self.release_inference:
             release_inference_weights(self.inference_model)
-        gen = _gather_generations(gen, prompts, inf, self.pad_id)
+        gen = gather_generations(gen, prompts, inf, self.pad_id)
         return gen, {"timing/reshard": stats.seconds, "perf/reshard_bytes": stats.bytes_received,
                      "timing/generate": seconds}
 
@@ -439,7 +439,7 @@ def gen_sequence(gen: Generation, row: int) -> list[int]:
     return prompt + response
 
 
-def _gather_generations(gen: Generation, prompts: list[list[int]], inf: ParallelLayout,
+def gather_generations(gen: Generation, prompts: list[list[int]], inf: ParallelLayout,
                         pad_id: int) -> Generation:
     """Every rank gets every sample, in prompt order (replica r generated prompts r::dp)."""
     parts = [None] * dist.get_world_size()

@@ -18,10 +18,6 @@ import torch
 from megarlhf.config import Config
 from megarlhf.models.hf_mapping import TOKENIZER_FILES
 
-# Roles a policy export looks for, in order (ppo's actor, sft/dpo's policy).
-POLICY_ROLES = ("actor", "policy")
-
-
 def hf_config(model_type: str, m: dict, role: str) -> dict:
     from megarlhf.models.hf_mapping import LLAMA_FAMILY
 
@@ -86,7 +82,7 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
     to ``out``. ``tokenizer`` (when given) fills generation_config.json."""
     from safetensors.torch import save_file
 
-    from megarlhf.engine.checkpoint import checkpoint_role, read_meta, resolve_checkpoint
+    from megarlhf.engine.checkpoint import policy_role, read_meta, resolve_checkpoint
     from megarlhf.engine.role_specs import single_role_spec
     from megarlhf.engine.roles import build_role
     from megarlhf.models.hf_mapping import ConversionError, megatron_to_hf
@@ -97,9 +93,7 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
     cfg.parallel.virtual_pipeline_model_parallel_size = None
     ckpt = resolve_checkpoint(ckpt)
     meta = read_meta(ckpt)
-    if role_name is None:
-        role_name = next((r for r in POLICY_ROLES if r in meta["roles"]), None)
-    role = checkpoint_role(meta, role_name, ckpt)
+    role = policy_role(meta, role_name, ckpt)
     kind = meta["roles"][role].get("kind", "lm")
     cfg.checkpoint.load = ckpt
     # The model is the checkpoint's own (the config's written fields must agree with it).

@@ -29,9 +29,6 @@ def _log(text: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(text, file=sys.stderr, flush=True)
 
-POLICY_ROLES = ("actor", "policy")
-
-
 def read_prompts(path: str, tokenizer) -> list[tuple[str, list[int]]]:
     """(prompt text, token ids) per input line."""
     from megarlhf.data.chat import check_messages
@@ -75,11 +72,11 @@ def read_prompts(path: str, tokenizer) -> list[tuple[str, list[int]]]:
 
 def run_generate(cfg: Config, tokenizer, *, input_path: str, output_path: str,
                  role_name: str | None, batch_size: int) -> int:
-    from megarlhf.engine.checkpoint import read_meta, resolve_checkpoint
+    from megarlhf.engine.checkpoint import policy_role, read_meta, resolve_checkpoint
     from megarlhf.engine.role_specs import single_role_spec
     from megarlhf.engine.roles import build_role
     from megarlhf.parallel.launch import init_distributed, read_dist_env
-    from megarlhf.rollout.experience import _gather_generations
+    from megarlhf.rollout.experience import gather_generations
     from megarlhf.rollout.generate import Generation, SamplingParams, generate
     from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout
 
@@ -89,12 +86,7 @@ def run_generate(cfg: Config, tokenizer, *, input_path: str, output_path: str,
         raise ConfigError("generate needs a checkpoint: set checkpoint.load (a run's "
                           "checkpoints folder, one checkpoint, or a converted HF model)")
     meta = read_meta(resolve_checkpoint(cfg.checkpoint.load))
-    role = role_name or next((r for r in POLICY_ROLES if r in meta["roles"]), None)
-    if role is None and len(meta["roles"]) == 1:
-        role = next(iter(meta["roles"]))
-    if role is None or role not in meta["roles"]:
-        raise ConfigError(f"checkpoint.load={cfg.checkpoint.load!r} holds roles "
-                          f"{list(meta['roles'])}: pick one with --role")
+    role = policy_role(meta, role_name, cfg.checkpoint.load)
     if meta["roles"][role].get("kind", "lm") != "lm":
         raise ConfigError(f"role '{role}' of {cfg.checkpoint.load} is a value model; "
                           "generate samples from a language model")
@@ -129,7 +121,7 @@ def run_generate(cfg: Config, tokenizer, *, input_path: str, output_path: str,
                            row_seeds=[cfg.run.seed * 1000003 + start + i for i in mine])
         else:  # more replicas than prompts left
             gen = Generation(*(torch.zeros(0, 0, dtype=torch.long) for _ in range(6)))
-        gen = _gather_generations(gen, batch, inf, tokenizer.pad_id)
+        gen = gather_generations(gen, batch, inf, tokenizer.pad_id)
         for b in range(len(batch)):
             n = int(gen.response_mask_BT[b].sum())
             ids = gen.response_tokens_BT[b, :n].tolist()
