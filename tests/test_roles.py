@@ -74,9 +74,26 @@ def test_per_role_layouts_models_and_optimizers(ckpts):
     assert specs["reward"].model.params_dtype == "bfloat16"
     assert specs["reward"].model.num_layers == 2  # the rest from its checkpoint
     assert specs["critic"].optimizer.lr == 2e-3
-    assert not specs["critic"].optimizer.use_distributed_optimizer
-    assert specs["actor"].optimizer.use_distributed_optimizer
+    assert specs["critic"].optimizer.use_distributed_optimizer is False
+    assert specs["actor"].optimizer.use_distributed_optimizer is False  # auto at DP=1
     assert specs["actor"].padded_vocab == 64  # actor TP 2 (and rollout TP 1)
+
+
+def test_auto_optimizer_is_distributed_only_across_data_parallel_ranks(ckpts):
+    # world 2: the actor at TP=1 has DP=2 (sharded), the critic at PP=2 has DP=1 (plain)
+    specs = ppo_role_specs(ppo_cfg(ckpts, "parallel.tensor_model_parallel_size=1",
+                                   "parallel.pipeline_model_parallel_size=1",
+                                   "roles.critic.parallel.pipeline_model_parallel_size=2"),
+                           2, TOKENIZER)
+    assert specs["actor"].optimizer.use_distributed_optimizer is True
+    assert specs["critic"].optimizer.use_distributed_optimizer is False
+    assert "plain optimizer" in specs["critic"].describe()
+    # an explicit choice stands at any DP
+    specs = ppo_role_specs(ppo_cfg(ckpts, "parallel.tensor_model_parallel_size=1",
+                                   "parallel.pipeline_model_parallel_size=1",
+                                   "optimizer.use_distributed_optimizer=true"), 1, TOKENIZER)
+    assert specs["actor"].optimizer.use_distributed_optimizer is True
+    assert specs["critic"].optimizer.use_distributed_optimizer is True
 
 
 def test_vpp_follows_the_actor_only_with_its_pipeline(ckpts):

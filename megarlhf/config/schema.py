@@ -266,8 +266,12 @@ class OptimizerConfig:
     """Decay after warm-up."""
     warmup_steps: int = 0
     """Linear warm-up steps."""
-    use_distributed_optimizer: bool = True
-    """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
+    use_distributed_optimizer: bool | Literal["auto"] = "auto"
+    """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer).
+    ``auto``: per role, sharded where the role has more than one data-parallel rank, plain
+    at DP=1, where sharding saves nothing and costs whole-buffer copies every step (1.3-2x
+    slower PPO iterations on CPU, BENCHMARKS.md). Both write the same checkpoint format, so
+    a run resumes at any DP whichever optimizer saved it."""
     max_consecutive_skipped_steps: int = 10
     """Stop the run (exit 2) after this many optimizer steps in a row were skipped for
     non-finite gradients - a learning rate far too high, NaN rewards or data; 0 never

@@ -29,14 +29,18 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megarlhf.engine.optimizer import ensure_optimizer_state, use_fused_torch_adam
+from megarlhf.engine.optimizer import use_fused_torch_adam
+from megarlhf.engine.optimizer_state import (
+    FORMAT as OPTIMIZER_FORMAT,
+    is_distributed,
+    legacy_plain_state,
+    load_optimizer_state,
+    sharded_optimizer_state,
+)
 from megarlhf.models.gpt import sharded_state_dict
 
 META_FILE = "megarlhf_meta.json"
 LATEST_FILE = "latest"
-# Optimizer state in canonical parameter space: loads at any TP/PP/DP. (0.16.1's default
-# "fully_sharded_model_space" fails with "flattened_range is not supported".)
-OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 # Fault injection for tests: "save_before_commit:N" kills the process (exit 137) during the
 # N-th save of this process, after every rank wrote its shards and before the commit.
 FAULT_ENV = "MEGARLHF_FAULT_INJECT"
@@ -135,17 +139,14 @@ def _unshare_torch_adam_step(optimizer) -> None:
 
 
 def _sharded_state(roles: dict[str, RoleState], loading: bool, with_rng: bool,
-                   skip_head: bool = False) -> dict:
+                   skip_head: bool = False, legacy: frozenset = frozenset()) -> dict:
     state: dict = {}
     for name, role in roles.items():
         entry = _model_sharded(name, role.model, skip_head)
         if role.optimizer is not None:
-            # loading: a fresh optimizer has no state to load into; saving: one whose
-            # every step was skipped has none to save
-            ensure_optimizer_state(role.optimizer)
-            model_sd = dict(entry)
-            entry["optimizer"] = role.optimizer.sharded_state_dict(
-                model_sd, is_loading=loading, metadata=OPTIMIZER_FORMAT)
+            # one format for both optimizers (optimizer_state), but for old plain ones
+            state_of = legacy_plain_state if name in legacy else sharded_optimizer_state
+            entry["optimizer"] = state_of(role.optimizer, dict(entry), loading=loading)
         state[name] = entry
     if with_rng:
         state["rng"] = ShardedObject("rng_state", rng_state(), (_world(),), (_rank(),),
@@ -215,7 +216,9 @@ def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
             torch.save(obj, os.path.join(tmp, f"{name}.pt"))
         meta = {
             "tag": tag,
-            "roles": {name: {"trained": role.optimizer is not None, **role.extra}
+            "roles": {name: {"trained": role.optimizer is not None, **role.extra,
+                             **({"optimizer_format": OPTIMIZER_FORMAT}
+                                if role.optimizer is not None else {})}
                       for name, role in roles.items()},
             "trainer": trainer_state or {},
             "config": config or {},
@@ -320,14 +323,21 @@ def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: b
     source_roles = source_roles or {}
     targets = {name: checkpoint_role(meta, source_roles.get(name, name), path)
                for name in roles}
-    state, use_opt = {}, {}
+    state, use_opt, legacy = {}, {}, set()
     for name, role in roles.items():
         src = targets[name]
         trained = meta["roles"][src].get("trained", False)
         use_opt[name] = load_optimizer and role.optimizer is not None and trained
+        if use_opt[name] and _legacy_plain(meta, src):
+            if is_distributed(role.optimizer):
+                raise ValueError(
+                    f"checkpoint {path}: role '{src}' holds optimizer state in the plain "
+                    "optimizer's old format, which the distributed optimizer cannot read; "
+                    "resume it with optimizer.use_distributed_optimizer=false")
+            legacy.add(src)
         sub = RoleState(role.model, role.optimizer if use_opt[name] else None)
         state[src] = _sharded_state({src: sub}, loading=True, with_rng=False,
-                                    skip_head=skip_head)[src]
+                                    skip_head=skip_head, legacy=frozenset(legacy))[src]
     same_layout = meta.get("layout") == layout and meta.get("world_size") == _world()
     if load_rng and same_layout:
         state["rng"] = ShardedObject("rng_state", None, (_world(),), (_rank(),), replica_id=0)
@@ -343,7 +353,8 @@ def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: b
             _bare(chunk).load_state_dict(weights, strict=True)
         if use_opt[name]:
             _keep_torch_adam_step(role.optimizer)
-            role.optimizer.load_state_dict(loaded[src]["optimizer"])
+            load_optimizer_state(role.optimizer, loaded[src]["optimizer"],
+                                 legacy=src in legacy)
             _unshare_torch_adam_step(role.optimizer)
             use_fused_torch_adam(role.optimizer)
             # The LR schedule is a common (non-sharded) item: it comes back from the file.
@@ -353,6 +364,14 @@ def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: b
         set_rng_state(loaded["rng"])
     meta["rng_restored"] = "rng" in loaded
     return meta
+
+
+def _legacy_plain(meta: dict, role: str) -> bool:
+    """A trained role saved before the one optimizer format, by the plain optimizer."""
+    if meta["roles"][role].get("optimizer_format"):
+        return False
+    return meta.get("config", {}).get("optimizer", {}).get("use_distributed_optimizer") \
+        is False
 
 
 def _strip_prefix(state: dict, prefix: str) -> dict:

@@ -52,14 +52,19 @@ class RoleSpec:
     def trained(self) -> bool:
         return self.optimizer is not None
 
+    @property
+    def optimizer_kind(self) -> str:
+        """'distributed optimizer' or 'plain optimizer' (resolved per role from ``auto``)."""
+        return ("distributed" if self.optimizer.use_distributed_optimizer else "plain") \
+            + " optimizer"
+
     def describe(self) -> str:
         m = self.model
         layout = f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp else "")
         src = (f"{self.checkpoint} [{self.checkpoint_role}]" + (" trunk only"
                if self.trunk_only else "")) if self.checkpoint else "random init"
         opt = (f"; lr {self.optimizer.lr:g}, {self.optimizer.lr_schedule}, "
-               f"{'distributed' if self.optimizer.use_distributed_optimizer else 'plain'} "
-               "optimizer") if self.optimizer else "; frozen"
+               f"{self.optimizer_kind}") if self.optimizer else "; frozen"
         return (f"{self.name:9s} {self.kind:5s} {m.arch} {m.num_layers}x{m.hidden_size} "
                 f"heads {m.num_attention_heads}/{m.query_groups} vocab {m.vocab_size} "
                 f"{m.params_dtype}; {layout}; {src}{opt}")
@@ -165,6 +170,10 @@ def _spec(cfg: Config, *, name: str, kind: str, where: str, saved: SavedRole | N
     trunk_only = _check_kind(where, saved, kind, allow_trunk)
     padded = padded_vocab_size(model.vocab_size, cfg.parallel.make_vocab_size_divisible_by,
                                math.lcm(tp, *vocab_tps))
+    if optimizer is not None and optimizer.use_distributed_optimizer == "auto":
+        # sharding over one data-parallel rank saves nothing and costs buffer copies
+        optimizer = dataclasses.replace(
+            optimizer, use_distributed_optimizer=world_size // (tp * pp) > 1)
     return RoleSpec(name=name, kind=kind, model=model, tp=tp, pp=pp, vpp=vpp,
                     padded_vocab=padded, checkpoint=saved.path if saved else None,
                     checkpoint_role=saved.role if saved else None, trunk_only=trunk_only,

@@ -182,7 +182,8 @@ def run_supervised(cfg: Config, spec: RoleSpec, task: SupervisedTask, tokenizer)
     role = build_role(spec, seed=cfg.run.seed, total_steps=plan.total_steps)
     start_step = resume(cfg, role, spec.name)
     layout = role.layout
-    print0(f"[{task.name}] layout {layout.describe()}; weights: {role.source}")
+    print0(f"[{task.name}] layout {layout.describe()}; {spec.optimizer_kind}; "
+           f"weights: {role.source}")
     print0(f"[{task.name}] {len(task.train_items)} train / {len(task.eval_items)} eval; "
            f"{plan.describe()}" + (f"; {task.describe}" if task.describe else ""))
     logger = MetricsLogger(run_dir(cfg), tensorboard=cfg.logging.tensorboard,

@@ -1,0 +1,125 @@
+"""One checkpoint format for the optimizer state of both of megatron's optimizers.
+
+The distributed optimizer's ``fully_reshardable`` format keeps, per model parameter, its
+fp32 main weight and Adam moments as tensors of the parameter's own shape and sharding
+(``optimizer.state.{param,exp_avg,exp_avg_sq}.<parameter key>``), and the step in the
+param groups. It loads at any TP, PP and DP. The plain (non-sharded) optimizer writes and
+reads that same format here, so a checkpoint saved by either loads into either: a run at
+DP=1 (plain optimizer, ``optimizer.use_distributed_optimizer=auto``) resumes at DP=2
+(distributed) and back. megatron's own plain format (``optimizer.state.exp_avg...`` with a
+``common_step``) is still read for checkpoints written before this format existed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+from megarlhf.engine.optimizer import ensure_optimizer_state
+
+FORMAT = "fully_reshardable"
+METADATA = {"distrib_optim_sharding_type": FORMAT}  # for the distributed optimizer
+STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def sub_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def is_distributed(optimizer) -> bool:
+    return any(isinstance(opt, DistributedOptimizer) for opt in sub_optimizers(optimizer))
+
+
+def _plain(optimizer):
+    subs = sub_optimizers(optimizer)
+    if len(subs) != 1:
+        raise NotImplementedError(f"a plain optimizer of {len(subs)} chained optimizers "
+                                  "(expert parallelism) has no checkpoint format yet")
+    return subs[0]
+
+
+def _param_pairs(opt) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(model parameter, the fp32 main parameter Adam updates), in the optimizer's order."""
+    if hasattr(opt, "float16_groups"):  # bf16/fp16 weights with fp32 masters
+        for low, masters, fp32 in zip(opt.float16_groups, opt.fp32_from_float16_groups,
+                                      opt.fp32_from_fp32_groups):
+            yield from zip(low, masters)
+            yield from ((p, p) for p in fp32)
+    else:
+        for group in opt.optimizer.param_groups:
+            yield from ((p, p) for p in group["params"])
+
+
+def _step_of(inner: torch.optim.Optimizer) -> float:
+    steps = {float(state["step"]) for state in inner.state.values() if "step" in state}
+    if len(steps) > 1:
+        raise ValueError(f"the optimizer's step differs per parameter ({sorted(steps)})")
+    return steps.pop() if steps else 0.0
+
+
+def sharded_optimizer_state(optimizer, model_sharded: dict, *, loading: bool) -> dict:
+    """The optimizer's entry of a sharded checkpoint state, in the one format."""
+    if is_distributed(optimizer):
+        # loading: a fresh optimizer has no state to load into; saving: one whose every
+        # step was skipped has none to save
+        ensure_optimizer_state(optimizer)
+        return optimizer.sharded_state_dict(model_sharded, is_loading=loading,
+                                            metadata=METADATA)
+    opt = _plain(optimizer)
+    inner = opt.optimizer
+    opt.init_state_fn(inner, opt.config)  # zero moments where a parameter has none yet
+    tensors, _ = extract_sharded_tensors_and_factories(model_sharded)
+    by_param = {sh.data: sh for sh in nested_values(tensors)}
+    param_state = {}
+    for index, (model_param, main_param) in enumerate(_param_pairs(opt)):
+        state = inner.state[main_param]
+        values = {"param": main_param.detach(), "exp_avg": state["exp_avg"],
+                  "exp_avg_sq": state["exp_avg_sq"]}
+        if loading:  # loaded into fresh tensors, copied in by load_optimizer_state
+            values = {k: torch.empty_like(v) for k, v in values.items()}
+        param_state[index] = {
+            key: make_sharded_optimizer_tensor(by_param[model_param], value,
+                                               prefix=f"optimizer.state.{key}")
+            for key, value in values.items()}
+    step = _step_of(inner)
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": step}
+              for g in inner.param_groups]
+    return {"optimizer": {"param_groups": groups}, "param_state": param_state,
+            "param_state_sharding_type": FORMAT}
+
+
+def legacy_plain_state(optimizer, model_sharded: dict, *, loading: bool) -> dict:
+    """megatron's own plain-optimizer format (checkpoints written before this module)."""
+    return optimizer.sharded_state_dict(model_sharded, is_loading=loading)
+
+
+@torch.no_grad()
+def load_optimizer_state(optimizer, loaded: dict, *, legacy: bool = False) -> None:
+    """Put a loaded optimizer entry (see ``sharded_optimizer_state``) into ``optimizer``."""
+    if is_distributed(optimizer) or legacy:
+        optimizer.load_state_dict(loaded)
+        return
+    if loaded.get("param_state_sharding_type") != FORMAT:
+        raise ValueError("the checkpoint's optimizer state is in format "
+                         f"{loaded.get('param_state_sharding_type')!r}, not {FORMAT!r}")
+    opt = _plain(optimizer)
+    inner = opt.optimizer
+    steps = {float(g["step"]) for g in loaded["optimizer"]["param_groups"] if "step" in g}
+    if len(steps) > 1:
+        raise ValueError(f"the checkpoint's optimizer step differs per group ({steps})")
+    step = steps.pop() if steps else 0.0
+    for index, (model_param, main_param) in enumerate(_param_pairs(opt)):
+        tensors: dict[str, Any] = loaded["param_state"][index]
+        main_param.copy_(tensors["param"])
+        if model_param is not main_param:
+            model_param.copy_(main_param)
+        state = inner.state[main_param]
+        state["exp_avg"].copy_(tensors["exp_avg"])
+        state["exp_avg_sq"].copy_(tensors["exp_avg_sq"])
+        # each parameter its own step tensor: torch increments it in place
+        state["step"] = torch.tensor(step, dtype=torch.float32, device=main_param.device)
