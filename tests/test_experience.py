@@ -36,6 +36,14 @@ def test_offloading_does_not_change_experience(results):
     assert on["scores_B"].std() > 0 and on["advantages_BT"].abs().sum() > 0
 
 
+def test_forward_micro_batch_size_does_not_change_experience(results):
+    """rollout.forward_micro_batch_size: the experience passes in one micro-batch of 8 rows
+    instead of four of 2 give the same experience (to matmul rounding)."""
+    small, whole = single(results, True), single(results, "mb8")
+    for name in FIELDS:
+        assert torch.allclose(small[name].float(), whole[name].float(), atol=1e-5), name
+
+
 def test_cache_hits_return_stored_values(results):
     run = results[0]["single"][True]
     assert run["metrics"]["rollout/ref_cache_hit_rate"] == 0.0

@@ -48,6 +48,16 @@ def test_layout_matches_single_process(layout_results, case):
 
 
 @pytest.mark.slow
+def test_response_only_logits_equal_the_full_forwards(layout_results):
+    """The sequence step's LM head computes logits at the response positions only; its
+    log-probs and entropy equal the full forward's there, at every layout."""
+    gaps = [{key: gap for key, gap in results.items() if key[0] == "response_only"}
+            for results in layout_results]
+    assert [len(g) for g in gaps] == [2, 2 * 4]  # both architectures; world 1, world 2
+    assert max(max(g.values()) for g in gaps) < 1e-6, gaps
+
+
+@pytest.mark.slow
 def test_temperature_changes_logprobs(layout_results):
     ref = layout_results[0]
     a = ref[("llama", "lm", 1, 1, 1, 1.0)][0]["logprobs"]

@@ -559,6 +559,11 @@ class RolloutConfig:
     offload_frozen_models: bool = True
     """Offload reference and reward models between their scoring passes (the default of
     roles.reference.offload / roles.reward.offload)."""
+    forward_micro_batch_size: int | None = None
+    """Rows per forward pass of the experience passes (reference and old log-probs,
+    reward, critic values); None: ppo.micro_batch_size. These passes keep nothing for a
+    backward pass, so larger micro-batches than training's usually fit (verl's
+    log_prob_micro_batch_size, TRL's local_rollout_forward_batch_size)."""
     release_inference_weights: bool = True
     """Free the inference model's weights (the actor at the rollout layout) after each
     generation: the next reshard rewrites all of them, so nothing is copied; the actor's
@@ -575,6 +580,9 @@ class RolloutConfig:
         _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
         _require(self.min_response_tokens >= 0, "rollout.min_response_tokens",
                  self.min_response_tokens, "must be >= 0")
+        _require(self.forward_micro_batch_size is None or self.forward_micro_batch_size >= 1,
+                 "rollout.forward_micro_batch_size", self.forward_micro_batch_size,
+                 "must be >= 1, or null for ppo.micro_batch_size")
 
 
 @dataclass(kw_only=True)

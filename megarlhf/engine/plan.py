@@ -190,11 +190,12 @@ def prefill_bytes(spec: RoleSpec, *, batch: int, prompt: int) -> float:
             + 5 * batch * prompt * prompt + 5 * batch * spec.padded_vocab * 4)
 
 
-def forward_bytes(spec: RoleSpec, *, batch: int, seq: int) -> float:
-    """Transient buffers of a forward-only pass on the last stage: the fp32 logits and
-    their log-softmax (LM), or a few hidden-state copies (value model)."""
+def forward_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int) -> float:
+    """Transient buffers of a forward-only pass on the last stage: the fp32 logits at the
+    response positions and their softmax (LM), or a few hidden-state copies (value
+    model)."""
     if spec.kind == "lm":
-        return 2 * batch * seq * (spec.padded_vocab // spec.tp) * 4
+        return 2 * batch * response * (spec.padded_vocab // spec.tp) * 4
     return 4 * batch * seq * spec.model.hidden_size * DTYPE_BYTES[spec.model.params_dtype]
 
 
@@ -323,7 +324,9 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
         for name, spec in specs.items():
             _, _, s = _coords(rank, spec.tp, spec.pp, world)
             if s == spec.pp - 1:
-                passes[name] = forward_bytes(spec, batch=ppo.micro_batch_size, seq=S)
+                passes[name] = forward_bytes(
+                    spec, batch=cfg.rollout.forward_micro_batch_size or ppo.micro_batch_size,
+                    seq=S, response=T)
                 by_phase["experience"][(name, "activations")] = passes[name]
         measurable["experience"] += max(frozen_on, default=0.0)
         total["experience"] += max(frozen_on, default=0.0) + max(passes.values(), default=0.0)

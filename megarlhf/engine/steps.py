@@ -10,12 +10,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megarlhf.models.gpt import head_positions
 from megarlhf.models.logprobs import vocab_parallel_logprobs
 from megarlhf.parallel import cpu_backend
 
 
-def model_forward(model, batch: dict):
-    with cpu_backend.suspended():
+def model_forward(model, batch: dict, logits_at: slice | None = None):
+    """``model`` on one micro-batch; an LM computes logits at sequence positions
+    ``logits_at`` only (all when None)."""
+    with cpu_backend.suspended(), head_positions(model, logits_at):
         return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
 
 
@@ -122,10 +125,12 @@ def make_sequence_step(kind: str, *, prompt_len: int, tp_group=None, true_vocab:
     ``prompt_len``): per response token, log-probs and entropy (``lm``) or the values of the
     states before each token and the value at ``last_index`` (``value``)."""
     P = prompt_len
+    # an LM's logits at the positions that predict the response, and nowhere else
+    response_logits = slice(P - 1, -1) if kind == "lm" else None
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model_forward(model, batch)
+        output = model_forward(model, batch, response_logits)
 
         def loss_func(out, non_loss_data=True):
             if kind == "value":
@@ -133,7 +138,7 @@ def make_sequence_step(kind: str, *, prompt_len: int, tp_group=None, true_vocab:
                 return {"values": out[:, P - 1:-1, 0].float(),
                         "last": out[rows, batch["last_index"], 0].float()}
             logprobs_BT, entropy_BT = vocab_parallel_logprobs(
-                out[:, P - 1:-1], batch["tokens"][:, P:], tp_group=tp_group,
+                out, batch["tokens"][:, P:], tp_group=tp_group,
                 temperature=temperature, true_vocab=true_vocab)
             return {"logprobs": logprobs_BT, "entropy": entropy_BT}
 
@@ -170,13 +175,14 @@ def make_policy_step(*, prompt_len: int, tp_group, true_vocab: int, temperature:
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model_forward(model, batch)
+        ptx = "ptx_loss_mask" in batch  # pretraining rows: logits everywhere
+        output = model_forward(model, batch, None if ptx else slice(P - 1, -1))
 
         def loss_func(logits, non_loss_data=False):
-            if "ptx_loss_mask" in batch:
+            if ptx:
                 return ptx_loss(logits, batch)
             logprobs_BT, entropy_BT = vocab_parallel_logprobs(
-                logits[:, P - 1:-1], batch["tokens"][:, P:], tp_group=tp_group,
+                logits, batch["tokens"][:, P:], tp_group=tp_group,
                 temperature=temperature, true_vocab=true_vocab)
             mask = batch["policy_mask"]
             if ppo.policy_loss == "decoupled":

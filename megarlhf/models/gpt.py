@@ -7,6 +7,7 @@ Nothing here knows how the model is split: the layout arrives as a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import types
@@ -18,6 +19,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarlhf.config import ModelConfig
+from megarlhf.models import rope
 from megarlhf.models.spec import activation, layer_spec, resolve_impl
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -132,6 +134,7 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, pg_coll
         raise ValueError(f"kind must be 'lm' or 'value', got {kind!r}")
     if model_cfg.vocab_size is None:
         raise ValueError("model.vocab_size is unset: set it or configure a tokenizer")
+    rope.install()  # cos/sin once per sequence length (bitwise megatron's)
     tp_size, pp_size = pg_collection.tp.size(), pg_collection.pp.size()
     tcfg = transformer_config(model_cfg, tp_size=tp_size, pp_size=pp_size, vpp_size=vpp_size)
     model = GPTModel(
@@ -150,6 +153,8 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, pg_coll
     )
     if kind == "value" and post_process:
         model.output_layer = ScalarHead(tcfg, pg_collection.tp)
+    elif post_process:
+        _let_head_skip_positions(model.output_layer)
     if model.share_embeddings_and_output_weights:
         model.tie_embeddings_and_output_weights_state_dict = types.MethodType(
             _tied_output_state_dict, model)
@@ -162,6 +167,42 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, pg_coll
         # fp32 main copies assume (a mixed model breaks its state-dict mapping).
         model.to(tcfg.params_dtype)
     return model
+
+
+def _let_head_skip_positions(layer) -> None:
+    """The LM head computes logits for ``layer.megarlhf_positions`` (a slice of the
+    sequence) only, when set: a loss that reads the response positions alone then pays
+    neither the prompt's (S, B, H) x (H, V/tp) matmul nor its logits. See
+    :func:`head_positions`."""
+    forward = layer.forward
+    layer.megarlhf_positions = None
+
+    def sliced_forward(hidden_states, *args, **kwargs):
+        if layer.megarlhf_positions is not None:
+            hidden_states = hidden_states[layer.megarlhf_positions]  # (S, B, H): a view
+        return forward(hidden_states, *args, **kwargs)
+
+    layer.forward = sliced_forward
+
+
+@contextlib.contextmanager
+def head_positions(model, positions: slice | None):
+    """Within the block, ``model``'s LM head (any wrapping, on the last pipeline stage; a
+    no-op elsewhere and for value heads) computes logits at sequence ``positions`` only:
+    the model returns (B, len(positions), V/tp)."""
+    module = model
+    while hasattr(module, "module"):  # DDP and other wrappers
+        module = module.module
+    head = getattr(module, "output_layer", None) if getattr(module, "post_process", False) \
+        else None
+    if positions is None or head is None or not hasattr(head, "megarlhf_positions"):
+        yield
+        return
+    head.megarlhf_positions = positions
+    try:
+        yield
+    finally:
+        head.megarlhf_positions = None
 
 
 def _tied_output_state_dict(self, sharded_state_dict, output_layer_weight_key: str,

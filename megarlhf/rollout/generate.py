@@ -16,6 +16,7 @@ import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
 from megarlhf.engine.memory import kv_cache_bytes
+from megarlhf.models.gpt import head_positions
 from megarlhf.parallel import cpu_backend
 
 _NEG = -1e30
@@ -125,7 +126,8 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
         inp = tokens[:, start:length].masked_fill(key_mask[:, start:length] == 0, pad_id)
         pos = positions[:, start:length]
         blocked = _attention_blocked(key_mask[:, :length], new)
-        with cpu_backend.suspended():
+        # logits at the last column only (the prefill's other P - 1 are never read)
+        with cpu_backend.suspended(), head_positions(model, slice(-1, None)):
             if ctx is None:
                 out = model(inp, pos, blocked, runtime_gather_output=True)
             else:

@@ -213,7 +213,8 @@ class PPOSession:
                                      self.reference, reward, self.critic,
                                      eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                                      offload=r.offload_frozen_models,
-                                     micro_batch_size=ppo.micro_batch_size,
+                                     micro_batch_size=r.forward_micro_batch_size
+                                     or ppo.micro_batch_size,
                                      ref_cache=SequenceCache(),
                                      release_inference=r.release_inference_weights)
         self.kl_ctl = algos.make_kl_controller(ppo.kl_controller, ppo.init_kl_coef,

@@ -21,6 +21,8 @@ PROMPTS = [[5, 17, 42, 8], [9, 3], [100, 101, 102, 103, 104, 105], [7], [11, 12,
 
 
 def case(name, tp, pp, rollout_tp, results, offload_variants=(True,)):
+    """``offload_variants``: True/False (frozen models offloaded or not, forward
+    micro-batches of 2) or "mb8" (offloaded, one forward micro-batch of all 8 rows)."""
     cfg = make_config("llama", tp, pp, extra=(
         f"rollout.tensor_parallel_size={rollout_tp}", "rollout.max_new_tokens=6",
         "rollout.temperature=0.9", "rollout.top_k=40", "model.value_head_init=normal",
@@ -35,10 +37,12 @@ def case(name, tp, pp, rollout_tp, results, offload_variants=(True,)):
     inf_layout = inference_layout(rollout_tp)
     inf_model = build_inference_model(actor.spec, inf_layout)
     out = {}
-    for offload in offload_variants:
+    for variant in offload_variants:
+        offload = bool(variant)
         maker = ExperienceMaker(cfg, actor, inf_layout, inf_model, reference,
                                 RewardSource(role=reward), critic,
-                                eos_id=2, pad_id=0, offload=offload, micro_batch_size=2,
+                                eos_id=2, pad_id=0, offload=offload,
+                                micro_batch_size=8 if variant == "mb8" else 2,
                                 ref_cache=SequenceCache())
         exp, gen, metrics = maker.make(PROMPTS, seed=5, kl_coef=0.1)
         assert maker.ref_offloader.offloaded == offload
@@ -46,7 +50,7 @@ def case(name, tp, pp, rollout_tp, results, offload_variants=(True,)):
         full = {f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)}
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (layout.dp_rank, layout.tp_rank, layout.pp_rank, full))
-        out[offload] = {"experience": gathered, "metrics": metrics, "metrics2": metrics2,
+        out[variant] = {"experience": gathered, "metrics": metrics, "metrics2": metrics2,
                         "ref_equal_on_hit": torch.equal(exp.ref_logprobs_BT, exp2.ref_logprobs_BT),
                         "generation": gen}
         maker.restore_frozen_models()
@@ -58,7 +62,7 @@ def main():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     results = {}
     if world == 1:
-        case("single", 1, 1, 1, results, offload_variants=(True, False))
+        case("single", 1, 1, 1, results, offload_variants=(True, False, "mb8"))
     else:
         case("tp2_rollout_tp1x2", 2, 1, 1, results)
         case("pp2_rollout_tp2", 1, 2, 2, results)
