@@ -15,6 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = {  # the issue's tiny and small sizes
     "tiny": dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=176, vocab=1000),
     "small": dict(layers=4, hidden=256, heads=8, kv_heads=4, ffn=688, vocab=4000),
+    # issue 19's ~30M-parameter model for the scaling table
+    "medium": dict(layers=8, hidden=512, heads=8, kv_heads=4, ffn=1376, vocab=8000),
 }
 
 

@@ -4,20 +4,29 @@ Both frameworks load the same Hugging Face checkpoints (megarlhf through
 ``tools/convert_hf_to_megatron.py``): a Llama policy (actor and reference) and a Llama
 sequence-classification reward model (reward model, and where the critic starts). Each
 framework runs in its own worker process at 2 threads; the driver hands out iterations in
-turn - megarlhf (defaults: distributed optimizer), megarlhf with megatron's plain optimizer
-(``optimizer.use_distributed_optimizer=false``, row ``mrl-plainopt``), TRL as shipped, TRL with
-its per-iteration ``gc.collect()`` disabled - so all
-four see the same machine. The first ``--warmup`` iterations of each are not counted.
+turn, so every row sees the same machine. The first ``--warmup`` iterations of each are not
+counted. Rows (``--rows``):
 
-Settings (the issue's): prompts of 32 tokens, responses of up to 32, batch 16, 4 PPO epochs x
-2 mini-batches, one optimizer step per mini-batch, fp32, fixed KL coefficient. Both use the
-sampler's log-probs as the old log-probs and keep the frozen models resident (megarlhf:
-``rollout.recompute_logprobs=false``, ``rollout.offload_frozen_models=false``). Variant
-``fixed`` samples all 32 tokens (no stop token); variant ``stop`` ends responses at EOS,
-whose output row was biased so that responses have variable lengths.
+- ``megarlhf``: defaults (``optimizer.use_distributed_optimizer=auto``: plain at DP=1);
+- ``mrl-distopt``: megatron's distributed optimizer forced at DP=1 (the old default);
+- ``mrl-bf16``: every role in bf16 (``model.params_dtype=bfloat16``), fp32 master weights
+  and Adam state in the optimizer, as on a GPU;
+- ``trl``: TRL as shipped; ``trl-nogc``: TRL with its per-iteration ``gc.collect()``
+  disabled; ``trl-bf16``: ``trl-nogc`` with ``bf16=True`` (autocast).
+
+Settings (the issue's): prompts of 32 tokens, responses of up to ``--response`` (32), batch
+``--batch`` (16), 4 PPO epochs x 2 mini-batches, one optimizer step per mini-batch, fp32,
+fixed KL coefficient. Both use the sampler's log-probs as the old log-probs and keep the
+frozen models resident (megarlhf: ``rollout.recompute_logprobs=false``,
+``rollout.offload_frozen_models=false``), and run the experience passes in one forward
+micro-batch of the whole batch (TRL: ``local_rollout_forward_batch_size``; megarlhf:
+``rollout.forward_micro_batch_size``). Variant ``fixed`` samples every token (no stop
+token); variant ``stop`` ends responses at EOS, whose output row was biased so that
+responses average half the length.
 
     .venv/bin/python bench/ppo_vs_trl.py [--sizes tiny small] [--variants fixed stop]
-                                         [--iterations 4] [--warmup 1]
+        [--iterations 4] [--warmup 1] [--rows megarlhf trl trl-nogc ...]
+        [--batch 16] [--response 32]
 
 Phases: generation (megarlhf: reshard + sampling; TRL: ``batch_generation``), experience
 (reference, reward and value passes, rewards, GAE), training (PPO epochs), other (the rest of
@@ -44,9 +53,23 @@ BATCH, PROMPT, RESPONSE, EPOCHS, MINI_BATCHES = 16, 32, 32, 4, 2
 PAD, BOS, EOS = 0, 1, 2
 LR, KL_COEF = 1e-5, 0.05
 TAG = "@@ "  # worker lines meant for the driver
-# megarlhf as configured by default, megarlhf with megatron's plain (non-distributed)
-# optimizer, TRL as shipped, TRL without its gc.collect() calls
-WORKERS = ("megarlhf", "mrl-plainopt", "trl", "trl-nogc")
+# row -> megarlhf overrides (None: a TRL row)
+MEGARLHF_ROWS = {
+    "megarlhf": [],
+    "mrl-distopt": ["optimizer.use_distributed_optimizer=true"],
+    "mrl-bf16": ["model.params_dtype=bfloat16", "roles.reference.model.params_dtype=bfloat16",
+                 "roles.reward.model.params_dtype=bfloat16",
+                 "roles.critic.model.params_dtype=bfloat16"],
+}
+TRL_ROWS = ("trl", "trl-nogc", "trl-bf16")
+ROWS = (*MEGARLHF_ROWS, *TRL_ROWS)
+DEFAULT_ROWS = ("megarlhf", "mrl-distopt", "trl", "trl-nogc")
+
+
+def configure(batch: int, response: int) -> None:
+    """The shape every worker and the driver use (module-wide, as the settings above)."""
+    global BATCH, RESPONSE
+    BATCH, RESPONSE = batch, response
 
 
 # ------------------------------------------------------------------ shared inputs
@@ -150,7 +173,7 @@ class Channel:
         return sys.stdin.readline().strip() == "go"
 
 
-def megarlhf_worker(folder: str, variant: str, distributed_optimizer: bool) -> None:
+def megarlhf_worker(folder: str, variant: str, overrides: list[str]) -> None:
     from megarlhf.config import load_config
     from megarlhf.data.tokenizer import load_tokenizer
     from megarlhf.stages.ppo import PPOSession
@@ -164,13 +187,13 @@ def megarlhf_worker(folder: str, variant: str, distributed_optimizer: bool) -> N
         "ppo.critic_init=reward", f"ppo.rollout_batch_size={BATCH}",
         f"ppo.mini_batch_size={BATCH // MINI_BATCHES}",
         f"ppo.micro_batch_size={BATCH // MINI_BATCHES}", f"ppo.ppo_epochs={EPOCHS}",
+        f"rollout.forward_micro_batch_size={BATCH}",
         "ppo.num_iterations=1000", "ppo.kl_controller=fixed", f"ppo.init_kl_coef={KL_COEF}",
         f"rollout.max_new_tokens={RESPONSE}", "rollout.temperature=1.0",
         f"rollout.stop_at_eos={str(variant == 'stop').lower()}",
         "rollout.recompute_logprobs=false", "rollout.offload_frozen_models=false",
         f"optimizer.lr={LR}", f"optimizer.critic_lr={LR}", "optimizer.lr_schedule=constant",
-        "logging.tensorboard=false", "logging.progress_bar=false",
-        f"optimizer.use_distributed_optimizer={str(distributed_optimizer).lower()}"])
+        "logging.tensorboard=false", "logging.progress_bar=false", *overrides])
     session = PPOSession(cfg, load_tokenizer(cfg.tokenizer))
     channel.send("ready")
     it = 0
@@ -189,7 +212,8 @@ def megarlhf_worker(folder: str, variant: str, distributed_optimizer: bool) -> N
     session.close()
 
 
-def trl_worker(folder: str, variant: str, collect_garbage: bool, iterations: int) -> None:
+def trl_worker(folder: str, variant: str, collect_garbage: bool, iterations: int,
+               bf16: bool = False) -> None:
     import types
 
     import transformers
@@ -212,7 +236,7 @@ def trl_worker(folder: str, variant: str, collect_garbage: bool, iterations: int
         gradient_accumulation_steps=1, num_mini_batches=MINI_BATCHES, num_ppo_epochs=EPOCHS,
         local_rollout_forward_batch_size=BATCH, response_length=RESPONSE,
         total_episodes=BATCH * iterations, learning_rate=LR, lr_scheduler_type="constant",
-        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True,
+        bf16=bf16, fp16=False, gradient_checkpointing=False, use_cpu=True,
         stop_token="eos" if variant == "stop" else None, missing_eos_penalty=None,
         temperature=1.0, kl_coef=KL_COEF, num_sample_generations=0, report_to=[],
         save_strategy="no", logging_steps=1, disable_tqdm=True, seed=1234,
@@ -277,7 +301,8 @@ def trl_worker(folder: str, variant: str, collect_garbage: bool, iterations: int
 class Worker:
     def __init__(self, kind: str, folder: str, variant: str, iterations: int, log):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--folder", folder,
-               "--variant", variant, "--iterations", str(iterations)]
+               "--variant", variant, "--iterations", str(iterations), "--batch", str(BATCH),
+               "--response", str(RESPONSE)]
         env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false",
                "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.kind, self.log = kind, log
@@ -296,11 +321,12 @@ class Worker:
         self.proc.stdin.flush()
 
 
-def run_pair(size: str, variant: str, iterations: int, warmup: int, folder: str) -> dict:
+def run_pair(size: str, variant: str, iterations: int, warmup: int, folder: str,
+             rows: tuple = DEFAULT_ROWS) -> dict:
     info = prepare(size, variant, folder)
     total = warmup + iterations
     log = open(os.path.join(folder, "workers.log"), "w")
-    workers = [Worker(k, folder, variant, total, log) for k in WORKERS]
+    workers = [Worker(k, folder, variant, total, log) for k in rows]
     for w in workers:
         assert w.receive() == "ready"
     results = {w.kind: [] for w in workers}
@@ -324,20 +350,21 @@ def run_pair(size: str, variant: str, iterations: int, warmup: int, folder: str)
 
 def report(size: str, variant: str, out: dict) -> None:
     med = out["medians"]
-    rate = {k: med[k]["tokens"] / med[k]["iteration"] for k in WORKERS}
-    print(f"\n## {size}, {variant} ({out['note']})")
+    rows = list(med)
+    ours_rows = [k for k in rows if k in MEGARLHF_ROWS]
+    rate = {k: med[k]["tokens"] / med[k]["iteration"] for k in rows}
+    print(f"\n## {size}, {variant}, batch {BATCH}, response <= {RESPONSE} ({out['note']})")
     print(f"{'':>12} {'generation s':>12} {'experience s':>12} {'training s':>10} "
           f"{'other s':>8} {'iteration s':>11} {'resp tok':>8} {'tokens/s':>9} "
-          f"{'megarlhf vs it':>14} {'plainopt vs it':>14}")
-    for kind in WORKERS:
+          + " ".join(f"{ours + ' vs it':>16}" for ours in ours_rows))
+    for kind in rows:
         m = med[kind]
         print(f"{kind:>12} {m['generation']:>12.3f} {m['experience']:>12.3f} "
               f"{m['training']:>10.3f} {m['other']:>8.3f} {m['iteration']:>11.3f} "
               f"{m['response_tokens'] / BATCH:>8.1f} {rate[kind]:>9.0f} "
-              f"{rate['megarlhf'] / rate[kind]:>13.2f}x "
-              f"{rate['mrl-plainopt'] / rate[kind]:>13.2f}x")
-    for ours in WORKERS[:2]:
-        for kind in WORKERS[2:]:
+              + " ".join(f"{rate[ours] / rate[kind]:>15.2f}x" for ours in ours_rows))
+    for ours in ours_rows:
+        for kind in (k for k in rows if k in TRL_ROWS):
             print(f"  phase speed-up {ours} vs {kind}: " + ", ".join(
                 f"{phase} {med[kind][phase] / med[ours][phase]:.2f}x"
                 for phase in ("generation", "experience", "training")))
@@ -351,23 +378,31 @@ def main() -> None:
                         default=["fixed", "stop"])
     parser.add_argument("--iterations", type=int, default=4, help="measured iterations")
     parser.add_argument("--warmup", type=int, default=1, help="uncounted first iterations")
-    parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(DEFAULT_ROWS),
+                        help="what runs side by side (the first megarlhf rows are the "
+                             "numerators of the ratio columns)")
+    parser.add_argument("--batch", type=int, default=BATCH, help="rollout batch")
+    parser.add_argument("--response", type=int, default=RESPONSE, help="longest response")
+    parser.add_argument("--worker", choices=ROWS, help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker in ("megarlhf", "mrl-plainopt"):
-        return megarlhf_worker(args.folder, args.variant, args.worker == "megarlhf")
+    configure(args.batch, args.response)
+    if args.worker in MEGARLHF_ROWS:
+        return megarlhf_worker(args.folder, args.variant, MEGARLHF_ROWS[args.worker])
     if args.worker:
-        return trl_worker(args.folder, args.variant, args.worker == "trl", args.iterations)
+        return trl_worker(args.folder, args.variant, args.worker == "trl", args.iterations,
+                          bf16=args.worker == "trl-bf16")
     torch.set_num_threads(2)
     print(f"# PPO iteration, megarlhf vs TRL PPOTrainer: batch {BATCH}, prompt {PROMPT}, "
-          f"response <= {RESPONSE}, {EPOCHS} epochs x {MINI_BATCHES} mini-batches, fp32; "
+          f"response <= {RESPONSE}, {EPOCHS} epochs x {MINI_BATCHES} mini-batches; "
           f"median of {args.iterations} iterations after {args.warmup} warm-up; {machine()}")
     print("# tokens/s counts prompt + response tokens of the rollout batch per iteration second")
     for size in args.sizes:
         for variant in args.variants:
             folder = tempfile.mkdtemp(prefix=f"ppo_vs_trl_{size}_{variant}_")
-            report(size, variant, run_pair(size, variant, args.iterations, args.warmup, folder))
+            report(size, variant, run_pair(size, variant, args.iterations, args.warmup, folder,
+                                           tuple(args.rows)))
             sys.stdout.flush()
 
 

@@ -33,6 +33,21 @@ def test_kv_cache_greedy_equals_full_recompute(rollout_results, arch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_responses_are_as_wide_as_the_longest(rollout_results, arch):
+    """When every row stops early the response columns end at the longest response, and
+    the tokens are those of the run without the stop tokens."""
+    gen = rollout_results[0][f"gen_{arch}"]
+    cached, stopped = gen["cached"], gen["stopped"]
+    lengths = stopped.response_mask_BT.sum(1)
+    assert stopped.response_tokens_BT.shape[1] == int(lengths.max()) <= 2
+    assert stopped.finished_B.all()
+    for b, n in enumerate(lengths.tolist()):
+        assert torch.equal(stopped.response_tokens_BT[b, :n], cached.response_tokens_BT[b, :n])
+        assert torch.equal(stopped.logprobs_BT[b, :n], cached.logprobs_BT[b, :n])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_sampled_logprobs_equal_teacher_forced_scoring(rollout_results, arch):
     """Left padding and position ids do not change anything: the sampler's log-probs of a
     batch of unequal prompts equal the log-probs of each sequence scored alone."""

@@ -174,5 +174,9 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
             logits = last_logits(col + 1, 1)
     if stats is not None:
         stats["kv_cache_bytes"] = kv_cache_bytes(ctx) if ctx is not None else 0
-    return Generation(*(t.cpu() for t in (prompt_tokens, prompt_mask, response, response_mask,
-                                          logprobs, finished)))
+    # responses as wide as the longest one: when every row stopped early, the passes and
+    # the training that follow pay nothing for the columns no row reached
+    width = t + 1
+    return Generation(*(x.cpu() for x in (prompt_tokens, prompt_mask, response[:, :width],
+                                          response_mask[:, :width], logprobs[:, :width],
+                                          finished)))

@@ -52,8 +52,13 @@ def generation_case(arch, results):
         n = int(sampled.response_mask_BT[b].sum())
         seqs.append(prompt + sampled.response_tokens_BT[b, :n].tolist())
     rows = score_sequences(scorer, seqs, micro_batch_size=1, temperature=0.9)
+    # every row stops by its second token: the responses are two columns wide, not 12
+    stops = tuple(sorted(set(cached.response_tokens_BT[:, 1].tolist())))
+    stopped = generate(model, PROMPTS, SamplingParams(max_new_tokens=12, greedy=True,
+                                                      temperature=0.8, stop_token_ids=stops),
+                       **common)
     results[f"gen_{arch}"] = {"cached": cached, "full": full, "sampled": sampled,
-                              "teacher": [r["logprobs"] for r in rows]}
+                              "teacher": [r["logprobs"] for r in rows], "stopped": stopped}
 
 
 def reshard_case(name, tp, pp, rollout_tp, results, vpp=None):
