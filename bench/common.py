@@ -21,8 +21,9 @@ SIZES = {  # the issue's tiny and small sizes
 
 
 def machine() -> str:
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-            f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads{gpu}")
 
 
 def free_port() -> str:
