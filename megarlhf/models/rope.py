@@ -24,18 +24,36 @@ _megatron_bshd = rope_utils._apply_rotary_pos_emb_bshd
 
 def _cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype):
     """(cos, sin) of the first half of ``freqs`` (scaled, in ``dtype``), or None when the
-    two halves differ; kept on the tensor, keyed by what could change them."""
-    key = (mscale, dtype, freqs._version)
-    cached = getattr(freqs, "_megarlhf_cos_sin", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    half = freqs.shape[-1] // 2
-    value = None
-    if freqs.shape[-1] % 2 == 0 and torch.equal(freqs[..., :half], freqs[..., half:]):
-        first = freqs[..., :half]
-        value = ((torch.cos(first) * mscale).to(dtype), (torch.sin(first) * mscale).to(dtype))
-    freqs._megarlhf_cos_sin = (key, value)
-    return value
+    two halves differ. They are kept on the tensor ``freqs`` views (a decode step's
+    positions are a slice of the whole length's tensor, taken anew in every layer), keyed by
+    what could change them, and sliced like ``freqs``."""
+    base = freqs._base if freqs._base is not None else freqs
+    d = base.shape[-1]
+    key = (mscale, dtype, base._version, base.shape, base.stride())
+    cached = getattr(base, "_megarlhf_cos_sin", None)
+    if cached is None or cached[0] != key:
+        value = None
+        if d % 2 == 0 and base.is_contiguous() \
+                and torch.equal(base[..., :d // 2], base[..., d // 2:]):
+            first = base[..., :d // 2]
+            value = ((torch.cos(first) * mscale).to(dtype).contiguous(),
+                     (torch.sin(first) * mscale).to(dtype).contiguous())
+        cached = (key, value)
+        base._megarlhf_cos_sin = cached
+    value = cached[1]
+    if value is None:
+        return None
+    # ``freqs`` picks whole rows of the contiguous base (megatron unsqueezes and slices by
+    # position): the same view of the half-width cos/sin. Anything else: no cache.
+    offset = freqs.storage_offset() - base.storage_offset()
+    steps = [st for st, n in zip(freqs.stride()[:-1], freqs.shape[:-1]) if n > 1]
+    if freqs.shape[-1] != d or freqs.stride()[-1] != 1 or offset % d \
+            or any(st % d for st in steps):
+        return None
+    size = (*freqs.shape[:-1], d // 2)
+    stride = (*(st // 2 for st in freqs.stride()[:-1]), 1)
+    return tuple(torch.as_strided(v, size, stride, v.storage_offset() + offset // 2)
+                 for v in value)
 
 
 def apply_rotary_pos_emb_bshd(t: torch.Tensor, freqs: torch.Tensor,
