@@ -50,7 +50,7 @@ def llama_config(size: str, **extra):
     return transformers.LlamaConfig(
         vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
         num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"], max_position_embeddings=256, **extra)
+        num_key_value_heads=s["kv_heads"], max_position_embeddings=512, **extra)
 
 
 def hf_llama(size: str, path: str):

@@ -173,14 +173,11 @@ class Channel:
         return sys.stdin.readline().strip() == "go"
 
 
-def megarlhf_worker(folder: str, variant: str, overrides: list[str]) -> None:
-    from megarlhf.config import load_config
-    from megarlhf.data.tokenizer import load_tokenizer
-    from megarlhf.stages.ppo import PPOSession
-
-    channel = Channel()
+def megarlhf_overrides(folder: str, variant: str) -> list[str]:
+    """The bench's PPO settings as megarlhf config overrides (on the converted policy's
+    config.yaml)."""
     mrl = lambda name: os.path.join(folder, name)  # noqa: E731
-    cfg = load_config(mrl("policy_mrl/config.yaml"), [
+    return [
         f"run.output_dir={mrl('run_megarlhf')}", "run.num_threads=2",
         f"data.train_path={mrl('prompts.jsonl')}", f"data.max_prompt_len={PROMPT}",
         f"ppo.sft_checkpoint={mrl('policy_mrl')}", f"ppo.reward_checkpoint={mrl('reward_mrl')}",
@@ -193,7 +190,17 @@ def megarlhf_worker(folder: str, variant: str, overrides: list[str]) -> None:
         f"rollout.stop_at_eos={str(variant == 'stop').lower()}",
         "rollout.recompute_logprobs=false", "rollout.offload_frozen_models=false",
         f"optimizer.lr={LR}", f"optimizer.critic_lr={LR}", "optimizer.lr_schedule=constant",
-        "logging.tensorboard=false", "logging.progress_bar=false", *overrides])
+        "logging.tensorboard=false", "logging.progress_bar=false"]
+
+
+def megarlhf_worker(folder: str, variant: str, overrides: list[str]) -> None:
+    from megarlhf.config import load_config
+    from megarlhf.data.tokenizer import load_tokenizer
+    from megarlhf.stages.ppo import PPOSession
+
+    channel = Channel()
+    cfg = load_config(os.path.join(folder, "policy_mrl/config.yaml"),
+                      megarlhf_overrides(folder, variant) + overrides)
     session = PPOSession(cfg, load_tokenizer(cfg.tokenizer))
     channel.send("ready")
     it = 0
