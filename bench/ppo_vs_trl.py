@@ -176,15 +176,20 @@ class Channel:
 def megarlhf_overrides(folder: str, variant: str) -> list[str]:
     """The bench's PPO settings as megarlhf config overrides (on the converted policy's
     config.yaml)."""
+    from megarlhf.config.schema import RolloutConfig
+
     mrl = lambda name: os.path.join(folder, name)  # noqa: E731
-    return [
+    # the experience passes in one forward micro-batch, as TRL's; megarlhf before this
+    # setting existed (profile_ppo.py on older code) ran them in micro-batches of 8
+    forward = [f"rollout.forward_micro_batch_size={BATCH}"] \
+        if "forward_micro_batch_size" in RolloutConfig.__dataclass_fields__ else []
+    return forward + [
         f"run.output_dir={mrl('run_megarlhf')}", "run.num_threads=2",
         f"data.train_path={mrl('prompts.jsonl')}", f"data.max_prompt_len={PROMPT}",
         f"ppo.sft_checkpoint={mrl('policy_mrl')}", f"ppo.reward_checkpoint={mrl('reward_mrl')}",
         "ppo.critic_init=reward", f"ppo.rollout_batch_size={BATCH}",
         f"ppo.mini_batch_size={BATCH // MINI_BATCHES}",
         f"ppo.micro_batch_size={BATCH // MINI_BATCHES}", f"ppo.ppo_epochs={EPOCHS}",
-        f"rollout.forward_micro_batch_size={BATCH}",
         "ppo.num_iterations=1000", "ppo.kl_controller=fixed", f"ppo.init_kl_coef={KL_COEF}",
         f"rollout.max_new_tokens={RESPONSE}", "rollout.temperature=1.0",
         f"rollout.stop_at_eos={str(variant == 'stop').lower()}",
