@@ -124,3 +124,16 @@ def test_checkpoint_saved_in_parallel_loads_in_one_process(backend_results, case
     ckpt_dir = os.path.dirname(run["ckpt"])
     assert open(os.path.join(ckpt_dir, "latest")).read() == "step_3"
     assert not [d for d in os.listdir(ckpt_dir) if d.startswith(".tmp")]
+
+
+@pytest.mark.slow
+def test_megatrons_old_plain_optimizer_format_still_loads(backend_results):
+    """A checkpoint in megatron's own plain-optimizer format (before megarlhf's one format;
+    no ``optimizer_format`` in its meta) resumes a plain optimizer with every main weight,
+    Adam moment and step equal; the distributed optimizer refuses it and names the fix."""
+    legacy = backend_results[0]["legacy"]
+    assert legacy["tensors"] > 0 and legacy["moments_nonzero"]
+    assert legacy["max_diff"] == 0.0
+    assert legacy["refusal"] is not None
+    assert "old format" in legacy["refusal"]
+    assert "optimizer.use_distributed_optimizer=false" in legacy["refusal"]

@@ -29,7 +29,6 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megarlhf.engine.optimizer import use_fused_torch_adam
 from megarlhf.engine.optimizer_state import (
     FORMAT as OPTIMIZER_FORMAT,
     is_distributed,
@@ -102,40 +101,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def _keep_torch_adam_step(optimizer) -> None:
-    """Work around megatron-core 0.16.1 without apex/TE: loading the ``fully_reshardable``
-    format copies every state key of torch Adam, including ``step``, from tensors that
-    never hold it (KeyError: 'step'). ``step`` is restored from the param groups just
-    before, so the copy may keep it as it is."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not hasattr(opt, "_set_main_param_and_optimizer_states") \
-                or getattr(opt, "_megarlhf_step_kept", False):
-            continue  # nothing to patch, or patched by an earlier load
-        original = opt._set_main_param_and_optimizer_states
-
-        def patched(model_param, tensors, opt=opt, original=original):
-            group_index, group_order = opt.model_param_group_index_map[model_param]
-            main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
-            state = opt.optimizer.state.get(main_param, {})
-            if "step" in state and "step" not in tensors:
-                tensors = {**tensors, "step": state["step"]}
-            return original(model_param, tensors)
-
-        opt._set_main_param_and_optimizer_states = patched
-        opt._megarlhf_step_kept = True
-
-
-def _unshare_torch_adam_step(optimizer) -> None:
-    """megatron-core 0.16.1 without apex/TE gives every parameter's torch Adam state the
-    *same* ``step`` tensor on load; torch increments it in place once per parameter, so
-    the bias correction of resumed runs drifts. Give each parameter its own copy."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        for state in (inner.state.values() if inner is not None else ()):
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
 
 
 def _sharded_state(roles: dict[str, RoleState], loading: bool, with_rng: bool,
@@ -352,11 +317,8 @@ def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: b
                 weights.update({k: v for k, v in own.items() if k.startswith("output_layer")})
             _bare(chunk).load_state_dict(weights, strict=True)
         if use_opt[name]:
-            _keep_torch_adam_step(role.optimizer)
             load_optimizer_state(role.optimizer, loaded[src]["optimizer"],
                                  legacy=src in legacy)
-            _unshare_torch_adam_step(role.optimizer)
-            use_fused_torch_adam(role.optimizer)
             # The LR schedule is a common (non-sharded) item: it comes back from the file.
             if role.scheduler is not None and loaded[src].get("scheduler") is not None:
                 role.scheduler.load_state_dict(loaded[src]["scheduler"])

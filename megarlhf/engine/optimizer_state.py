@@ -20,7 +20,7 @@ from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_te
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from megarlhf.engine.optimizer import ensure_optimizer_state
+from megarlhf.engine.optimizer import ensure_optimizer_state, use_fused_torch_adam
 
 FORMAT = "fully_reshardable"
 METADATA = {"distrib_optim_sharding_type": FORMAT}  # for the distributed optimizer
@@ -100,10 +100,18 @@ def legacy_plain_state(optimizer, model_sharded: dict, *, loading: bool) -> dict
 
 @torch.no_grad()
 def load_optimizer_state(optimizer, loaded: dict, *, legacy: bool = False) -> None:
-    """Put a loaded optimizer entry (see ``sharded_optimizer_state``) into ``optimizer``."""
+    """Put a loaded optimizer entry (see ``sharded_optimizer_state``) into ``optimizer``;
+    afterwards torch's fused Adam kernel again (loading restores the saved group flags)."""
     if is_distributed(optimizer) or legacy:
+        _keep_torch_adam_step(optimizer)
         optimizer.load_state_dict(loaded)
-        return
+        _unshare_torch_adam_step(optimizer)
+    else:
+        _load_plain(optimizer, loaded)
+    use_fused_torch_adam(optimizer)
+
+
+def _load_plain(optimizer, loaded: dict) -> None:
     if loaded.get("param_state_sharding_type") != FORMAT:
         raise ValueError("the checkpoint's optimizer state is in format "
                          f"{loaded.get('param_state_sharding_type')!r}, not {FORMAT!r}")
@@ -123,3 +131,37 @@ def load_optimizer_state(optimizer, loaded: dict, *, legacy: bool = False) -> No
         state["exp_avg_sq"].copy_(tensors["exp_avg_sq"])
         # each parameter its own step tensor: torch increments it in place
         state["step"] = torch.tensor(step, dtype=torch.float32, device=main_param.device)
+
+
+def _keep_torch_adam_step(optimizer) -> None:
+    """Work around megatron-core 0.16.1 without apex/TE: loading the ``fully_reshardable``
+    format copies every state key of torch Adam, including ``step``, from tensors that
+    never hold it (KeyError: 'step'). ``step`` is restored from the param groups just
+    before, so the copy may keep it as it is."""
+    for opt in sub_optimizers(optimizer):
+        if not hasattr(opt, "_set_main_param_and_optimizer_states") \
+                or getattr(opt, "_megarlhf_step_kept", False):
+            continue  # nothing to patch, or patched by an earlier load
+        original = opt._set_main_param_and_optimizer_states
+
+        def patched(model_param, tensors, opt=opt, original=original):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+            state = opt.optimizer.state.get(main_param, {})
+            if "step" in state and "step" not in tensors:
+                tensors = {**tensors, "step": state["step"]}
+            return original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = patched
+        opt._megarlhf_step_kept = True
+
+
+def _unshare_torch_adam_step(optimizer) -> None:
+    """megatron-core 0.16.1 without apex/TE gives every parameter's torch Adam state the
+    *same* ``step`` tensor on load; torch increments it in place once per parameter, so
+    the bias correction of resumed runs drifts. Give each parameter its own copy."""
+    for opt in sub_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        for state in (inner.state.values() if inner is not None else ()):
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()

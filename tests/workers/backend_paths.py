@@ -5,6 +5,7 @@ dist_checkpointing save. Run at world size 1 (reference) and 2; results -> OUT/r
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -14,7 +15,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from common import build, fixed_sequences, make_config  # noqa: E402
 
-from megarlhf.engine.checkpoint import RoleState, save_checkpoint  # noqa: E402
+from megarlhf.engine import checkpoint  # noqa: E402
+from megarlhf.engine.checkpoint import RoleState, load_checkpoint, save_checkpoint  # noqa: E402
+from megarlhf.engine.optimizer_state import legacy_plain_state, sub_optimizers  # noqa: E402
 from megarlhf.engine.optimizer import train_step  # noqa: E402
 from megarlhf.models.logprobs import vocab_parallel_logprobs  # noqa: E402
 from megarlhf.stages.score import right_padded_batch, score_sequences  # noqa: E402
@@ -107,6 +110,62 @@ def nonfinite_case(results):
     results["nonfinite"] = [g.tolist() for g in gathered]
 
 
+def _adam_state(optimizer) -> list[torch.Tensor]:
+    """Every main weight, Adam moment and step of a plain optimizer, in its order."""
+    inner = sub_optimizers(optimizer)[0].optimizer
+    out = []
+    for group in inner.param_groups:
+        for p in group["params"]:
+            state = inner.state[p]
+            out += [p.detach().clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone(),
+                    torch.as_tensor(state["step"], dtype=torch.float32).clone()]
+    return out
+
+
+def legacy_case(out_dir, results):
+    """A checkpoint in megatron's own plain-optimizer format (as written before the one
+    format) loads into a plain optimizer with every Adam tensor equal; the distributed
+    optimizer refuses it with a message naming the fix."""
+    plain = ("optimizer.lr=0.01", "optimizer.use_distributed_optimizer=false")
+    cfg = make_config("llama", 1, 1, extra=plain)
+    built = build(cfg, "lm", trained=True)
+    role = built.trained
+    for _ in range(2):
+        train_step(role, lm_step(built.layout, cfg.model.vocab_size),
+                   microbatches(fixed_sequences(8), 0, 1), seq_length=SEQ_LEN,
+                   micro_batch_size=MICRO)
+    saved = _adam_state(role.optimizer)
+    formats = checkpoint.sharded_optimizer_state
+    checkpoint.sharded_optimizer_state = legacy_plain_state  # write the old format
+    try:
+        path = save_checkpoint(os.path.join(out_dir, "ckpt_legacy"), "step_2",
+                               {"policy": RoleState(role.model, role.optimizer, role.scheduler)},
+                               config={"optimizer": {"use_distributed_optimizer": False}})
+    finally:
+        checkpoint.sharded_optimizer_state = formats
+    meta_path = os.path.join(path, checkpoint.META_FILE)
+    meta = json.load(open(meta_path))
+    del meta["roles"]["policy"]["optimizer_format"]  # old checkpoints have none
+    json.dump(meta, open(meta_path, "w"))
+
+    fresh = build(cfg, "lm", trained=True, seed_offset=1).trained
+    load_checkpoint(path, {"policy": RoleState(fresh.model, fresh.optimizer, fresh.scheduler)})
+    loaded = _adam_state(fresh.optimizer)
+    results["legacy"] = {
+        "tensors": len(saved),
+        "max_diff": max((a - b).abs().max().item() for a, b in zip(saved, loaded)),
+        "moments_nonzero": all(t.abs().sum() > 0 for t in saved[1::4])}
+    distributed = build(make_config("llama", 1, 1, extra=(
+        "optimizer.lr=0.01", "optimizer.use_distributed_optimizer=true")), "lm",
+        trained=True).trained
+    try:
+        load_checkpoint(path, {"policy": RoleState(distributed.model, distributed.optimizer,
+                                                   distributed.scheduler)})
+        results["legacy"]["refusal"] = None
+    except ValueError as err:
+        results["legacy"]["refusal"] = str(err)
+
+
 def reload_and_score(name, ckpt, results):
     """The saved checkpoint through the role builder (checkpoint.load) at TP=1 PP=1."""
     scorer = build(make_config("llama", 1, 1, extra=(f"checkpoint.load={ckpt}",)), "lm")
@@ -123,6 +182,7 @@ def main():
     results = {}
     if world == 1:
         run_case("ref", 1, 1, out_dir, results)
+        legacy_case(out_dir, results)
         for name in sys.argv[2:]:
             reload_and_score(name, os.path.join(out_dir, f"ckpt_{name}", "step_3"), results)
     else:
