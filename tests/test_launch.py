@@ -29,3 +29,41 @@ def test_single_process_env():
     ("node1", "node1"), ("node[01-04]", "node01"), ("a[7,9],b1", "a7"), ("x-1,y", "x-1")])
 def test_first_slurm_host(nodelist, host):
     assert first_slurm_host(nodelist) == host
+
+
+def test_megatron_fusion_kernels_compile_on_first_call_not_at_import():
+    """megatron's ``jit_fuser`` is ``torch.compile``, applied as its modules import; with
+    megarlhf imported first it compiles on a kernel's first call instead, so start-up does
+    not import torch's compiler (measured: 5.5 -> 3.5 s per process on CPU)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, megarlhf, megatron.core.models.gpt, megatron.core.jit as j;"
+            "from megatron.core.fusions.fused_bias_swiglu import bias_swiglu;"
+            "print('torch._dynamo' in sys.modules, j.jit_fuser.__name__,"
+            " bias_swiglu.__name__)")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["False", "_compile_on_first_call", "bias_swiglu"]
+
+
+def test_a_deferred_fusion_kernel_is_torch_compiled_once_on_its_first_call(monkeypatch):
+    import torch
+
+    import megarlhf
+
+    compiled = []
+
+    def fake_compile(fn):
+        compiled.append(fn)
+        return lambda x: fn(x) + 0  # stands for the compiled kernel
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+
+    def kernel(x):
+        return x * 2
+
+    fused = megarlhf._compile_on_first_call(kernel)
+    assert compiled == [] and fused.__name__ == "kernel"
+    assert fused(torch.ones(2)).tolist() == [2.0, 2.0] and compiled == [kernel]
+    assert fused(torch.ones(2)).tolist() == [2.0, 2.0] and compiled == [kernel]
