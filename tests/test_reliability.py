@@ -210,3 +210,18 @@ def test_a_failed_dist_checkpoint_write_is_reported_and_cleaned_up(tmp_path, mon
                                            r"\(3 MiB free\); latest is still iter_000004"):
         checkpoint.save_checkpoint(str(tmp_path), "iter_000005", {})
     assert not (tmp_path / ".tmp-iter_000005").exists()
+
+
+def test_checkpoint_write_results_come_back_inside_this_process():
+    """Saves are synchronous, so megatron's writer hands its results back through a queue of
+    this process, not one served by a spawned Manager (which imports torch to unpickle
+    them: 2.2 s per process). Every saving test then goes through it, and the writer's
+    failures (``retrieve_write_results``) read the same queue."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megarlhf.engine import checkpoint
+
+    checkpoint._in_process_write_results()
+    assert type(filesystem_async._get_write_results_queue()) is queue.Queue
