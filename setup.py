@@ -25,7 +25,7 @@ INSTALL_REQUIRES = [
 
 EXTRAS = {
     "fp8": ["transformer-engine[pytorch]"],
-    "test": ["pytest", "pytest-timeout", "transformers", "trl==1.12.0"],
+    "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers", "trl==1.12.0"],
     "wandb": ["wandb"],
 }
 

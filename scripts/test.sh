@@ -10,4 +10,7 @@ if ! command -v slurmctld >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get
         slurmctld slurmd slurm-client munge) >/dev/null 2>&1 || echo "Slurm install failed; its tests will be skipped"
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec .venv/bin/python -m pytest -q -rs "$@"
+# Two pytest workers, one test file each at a time (a file's module fixtures run once):
+# most tests wait on one single-threaded subprocess, so two keep both cores busy.
+# MEGARLHF_TEST_WORKERS=0 runs everything in this process (pdb, -x, one test).
+exec .venv/bin/python -m pytest -q -rs -n "${MEGARLHF_TEST_WORKERS:-2}" --dist loadfile "$@"
