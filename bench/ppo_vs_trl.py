@@ -343,11 +343,13 @@ def run_pair(size: str, variant: str, iterations: int, warmup: int, folder: str,
     for w in workers:
         assert w.receive() == "ready"
     results = {w.kind: [] for w in workers}
+    lengths = {w.kind: [] for w in workers}  # mean response tokens, warm-up included
     for it in range(total):
         for w in workers:
             time.sleep(0.5)  # let the previous worker's threads go idle
             w.command("go")
             result = w.receive()
+            lengths[w.kind].append(result["response_tokens"] / BATCH)
             if it >= warmup:
                 results[w.kind].append(result)
     for w in workers:
@@ -356,7 +358,7 @@ def run_pair(size: str, variant: str, iterations: int, warmup: int, folder: str,
     log.close()
     with open(os.path.join(folder, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
-    return {"note": info["note"],
+    return {"note": info["note"], "lengths": lengths,
             "medians": {k: {key: statistics.median(r[key] for r in rs) for key in rs[0]}
                         for k, rs in results.items()}}
 
@@ -376,6 +378,9 @@ def report(size: str, variant: str, out: dict) -> None:
               f"{m['training']:>10.3f} {m['other']:>8.3f} {m['iteration']:>11.3f} "
               f"{m['response_tokens'] / BATCH:>8.1f} {rate[kind]:>9.0f} "
               + " ".join(f"{rate[ours] / rate[kind]:>15.2f}x" for ours in ours_rows))
+    if variant == "stop":
+        print("  mean response tokens per iteration (warm-up first): " + "; ".join(
+            f"{kind} " + " ".join(f"{x:.1f}" for x in out["lengths"][kind]) for kind in rows))
     for ours in ours_rows:
         for kind in (k for k in rows if k in TRL_ROWS):
             print(f"  phase speed-up {ours} vs {kind}: " + ", ".join(
