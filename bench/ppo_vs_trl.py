@@ -193,6 +193,9 @@ def megarlhf_overrides(folder: str, variant: str) -> list[str]:
         "ppo.num_iterations=1000", "ppo.kl_controller=fixed", f"ppo.init_kl_coef={KL_COEF}",
         f"rollout.max_new_tokens={RESPONSE}", "rollout.temperature=1.0",
         f"rollout.stop_at_eos={str(variant == 'stop').lower()}",
+        # TRL's missing_eos_penalty=None: a response cut at the length limit keeps its score
+        # (megarlhf's default replaces it by -1, which teaches the policy to stop early)
+        "ppo.missing_stop_penalty=null",
         "rollout.recompute_logprobs=false", "rollout.offload_frozen_models=false",
         f"optimizer.lr={LR}", f"optimizer.critic_lr={LR}", "optimizer.lr_schedule=constant",
         "logging.tensorboard=false", "logging.progress_bar=false"]
