@@ -16,6 +16,7 @@ from common import build, fixed_sequences, make_config  # noqa: E402
 
 from megarlhf.engine.optimizer import train_step  # noqa: E402
 from megarlhf.models.logprobs import vocab_parallel_logprobs  # noqa: E402
+from megarlhf.rollout import decode  # noqa: E402
 from megarlhf.rollout.generate import SamplingParams, generate  # noqa: E402
 from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout  # noqa: E402
 from megarlhf.stages.score import right_padded_batch, score_sequences  # noqa: E402
@@ -52,13 +53,20 @@ def generation_case(arch, results):
         n = int(sampled.response_mask_BT[b].sum())
         seqs.append(prompt + sampled.response_tokens_BT[b, :n].tolist())
     rows = score_sequences(scorer, seqs, micro_batch_size=1, temperature=0.9)
+    # the same generations with megatron's StaticInferenceContext holding the keys/values
+    sample_params = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=50, top_p=0.9)
+    megatron = {"cached": generate(model, PROMPTS, params, kv_cache="megatron", **common),
+                "sampled": generate(model, PROMPTS, sample_params, kv_cache="megatron",
+                                    generator=torch.Generator().manual_seed(3), **common),
+                "fast_path": decode.supported(model)}
     # every row stops by its second token: the responses are two columns wide, not 12
     stops = tuple(sorted(set(cached.response_tokens_BT[:, 1].tolist())))
     stopped = generate(model, PROMPTS, SamplingParams(max_new_tokens=12, greedy=True,
                                                       temperature=0.8, stop_token_ids=stops),
                        **common)
     results[f"gen_{arch}"] = {"cached": cached, "full": full, "sampled": sampled,
-                              "teacher": [r["logprobs"] for r in rows], "stopped": stopped}
+                              "teacher": [r["logprobs"] for r in rows], "stopped": stopped,
+                              "megatron": megatron}
 
 
 def reshard_case(name, tp, pp, rollout_tp, results, vpp=None):
@@ -101,9 +109,12 @@ def sampling_case(name, tp, pp, vpp, rollout_tp, results):
     inf_model = build_inference_model(actor.spec, inf_layout)
     Resharder(actor.chunks, inf_model)()
     params = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=40)
-    gen = generate(inf_model, PROMPTS, params, eos_id=2, pad_id=0,
-                   true_vocab=cfg.model.vocab_size,
-                   row_seeds=[11 * 1000003 + i for i in range(len(PROMPTS))])
+    kw = dict(eos_id=2, pad_id=0, true_vocab=cfg.model.vocab_size,
+              row_seeds=[11 * 1000003 + i for i in range(len(PROMPTS))])
+    stats = {}
+    gen = generate(inf_model, PROMPTS, params, stats=stats, **kw)
+    gen.megatron = generate(inf_model, PROMPTS, params, kv_cache="megatron", **kw)
+    gen.kv_cache_bytes = stats["kv_cache_bytes"]
     results[name] = gen
 
 

@@ -1,0 +1,133 @@
+"""A KV-cached forward of a megatron ``GPTModel`` for sampling, lighter than megatron's.
+
+megatron's ``StaticInferenceContext`` path runs every layer's full training-time forward
+per new token: the inference-context bookkeeping in ``Attention.forward``, the
+offload/recompute/CUDA-graph branches of ``TransformerLayer``, a viewless-tensor copy per
+layer. At a decode step's few rows that Python is most of the time on a CPU (about a
+fifth of ``generate`` at the small benchmark model, batch 16). :class:`KVCache` runs the
+same modules - the embedding, each layer's norms, ``get_query_key_value_tensors``, RoPE,
+``linear_proj`` and ``mlp``, the final norm and the output layer, so tensor parallelism and
+every supported architecture's weights behave as in training - around one preallocated
+key/value buffer per layer and ``scaled_dot_product_attention``.
+
+Only the layer shapes megarlhf builds with its local spec qualify (:func:`supported`):
+self-attention with :class:`~megarlhf.models.spec.SDPACoreAttention`, a dense MLP,
+pre-norm residuals, RoPE or learned absolute positions. Anything else - TransformerEngine
+layers, MoE, output gates - keeps megatron's context (``generate(kv_cache="megatron")``
+forces it; the two are compared in tests/test_rollout.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+from megatron.core.transformer.mlp import MLP
+
+from megarlhf.models.spec import SDPACoreAttention, _allowed
+
+_LAYER_CHILDREN = {"input_layernorm", "self_attention", "pre_cross_attn_layernorm",
+                   "cross_attention", "cross_attn_bda", "pre_mlp_layernorm", "mlp"}
+_ATTENTION_CHILDREN = {"core_attention", "linear_proj", "linear_qkv", "q_layernorm",
+                       "k_layernorm"}
+
+
+def unwrap(model):
+    while hasattr(model, "module"):  # DDP, Float16Module
+        model = model.module
+    return model
+
+
+def supported(model) -> bool:
+    """True when :class:`KVCache` computes what megatron's forward computes for ``model``."""
+    gpt = unwrap(model)
+    if not (getattr(gpt, "pre_process", False) and getattr(gpt, "post_process", False)):
+        return False
+    if getattr(gpt, "position_embedding_type", None) not in ("rope", "learned_absolute"):
+        return False
+    if getattr(gpt, "mtp_process", False) or gpt.decoder.final_layernorm is None:
+        return False
+    config = gpt.config
+    if config.apply_residual_connection_post_layernorm or config.no_rope_freq \
+            or getattr(config, "attention_output_gate", False) or config.fp32_residual_connection:
+        return False
+    for layer in gpt.decoder.layers:
+        if {name for name, _ in layer.named_children()} != _LAYER_CHILDREN:
+            return False
+        if not (isinstance(layer.cross_attention, IdentityOp)
+                and isinstance(layer.cross_attn_bda, IdentityFuncOp)
+                and isinstance(layer.mlp, MLP)):
+            return False
+        attention = layer.self_attention
+        if getattr(attention, "attention_type", None) != "self" \
+                or {name for name, _ in attention.named_children()} != _ATTENTION_CHILDREN \
+                or not isinstance(attention.core_attention, SDPACoreAttention):
+            return False
+    return True
+
+
+class KVCache:
+    """Key/value buffers for ``batch`` rows of up to ``max_len`` columns and the forward
+    that fills and reads them. ``forward(tokens, positions, blocked, start)`` feeds columns
+    ``start .. start + n - 1`` (``tokens`` and ``positions`` (B, n), ``blocked`` (B, 1, n,
+    start + n) True where a query may not look, megatron's convention) and returns the
+    logits (B, V/tp gathered) at the last of them."""
+
+    def __init__(self, model, batch: int, max_len: int):
+        self.gpt = unwrap(model)
+        self.layers = list(self.gpt.decoder.layers)
+        first = self.layers[0].self_attention
+        groups = first.num_query_groups_per_partition
+        head_dim = first.hidden_size_per_attention_head
+        weight = next(self.gpt.parameters())
+        shape = (batch, groups, max_len, head_dim)
+        self.keys = [torch.empty(shape, dtype=weight.dtype, device=weight.device)
+                     for _ in self.layers]
+        self.values = [torch.empty_like(k) for k in self.keys]
+        self.freqs = self.gpt.rotary_pos_emb(max_len) \
+            if self.gpt.position_embedding_type == "rope" else None  # (L, 1, 1, d)
+        self.gqa = first.num_attention_heads_per_partition != groups
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, blocked: torch.Tensor,
+                start: int) -> torch.Tensor:
+        n = tokens.shape[1]
+        end = start + n
+        hidden = self.gpt.embedding(input_ids=tokens, position_ids=positions)  # (n, B, H)
+        # megatron's RoPE counts columns (left padding shifts every row alike; only
+        # differences of positions reach the attention scores)
+        freqs = self.freqs[start:end] if self.freqs is not None else None
+        allowed = _allowed(blocked, n > 1, n, end, tokens.device)
+        for layer, keys, values in zip(self.layers, self.keys, self.values):
+            attention = layer.self_attention
+            query, key, value = attention.get_query_key_value_tensors(
+                layer.input_layernorm(hidden), None)  # (n, B, heads or groups, d)
+            if freqs is not None:
+                cp = attention.pg_collection.cp
+                query = apply_rotary_pos_emb(query, freqs, config=attention.config, cp_group=cp)
+                key = apply_rotary_pos_emb(key, freqs, config=attention.config, cp_group=cp)
+            keys[:, :, start:end] = key.permute(1, 2, 0, 3)
+            values[:, :, start:end] = value.permute(1, 2, 0, 3)
+            core = attention.core_attention
+            out = F.scaled_dot_product_attention(
+                query.permute(1, 2, 0, 3), keys[:, :, :end], values[:, :, :end],
+                attn_mask=allowed, scale=core.softmax_scale, enable_gqa=self.gqa)
+            out = out.permute(2, 0, 1, 3).reshape(n, out.shape[0], -1)  # (n, B, heads * d)
+            hidden = _residual(hidden, attention.linear_proj(out))
+            hidden = _residual(hidden, layer.mlp(layer.pre_mlp_layernorm(hidden)))
+        hidden = self.gpt.decoder.final_layernorm(hidden[-1:])
+        weight = self.gpt.shared_embedding_or_output_weight() \
+            if self.gpt.share_embeddings_and_output_weights else None
+        logits, _ = self.gpt.output_layer(hidden, weight=weight, runtime_gather_output=True)
+        return logits[0]
+
+
+def _residual(residual: torch.Tensor, out_and_bias) -> torch.Tensor:
+    """megatron's bias-dropout-add without dropout (inference): residual + (out + bias)."""
+    out, bias = out_and_bias
+    return residual + (out if bias is None else out + bias)
