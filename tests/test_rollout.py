@@ -48,6 +48,20 @@ def test_own_kv_cache_equals_megatrons_inference_context(rollout_results, arch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_short_inference_linears_are_bitwise_megatrons(rollout_results, arch):
+    """Without autograd at TP=1 megatron's linears go straight to the matmul (gpt2:
+    biases added inside and returned separately), with logits bitwise equal to megatron's
+    own forwards; with autograd on, megatron's linear functions run as before."""
+    out = rollout_results[0][f"linears_{arch}"]
+    assert torch.equal(out["short"], out["megatron"])
+    assert out["linears"] >= 4 * 2 + 1  # qkv, proj, fc1, fc2 per layer, and the head
+    assert out["short_calls"] == 0
+    assert out["megatron_calls"] == out["linears"]
+    assert out["grad_calls"] == out["linears"]
+
+
+@pytest.mark.slow
 def test_own_kv_cache_at_rollout_tp2_equals_megatrons(rollout_results):
     """At rollout TP=2 (heads and vocabulary split over two ranks) the two caches agree
     too, and the cache's size is what megatron's context would allocate."""

@@ -19,7 +19,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarlhf.config import ModelConfig
-from megarlhf.models import rope
+from megarlhf.models import linears, rope
 from megarlhf.models.spec import activation, layer_spec, resolve_impl
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -151,6 +151,7 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, pg_coll
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
+    linears.install(model)  # first: the head's slicing below wraps the output layer's forward
     if kind == "value" and post_process:
         model.output_layer = ScalarHead(tcfg, pg_collection.tp)
     elif post_process:

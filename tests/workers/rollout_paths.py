@@ -5,6 +5,7 @@ and after an optimizer step. Results -> OUT/rollout_world{N}.pt on rank 0."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -69,6 +70,53 @@ def generation_case(arch, results):
                               "megatron": megatron}
 
 
+def short_linears_case(arch, results):
+    """megarlhf's short inference forward of megatron's linears (models/linears.py)
+    against megatron's own: logits bitwise equal without autograd, and which path ran -
+    megatron's linear functions never without autograd, always with it."""
+    from megatron.core.tensor_parallel import layers
+
+    cfg = make_config(arch, 1, 1)
+    (model,) = build(cfg, "lm", trained=True).chunks
+    model.eval()
+    seqs = torch.randint(0, cfg.model.vocab_size, (3, 12), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(seqs.shape[1]).expand_as(seqs)
+    calls = {"n": 0}
+    originals = {name: getattr(layers, name) for name in
+                 ("linear_with_frozen_weight", "linear_with_grad_accumulation_and_async_allreduce")}
+
+    def counted(fn):
+        @functools.wraps(fn)  # megatron keeps a ``warned`` flag on one of them
+        def wrapper(*args, **kwargs):
+            calls["n"] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(layers, name, counted(fn))
+    try:
+        out = {}
+        with torch.no_grad():
+            out["short"] = model(seqs, positions, None)
+            out["short_calls"] = calls["n"]
+            short_forwards = {}
+            for module in model.modules():
+                if isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)):
+                    short_forwards[module] = module.__dict__.pop("forward")  # megatron's again
+            out["megatron"] = model(seqs, positions, None)
+            out["megatron_calls"] = calls["n"] - out["short_calls"]
+            for module, forward in short_forwards.items():
+                module.forward = forward
+        calls["n"] = 0
+        model(seqs, positions, None).sum().backward()  # autograd on: megatron's functions
+        out["grad_calls"] = calls["n"]
+        out["linears"] = len(short_forwards)
+    finally:
+        for name, fn in originals.items():
+            setattr(layers, name, fn)
+    results[f"linears_{arch}"] = out
+
+
 def reshard_case(name, tp, pp, rollout_tp, results, vpp=None):
     extra = [f"rollout.tensor_parallel_size={rollout_tp}", "optimizer.lr=0.01"]
     if vpp:
@@ -125,6 +173,8 @@ def main():
     if world == 1:
         generation_case("llama", results)
         generation_case("gpt2", results)
+        short_linears_case("llama", results)
+        short_linears_case("gpt2", results)
         sampling_case("sample_tp1", 1, 1, None, 1, results)
     else:
         sampling_case("sample_pp2vpp2_to_tp2", 1, 2, 2, 2, results)
