@@ -22,6 +22,33 @@ def test_logprobs_entropy_and_grads_match_log_softmax():
                                       logits)
     assert torch.allclose(grad, ref_grad, atol=1e-5)
     assert grad[..., 40:].abs().max() == 0  # padded vocabulary gets no gradient
+    # only one of the two outputs in the loss: the backward skips the other's term
+    for use in ("logprob", "entropy"):
+        lp, ent = vocab_parallel_logprobs(logits, target, temperature=0.8, true_vocab=40)
+        ref_lsm = torch.log_softmax(logits[..., :40].float() / 0.8, -1)
+        if use == "logprob":
+            ours, ref = (lp * w1).sum(), (ref_lsm.gather(-1, target[..., None]).squeeze(-1)
+                                          * w1).sum()
+        else:
+            ours, ref = (ent * w2).sum(), (-(ref_lsm.exp() * ref_lsm).sum(-1) * w2).sum()
+        (g,) = torch.autograd.grad(ours, logits)
+        (g_ref,) = torch.autograd.grad(ref, logits)
+        assert torch.allclose(g, g_ref, atol=1e-5), use
+        assert g[..., 40:].abs().max() == 0
+
+
+def test_logprob_of_a_target_outside_the_vocabulary_is_minus_log_z():
+    """An id no rank holds: -log Z and no one-hot gradient (what the TP path gives)."""
+    logits = torch.randn(2, 3, 16, dtype=torch.float64, requires_grad=True)
+    target = torch.tensor([[1, 16, 3], [-1, 0, 15]])
+    lp, _ = vocab_parallel_logprobs(logits, target)
+    log_z = torch.logsumexp(logits.float(), -1)
+    assert torch.allclose(lp[0, 1], -log_z[0, 1]) and torch.allclose(lp[1, 0], -log_z[1, 0])
+    assert torch.allclose(lp[0, 0], logits[0, 0, 1].float() - log_z[0, 0])
+    (g,) = torch.autograd.grad(lp.sum(), logits)
+    p = torch.softmax(logits.float(), -1)
+    assert torch.allclose(g[0, 1].float(), -p[0, 1], atol=1e-6)
+    assert torch.allclose(g[1, 0].float(), -p[1, 0], atol=1e-6)
 
 
 def test_cached_rope_is_bitwise_megatrons():

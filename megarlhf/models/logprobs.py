@@ -22,8 +22,11 @@ def mask_padded_vocab(logits_BTV: torch.Tensor, true_vocab: int, tp_group) -> to
     first_pad = true_vocab - start
     if first_pad >= shard:
         return logits_BTV
-    ids = torch.arange(shard, device=logits_BTV.device)
-    return logits_BTV.masked_fill(ids >= max(first_pad, 0), _MASKED)
+    # a copy and a fill of the padding columns: a masked_fill with an (V,) mask
+    # broadcast over (B, T) took 17x as long as the copy (8 x 32 x 4096 logits)
+    out = logits_BTV.clone()
+    out[..., max(first_pad, 0):] = _MASKED
+    return out
 
 
 def _shift_and_localize(logits, ids, group):
@@ -51,34 +54,63 @@ def _scaled(logits_BTV, temperature: float, true_vocab: int | None, tp_group):
 
 
 class _VocabParallelLogprob(torch.autograd.Function):
+    """(log-prob of the target, entropy) per position. On one rank: torch's fused
+    ``log_softmax``; over a TP group: megatron's algorithm (global max, summed exp). Both
+    keep the probabilities and log-probabilities for a backward that writes the gradient
+    in two passes over the (B, T, V) logits, one when the entropy takes no gradient
+    (its usual case: logged, not in the loss)."""
+
     @staticmethod
     def forward(ctx, logits, target, group):
-        shifted, world, local_target, target_mask = _shift_and_localize(logits, target, group)
-        predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        predicted = predicted.masked_fill(target_mask, 0.0)
-        exp_logits = shifted.exp()
-        sums = torch.stack([predicted, exp_logits.sum(-1), (exp_logits * shifted).sum(-1)])
-        if world > 1:
+        ctx.set_materialize_grads(False)
+        world = 1 if group is None else group.size()
+        if world == 1:
+            shard = logits.shape[-1]
+            target_mask = (target < 0) | (target >= shard)
+            local_target = target.masked_fill(target_mask, 0)
+            log_p = torch.log_softmax(logits, dim=-1)
+            probs = log_p.exp()
+            logprob = log_p.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+            if target_mask.any():  # -log Z, as the TP path gives an id no rank holds
+                logprob = torch.where(target_mask, log_p[..., 0] - logits[..., 0], logprob)
+            entropy = -torch.linalg.vecdot(probs, log_p)
+        else:
+            shifted, world, local_target, target_mask = _shift_and_localize(logits, target,
+                                                                            group)
+            predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+            predicted = predicted.masked_fill(target_mask, 0.0)
+            exp_logits = shifted.exp()
+            sums = torch.stack([predicted, exp_logits.sum(-1), (exp_logits * shifted).sum(-1)])
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        predicted, sum_exp, sum_exp_z = sums.unbind(0)
-        log_z = torch.log(sum_exp)
-        logprob = predicted - log_z
-        entropy = log_z - sum_exp_z / sum_exp
-        probs = exp_logits / sum_exp.unsqueeze(-1)
-        ctx.save_for_backward(probs, shifted, log_z, entropy, target_mask, local_target)
+            predicted, sum_exp, sum_exp_z = sums.unbind(0)
+            log_z = torch.log(sum_exp)
+            logprob = predicted - log_z
+            entropy = log_z - sum_exp_z / sum_exp
+            probs = exp_logits.div_(sum_exp.unsqueeze(-1))
+            log_p = shifted.sub_(log_z.unsqueeze(-1))
+        ctx.save_for_backward(probs, log_p, entropy, target_mask, local_target)
         return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
-        probs, shifted, log_z, entropy, target_mask, local_target = ctx.saved_tensors
-        # d logprob / dz = onehot - p ;  d H / dz_i = -p_i (log p_i + H)
-        grad = -probs * grad_logprob.unsqueeze(-1)
-        flat = grad.view(-1, grad.shape[-1])
-        rows = torch.arange(flat.shape[0], device=flat.device)
-        hit = (~target_mask).view(-1).to(flat.dtype)
-        flat[rows, local_target.reshape(-1)] += hit * grad_logprob.reshape(-1)
-        log_p = shifted - log_z.unsqueeze(-1)
-        grad = grad - probs * (log_p + entropy.unsqueeze(-1)) * grad_entropy.unsqueeze(-1)
+        # d logprob / dz_i = onehot_i - p_i ;  d H / dz_i = -p_i (log p_i + H), so
+        # grad_i = g_lp onehot_i + p_i (-(g_lp + g_H H) - g_H log p_i)
+        probs, log_p, entropy, target_mask, local_target = ctx.saved_tensors
+        if grad_logprob is None and grad_entropy is None:
+            return None, None, None
+        if grad_entropy is None:
+            grad = probs * (-grad_logprob).unsqueeze(-1)
+        else:
+            coef = -grad_entropy * entropy
+            if grad_logprob is not None:
+                coef = coef - grad_logprob
+            grad = torch.addcmul(coef.unsqueeze(-1), log_p, -grad_entropy.unsqueeze(-1))
+            grad.mul_(probs)
+        if grad_logprob is not None:
+            flat = grad.view(-1, grad.shape[-1])
+            rows = torch.arange(flat.shape[0], device=flat.device)
+            hit = (~target_mask).view(-1).to(flat.dtype)
+            flat[rows, local_target.reshape(-1)] += hit * grad_logprob.reshape(-1)
         return grad, None, None
 
 
