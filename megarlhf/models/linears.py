@@ -1,17 +1,20 @@
-"""megatron's tensor-parallel linears, straight to the matmul when nothing needs more.
+"""megatron's tensor-parallel linears, straight to the matmul at one tensor-parallel rank.
 
-At one tensor-parallel rank and without autograd - generation, and the experience passes
-of the reference, reward and critic models - ``ColumnParallelLinear`` and
-``RowParallelLinear`` reduce to ``torch.matmul(input, weight.t())`` plus the bias, yet each
-call still goes through megatron's Python: two identity ``autograd.Function``s for the
-TP regions and ``LinearWithFrozenWeight`` (or the gradient-accumulation function), each
-with its autocast decorator. At a decode step of the small benchmark model (16 rows) that
-is about 30 ms of a 0.4 s ``generate``. :func:`install` gives each such layer a forward
-that takes the short way in exactly that case - the same ops in the same order as
-megatron's functions (torch's own 2-D folding of the matmul made explicit), so the
-results are bitwise equal - and megatron's own forward
-otherwise (gradients enabled, TP > 1, sequence parallelism, deferred embedding
-gradients).
+At TP=1 ``ColumnParallelLinear`` and ``RowParallelLinear`` compute
+``torch.matmul(input, weight.t())`` plus the bias, yet each call goes through megatron's
+Python: two identity ``autograd.Function``s for the TP regions and
+``LinearWithGradAccumulationAndAsyncCommunication`` (or ``LinearWithFrozenWeight``), each
+with its autocast decorator, and in training three Python backward functions. At a decode
+step of the small benchmark model that was about 30 ms of a 0.4 s ``generate``; at the tiny
+model's training steps about a tenth of the step. :func:`install` gives each such layer a
+forward that, at TP=1, is the matmul and the bias as torch ops, which autograd
+differentiates natively: the same weight gradient megatron's backward computes
+(``grad_output^T @ input``), accumulated into ``main_grad`` by megatron DDP's hook as
+before. Without autograd the results are bitwise megatron's (the same ops in the same
+order, torch's own 2-D folding of the matmul made explicit); with it the gradients agree
+to rounding (tests/test_rollout.py). megatron's own forward runs whenever its extra
+machinery is on: TP > 1, sequence parallelism, fused gradient accumulation (the CUDA
+extension), deferred embedding gradients, activation offloading, expert layers.
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ def _matmul(input_: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _short_way_possible(layer) -> bool:
-    return (not torch.is_grad_enabled() and layer.megarlhf_tp_size == 1
-            and not layer.sequence_parallel
-            and not layer.config.defer_embedding_wgrad_compute)
+    return (layer.megarlhf_tp_size == 1 and not layer.sequence_parallel
+            and not layer.gradient_accumulation_fusion
+            and not layer.config.defer_embedding_wgrad_compute
+            and getattr(layer.config, "_cpu_offloading_context", None) is None
+            and not getattr(layer, "explicit_expert_comm", False))
 
 
 def _column(layer):
@@ -58,7 +63,7 @@ def _row(layer):
     forward = layer.forward
 
     def row_forward(input_):
-        if not _short_way_possible(layer) or layer.explicit_expert_comm:
+        if not _short_way_possible(layer):
             return forward(input_)
         output = _matmul(input_, layer.weight)
         if layer.skip_bias_add:
@@ -70,7 +75,7 @@ def _row(layer):
 
 def install(model: torch.nn.Module) -> None:
     """Give every megatron ``ColumnParallelLinear`` / ``RowParallelLinear`` in ``model``
-    the short inference forward (TransformerEngine's layers are other classes: untouched).
+    the short TP=1 forward (TransformerEngine's layers are other classes: untouched).
     Call before anything else wraps a layer's ``forward``."""
     for module in model.modules():
         kind = type(module)

@@ -71,16 +71,19 @@ def generation_case(arch, results):
 
 
 def short_linears_case(arch, results):
-    """megarlhf's short inference forward of megatron's linears (models/linears.py)
-    against megatron's own: logits bitwise equal without autograd, and which path ran -
-    megatron's linear functions never without autograd, always with it."""
+    """megarlhf's short TP=1 forward of megatron's linears (models/linears.py) against
+    megatron's own: logits bitwise equal without autograd, and with it the same loss and
+    the same gradients in megatron DDP's main_grad buffers; and which path ran - megatron's
+    linear functions never on the short path."""
     from megatron.core.tensor_parallel import layers
 
     cfg = make_config(arch, 1, 1)
-    (model,) = build(cfg, "lm", trained=True).chunks
-    model.eval()
-    seqs = torch.randint(0, cfg.model.vocab_size, (3, 12), generator=torch.Generator().manual_seed(5))
+    (model,) = build(cfg, "lm", trained=True).trained.model  # megatron DDP around the GPT
+    model.eval()  # no dropout: the two passes must see the same function
+    seqs = torch.randint(0, cfg.model.vocab_size, (3, 12),
+                         generator=torch.Generator().manual_seed(5))
     positions = torch.arange(seqs.shape[1]).expand_as(seqs)
+    weights = torch.randn(3, 12, cfg.model.vocab_size, generator=torch.Generator().manual_seed(6))
     calls = {"n": 0}
     originals = {name: getattr(layers, name) for name in
                  ("linear_with_frozen_weight", "linear_with_grad_accumulation_and_async_allreduce")}
@@ -92,29 +95,37 @@ def short_linears_case(arch, results):
             return fn(*args, **kwargs)
         return wrapper
 
+    def run():
+        """(no-grad logits, loss, main grads, megatron linear calls)"""
+        calls["n"] = 0
+        with torch.no_grad():
+            logits = model(seqs, positions, None)
+        model.zero_grad_buffer()
+        out = model(seqs, positions, None)
+        loss = (out[..., :cfg.model.vocab_size] * weights).sum()
+        loss.backward()
+        grads = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+        return logits, loss.detach(), grads, calls["n"]
+
     for name, fn in originals.items():
         setattr(layers, name, counted(fn))
     try:
-        out = {}
-        with torch.no_grad():
-            out["short"] = model(seqs, positions, None)
-            out["short_calls"] = calls["n"]
-            short_forwards = {}
-            for module in model.modules():
-                if isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)):
-                    short_forwards[module] = module.__dict__.pop("forward")  # megatron's again
-            out["megatron"] = model(seqs, positions, None)
-            out["megatron_calls"] = calls["n"] - out["short_calls"]
-            for module, forward in short_forwards.items():
-                module.forward = forward
-        calls["n"] = 0
-        model(seqs, positions, None).sum().backward()  # autograd on: megatron's functions
-        out["grad_calls"] = calls["n"]
-        out["linears"] = len(short_forwards)
+        short = run()
+        short_forwards = {}
+        for module in model.modules():
+            if isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)):
+                short_forwards[module] = module.__dict__.pop("forward")  # megatron's again
+        theirs = run()
+        for module, forward in short_forwards.items():
+            module.forward = forward
     finally:
         for name, fn in originals.items():
             setattr(layers, name, fn)
-    results[f"linears_{arch}"] = out
+    results[f"linears_{arch}"] = {
+        "short": short[0], "megatron": theirs[0], "loss": (short[1], theirs[1]),
+        "grad_diff": max((short[2][n] - theirs[2][n]).abs().max().item() for n in short[2]),
+        "grad_scale": max(g.abs().max().item() for g in theirs[2].values()),
+        "short_calls": short[3], "megatron_calls": theirs[3], "linears": len(short_forwards)}
 
 
 def reshard_case(name, tp, pp, rollout_tp, results, vpp=None):
