@@ -212,7 +212,8 @@ def test_foreach_grad_norm_and_clip_equal_megatrons_local_kernels():
     from megarlhf.engine import optimizer as opt
 
     gen = torch.Generator().manual_seed(0)
-    grads = [torch.randn(n, generator=gen) * s for n, s in ((4000 * 64, 1e-3), (688, 3.0), (1, 0.5))]
+    grads = [torch.randn(n, generator=gen) * s
+             for n, s in ((4000 * 64, 1e-3), (688, 3.0), (1, 0.5))]
     norm, _ = opt._foreach_l2_norm(0, None, [grads], False)
     plain = torch.cat([g.double() for g in grads]).norm()
     assert norm.shape == (1,) and norm.dtype == torch.float32

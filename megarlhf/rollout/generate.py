@@ -2,8 +2,8 @@
 
 Our own loop (megatron's engines need CUDA events); it runs on CPU and GPU alike. The keys
 and values are cached by :mod:`megarlhf.rollout.decode` where the model's layers allow it,
-else by megatron's ``StaticInferenceContext``. Prompts are left-padded so every response starts at
-the same column; pad positions are masked out of attention and position ids count real
+else by megatron's ``StaticInferenceContext``. Prompts are left-padded so every response
+starts at the same column; pad positions are masked out of attention and position ids count real
 tokens only. The returned log-probs are those of the sampled tokens under
 softmax(logits / temperature) - before top-k/top-p filtering - which is what the training
 side recomputes, so the two can be compared.
