@@ -28,7 +28,7 @@ def _matmul(input_: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     with an (S, B, H) input in the usual strides. A decode step's (1, B, H) or (B, 1, H)
     input after a transpose has a size-1 dimension with an unusual stride; torch then
     broadcasts the weight over the batch into a ``bmm`` (the output layer of the small
-    benchmark model: 1.6 ms a step instead of 0.3)."""
+    benchmark model at batch 16: 1.6 ms a step instead of 1.0)."""
     return torch.matmul(input_.reshape(-1, input_.shape[-1]), weight.t()).view(
         *input_.shape[:-1], weight.shape[0])
 
