@@ -38,7 +38,7 @@ from megarlhf.engine.optimizer_state import (
     load_optimizer_state,
     sharded_optimizer_state,
 )
-from megarlhf.models.gpt import sharded_state_dict
+from megarlhf.models.gpt import sharded_state_dict, unwrap
 
 META_FILE = "megarlhf_meta.json"
 LATEST_FILE = "latest"
@@ -58,15 +58,11 @@ class RoleState:
     extra: dict = field(default_factory=dict)  # JSON-able, e.g. reward normalisation
 
 
-def _bare(chunk):
-    return getattr(chunk, "module", chunk)
-
-
 def _model_sharded(role: str, chunks: list, skip_head: bool = False) -> dict:
     prefix = f"{role}."
 
     def one(chunk):
-        sd = sharded_state_dict(_bare(chunk), prefix=prefix)
+        sd = sharded_state_dict(unwrap(chunk), prefix=prefix)
         if skip_head:
             sd = {k: v for k, v in sd.items() if not k.startswith(f"{prefix}output_layer")}
         return sd
@@ -326,9 +322,9 @@ def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: b
             key = "model" if len(role.model) == 1 else f"model{i}"
             weights = _strip_prefix(loaded[src][key], f"{src}.")
             if skip_head:
-                own = _bare(chunk).state_dict()
+                own = unwrap(chunk).state_dict()
                 weights.update({k: v for k, v in own.items() if k.startswith("output_layer")})
-            _bare(chunk).load_state_dict(weights, strict=True)
+            unwrap(chunk).load_state_dict(weights, strict=True)
         if use_opt[name]:
             load_optimizer_state(role.optimizer, loaded[src]["optimizer"],
                                  legacy=src in legacy)

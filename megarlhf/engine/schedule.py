@@ -12,11 +12,8 @@ from typing import Any, Callable
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megarlhf.models.gpt import unwrap
 from megarlhf.parallel.launch import to_device
-
-
-def _bare(chunk):
-    return getattr(chunk, "module", chunk)
 
 
 def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[Any], *,
@@ -26,12 +23,12 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
     loss functions produced (empty on other stages)."""
     if not microbatches:
         return []
-    device = next(_bare(model_chunks[0]).parameters()).device
+    device = next(unwrap(model_chunks[0]).parameters()).device
     vpp = len(model_chunks)
     if vpp > 1:
         # The interleaved schedule needs a multiple of the pipeline size; top up with
         # copies that carry no loss weight (their outputs are ignored by the callers).
-        pp = _bare(model_chunks[0]).pg_collection.pp.size()
+        pp = unwrap(model_chunks[0]).pg_collection.pp.size()
         microbatches = list(microbatches) + [weightless(microbatches[-1])] * (
             -len(microbatches) % pp)
         # Interleaved schedule: one iterator per chunk, each seeing every micro-batch.
@@ -42,7 +39,7 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
         model = model_chunks[0]
     # The role's own groups: the schedule, its p2p communicator and the gradient
     # finalisation never fall back to megatron's global parallel_state.
-    core = _bare(model_chunks[0])
+    core = unwrap(model_chunks[0])
     pgc = core.pg_collection
     pp = pgc.pp.size()
     forward_backward = get_forward_backward_func(pp_size=pp, vp_size=vpp if vpp > 1 else None)

@@ -112,12 +112,19 @@ class ScalarHead(MegatronModule):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
+def unwrap(model):
+    """The ``GPTModel`` inside megatron's wrappers (DDP, Float16Module)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 @torch.no_grad()
 def fold_head_affine(chunks: list, gain: float, bias: float) -> None:
     """Make a value model output ``gain * v + bias``: scale the scalar head's weight and
     bias (on the chunk that holds the head; others have none)."""
     for chunk in chunks:
-        head = getattr(getattr(chunk, "module", chunk), "output_layer", None)
+        head = getattr(unwrap(chunk), "output_layer", None)
         if isinstance(head, ScalarHead):
             head.weight.mul_(gain)
             head.bias.mul_(gain).add_(bias)
@@ -202,9 +209,7 @@ def head_positions(model, positions: slice | None):
     """Within the block, ``model``'s LM head (any wrapping, on the last pipeline stage; a
     no-op elsewhere and for value heads) computes logits at sequence ``positions`` only:
     the model returns (B, len(positions), V/tp)."""
-    module = model
-    while hasattr(module, "module"):  # DDP and other wrappers
-        module = module.module
+    module = unwrap(model)
     head = getattr(module, "output_layer", None) if getattr(module, "post_process", False) \
         else None
     if positions is None or head is None or not hasattr(head, "megarlhf_positions"):

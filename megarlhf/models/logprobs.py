@@ -71,8 +71,9 @@ class _VocabParallelLogprob(torch.autograd.Function):
             log_p = torch.log_softmax(logits, dim=-1)
             probs = log_p.exp()
             logprob = log_p.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-            if target_mask.any():  # -log Z, as the TP path gives an id no rank holds
-                logprob = torch.where(target_mask, log_p[..., 0] - logits[..., 0], logprob)
+            # an id outside the vocabulary: -log Z, as the TP path gives an id no rank holds
+            # (a where, not a branch on target_mask.any(): no host sync on a GPU)
+            logprob = torch.where(target_mask, log_p[..., 0] - logits[..., 0], logprob)
             entropy = -torch.linalg.vecdot(probs, log_p)
         else:
             shifted, world, local_target, target_mask = _shift_and_localize(logits, target,

@@ -8,7 +8,7 @@ fifth of ``generate`` at the small benchmark model, batch 16). :class:`KVCache` 
 same modules - the embedding, each layer's norms, ``get_query_key_value_tensors``, RoPE,
 ``linear_proj`` and ``mlp``, the final norm and the output layer, so tensor parallelism and
 every supported architecture's weights behave as in training - around one preallocated
-key/value buffer per layer and ``scaled_dot_product_attention``.
+key/value buffer per layer, read by the layer's own SDPA core attention.
 
 Only the layer shapes megarlhf builds with its local spec qualify (:func:`supported`):
 self-attention with :class:`~megarlhf.models.spec.SDPACoreAttention`, a dense MLP,
@@ -20,23 +20,17 @@ forces it; the two are compared in tests/test_rollout.py).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.mlp import MLP
 
-from megarlhf.models.spec import SDPACoreAttention, _allowed
+from megarlhf.models.gpt import unwrap
+from megarlhf.models.spec import SDPACoreAttention
 
 _LAYER_CHILDREN = {"input_layernorm", "self_attention", "pre_cross_attn_layernorm",
                    "cross_attention", "cross_attn_bda", "pre_mlp_layernorm", "mlp"}
 _ATTENTION_CHILDREN = {"core_attention", "linear_proj", "linear_qkv", "q_layernorm",
                        "k_layernorm"}
-
-
-def unwrap(model):
-    while hasattr(model, "module"):  # DDP, Float16Module
-        model = model.module
-    return model
 
 
 def supported(model) -> bool:
@@ -87,7 +81,6 @@ class KVCache:
         self.values = [torch.empty_like(k) for k in self.keys]
         self.freqs = self.gpt.rotary_pos_emb(max_len) \
             if self.gpt.position_embedding_type == "rope" else None  # (L, 1, 1, d)
-        self.gqa = first.num_attention_heads_per_partition != groups
 
     @property
     def nbytes(self) -> int:
@@ -102,7 +95,6 @@ class KVCache:
         # megatron's RoPE counts columns (left padding shifts every row alike; only
         # differences of positions reach the attention scores)
         freqs = self.freqs[start:end] if self.freqs is not None else None
-        allowed = _allowed(blocked, n > 1, n, end, tokens.device)
         for layer, keys, values in zip(self.layers, self.keys, self.values):
             attention = layer.self_attention
             query, key, value = attention.get_query_key_value_tensors(
@@ -113,11 +105,10 @@ class KVCache:
                 key = apply_rotary_pos_emb(key, freqs, config=attention.config, cp_group=cp)
             keys[:, :, start:end] = key.permute(1, 2, 0, 3)
             values[:, :, start:end] = value.permute(1, 2, 0, 3)
-            core = attention.core_attention
-            out = F.scaled_dot_product_attention(
-                query.permute(1, 2, 0, 3), keys[:, :, :end], values[:, :, :end],
-                attn_mask=allowed, scale=core.softmax_scale, enable_gqa=self.gqa)
-            out = out.permute(2, 0, 1, 3).reshape(n, out.shape[0], -1)  # (n, B, heads * d)
+            # the layer's own SDPA core attention on the cached columns, (S, B, groups, d)
+            # views of the buffers (it permutes them back to the buffers' strides)
+            out = attention.core_attention(query, keys[:, :, :end].permute(2, 0, 1, 3),
+                                           values[:, :, :end].permute(2, 0, 1, 3), blocked)
             hidden = _residual(hidden, attention.linear_proj(out))
             hidden = _residual(hidden, layer.mlp(layer.pre_mlp_layernorm(hidden)))
         hidden = self.gpt.decoder.final_layernorm(hidden[-1:])
