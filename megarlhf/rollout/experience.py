@@ -30,6 +30,7 @@ from megarlhf.engine.forward import forward_rows, stack_results
 from megarlhf.engine.offload import Offloader
 from megarlhf.engine.roles import Role
 from megarlhf.engine.steps import make_sequence_step
+from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.layout import ParallelLayout
 from megarlhf.rollout.generate import Generation, SamplingParams, generate
 from megarlhf.rollout.reshard import Resharder, release_inference_weights
@@ -345,29 +346,32 @@ class ExperienceMaker:
             values = stack_results(self._score(self.critic, gen, rows), "values") * mask
         else:
             values = torch.zeros_like(mask)
-        # KL to the reference: in the reward (per token, or per sequence for the group
-        # baselines) when ppo.kl_in_reward resolves on; the loss term is the actor's.
-        kl = algos.kl_per_token(old_lp, ref_lp, mask, ppo.kl_estimator)
-        beta = kl_coef if ppo.kl_reward_on else 0.0
-        rewards, non_score = algos.shape_rewards(scores, kl, mask, beta, ppo.clip_reward_value)
-        if ppo.whiten_rewards:
-            rewards = algos.masked_whiten(rewards, mask, shift_mean=False,
-                                          unbiased=ppo.whiten_unbiased) * mask
-        sequence_rewards = scores - beta * kl.sum(dim=1)
-        advantages, returns = algos.estimate_advantages(
-            ppo.advantage_estimator, scores_B=sequence_rewards, rewards_BT=rewards,
-            values_BT=values, mask_BT=mask, gamma=ppo.gamma, lam=ppo.lam,
-            group_size=ppo.group_size, whiten=ppo.whiten_advantages,
-            unbiased=ppo.whiten_unbiased, group_norm=ppo.grpo_normalization)
-        policy_mask, is_weights, corr = self._mismatch_correction(old_lp, rollout_lp, mask)
-        metrics.update(corr)
-        exp = algos.Experience(
-            prompt_tokens_BP=gen.prompt_tokens_BP, prompt_mask_BP=gen.prompt_mask_BP,
-            response_tokens_BT=gen.response_tokens_BT, response_mask_BT=mask,
-            rollout_logprobs_BT=rollout_lp, old_logprobs_BT=old_lp, ref_logprobs_BT=ref_lp,
-            values_BT=values, scores_B=scores, kl_BT=kl, rewards_BT=rewards,
-            advantages_BT=advantages, returns_BT=returns, policy_mask_BT=policy_mask,
-            is_weights_BT=is_weights)
+        # the arithmetic from here on runs without the CPU backend's mode (no megatron code)
+        with cpu_backend.suspended():
+            # KL to the reference: in the reward (per token, or per sequence for the group
+            # baselines) when ppo.kl_in_reward resolves on; the loss term is the actor's.
+            kl = algos.kl_per_token(old_lp, ref_lp, mask, ppo.kl_estimator)
+            beta = kl_coef if ppo.kl_reward_on else 0.0
+            rewards, non_score = algos.shape_rewards(scores, kl, mask, beta,
+                                                     ppo.clip_reward_value)
+            if ppo.whiten_rewards:
+                rewards = algos.masked_whiten(rewards, mask, shift_mean=False,
+                                              unbiased=ppo.whiten_unbiased) * mask
+            sequence_rewards = scores - beta * kl.sum(dim=1)
+            advantages, returns = algos.estimate_advantages(
+                ppo.advantage_estimator, scores_B=sequence_rewards, rewards_BT=rewards,
+                values_BT=values, mask_BT=mask, gamma=ppo.gamma, lam=ppo.lam,
+                group_size=ppo.group_size, whiten=ppo.whiten_advantages,
+                unbiased=ppo.whiten_unbiased, group_norm=ppo.grpo_normalization)
+            policy_mask, is_weights, corr = self._mismatch_correction(old_lp, rollout_lp, mask)
+            metrics.update(corr)
+            exp = algos.Experience(
+                prompt_tokens_BP=gen.prompt_tokens_BP, prompt_mask_BP=gen.prompt_mask_BP,
+                response_tokens_BT=gen.response_tokens_BT, response_mask_BT=mask,
+                rollout_logprobs_BT=rollout_lp, old_logprobs_BT=old_lp, ref_logprobs_BT=ref_lp,
+                values_BT=values, scores_B=scores, kl_BT=kl, rewards_BT=rewards,
+                advantages_BT=advantages, returns_BT=returns, policy_mask_BT=policy_mask,
+                is_weights_BT=is_weights)
         gap = (rollout_lp - old_lp).abs() * mask
         num_tokens, num_rows = float(mask.sum()), len(rows)
         metrics.update({

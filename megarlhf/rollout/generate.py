@@ -87,7 +87,29 @@ def _attention_blocked(key_mask_BK: torch.Tensor, num_queries: int) -> torch.Ten
     return blocked
 
 
+class _RowUniforms:
+    """Each row's uniform draws for the Gumbel-max sampler, one (B, V) step at a time, from
+    one generator per row seeded with the row's seed. Each generator draws ``chunk`` steps
+    at once: on the CPU ``rand(chunk, V)`` is the same stream as ``chunk`` calls of
+    ``rand(V)``, so the samples are those of per-step draws, with B calls every ``chunk``
+    steps instead of every step."""
+
+    def __init__(self, seeds: list[int], vocab: int, device, chunk: int = 8):
+        self.gens = [torch.Generator(device).manual_seed(int(s)) for s in seeds]
+        self.vocab, self.device, self.chunk = vocab, device, chunk
+        self.block, self.used = None, chunk
+
+    def next(self) -> torch.Tensor:
+        if self.used == self.chunk:
+            self.block = torch.stack([torch.rand(self.chunk, self.vocab, generator=g,
+                                                 device=self.device) for g in self.gens], 1)
+            self.used = 0
+        self.used += 1
+        return self.block[self.used - 1]
+
+
 @torch.no_grad()
+@cpu_backend.suspended()  # the sampling loop names no device megatron redirects
 def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id: int,
              pad_id: int, true_vocab: int, stop_at_eos: bool = True,
              generator: torch.Generator | None = None, row_seeds: list[int] | None = None,
@@ -129,8 +151,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     cache = decode.KVCache(model, B, P + T) \
         if use_cache and kv_cache == "auto" and decode.supported(model) else None
     ctx = StaticInferenceContext(B, P + T) if use_cache and cache is None else None
-    row_gens = [torch.Generator(device).manual_seed(int(s)) for s in row_seeds] \
-        if row_seeds else None
+    row_draws = _RowUniforms(row_seeds, true_vocab, device) if row_seeds else None
 
     def last_logits(length: int, new: int) -> torch.Tensor:
         """Logits at column ``length - 1`` after feeding the last ``new`` columns."""
@@ -139,10 +160,9 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
         pos = positions[:, start:length]
         blocked = _attention_blocked(key_mask[:, :length], new)
         if cache is not None:
-            with cpu_backend.suspended():
-                return cache.forward(inp, pos, blocked, start)[:, :true_vocab].float()
+            return cache.forward(inp, pos, blocked, start)[:, :true_vocab].float()
         # logits at the last column only (the prefill's other P - 1 are never read)
-        with cpu_backend.suspended(), head_positions(model, slice(-1, None)):
+        with head_positions(model, slice(-1, None)):
             if ctx is None:
                 out = model(inp, pos, blocked, runtime_gather_output=True)
             else:
@@ -159,9 +179,8 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
             next_token = scaled.argmax(dim=-1)
         else:
             filtered = filter_logits(scaled, params.top_k, params.top_p)
-            if row_gens is not None:
-                uniform = torch.stack([torch.rand(filtered.shape[-1], generator=g,
-                                                  device=device) for g in row_gens])
+            if row_draws is not None:
+                uniform = row_draws.next()
                 gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1.0 - 1e-7)))
                 next_token = (filtered + gumbel).argmax(dim=-1)
             else:

@@ -31,6 +31,7 @@ from megarlhf.engine.preemption import PreemptionGuard, mark_preempted
 from megarlhf.engine.role_specs import ppo_role_specs
 from megarlhf.engine.roles import build_role
 from megarlhf.engine.steps import make_policy_step, make_value_step, ratio, reduce_logs
+from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.launch import init_distributed, read_dist_env
 from megarlhf.rollout.experience import (
     ExperienceMaker, RewardSource, SequenceCache, decode_sample, load_reward_fn)
@@ -428,10 +429,13 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
     skipped = 0
     step = 0
     for _ in range(ppo.ppo_epochs):
-        for mini in exp.mini_batches(ppo.mini_batch_size, gen):
+        with cpu_backend.suspended():  # batch arithmetic: no megatron code
+            minis = list(exp.mini_batches(ppo.mini_batch_size, gen))
+        for mini in minis:
             for role, fwd in learners:
-                batches = experience_batches(_share(mini, role.layout), ppo.micro_batch_size,
-                                             pad_id)
+                with cpu_backend.suspended():
+                    batches = experience_batches(_share(mini, role.layout),
+                                                 ppo.micro_batch_size, pad_id)
                 if ptx is not None and role is actor:
                     _, count = algos.aggregate_parts(torch.zeros_like(mini.policy_mask_BT),
                                                      mini.policy_mask_BT, ppo.loss_agg)
