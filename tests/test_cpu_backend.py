@@ -137,3 +137,33 @@ def test_megatrons_old_plain_optimizer_format_still_loads(backend_results):
     assert legacy["refusal"] is not None
     assert "old format" in legacy["refusal"]
     assert "optimizer.use_distributed_optimizer=false" in legacy["refusal"]
+
+
+def test_loss_functions_run_without_the_mode():
+    """megatron's schedule calls the forward step (and its own code around it) under the
+    mode; the loss function the step returns runs without it, with the same result."""
+    from megarlhf.engine.schedule import _loss_without_mode
+
+    was_active = cpu_backend.is_active()
+    cpu_backend.activate()
+    seen = {}
+
+    def forward_step(data_iterator, model):
+        seen["step"] = torch.ones(1).type()
+        batch = next(data_iterator)
+
+        def loss_func(output, non_loss_data=False):
+            seen["loss"] = torch.ones(1).type()
+            return (output * batch).sum()
+
+        return model * 2, loss_func
+
+    try:
+        output, loss_func = _loss_without_mode(forward_step)(iter([torch.arange(3.0)]),
+                                                              torch.ones(3))
+        assert float(loss_func(output)) == 6.0
+        assert torch.ones(1).type() == "torch.cuda.FloatTensor"  # the mode is back after
+    finally:
+        if not was_active:
+            cpu_backend.deactivate()
+    assert seen == {"step": "torch.cuda.FloatTensor", "loss": "torch.FloatTensor"}

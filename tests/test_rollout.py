@@ -169,3 +169,16 @@ def test_left_pad():
     assert tokens.tolist() == [[1, 2, 3], [0, 0, 4]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         left_pad([[1], []], 0)
+
+
+def test_row_uniforms_are_per_step_draws_of_each_rows_generator():
+    """The Gumbel sampler's uniforms, drawn 8 steps at a time per row, are the stream of
+    one ``rand(V)`` per step from each row's own seeded generator, across chunk ends."""
+    from megarlhf.rollout.generate import _RowUniforms
+
+    seeds, vocab = [3, 11, 3], 13
+    draws = _RowUniforms(seeds, vocab, torch.device("cpu"))
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    for _ in range(19):
+        expected = torch.stack([torch.rand(vocab, generator=g) for g in gens])
+        assert torch.equal(draws.next(), expected)
