@@ -69,6 +69,12 @@ def test_cached_rope_is_bitwise_megatrons():
             assert torch.equal(rope.apply_rotary_pos_emb_bshd(t, freqs, mscale=mscale), theirs)
             assert torch.equal(rope.apply_rotary_pos_emb_bshd(t[5:6], freqs[5:6], mscale=mscale),
                                theirs[5:6])
+    # and the gradients (the roll's backward against megatron's cat and negation)
+    t = torch.randn(48, 3, 4, 32, requires_grad=True)
+    g = torch.randn(48, 3, 4, 32)
+    ours = torch.autograd.grad(rope.apply_rotary_pos_emb_bshd(t, freqs), t, g)[0]
+    theirs = torch.autograd.grad(rope._megatron_bshd(t, freqs), t, g)[0]
+    assert torch.equal(ours, theirs)
     # halves that differ, and partial rotary dimensions, go to megatron's function
     odd = torch.randn(48, 1, 1, 32)
     t = torch.randn(48, 3, 4, 32)
