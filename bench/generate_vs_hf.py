@@ -2,19 +2,39 @@
 same (converted) weights, batch 1 and 16, and against decoding without a KV cache.
 
     .venv/bin/python bench/generate_vs_hf.py [--size small] [--prompt 32] [--new 32]
+                                             [--repeats 7]
+
+The two are timed in turn, one call of each per round after one warm-up call of each,
+so both see the same machine (this VM's speed moves by up to 25% within minutes); the
+figures are medians over the rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import convert, hf_llama, machine, timed  # noqa: E402
+
+
+def alternating(first, second, repeats: int) -> tuple[float, float]:
+    """Median wall times of ``first`` and ``second``, called in turn ``repeats`` times
+    after one warm-up call of each."""
+    first(), second()
+    times = ([], [])
+    for _ in range(repeats):
+        for fn, out in zip((first, second), times):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return tuple(statistics.median(t) for t in times)
 
 
 def main() -> None:
@@ -24,6 +44,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7,
+                        help="timed calls of each, taken in turn (medians)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("MASTER_PORT", "29911")
@@ -60,7 +82,7 @@ def main() -> None:
                                    min_new_tokens=args.new, do_sample=False, pad_token_id=0)
 
         tokens = batch * args.new
-        t_ours, t_hf = timed(ours), timed(theirs)
+        t_ours, t_hf = alternating(ours, theirs, args.repeats)
         t_nocache = timed(lambda: ours(False), repeats=1)
         same = ours().response_tokens_BT.tolist() == theirs()[:, args.prompt:].tolist()
         print(f"{batch:>5} {tokens / t_ours:>15.0f} {tokens / t_hf:>18.0f} "
