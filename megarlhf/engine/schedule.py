@@ -64,8 +64,8 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
 def _loss_without_mode(forward_step: Callable) -> Callable:
     """``forward_step`` whose loss function runs without the CPU backend's
     ``TorchFunctionMode``: megatron calls it under the mode, which only megatron's own code
-    needs (our steps suspend it around the model already). At the tiny benchmark size the
-    loss functions' torch calls through the mode were about 2% of a PPO iteration."""
+    needs (our steps suspend it around the model already); under it every torch call of
+    the loss is dispatched through Python."""
 
     def step(data_iterator, model, *rest):
         output, loss_func = forward_step(data_iterator, model, *rest)
