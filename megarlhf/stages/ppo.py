@@ -43,6 +43,7 @@ from megarlhf.stages.common import check_writable, print0, progress, run_dir
 
 # ------------------------------------------------------------------ set-up
 
+@cpu_backend.suspended()  # batch arithmetic: no megatron code
 def experience_batches(exp: algos.Experience, micro: int, pad_id: int) -> list[dict]:
     out = []
     for mb in exp.micro_batches(micro):
@@ -429,13 +430,12 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
     skipped = 0
     step = 0
     for _ in range(ppo.ppo_epochs):
-        with cpu_backend.suspended():  # batch arithmetic: no megatron code
+        with cpu_backend.suspended():  # as experience_batches
             minis = list(exp.mini_batches(ppo.mini_batch_size, gen))
         for mini in minis:
             for role, fwd in learners:
-                with cpu_backend.suspended():
-                    batches = experience_batches(_share(mini, role.layout),
-                                                 ppo.micro_batch_size, pad_id)
+                batches = experience_batches(_share(mini, role.layout), ppo.micro_batch_size,
+                                             pad_id)
                 if ptx is not None and role is actor:
                     _, count = algos.aggregate_parts(torch.zeros_like(mini.policy_mask_BT),
                                                      mini.policy_mask_BT, ppo.loss_agg)
