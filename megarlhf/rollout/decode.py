@@ -5,10 +5,15 @@ per new token: the inference-context bookkeeping in ``Attention.forward``, the
 offload/recompute/CUDA-graph branches of ``TransformerLayer``, a viewless-tensor copy per
 layer. At a decode step's few rows that Python is most of the time on a CPU (about a
 fifth of ``generate`` at the small benchmark model, batch 16). :class:`KVCache` runs the
-same modules - the embedding, each layer's norms, ``get_query_key_value_tensors``, RoPE,
-``linear_proj`` and ``mlp``, the final norm and the output layer, so tensor parallelism and
-every supported architecture's weights behave as in training - around one preallocated
-key/value buffer per layer, read by the layer's own SDPA core attention.
+same modules - the embedding, each layer's norms, its linears, RoPE, the final norm and the
+output layer, so tensor parallelism and every supported architecture's weights behave as in
+training - around one preallocated key/value buffer per layer, read by the layer's own SDPA
+core attention. It calls their ``forward`` directly (no module hooks run on this path) and
+does two things itself, op for op as megatron does them: the split of the fused QKV
+projection into query, key and value (:func:`_split_qkv`, megatron's
+``get_query_key_value_tensors`` without its branches) and the dense MLP's activation
+(:func:`_mlp`). At batch 1 of the small benchmark model their Python was about a tenth of
+``generate``; the results are bitwise those of the modules' own forwards (tested).
 
 Only the layer shapes megarlhf builds with its local spec qualify (:func:`supported`):
 self-attention with :class:`~megarlhf.models.spec.SDPACoreAttention`, a dense MLP,
@@ -97,8 +102,8 @@ class KVCache:
         freqs = self.freqs[start:end] if self.freqs is not None else None
         for layer, keys, values in zip(self.layers, self.keys, self.values):
             attention = layer.self_attention
-            query, key, value = attention.get_query_key_value_tensors(
-                layer.input_layernorm(hidden), None)  # (n, B, heads or groups, d)
+            # (n, B, heads or groups, d)
+            query, key, value = _split_qkv(attention, layer.input_layernorm.forward(hidden))
             if freqs is not None:
                 cp = attention.pg_collection.cp
                 query = apply_rotary_pos_emb(query, freqs, config=attention.config, cp_group=cp)
@@ -107,15 +112,62 @@ class KVCache:
             values[:, :, start:end] = value.permute(1, 2, 0, 3)
             # the layer's own SDPA core attention on the cached columns, (S, B, groups, d)
             # views of the buffers (it permutes them back to the buffers' strides)
-            out = attention.core_attention(query, keys[:, :, :end].permute(2, 0, 1, 3),
-                                           values[:, :, :end].permute(2, 0, 1, 3), blocked)
-            hidden = _residual(hidden, attention.linear_proj(out))
-            hidden = _residual(hidden, layer.mlp(layer.pre_mlp_layernorm(hidden)))
+            out = attention.core_attention.forward(
+                query, keys[:, :, :end].permute(2, 0, 1, 3),
+                values[:, :, :end].permute(2, 0, 1, 3), blocked)
+            hidden = _residual(hidden, attention.linear_proj.forward(out))
+            hidden = _residual(hidden, _mlp(layer.mlp, layer.pre_mlp_layernorm.forward(hidden)))
         hidden = self.gpt.decoder.final_layernorm(hidden[-1:])
         weight = self.gpt.shared_embedding_or_output_weight() \
             if self.gpt.share_embeddings_and_output_weights else None
         logits, _ = self.gpt.output_layer(hidden, weight=weight, runtime_gather_output=True)
         return logits[0]
+
+
+def _split_qkv(attention, hidden: torch.Tensor):
+    """megatron's ``get_query_key_value_tensors(hidden)`` for the layouts it handles without
+    communication or extra heads: (n, B, heads, d) query, (n, B, groups, d) key and value
+    from the fused projection, whose columns interleave each group's queries, key and
+    value. Anything else (query/key norms, output gates, fewer groups than TP ranks) goes
+    to megatron's method."""
+    config = attention.config
+    if not _no_op(attention.q_layernorm) or not _no_op(attention.k_layernorm) \
+            or getattr(config, "attention_output_gate", False) or config.test_mode \
+            or config.num_query_groups < attention.world_size:
+        return attention.get_query_key_value_tensors(hidden, None)
+    mixed, _ = attention.linear_qkv.forward(hidden)
+    groups = attention.num_query_groups_per_partition
+    d = attention.hidden_size_per_attention_head
+    per_group = attention.num_attention_heads_per_partition // groups
+    mixed = mixed.view(*mixed.shape[:-1], groups, (per_group + 2) * d)
+    query, key, value = torch.split(mixed, [per_group * d, d, d], dim=3)
+    return query.reshape(query.shape[0], query.shape[1], -1, d), key, value
+
+
+def _no_op(module) -> bool:
+    return module is None or isinstance(module, IdentityOp)
+
+
+def _mlp(mlp: MLP, hidden: torch.Tensor):
+    """megatron's ``MLP.forward`` on its unfused path (no bias-activation fusion, no
+    TransformerEngine activation, no per-token scale): fc1, its bias, the activation (gated:
+    ``act(first half) * (second half + glu_linear_offset)``, clamped when configured), fc2.
+    Returns (output, fc2's bias) as megatron's does; the fused paths go to its method."""
+    config = mlp.config
+    if config.use_te_activation_func or config.bias_activation_fusion or type(mlp) is not MLP:
+        return mlp(hidden)
+    out, bias = mlp.linear_fc1.forward(hidden)
+    if bias is not None:
+        out = out + bias
+    if config.gated_linear_unit:
+        x_glu, x_linear = torch.chunk(out, 2, dim=-1)
+        if (clamp := config.activation_func_clamp_value) is not None:
+            x_glu = x_glu.clamp(min=None, max=clamp)
+            x_linear = x_linear.clamp(min=-clamp, max=clamp)
+        out = config.activation_func(x_glu) * (x_linear + config.glu_linear_offset)
+    else:
+        out = mlp.activation_func(out)
+    return mlp.linear_fc2.forward(out)
 
 
 def _residual(residual: torch.Tensor, out_and_bias) -> torch.Tensor:

@@ -59,7 +59,7 @@ def generation_case(arch, results):
     megatron = {"cached": generate(model, PROMPTS, params, kv_cache="megatron", **common),
                 "sampled": generate(model, PROMPTS, sample_params, kv_cache="megatron",
                                     generator=torch.Generator().manual_seed(3), **common),
-                "fast_path": decode.supported(model)}
+                "fast_path": decode.supported(model), "parts": decode_parts(model)}
     # every row stops by its second token: the responses are two columns wide, not 12
     stops = tuple(sorted(set(cached.response_tokens_BT[:, 1].tolist())))
     stopped = generate(model, PROMPTS, SamplingParams(max_new_tokens=12, greedy=True,
@@ -156,6 +156,34 @@ def reshard_case(name, tp, pp, rollout_tp, results, vpp=None):
     results[name] = out
 
 
+def decode_parts(model) -> dict:
+    """rollout/decode.py's own QKV split and MLP against megatron's methods, layer by layer,
+    on random (3, 2, H) inputs: how many results differ bitwise (summed over ranks), and
+    how often decode fell back to megatron's methods (0: its own code ran)."""
+    gpt = model.module if hasattr(model, "module") else model
+    gen = torch.Generator().manual_seed(5)
+    differ = fallbacks = 0
+    for layer in gpt.decoder.layers:
+        attention, mlp = layer.self_attention, layer.mlp
+        x = torch.randn(3, 2, gpt.config.hidden_size, generator=gen)
+        calls = []
+        qkv_method, mlp_forward = attention.get_query_key_value_tensors, type(mlp).forward
+        attention.get_query_key_value_tensors = lambda *a, **k: calls.append(1) or qkv_method(*a, **k)
+        mlp.forward = lambda *a, **k: calls.append(1) or mlp_forward(mlp, *a, **k)
+        try:
+            ours = (*decode._split_qkv(attention, x), *decode._mlp(mlp, x))
+            fallbacks += len(calls)
+        finally:
+            del attention.get_query_key_value_tensors, mlp.forward
+        theirs = (*qkv_method(x, None), *mlp(x))
+        differ += sum(not (a is None and b is None or torch.equal(a, b))
+                      for a, b in zip(ours, theirs, strict=True))
+    counts = torch.tensor([differ, fallbacks])
+    dist.all_reduce(counts)
+    return {"differ": int(counts[0]), "fallbacks": int(counts[1]),
+            "layers": len(gpt.decoder.layers)}
+
+
 def sampling_case(name, tp, pp, vpp, rollout_tp, results):
     """Sampled tokens and their log-probs after resharding from a training layout (the
     same seeded weights at every layout): equal to the TP=1 run's."""
@@ -174,6 +202,7 @@ def sampling_case(name, tp, pp, vpp, rollout_tp, results):
     gen = generate(inf_model, PROMPTS, params, stats=stats, **kw)
     gen.megatron = generate(inf_model, PROMPTS, params, kv_cache="megatron", **kw)
     gen.kv_cache_bytes = stats["kv_cache_bytes"]
+    gen.decode_parts = decode_parts(inf_model)
     results[name] = gen
 
 
