@@ -35,7 +35,8 @@ def forward_rows(role, rows: Sequence[Any], make_batch: Callable[[list[Any]], di
                   for k in range(0, len(padded), micro_batch_size)]
         batches = [make_batch([rows[i] for i in idx]) for idx in groups]
         for chunk in role.chunks:
-            chunk.eval()
+            if chunk.training:  # as engine.optimizer.forward_backward
+                chunk.eval()
         outs = forward_only(role.chunks, forward_step, batches,
                             seq_length=batches[0]["tokens"].shape[1],
                             micro_batch_size=micro_batch_size)

@@ -206,7 +206,8 @@ def forward_backward(role: TrainedRole, forward_step: Callable, microbatches: li
     schedule; gradients end reduced over data-parallel ranks and divided by the number of
     loss tokens. Returns the last stage's loss-function logs."""
     for chunk in role.model:
-        chunk.train()
+        if not chunk.training:  # chunks change mode whole; train() walks every module
+            chunk.train()
         chunk.zero_grad_buffer()
     role.optimizer.zero_grad()
     return run_schedule(role.model, forward_step, microbatches, seq_length=seq_length,

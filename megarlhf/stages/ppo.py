@@ -414,7 +414,9 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
     """``ppo_epochs`` passes of shuffled global mini-batches; actor and critic each take
     their own data-parallel share and step together (or skip together). With PPO-ptx
     each actor mini-batch also carries its pretraining micro-batches. ``meters`` (by role
-    name) measure each role's activations."""
+    name) measure each role's activations during the first epoch: every epoch runs the
+    same micro-batch shapes (full prompt + response width), so its peak is the phase's,
+    and the saved-tensor hooks cost a Python call per saved tensor."""
     ppo = cfg.ppo
     P = exp.prompt_tokens_BP.shape[1]
     S = P + exp.response_tokens_BT.shape[1]
@@ -429,7 +431,7 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
     gen = torch.Generator().manual_seed(cfg.run.seed * 7 + it)
     skipped = 0
     step = 0
-    for _ in range(ppo.ppo_epochs):
+    for epoch in range(ppo.ppo_epochs):
         with cpu_backend.suspended():  # as experience_batches
             minis = list(exp.mini_batches(ppo.mini_batch_size, gen))
         for mini in minis:
@@ -440,7 +442,8 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
                     _, count = algos.aggregate_parts(torch.zeros_like(mini.policy_mask_BT),
                                                      mini.policy_mask_BT, ppo.loss_agg)
                     batches += ptx.batches(it, step, S, role.layout, float(count))
-                with (meters or {}).get(role.spec.name) or contextlib.nullcontext():
+                meter = (meters or {}).get(role.spec.name) if epoch == 0 else None
+                with meter or contextlib.nullcontext():
                     logs[role.spec.name] += forward_backward(
                         role.trained, fwd, batches, seq_length=S,
                         micro_batch_size=ppo.micro_batch_size)
