@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from conftest import WORKERS, run_cli, torchrun
+from workers.common import fixed_sequences
+from workers.score_layouts import PROMPT
 
 TOL = 1e-5
 
@@ -48,13 +50,23 @@ def test_layout_matches_single_process(layout_results, case):
 
 
 @pytest.mark.slow
-def test_response_only_logits_equal_the_full_forwards(layout_results):
-    """The sequence step's LM head computes logits at the response positions only; its
-    log-probs and entropy equal the full forward's there, at every layout."""
-    gaps = [{key: gap for key, gap in results.items() if key[0] == "response_only"}
+def test_response_only_outputs_equal_the_full_forwards(layout_results):
+    """The sequence step computes the last layer's MLP, the final norm and the head at the
+    response positions only (LM: P - 1 .. S - 2; value: P - 1 .. S - 1, for each row's
+    last value); its log-probs, entropy and values equal the full forward's there, at
+    every layout, for both architectures."""
+    gaps = [{key: value[0] for key, value in results.items() if key[0] == "response_only"}
             for results in layout_results]
-    assert [len(g) for g in gaps] == [2, 2 * 4]  # both architectures; world 1, world 2
+    assert [len(g) for g in gaps] == [2 * 2, 2 * 2 * 4]  # archs x roles; world 1, world 2
     assert max(max(g.values()) for g in gaps) < 1e-6, gaps
+    # the last MLP saw (positions kept) x (rows per micro-batch) rows, on the last stage
+    length = max(len(s) for s in fixed_sequences(8))
+    for results in layout_results:
+        for key, value in results.items():
+            if key[0] == "response_only":
+                rows = value[1]
+                kept = length - PROMPT + (key[2] == "value")
+                assert rows and set(rows) == {kept * 2}, (key, rows)
 
 
 @pytest.mark.slow

@@ -15,10 +15,10 @@ from megarlhf.models.logprobs import vocab_parallel_logprobs
 from megarlhf.parallel import cpu_backend
 
 
-def model_forward(model, batch: dict, logits_at: slice | None = None):
-    """``model`` on one micro-batch; an LM computes logits at sequence positions
-    ``logits_at`` only (all when None)."""
-    with cpu_backend.suspended(), head_positions(model, logits_at):
+def model_forward(model, batch: dict, positions: slice | None = None):
+    """``model`` on one micro-batch, its outputs (logits or values) at sequence
+    ``positions`` only (all when None; see ``models.gpt.head_positions``)."""
+    with cpu_backend.suspended(), head_positions(model, positions):
         return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
 
 
@@ -125,18 +125,19 @@ def make_sequence_step(kind: str, *, prompt_len: int, tp_group=None, true_vocab:
     ``prompt_len``): per response token, log-probs and entropy (``lm``) or the values of the
     states before each token and the value at ``last_index`` (``value``)."""
     P = prompt_len
-    # an LM's logits at the positions that predict the response, and nowhere else
-    response_logits = slice(P - 1, -1) if kind == "lm" else None
+    # outputs at the positions that predict the response (and for a value model, the
+    # last one, which sees the whole response), nowhere else
+    response_positions = slice(P - 1, -1) if kind == "lm" else slice(P - 1, None)
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model_forward(model, batch, response_logits)
+        output = model_forward(model, batch, response_positions)
 
         def loss_func(out, non_loss_data=True):
-            if kind == "value":
+            if kind == "value":  # out: (B, T + 1, 1), positions P - 1 .. S - 1
                 rows = torch.arange(out.shape[0], device=out.device)
-                return {"values": out[:, P - 1:-1, 0].float(),
-                        "last": out[rows, batch["last_index"], 0].float()}
+                return {"values": out[:, :-1, 0].float(),
+                        "last": out[rows, batch["last_index"] - (P - 1), 0].float()}
             logprobs_BT, entropy_BT = vocab_parallel_logprobs(
                 out, batch["tokens"][:, P:], tp_group=tp_group,
                 temperature=temperature, true_vocab=true_vocab)
@@ -230,10 +231,10 @@ def make_value_step(*, prompt_len: int, cliprange_value: float | None, agg: str,
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model_forward(model, batch)
+        output = model_forward(model, batch, slice(P - 1, -1))
 
-        def loss_func(values_BS1, non_loss_data=False):
-            values_BT = values_BS1[:, P - 1:-1, 0].float()
+        def loss_func(values_BT1, non_loss_data=False):
+            values_BT = values_BT1[..., 0].float()
             mask = batch["response_mask"]
             total, count, stats = value_loss(values_BT, batch["old_values"], batch["returns"],
                                              mask, cliprange_value, agg, coef)
