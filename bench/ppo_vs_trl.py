@@ -31,6 +31,8 @@ responses average half the length.
 Phases: generation (megarlhf: reshard + sampling; TRL: ``batch_generation``), experience
 (reference, reward and value passes, rewards, GAE), training (PPO epochs), other (the rest of
 the iteration: TRL's gc.collect() and logging, megarlhf's bookkeeping). Figures are medians.
+This VM's speed drifts by 25% within minutes, so each pair of rows is also compared round
+by round (the rows of one round run back to back): the median and range of those ratios.
 """
 
 from __future__ import annotations
@@ -361,7 +363,7 @@ def run_pair(size: str, variant: str, iterations: int, warmup: int, folder: str,
     log.close()
     with open(os.path.join(folder, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
-    return {"note": info["note"], "lengths": lengths,
+    return {"note": info["note"], "lengths": lengths, "rounds": results,
             "medians": {k: {key: statistics.median(r[key] for r in rs) for key in rs[0]}
                         for k, rs in results.items()}}
 
@@ -386,6 +388,11 @@ def report(size: str, variant: str, out: dict) -> None:
             f"{kind} " + " ".join(f"{x:.1f}" for x in out["lengths"][kind]) for kind in rows))
     for ours in ours_rows:
         for kind in (k for k in rows if k in TRL_ROWS):
+            paired = sorted(a["tokens"] / a["iteration"] / (b["tokens"] / b["iteration"])
+                            for a, b in zip(out["rounds"][ours], out["rounds"][kind]))
+            print(f"  {ours} vs {kind}, tokens/s ratio of each round (both ran minutes "
+                  f"apart at most): median {statistics.median(paired):.2f}x, range "
+                  f"{paired[0]:.2f}-{paired[-1]:.2f}x")
             print(f"  phase speed-up {ours} vs {kind}: " + ", ".join(
                 f"{phase} {med[kind][phase] / med[ours][phase]:.2f}x"
                 for phase in ("generation", "experience", "training")))
