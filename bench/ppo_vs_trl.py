@@ -390,8 +390,8 @@ def report(size: str, variant: str, out: dict) -> None:
         for kind in (k for k in rows if k in TRL_ROWS):
             paired = sorted(a["tokens"] / a["iteration"] / (b["tokens"] / b["iteration"])
                             for a, b in zip(out["rounds"][ours], out["rounds"][kind]))
-            print(f"  {ours} vs {kind}, tokens/s ratio of each round (both ran minutes "
-                  f"apart at most): median {statistics.median(paired):.2f}x, range "
+            print(f"  {ours} vs {kind}, tokens/s ratio of each round (rows run back to "
+                  f"back): median {statistics.median(paired):.2f}x, range "
                   f"{paired[0]:.2f}-{paired[-1]:.2f}x")
             print(f"  phase speed-up {ours} vs {kind}: " + ", ".join(
                 f"{phase} {med[kind][phase] / med[ours][phase]:.2f}x"
