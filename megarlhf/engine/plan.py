@@ -145,12 +145,25 @@ def layer_activation_floats(model, tp: int, batch: int, seq: int) -> float:
     return whole + split / tp + seq + rope
 
 
+def mlp_activation_floats(model, tp: int) -> float:
+    """The part of :func:`layer_activation_floats` that the MLP half of a layer keeps per
+    token: its norm's input and statistics, fc1's input and output, the activation's
+    inputs and fc2's input."""
+    if model.arch == "llama":
+        return 2 * model.hidden_size + 1 + 5 * model.ffn_size / tp
+    return 2 * model.hidden_size + 2 + 2 * model.ffn_size / tp
+
+
 def chunk_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int,
                            layers: int, pre: bool, post: bool) -> float:
-    """One micro-batch through one chunk, bytes saved for backward."""
+    """One micro-batch through one chunk, bytes saved for backward. On the last chunk the
+    last layer's MLP runs at the ``response`` positions the PPO losses read
+    (``models.gpt.head_positions``; not with fp8, where the head cuts instead)."""
     model, tokens = spec.model, batch * seq
     dsize = DTYPE_BYTES[model.params_dtype]
     total = layers * layer_activation_floats(model, spec.tp, batch, seq) * tokens * dsize
+    if post and layers and not model.fp8.enabled:
+        total -= mlp_activation_floats(model, spec.tp) * batch * (seq - response) * dsize
     if pre:
         total += tokens * 8 * (2 if model.arch == "gpt2" else 1)  # token (and position) ids
     if post:
