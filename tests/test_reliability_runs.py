@@ -123,6 +123,9 @@ def test_signalling_torchrun_workers_checkpoints_every_rank(tiny_checkpoints):
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:  # iteration 1 done
             break
         time.sleep(0.2)
+    if proc.poll() is not None:  # ended before the signal (a failed start?): say why
+        output, _ = proc.communicate()
+        pytest.fail(f"torchrun ended ({proc.returncode}) before iteration 1:\n{output[-3000:]}")
     subprocess.run(["pkill", "-USR1", "-P", str(proc.pid)], check=True)
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-3000:]
