@@ -70,6 +70,18 @@ def test_response_only_outputs_equal_the_full_forwards(layout_results):
 
 
 @pytest.mark.slow
+def test_head_only_cut_equals_the_full_forwards(layout_results):
+    """Where a model does not allow the MLP cut, the head (LM or scalar) cuts instead: the
+    same outputs, and the last MLP sees every position."""
+    cases = {key: value for key, value in layout_results[0].items() if key[0] == "head_only"}
+    assert len(cases) == 2 * 2  # archs x roles, world 1
+    length = max(len(s) for s in fixed_sequences(8))
+    for key, (gap, rows) in cases.items():
+        assert gap < 1e-6, key
+        assert set(rows) == {length * 2}, (key, rows)
+
+
+@pytest.mark.slow
 def test_temperature_changes_logprobs(layout_results):
     ref = layout_results[0]
     a = ref[("llama", "lm", 1, 1, 1, 1.0)][0]["logprobs"]

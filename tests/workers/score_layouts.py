@@ -84,6 +84,11 @@ def main():
                     results[(arch, role, tp, pp, vpp, temperature)] = rows
                 results[("response_only", arch, role, tp, pp, vpp)] = \
                     response_only_gap(scorer, seqs)
+                if world == 1:  # where the MLP cut is not allowed (fp8, ...): the head cuts
+                    gpt = unwrap(scorer.chunks[-1])
+                    object.__setattr__(gpt, "megarlhf_cut", gpt.output_layer)
+                    results[("head_only", arch, role, tp, pp, vpp)] = \
+                        response_only_gap(scorer, seqs)
     if dist.get_rank() == 0:
         torch.save(results, os.path.join(out_dir, f"layouts_world{world}.pt"))
     dist.destroy_process_group()
