@@ -129,20 +129,20 @@ def kv_cache_bytes(model, *, tp: int, batch: int, seq: int) -> int:
 def layer_activation_floats(model, tp: int, batch: int, seq: int) -> float:
     """Values one transformer layer of this implementation keeps for backward per token
     (local layers, SDPA): norms and residuals whole, attention and MLP split over TP,
-    SDPA's float mask (seq per token), RoPE tables (llama)."""
+    SDPA's float mask (seq per token), RoPE tables (llama). The attention half here, the
+    MLP half in :func:`mlp_activation_floats`."""
     h, heads = model.hidden_size, model.num_attention_heads
     kv = h // heads
     gkv = model.query_groups * kv
-    ffn = model.ffn_size
     if model.arch == "llama":
-        whole = 5 * h + 2
-        split = 4 * h + 3 * gkv + heads + 5 * ffn
+        whole = 3 * h + 1
+        split = 4 * h + 3 * gkv + heads
         rope = 4 * kv / batch
     else:
-        whole = 3 * h + 4
-        split = 3 * h + 2 * gkv + heads + 2 * ffn
+        whole = h + 2
+        split = 3 * h + 2 * gkv + heads
         rope = 0.0
-    return whole + split / tp + seq + rope
+    return whole + split / tp + seq + rope + mlp_activation_floats(model, tp)
 
 
 def mlp_activation_floats(model, tp: int) -> float:
