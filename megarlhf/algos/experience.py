@@ -130,5 +130,8 @@ class Experience:
 
     def micro_batches(self, size: int):
         exact_div(len(self), size, "samples in the mini-batch", "ppo.micro_batch_size")
+        if size == len(self):  # one micro-batch: the batch itself (nothing writes to it)
+            yield self
+            return
         for start in range(0, len(self), size):
             yield self.select(list(range(start, start + size)))

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.engine.schedule import forward_only
+from megarlhf.parallel import cpu_backend
 
 
 def forward_rows(role, rows: Sequence[Any], make_batch: Callable[[list[Any]], dict],
@@ -33,7 +34,8 @@ def forward_rows(role, rows: Sequence[Any], make_batch: Callable[[list[Any]], di
         padded = mine + [mine[0]] * (-len(mine) % micro_batch_size)
         groups = [padded[k:k + micro_batch_size]
                   for k in range(0, len(padded), micro_batch_size)]
-        batches = [make_batch([rows[i] for i in idx]) for idx in groups]
+        with cpu_backend.suspended():  # batching and results: no megatron code
+            batches = [make_batch([rows[i] for i in idx]) for idx in groups]
         for chunk in role.chunks:
             if chunk.training:  # as engine.optimizer.forward_backward
                 chunk.eval()
@@ -42,11 +44,13 @@ def forward_rows(role, rows: Sequence[Any], make_batch: Callable[[list[Any]], di
                             micro_batch_size=micro_batch_size)
         if layout.writes_results:
             seen = set()
-            for idx, out in zip(groups, outs):
-                for b, i in enumerate(idx):
-                    if i not in seen:  # the top-up copies come last
-                        seen.add(i)
-                        local[i] = {key: value[b].detach().cpu() for key, value in out.items()}
+            with cpu_backend.suspended():
+                for idx, out in zip(groups, outs):
+                    for b, i in enumerate(idx):
+                        if i not in seen:  # the top-up copies come last
+                            seen.add(i)
+                            local[i] = {key: value[b].detach().cpu()
+                                        for key, value in out.items()}
     if not gather:
         return local
     parts: list = [local]

@@ -208,24 +208,26 @@ class ExperienceMaker:
     def _reference_logprobs(self, gen: Generation) -> torch.Tensor:
         B, T = gen.response_tokens_BT.shape
         out = torch.zeros(B, T)
-        keys = [gen_sequence(gen, r) for r in range(B)]
         missing = []
-        for i, key in enumerate(keys):
-            hit = self.ref_cache.get(key) if self.ref_cache is not None else None
-            if hit is None:
-                missing.append(i)
-            else:
-                out[i, :hit.numel()] = hit
+        with cpu_backend.suspended():  # the cache's side: no megatron code
+            keys = [gen_sequence(gen, r) for r in range(B)]
+            for i, key in enumerate(keys):
+                hit = self.ref_cache.get(key) if self.ref_cache is not None else None
+                if hit is None:
+                    missing.append(i)
+                else:
+                    out[i, :hit.numel()] = hit
         # Every rank holds the same batch and the same cache, so all agree on the misses.
         if missing:
             self.ref_offloader.reload()
             scored = self._score(self.reference, gen, missing)
             self.ref_offloader.offload()
-            for i, res in zip(missing, scored):
-                n = int(gen.response_mask_BT[i].sum())
-                out[i] = res["logprobs"] * gen.response_mask_BT[i]
-                if self.ref_cache is not None:
-                    self.ref_cache.put(keys[i], out[i, :n])
+            with cpu_backend.suspended():
+                for i, res in zip(missing, scored):
+                    n = int(gen.response_mask_BT[i].sum())
+                    out[i] = res["logprobs"] * gen.response_mask_BT[i]
+                    if self.ref_cache is not None:
+                        self.ref_cache.put(keys[i], out[i, :n])
         return out
 
     def _scores(self, gen: Generation) -> torch.Tensor:
@@ -443,11 +445,14 @@ def gen_sequence(gen: Generation, row: int) -> list[int]:
     return prompt + response
 
 
+@cpu_backend.suspended()  # an object all-gather and row merging: no megatron code
 def gather_generations(gen: Generation, prompts: list[list[int]], inf: ParallelLayout,
                         pad_id: int) -> Generation:
     """Every rank gets every sample, in prompt order (replica r generated prompts r::dp)."""
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, gen)
+    parts = [gen]
+    if dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, gen)
     # One copy per replica: the TP rank 0 of each.
     replicas = {}
     for rank, part in enumerate(parts):

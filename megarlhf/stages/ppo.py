@@ -406,6 +406,8 @@ def _share(exp: algos.Experience, layout) -> algos.Experience:
     """This data-parallel rank's contiguous share of a (global) mini-batch."""
     per_rank = algos.exact_div(len(exp), layout.dp_size, "ppo.mini_batch_size",
                                "the data-parallel size")
+    if layout.dp_size == 1:
+        return exp
     return exp.select(list(range(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)))
 
 
@@ -436,8 +438,9 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
             minis = list(exp.mini_batches(ppo.mini_batch_size, gen))
         for mini in minis:
             for role, fwd in learners:
-                batches = experience_batches(_share(mini, role.layout), ppo.micro_batch_size,
-                                             pad_id)
+                with cpu_backend.suspended():
+                    batches = experience_batches(_share(mini, role.layout),
+                                                 ppo.micro_batch_size, pad_id)
                 if ptx is not None and role is actor:
                     _, count = algos.aggregate_parts(torch.zeros_like(mini.policy_mask_BT),
                                                      mini.policy_mask_BT, ppo.loss_agg)

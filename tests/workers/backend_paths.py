@@ -18,7 +18,7 @@ from common import build, fixed_sequences, make_config  # noqa: E402
 from megarlhf.engine import checkpoint  # noqa: E402
 from megarlhf.engine.checkpoint import RoleState, load_checkpoint, save_checkpoint  # noqa: E402
 from megarlhf.engine.optimizer_state import legacy_plain_state, sub_optimizers  # noqa: E402
-from megarlhf.engine.optimizer import train_step  # noqa: E402
+from megarlhf.engine.optimizer import step_together, train_step  # noqa: E402
 from megarlhf.models.logprobs import vocab_parallel_logprobs  # noqa: E402
 from megarlhf.stages.score import right_padded_batch, score_sequences  # noqa: E402
 
@@ -166,6 +166,76 @@ def legacy_case(out_dir, results):
         results["legacy"]["refusal"] = str(err)
 
 
+def megatron_step_case(results):
+    """megarlhf's split step (prepare_step, then apply_step: megatron's clip called only
+    where it scales) against megatron's own ``optimizer.step()``, from the same weights
+    and gradients: two steps at clip thresholds that do and do not clip, and clipping
+    off, with the plain and the distributed optimizer. Every weight must be equal."""
+    from megarlhf.engine.optimizer import forward_backward, prepare_step
+
+    out = {}
+    for distributed in ("false", "true"):
+        for clip in (1e-3, 1e3, 0.0):
+            cfg = make_config("llama", 1, 1, extra=(
+                "optimizer.lr=0.01", f"optimizer.clip_grad={clip}",
+                f"optimizer.use_distributed_optimizer={distributed}"))
+            ours, theirs = (build(cfg, "lm", trained=True) for _ in range(2))
+            norms = []
+            for _ in range(2):
+                for built in (ours, theirs):
+                    forward_backward(built.trained, lm_step(built.layout, cfg.model.vocab_size),
+                                     microbatches(fixed_sequences(8), 0, 1),
+                                     seq_length=SEQ_LEN, micro_batch_size=MICRO)
+                applied, (norm,) = step_together([ours.trained])
+                ok, their_norm, _ = theirs.trained.optimizer.step()
+                theirs.trained.scheduler.step(increment=1)
+                assert applied and ok
+                norms.append((norm, float(their_norm)))
+            pairs = zip(ours.chunks[0].parameters(), theirs.chunks[0].parameters())
+            out[(distributed, clip)] = {
+                "equal": all(torch.equal(a, b) for a, b in pairs), "norms": norms}
+    results["megatron_step"] = out
+
+
+def one_rank_case(results):
+    """World 2: collectives on each rank's own one-rank group return without reaching
+    torch (tensors untouched); on the two-rank group, asynchronously, or on a group this
+    rank is not in, torch's own collective runs."""
+    from megarlhf.parallel import one_rank
+
+    calls = []
+    one_rank.uninstall()
+    counted = {name: getattr(dist, name) for name in ("all_reduce", "broadcast", "barrier")}
+    for name, fn in counted.items():
+        setattr(dist, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+    one_rank.install()
+    try:
+        rank = dist.get_rank()
+        own = [dist.new_group([r]) for r in range(2)]
+        mine, other = own[rank], own[1 - rank]
+        x = torch.full((3,), float(rank + 1))
+        dist.all_reduce(x, group=mine)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=mine)
+        dist.broadcast(x, src=rank, group=mine)
+        dist.barrier(group=mine)
+        alone = {"calls": list(calls), "x": x.tolist()}
+        calls.clear()
+        dist.all_reduce(x)  # both ranks: 1 + 2
+        pair = {"calls": list(calls), "x": x.tolist()}
+        calls.clear()
+        dist.all_reduce(x, group=mine, async_op=True).wait()
+        dist.all_reduce(x, group=other)  # not a member: torch warns and returns
+        passed = {"calls": list(calls), "x": x.tolist()}
+    finally:
+        one_rank.uninstall()
+        for name, fn in counted.items():
+            setattr(dist, name, fn)
+        one_rank.install()
+    gathered = [None, None]
+    dist.all_gather_object(gathered, {"alone": alone, "pair": pair, "passed": passed})
+    results["one_rank"] = gathered
+
+
 def reload_and_score(name, ckpt, results):
     """The saved checkpoint through the role builder (checkpoint.load) at TP=1 PP=1."""
     scorer = build(make_config("llama", 1, 1, extra=(f"checkpoint.load={ckpt}",)), "lm")
@@ -183,6 +253,7 @@ def main():
     if world == 1:
         run_case("ref", 1, 1, out_dir, results)
         legacy_case(out_dir, results)
+        megatron_step_case(results)
         for name in sys.argv[2:]:
             reload_and_score(name, os.path.join(out_dir, f"ckpt_{name}", "step_3"), results)
     else:
@@ -190,6 +261,7 @@ def main():
         run_case("pp2", 1, 2, out_dir, results)
         run_case("tp2", 2, 1, out_dir, results)
         nonfinite_case(results)
+        one_rank_case(results)
     if dist.get_rank() == 0:
         torch.save(results, os.path.join(out_dir, f"results_world{world}.pt"))
     dist.destroy_process_group()
