@@ -39,7 +39,8 @@ def test_own_kv_cache_equals_megatrons_inference_context(rollout_results, arch):
     and it is the path these models take."""
     gen = rollout_results[0][f"gen_{arch}"]
     assert gen["megatron"]["fast_path"]
-    # its own QKV split and MLP ran (no fallback) and equal megatron's methods bitwise
+    # its own QKV split, MLP and RoPE (llama) ran (no fallback) and equal megatron's
+    # methods bitwise
     assert gen["megatron"]["parts"] == {"differ": 0, "fallbacks": 0, "layers": 4}
     for kind in ("cached", "sampled"):
         ours, theirs = gen[kind], gen["megatron"][kind]
@@ -73,7 +74,7 @@ def test_own_kv_cache_at_rollout_tp2_equals_megatrons(rollout_results):
         gen = rollout_results[0 if name == "sample_tp1" else 1][name]
         assert torch.equal(gen.response_tokens_BT, gen.megatron.response_tokens_BT), name
         assert (gen.logprobs_BT - gen.megatron.logprobs_BT).abs().max() < 1e-5, name
-        # decode's own QKV split and MLP, on each rank's heads: megatron's bitwise
+        # decode's own QKV split, MLP and RoPE, on each rank's heads: megatron's bitwise
         assert gen.decode_parts == {"differ": 0, "fallbacks": 0, "layers": 4}, name
     tp1, tp2 = (rollout_results[0]["sample_tp1"].kv_cache_bytes,
                 rollout_results[1]["sample_pp2vpp2_to_tp2"].kv_cache_bytes)

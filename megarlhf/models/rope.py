@@ -69,8 +69,24 @@ def apply_rotary_pos_emb_bshd(t: torch.Tensor, freqs: torch.Tensor,
     cos_sin = _cos_sin(freqs, mscale, t.dtype)
     if cos_sin is None:
         return _megatron_bshd(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
-    cos, signed_sin = cos_sin
+    return rotate(t, *cos_sin)
+
+
+def rotate(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``t`` rotated by the tables of :func:`cos_sin` (megatron's arithmetic, see above)."""
     return t * cos + t.roll(t.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def cos_sin(freqs: torch.Tensor, config, head_dim: int, dtype: torch.dtype):
+    """The (cos, signed sin) tables :func:`apply_rotary_pos_emb_bshd` uses for ``freqs``
+    where megatron's ``apply_rotary_pos_emb(t, freqs, config)`` would reach it (no fused
+    RoPE, whole-head rotation, neither interleaved nor multi-latent); else None. A caller
+    that rotates many tensors with one ``freqs`` (a decode step: every layer's query and
+    key) takes them once and calls :func:`rotate`."""
+    if config.apply_rope_fusion or config.rotary_interleaved \
+            or config.multi_latent_attention or head_dim != freqs.shape[-1]:
+        return None
+    return _cos_sin(freqs, 1.0, dtype)
 
 
 def install() -> None:

@@ -49,23 +49,27 @@ class SDPACoreAttention(MegatronModule):
         if packed_seq_params is not None:
             raise NotImplementedError("packed sequences use an explicit block-diagonal "
                                       "attention_mask with the local layer spec")
+        sq = query.shape[0]
+        out = self.attend(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3),
+                          value.permute(1, 2, 0, 3), attention_mask, attn_mask_type)
+        # (B, heads, sq, hd) -> (sq, B, heads*hd)
+        return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], self.heads * self.head_dim)
+
+    def attend(self, q, k, v, attention_mask, attn_mask_type=None) -> torch.Tensor:
+        """The attention in SDPA's layout: q (B, heads, sq, hd), k and v (B, groups, sk,
+        hd) -> (B, heads, sq, hd). The KV-cached decode step calls it on its buffers,
+        which are laid out so."""
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        sq, sk = query.shape[0], key.shape[0]
-        q = query.permute(1, 2, 0, 3)  # (B, heads, sq, hd)
-        k = key.permute(1, 2, 0, 3)  # (B, groups, sk, hd)
-        v = value.permute(1, 2, 0, 3)
+        sq, sk = q.shape[2], k.shape[2]
         gqa = self.groups != self.heads  # SDPA shares each K/V group without copying
         dropout = self.dropout_p if self.training else 0.0
         causal = mask_type == AttnMaskType.causal and sq > 1
         if causal and attention_mask is None and sq == sk:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
-                                                 scale=self.softmax_scale, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=_allowed(attention_mask, causal, sq, sk, q.device),
-                dropout_p=dropout, scale=self.softmax_scale, enable_gqa=gqa)
-        # (B, heads, sq, hd) -> (sq, B, heads*hd)
-        return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], self.heads * self.head_dim)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
+                                                  scale=self.softmax_scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=_allowed(attention_mask, causal, sq, sk, q.device),
+            dropout_p=dropout, scale=self.softmax_scale, enable_gqa=gqa)
 
 
 def _allowed(attention_mask, causal: bool, sq: int, sk: int, device):

@@ -29,6 +29,7 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.mlp import MLP
 
+from megarlhf.models import rope
 from megarlhf.models.gpt import unwrap
 from megarlhf.models.spec import SDPACoreAttention
 
@@ -78,7 +79,7 @@ class KVCache:
         self.layers = list(self.gpt.decoder.layers)
         first = self.layers[0].self_attention
         groups = first.num_query_groups_per_partition
-        head_dim = first.hidden_size_per_attention_head
+        head_dim = self.head_dim = first.hidden_size_per_attention_head
         weight = next(self.gpt.parameters())
         shape = (batch, groups, max_len, head_dim)
         self.keys = [torch.empty(shape, dtype=weight.dtype, device=weight.device)
@@ -100,21 +101,26 @@ class KVCache:
         # megatron's RoPE counts columns (left padding shifts every row alike; only
         # differences of positions reach the attention scores)
         freqs = self.freqs[start:end] if self.freqs is not None else None
+        # one (cos, sin) for every layer's query and key (else megatron's RoPE per call)
+        tables = rope.cos_sin(freqs, self.gpt.config, self.head_dim, self.keys[0].dtype) \
+            if freqs is not None else None
         for layer, keys, values in zip(self.layers, self.keys, self.values):
             attention = layer.self_attention
             # (n, B, heads or groups, d)
             query, key, value = _split_qkv(attention, layer.input_layernorm.forward(hidden))
-            if freqs is not None:
+            if tables is not None:
+                query, key = rope.rotate(query, *tables), rope.rotate(key, *tables)
+            elif freqs is not None:
                 cp = attention.pg_collection.cp
                 query = apply_rotary_pos_emb(query, freqs, config=attention.config, cp_group=cp)
                 key = apply_rotary_pos_emb(key, freqs, config=attention.config, cp_group=cp)
             keys[:, :, start:end] = key.permute(1, 2, 0, 3)
             values[:, :, start:end] = value.permute(1, 2, 0, 3)
-            # the layer's own SDPA core attention on the cached columns, (S, B, groups, d)
-            # views of the buffers (it permutes them back to the buffers' strides)
-            out = attention.core_attention.forward(
-                query, keys[:, :, :end].permute(2, 0, 1, 3),
-                values[:, :, :end].permute(2, 0, 1, 3), blocked)
+            # the layer's own SDPA core attention on the cached columns, in SDPA's layout
+            # (the buffers' own): (B, heads, n, d) -> (n, B, heads * d)
+            out = attention.core_attention.attend(query.permute(1, 2, 0, 3),
+                                                  keys[:, :, :end], values[:, :, :end], blocked)
+            out = out.permute(2, 0, 1, 3).reshape(n, out.shape[0], -1)
             hidden = _residual(hidden, attention.linear_proj.forward(out))
             hidden = _residual(hidden, _mlp(layer.mlp, layer.pre_mlp_layernorm.forward(hidden)))
         hidden = self.gpt.decoder.final_layernorm(hidden[-1:])

@@ -174,7 +174,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
 
     logits = last_logits(P, P)
     for t in range(T):
-        scaled = logits / params.temperature
+        scaled = logits / params.temperature if params.temperature != 1.0 else logits
         if params.greedy:
             next_token = scaled.argmax(dim=-1)
         else:
@@ -192,16 +192,16 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
         token_logprob = torch.log_softmax(scaled, dim=-1).gather(
             -1, next_token.unsqueeze(-1)).squeeze(-1)
         active = ~finished
-        next_token = torch.where(active, next_token, torch.full_like(next_token, pad_id))
+        next_token = next_token.masked_fill(finished, pad_id)
         response[:, t] = next_token
-        response_mask[:, t] = active.long()
-        logprobs[:, t] = torch.where(active, token_logprob, torch.zeros_like(token_logprob))
+        response_mask[:, t] = active  # (the bool is copied into the long tensors as 0/1)
+        logprobs[:, t] = token_logprob.masked_fill(finished, 0.0)
         finished = finished | (active & torch.isin(next_token, stop_tensor))
         if finished.all() or t == T - 1:
             break
         col = P + t
         tokens[:, col] = next_token
-        key_mask[:, col] = active.long()
+        key_mask[:, col] = active
         if ctx is None and cache is None:
             logits = last_logits(col + 1, col + 1)
         else:

@@ -11,11 +11,13 @@ import sys
 
 import torch
 import torch.distributed as dist
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import build, fixed_sequences, make_config  # noqa: E402
 
 from megarlhf.engine.optimizer import train_step  # noqa: E402
+from megarlhf.models import rope  # noqa: E402
 from megarlhf.models.logprobs import vocab_parallel_logprobs  # noqa: E402
 from megarlhf.rollout import decode  # noqa: E402
 from megarlhf.rollout.generate import SamplingParams, generate  # noqa: E402
@@ -157,9 +159,10 @@ def reshard_case(name, tp, pp, rollout_tp, results, vpp=None):
 
 
 def decode_parts(model) -> dict:
-    """rollout/decode.py's own QKV split and MLP against megatron's methods, layer by layer,
-    on random (3, 2, H) inputs: how many results differ bitwise (summed over ranks), and
-    how often decode fell back to megatron's methods (0: its own code ran)."""
+    """rollout/decode.py's own QKV split, MLP and per-step RoPE tables against megatron's
+    methods, layer by layer, on random (3, 2, H) inputs: how many results differ bitwise
+    (summed over ranks), and how often decode fell back to megatron's methods (0: its own
+    code ran)."""
     gpt = model.module if hasattr(model, "module") else model
     gen = torch.Generator().manual_seed(5)
     differ = fallbacks = 0
@@ -176,6 +179,18 @@ def decode_parts(model) -> dict:
         finally:
             del attention.get_query_key_value_tensors, mlp.forward
         theirs = (*qkv_method(x, None), *mlp(x))
+        if gpt.position_embedding_type == "rope":
+            # one (cos, sin) per step for every layer, against megatron's RoPE per call
+            freqs = gpt.rotary_pos_emb(x.shape[0])
+            tables = rope.cos_sin(freqs, gpt.config, attention.hidden_size_per_attention_head,
+                                  x.dtype)
+            if tables is None:
+                fallbacks += 1
+            else:
+                cp = attention.pg_collection.cp
+                ours += tuple(rope.rotate(t, *tables) for t in ours[:2])
+                theirs += tuple(apply_rotary_pos_emb(t, freqs, config=gpt.config, cp_group=cp)
+                                for t in theirs[:2])
         differ += sum(not (a is None and b is None or torch.equal(a, b))
                       for a, b in zip(ours, theirs, strict=True))
     counts = torch.tensor([differ, fallbacks])
