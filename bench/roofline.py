@@ -3,6 +3,15 @@ fraction of it (CPU MFU), for the small size: forward+backward+optimizer steps o
 policy through megarlhf's engine (1 process).
 
     .venv/bin/python bench/roofline.py [--size small] [--batch 16] [--seq 64]
+    .venv/bin/python bench/roofline.py --ppo [--size small] [--iterations 5]
+
+``--ppo``: the PPO iteration's training phase instead (actor and critic, ``ppo_vs_trl.py``'s
+shape, fixed variant, megarlhf defaults), each iteration against a peak measured just
+before it (this VM's speed moves by up to 25% within minutes), with three FLOP counts:
+every parameter at every token (6 x params x tokens + attention, as for the step above);
+without the input embeddings (a lookup, not a matmul: the usual model-FLOPs count); and
+what megarlhf runs, which computes the LM head and the last layer's MLP at the response
+positions only.
 """
 
 from __future__ import annotations
@@ -35,8 +44,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ppo", action="store_true",
+                        help="the PPO iteration's training phase (see above)")
+    parser.add_argument("--iterations", type=int, default=5, help="timed PPO iterations")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.ppo:
+        return ppo_phase(args)
     peak = max(matmul_peak(n) for n in (512, 1024, 2048))
 
     from megarlhf.config import load_config
@@ -77,6 +91,55 @@ def main() -> None:
     print(f"matmul peak (fp32, best of 512/1024/2048 squares): {peak / 1e9:.1f} GFLOP/s")
     print(f"training step: {t * 1e3:.1f} ms, {flops / 1e9:.2f} GFLOP (6 x params x tokens + "
           f"attention) -> {flops / t / 1e9:.1f} GFLOP/s = CPU MFU {flops / t / peak:.1%}")
+
+
+def ppo_phase(args) -> None:
+    import statistics
+    import tempfile
+
+    import ppo_vs_trl as pv
+
+    from megarlhf.config import load_config
+    from megarlhf.data.tokenizer import load_tokenizer
+    from megarlhf.stages.ppo import PPOSession
+
+    folder = tempfile.mkdtemp(prefix=f"roofline_ppo_{args.size}_")
+    pv.prepare(args.size, "fixed", folder)
+    cfg = load_config(os.path.join(folder, "policy_mrl/config.yaml"),
+                      pv.megarlhf_overrides(folder, "fixed"))
+    session = PPOSession(cfg, load_tokenizer(cfg.tokenizer))
+    s = SIZES[args.size]
+    seq = pv.PROMPT + pv.RESPONSE
+    attn = 12 * s["layers"] * s["hidden"] * seq  # per token, forward+backward
+    last_mlp = f"decoder.layers.{s['layers'] - 1}.mlp."
+    counts = {"all parameters": 0, "without embeddings": 0, "as run": 0}
+    for role in (session.actor, session.critic):
+        named = [(n, p.numel()) for chunk in role.chunks for n, p in chunk.named_parameters()]
+        every = sum(n for _, n in named)
+        embed = sum(n for name, n in named if name.startswith("embedding."))
+        # computed at the response positions only: the LM head and the last MLP
+        cut = sum(n for name, n in named if name.startswith(last_mlp)
+                  or (role.spec.kind == "lm" and name.startswith("output_layer.")))
+        for key, params, skipped in (("all parameters", every, 0),
+                                     ("without embeddings", every - embed, 0),
+                                     ("as run", every - embed, cut * pv.PROMPT / seq)):
+            counts[key] += (6 * (params - skipped) + attn) * cfg.ppo.mini_batch_size * seq
+    steps = cfg.ppo.ppo_epochs * (pv.BATCH // cfg.ppo.mini_batch_size)
+    counts = {key: value * steps for key, value in counts.items()}
+    session.iteration(0)  # warm-up
+    rows = []
+    for it in range(1, 1 + args.iterations):
+        peak = max(matmul_peak(n, repeats=5) for n in (512, 1024, 2048))
+        rows.append((peak, session.iteration(it)[0]["timing/train"]))
+    print(f"# roofline, PPO training phase: {args.size}, ppo_vs_trl.py's shape (fixed), actor "
+          f"and critic; GFLOP per phase: " + ", ".join(
+              f"{key} {value / 1e9:.1f}" for key, value in counts.items()) + f"; {machine()}")
+    for peak, train in rows:
+        print(f"peak {peak / 1e9:6.1f} GFLOP/s  training phase {train:.3f} s  MFU " + ", ".join(
+            f"{key} {value / train / peak:.1%}" for key, value in counts.items()))
+    print("median MFU: " + ", ".join(
+        f"{key} {statistics.median(value / t / p for p, t in rows):.1%}"
+        for key, value in counts.items()))
 
 
 if __name__ == "__main__":
