@@ -50,13 +50,36 @@ def test_own_kv_cache_equals_megatrons_inference_context(rollout_results, arch):
         assert ours.response_mask_BT.sum() > 4
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 36, 64, 65, 200])
+def test_short_matmul_equals_torchs_either_way_round(rows):
+    """models/linears._matmul: with at most FEW_ROWS rows it multiplies the other way round
+    (the weight on the left); the result equals ``input @ weight.T`` to rounding, with
+    the same shape, contiguous. Above FEW_ROWS it is torch's matmul, bitwise."""
+    from megarlhf.models import linears
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(300, 64, generator=gen)
+    x = torch.randn(rows, 1, 64, generator=gen).transpose(0, 1)  # (1, rows, 64), decode's
+    out = linears._matmul(x, weight)
+    expected = torch.matmul(x, weight.t())
+    assert out.shape == expected.shape and out.is_contiguous()
+    if rows > linears.FEW_ROWS:
+        assert torch.equal(out, expected)
+    else:
+        assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
+        swapped = torch.mm(weight, x.reshape(rows, 64).t()).t()
+        assert torch.equal(out.reshape(rows, 300), swapped)  # the way round it took
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_short_tp1_linears_equal_megatrons(rollout_results, arch):
     """At TP=1 megatron's linears go straight to the matmul (gpt2: biases added inside and
     returned separately): logits without autograd bitwise equal to megatron's own
-    forwards, and with autograd the same loss and main_grad gradients to rounding; none of
-    megatron's linear functions ran on that path, all of them (twice) on megatron's."""
+    forwards (3 x 12 = 36 rows: the weight-on-the-left way round, which this machine's MKL
+    sums as the usual one at 16 rows and more), and with autograd the same loss and
+    main_grad gradients to rounding; none of megatron's linear functions ran on that path,
+    all of them (twice) on megatron's."""
     out = rollout_results[0][f"linears_{arch}"]
     assert torch.equal(out["short"], out["megatron"])
     assert torch.allclose(*out["loss"], rtol=1e-6)

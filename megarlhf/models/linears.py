@@ -11,10 +11,13 @@ forward that, at TP=1, is the matmul and the bias as torch ops, which autograd
 differentiates natively: the same weight gradient megatron's backward computes
 (``grad_output^T @ input``), accumulated into ``main_grad`` by megatron DDP's hook as
 before. Without autograd the results are bitwise megatron's (the same ops in the same
-order, torch's own 2-D folding of the matmul made explicit); with it the gradients agree
-to rounding (tests/test_rollout.py). megatron's own forward runs whenever its extra
-machinery is on: TP > 1, sequence parallelism, fused gradient accumulation (the CUDA
-extension), deferred embedding gradients, activation offloading, expert layers.
+order, torch's own 2-D folding of the matmul made explicit), except that a product of at
+most ``FEW_ROWS`` rows is taken the other way round (see :func:`_matmul`): this machine's
+MKL then sums as in the usual order at 16 rows and more and differs by rounding at
+fewer. With autograd the gradients agree to rounding (tests/test_rollout.py). megatron's
+own forward runs whenever its extra machinery is on: TP > 1, sequence parallelism, fused
+gradient accumulation (the CUDA extension), deferred embedding gradients, activation
+offloading, expert layers.
 """
 
 from __future__ import annotations
@@ -23,14 +26,27 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
+FEW_ROWS = 64
+
+
 def _matmul(input_: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``torch.matmul(input_, weight.t())`` as one 2-D matmul, which is what torch does
     with an (S, B, H) input in the usual strides. A decode step's (1, B, H) or (B, 1, H)
     input after a transpose has a size-1 dimension with an unusual stride; torch then
     broadcasts the weight over the batch into a ``bmm`` (the output layer of the small
-    benchmark model at batch 16: 1.6 ms a step instead of 1.0)."""
-    return torch.matmul(input_.reshape(-1, input_.shape[-1]), weight.t()).view(
-        *input_.shape[:-1], weight.shape[0])
+    benchmark model at batch 16: 1.6 ms a step instead of 1.0).
+
+    With at most ``FEW_ROWS`` rows (a decode step) the product is taken the other way
+    round, ``(weight @ input^T)^T``, and copied back to the usual layout (pipeline sends
+    and collectives need it contiguous): MKL's sgemm with a short right operand ran the
+    small model's 17 decode GEMMs 1.6x faster at 16 rows and 2-4x at 2-8 than with a short
+    left one (1.0-1.2x above 64; BENCHMARKS.md, round 6)."""
+    rows = input_.reshape(-1, input_.shape[-1])
+    if rows.shape[0] <= FEW_ROWS:
+        out = torch.mm(weight, rows.t()).t().contiguous()
+    else:
+        out = torch.matmul(rows, weight.t())
+    return out.view(*input_.shape[:-1], weight.shape[0])
 
 
 def _short_way_possible(layer) -> bool:
