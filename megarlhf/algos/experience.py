@@ -116,6 +116,13 @@ class Experience:
     def __len__(self) -> int:
         return self.response_tokens_BT.shape[0]
 
+    def rows(self, start: int, stop: int) -> "Experience":
+        """Samples ``start .. stop - 1``; all of them is the batch itself (nothing writes
+        to an experience batch)."""
+        if start == 0 and stop == len(self):
+            return self
+        return self.select(list(range(start, stop)))
+
     def select(self, index: torch.Tensor | list[int]) -> "Experience":
         index = torch.as_tensor(index, dtype=torch.long)
         return Experience(**{f.name: getattr(self, f.name)[index]
@@ -130,8 +137,5 @@ class Experience:
 
     def micro_batches(self, size: int):
         exact_div(len(self), size, "samples in the mini-batch", "ppo.micro_batch_size")
-        if size == len(self):  # one micro-batch: the batch itself (nothing writes to it)
-            yield self
-            return
         for start in range(0, len(self), size):
-            yield self.select(list(range(start, start + size)))
+            yield self.rows(start, start + size)

@@ -6,10 +6,9 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from megarlhf.engine.schedule import forward_only
-from megarlhf.parallel import cpu_backend
+from megarlhf.parallel import cpu_backend, one_rank
 
 
 def forward_rows(role, rows: Sequence[Any], make_batch: Callable[[list[Any]], dict],
@@ -53,12 +52,8 @@ def forward_rows(role, rows: Sequence[Any], make_batch: Callable[[list[Any]], di
                                         for key, value in out.items()}
     if not gather:
         return local
-    parts: list = [local]
-    if dist.get_world_size() > 1:
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, local)
     merged: dict[int, dict] = {}
-    for part in parts:
+    for part in one_rank.gather_objects(local):
         merged.update(part)
     assert sorted(merged) == list(range(len(rows))), "forward_rows lost rows"
     return [merged[i] for i in range(len(rows))]

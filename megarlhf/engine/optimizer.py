@@ -257,8 +257,7 @@ def apply_step(role: TrainedRole, grad_norm: float) -> None:
             continue
         params = opt.get_parameters()
         if params:
-            clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad,
-                                         total_norm=grad_norm)
+            clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=grad_norm)
     role.optimizer.step_with_ready_grads()
     role.scheduler.step(increment=1)
 

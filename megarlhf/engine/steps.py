@@ -8,11 +8,10 @@ optional megatron-style ``attention_mask`` (B, 1, T, T), True where attention is
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megarlhf.models.gpt import head_positions
 from megarlhf.models.logprobs import vocab_parallel_logprobs
-from megarlhf.parallel import cpu_backend
+from megarlhf.parallel import cpu_backend, one_rank
 
 
 def model_forward(model, batch: dict, positions: slice | None = None):
@@ -102,12 +101,8 @@ def reduce_logs(logs: list[dict], layout) -> dict[str, float]:
         for entry in logs:
             for key, value in entry.items():
                 local[key] = local.get(key, 0.0) + float(value)
-    parts: list = [local]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, local)
     total: dict[str, float] = {}
-    for part in parts:
+    for part in one_rank.gather_objects(local):
         for key, value in part.items():
             total[key] = total.get(key, 0.0) + value
     return total

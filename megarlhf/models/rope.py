@@ -64,12 +64,18 @@ def apply_rotary_pos_emb_bshd(t: torch.Tensor, freqs: torch.Tensor,
                               multi_latent_attention: bool = False,
                               mscale: float = 1.0) -> torch.Tensor:
     """megatron's ``_apply_rotary_pos_emb_bshd`` with cached cos/sin (same signature)."""
-    if rotary_interleaved or multi_latent_attention or t.shape[-1] != freqs.shape[-1]:
+    tables = _tables(freqs, t.shape[-1], t.dtype, rotary_interleaved, multi_latent_attention,
+                     mscale)
+    if tables is None:
         return _megatron_bshd(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
-    cos_sin = _cos_sin(freqs, mscale, t.dtype)
-    if cos_sin is None:
-        return _megatron_bshd(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
-    return rotate(t, *cos_sin)
+    return rotate(t, *tables)
+
+
+def _tables(freqs, head_dim: int, dtype, interleaved: bool, latent: bool, mscale: float):
+    """(cos, signed sin) for whole-head, non-interleaved, non-latent RoPE; else None."""
+    if interleaved or latent or head_dim != freqs.shape[-1]:
+        return None
+    return _cos_sin(freqs, mscale, dtype)
 
 
 def rotate(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -83,10 +89,10 @@ def cos_sin(freqs: torch.Tensor, config, head_dim: int, dtype: torch.dtype):
     RoPE, whole-head rotation, neither interleaved nor multi-latent); else None. A caller
     that rotates many tensors with one ``freqs`` (a decode step: every layer's query and
     key) takes them once and calls :func:`rotate`."""
-    if config.apply_rope_fusion or config.rotary_interleaved \
-            or config.multi_latent_attention or head_dim != freqs.shape[-1]:
+    if config.apply_rope_fusion:
         return None
-    return _cos_sin(freqs, 1.0, dtype)
+    return _tables(freqs, head_dim, dtype, config.rotary_interleaved,
+                   config.multi_latent_attention, 1.0)
 
 
 def install() -> None:

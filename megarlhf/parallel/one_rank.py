@@ -62,6 +62,16 @@ def _barrier(original):
 _WRAPPERS = {"all_reduce": _all_reduce, "broadcast": _broadcast, "barrier": _barrier}
 
 
+def gather_objects(obj) -> list:
+    """``dist.all_gather_object`` of ``obj`` over the world, as a list by rank; ``[obj]``
+    without pickling where the world is one process (or none was started)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
 def install() -> None:
     """Make ``torch.distributed``'s all-reduce, broadcast and barrier return at once on a
     one-rank group. Idempotent."""

@@ -30,7 +30,7 @@ from megarlhf.engine.forward import forward_rows, stack_results
 from megarlhf.engine.offload import Offloader
 from megarlhf.engine.roles import Role
 from megarlhf.engine.steps import make_sequence_step
-from megarlhf.parallel import cpu_backend
+from megarlhf.parallel import cpu_backend, one_rank
 from megarlhf.parallel.layout import ParallelLayout
 from megarlhf.rollout.generate import Generation, SamplingParams, generate
 from megarlhf.rollout.reshard import Resharder, release_inference_weights
@@ -449,13 +449,9 @@ def gen_sequence(gen: Generation, row: int) -> list[int]:
 def gather_generations(gen: Generation, prompts: list[list[int]], inf: ParallelLayout,
                         pad_id: int) -> Generation:
     """Every rank gets every sample, in prompt order (replica r generated prompts r::dp)."""
-    parts = [gen]
-    if dist.get_world_size() > 1:
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, gen)
     # One copy per replica: the TP rank 0 of each.
     replicas = {}
-    for rank, part in enumerate(parts):
+    for rank, part in enumerate(one_rank.gather_objects(gen)):
         replicas.setdefault(rank // inf.tp_size, part)
     dp = inf.dp_size
     ordered = [None] * len(prompts)

@@ -402,13 +402,12 @@ def _prompt_batch(prompts: list, size: int, group: int, seed: int, it: int) -> l
     return [prompts[i] for i in idx for _ in range(group)]
 
 
+@cpu_backend.suspended()  # batch arithmetic: no megatron code
 def _share(exp: algos.Experience, layout) -> algos.Experience:
     """This data-parallel rank's contiguous share of a (global) mini-batch."""
     per_rank = algos.exact_div(len(exp), layout.dp_size, "ppo.mini_batch_size",
                                "the data-parallel size")
-    if layout.dp_size == 1:
-        return exp
-    return exp.select(list(range(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)))
+    return exp.rows(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)
 
 
 def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
@@ -438,9 +437,8 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
             minis = list(exp.mini_batches(ppo.mini_batch_size, gen))
         for mini in minis:
             for role, fwd in learners:
-                with cpu_backend.suspended():
-                    batches = experience_batches(_share(mini, role.layout),
-                                                 ppo.micro_batch_size, pad_id)
+                batches = experience_batches(_share(mini, role.layout), ppo.micro_batch_size,
+                                             pad_id)
                 if ptx is not None and role is actor:
                     _, count = algos.aggregate_parts(torch.zeros_like(mini.policy_mask_BT),
                                                      mini.policy_mask_BT, ppo.loss_agg)
