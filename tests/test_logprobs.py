@@ -81,3 +81,70 @@ def test_cached_rope_is_bitwise_megatrons():
     assert torch.equal(rope.apply_rotary_pos_emb_bshd(t, odd), rope._megatron_bshd(t, odd))
     t = torch.randn(48, 3, 4, 40)
     assert torch.equal(rope.apply_rotary_pos_emb_bshd(t, freqs), rope._megatron_bshd(t, freqs))
+
+
+def _attention_case(B, heads, groups, sq, sk, pads, dtype=torch.float64, grad=False):
+    gen = torch.Generator().manual_seed(sq * 100 + sk)
+    q = torch.randn(B, heads, sq, 8, generator=gen, dtype=dtype, requires_grad=grad)
+    k = torch.randn(B, groups, sk, 8, generator=gen, dtype=dtype, requires_grad=grad)
+    v = torch.randn(B, groups, sk, 8, generator=gen, dtype=dtype, requires_grad=grad)
+    blocked = torch.zeros(B, 1, sq, sk, dtype=torch.bool)  # megatron's: True = blocked
+    for b, n in enumerate(pads):  # left padding: the first n keys of row b
+        blocked[b, :, :, :n] = True
+    return q, k, v, blocked
+
+
+def test_bmm_attention_equals_sdpa():
+    """models/spec._attend_by_bmm (the CPU attention with a mask at up to BMM_MAX_KEYS keys)
+    against SDPA with the same boolean mask: training (causal, left padding, pad rows that
+    see only themselves), without GQA, a decode step (one query on the cache) and a prefill
+    on a cache (queries the last sq of sk); values and gradients in float64."""
+    from megarlhf.models import spec
+
+    scale = 8 ** -0.5
+    cases = [(3, 4, 2, 12, 12, (0, 3, 11), True), (2, 2, 2, 7, 7, (2, 0), True),
+             (3, 4, 2, 1, 9, (0, 4, 8), False), (2, 6, 3, 4, 10, (5, 0), True)]
+    for B, heads, groups, sq, sk, pads, causal in cases:
+        q, k, v, blocked = _attention_case(B, heads, groups, sq, sk, pads, grad=True)
+        ours = spec._attend_by_bmm(q, k, v, spec._bias(blocked, causal, sq, sk, q), scale)
+        theirs = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=spec._allowed(blocked, causal, sq, sk, q.device), scale=scale,
+            enable_gqa=groups != heads)
+        assert ours.shape == theirs.shape and not ours.isnan().any()
+        assert torch.allclose(ours, theirs, rtol=0, atol=1e-12), (B, heads, sq, sk)
+        g = torch.randn_like(ours)
+        for a, b in zip(torch.autograd.grad(ours, (q, k, v), g),
+                        torch.autograd.grad(theirs, (q, k, v), g)):
+            assert torch.allclose(a, b, rtol=0, atol=1e-12), (B, heads, sq, sk)
+        # the bias is built once per mask tensor: every layer of a forward reuses it
+        assert spec._bias(blocked, causal, sq, sk, q) is spec._bias(blocked, causal, sq, sk, q)
+
+
+def test_core_attention_takes_bmm_up_to_its_crossover(monkeypatch):
+    """SDPACoreAttention.attend runs the bmm attention on CPU with a mask and at most
+    BMM_MAX_KEYS keys (the measured crossover, BENCHMARKS.md round 7), SDPA above it and
+    without a mask; both give the same float32 result to rounding."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megarlhf.models import spec
+
+    assert spec.BMM_MAX_KEYS == 128
+    calls = []
+    real = spec._attend_by_bmm
+    monkeypatch.setattr(spec, "_attend_by_bmm", lambda *a: calls.append(1) or real(*a))
+    core = spec.SDPACoreAttention.__new__(spec.SDPACoreAttention)
+    torch.nn.Module.__init__(core)
+    core.attn_mask_type, core.heads, core.groups = AttnMaskType.causal, 4, 2
+    core.dropout_p, core.softmax_scale = 0.0, 8 ** -0.5
+    for sk in (spec.BMM_MAX_KEYS, spec.BMM_MAX_KEYS + 1):
+        q, k, v, blocked = _attention_case(2, 4, 2, sk, sk, (3, 0), dtype=torch.float32)
+        calls.clear()
+        out = core.attend(q, k, v, blocked)
+        assert len(calls) == (sk <= spec.BMM_MAX_KEYS)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=spec._allowed(blocked, True, sk, sk, q.device),
+            scale=core.softmax_scale, enable_gqa=True)
+        assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
+        calls.clear()
+        core.attend(q, k, v, None)  # no mask: SDPA's causal kernel
+        assert not calls

@@ -67,9 +67,52 @@ class SDPACoreAttention(MegatronModule):
         if causal and attention_mask is None and sq == sk:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
                                                   scale=self.softmax_scale, enable_gqa=gqa)
+        if (attention_mask is not None and sk <= BMM_MAX_KEYS and q.device.type == "cpu"
+                and dropout == 0.0):
+            return _attend_by_bmm(q, k, v, _bias(attention_mask, causal, sq, sk, q),
+                                  self.softmax_scale)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=_allowed(attention_mask, causal, sq, sk, q.device),
             dropout_p=dropout, scale=self.softmax_scale, enable_gqa=gqa)
+
+
+# Up to this many keys the CPU attention with a mask runs as three batched matmul-like
+# ops (:func:`_attend_by_bmm`), above it SDPA's flash kernel: at (B 8, heads 8, groups 4,
+# head 32), forward+backward, 64 keys 1.4-1.6x faster, 128 keys 1.1-1.2x, 256 keys 0.85-1.0x
+# (BENCHMARKS.md, round 7). Its score matrix (B, heads, sq, sk) is held for the backward,
+# which flash avoids; at 128 keys that is at most 512 bytes per query row and head.
+BMM_MAX_KEYS = 128
+
+
+def _attend_by_bmm(q, k, v, bias, scale: float) -> torch.Tensor:
+    """softmax(scale * q k^T + bias) v with each K/V group's query heads stacked into one
+    matrix, so no key or value is copied per head: q (B, heads, sq, d), k and v (B, groups,
+    sk, d), ``bias`` (B, heads, sq, sk) contiguous -> (B, heads, sq, d). The scale
+    and the mask are applied inside the first product (``baddbmm``), and autograd keeps
+    three products and one softmax, where SDPA's CPU flash kernel is slow at these sizes."""
+    B, heads, sq, d = q.shape
+    groups, sk = k.shape[1], k.shape[2]
+    scores = torch.baddbmm(bias.view(B * groups, -1, sk), q.reshape(B * groups, -1, d),
+                           k.transpose(2, 3).reshape(B * groups, d, sk), alpha=scale)
+    out = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(B * groups, sk, d))
+    return out.view(B, heads, sq, d)
+
+
+def _bias(attention_mask, causal: bool, sq: int, sk: int, q) -> torch.Tensor:
+    """:func:`_allowed` as :func:`_attend_by_bmm`'s additive bias (0 or -inf), one (sq, sk)
+    block per row and head of ``q``, (B, heads, sq, sk) contiguous; kept on the mask tensor
+    like the boolean one (every layer of one forward passes the same mask)."""
+    B, heads = q.shape[:2]
+    key = (causal, sq, sk, attention_mask._version, B, heads, q.dtype)
+    cached = getattr(attention_mask, "_megarlhf_bmm_bias", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    allowed = _allowed(attention_mask, causal, sq, sk, q.device)
+    additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(
+        ~allowed, float("-inf"))
+    bias = additive.expand(B, heads, sq, sk).contiguous()
+    attention_mask._megarlhf_bmm_bias = (key, bias)
+    return bias
 
 
 def _allowed(attention_mask, causal: bool, sq: int, sk: int, device):
