@@ -51,6 +51,20 @@ def test_cache_hits_return_stored_values(results):
     assert run["ref_equal_on_hit"]
 
 
+def test_repeated_sequences_are_scored_once(results):
+    """A batch holding every sequence twice: with the cache the reference scores each one
+    once (the repeats count as hits) and every row equals the scoring without a cache, at
+    one and two processes."""
+    for run in (results[0]["single"][True], results[1]["tp2_rollout_tp1x2"][True],
+                results[1]["pp2_rollout_tp2"][True]):
+        rep = run["repeats"]
+        B = rep["rows"]
+        assert rep["scored"][0] == list(range(B)) and len(rep["scored"]) == 2
+        assert rep["scored"][1] == list(range(2 * B))  # without a cache: every row
+        assert rep["hits"] == B
+        assert rep["plain"].abs().sum() > 0 and torch.equal(rep["cached"], rep["plain"])
+
+
 @pytest.mark.parametrize("case", ["tp2_rollout_tp1x2", "pp2_rollout_tp2"])
 def test_experience_same_at_other_layouts(results, case):
     ref = single(results)
@@ -75,12 +89,38 @@ def test_metrics_present(results):
 
 def test_sequence_cache_state_round_trip():
     cache = SequenceCache()
-    cache.put([1, 2, 3], torch.tensor([-0.5, -1.25]))
-    assert cache.get([1, 2, 4]) is None
+    key = SequenceCache.key([1, 2, 3])
+    assert key == SequenceCache.key(torch.tensor([1, 2, 3]))  # a list or a tensor of ids
+    cache.put(key, torch.tensor([-0.5, -1.25]))
+    assert cache.get(SequenceCache.key([1, 2, 4])) is None
     loaded = SequenceCache()
     loaded.load_state_dict(cache.state_dict())
-    assert torch.equal(loaded.get([1, 2, 3]), torch.tensor([-0.5, -1.25]))
+    assert torch.equal(loaded.get(key), torch.tensor([-0.5, -1.25]))
     assert loaded.hit_rate == 0.5  # the miss above travelled with the state
+
+
+def test_sequence_cache_keeps_the_most_recently_used():
+    """rollout.ref_cache_size: at capacity the least recently used sequence (put or hit)
+    is dropped, so memory and the checkpointed copy stay bounded; a resume with a smaller
+    capacity keeps the most recently used that fit; 0 turns the cache off in PPO."""
+    cache = SequenceCache(capacity=3)
+    keys = [SequenceCache.key([k]) for k in range(5)]
+    for k in keys[:3]:
+        cache.put(k, torch.tensor([float(len(k))]))
+    assert cache.get(keys[0]) is not None  # used: now the most recent
+    cache.put(keys[3], torch.tensor([3.0]))  # drops keys[1], the least recently used
+    assert list(cache.store) == [keys[2], keys[0], keys[3]]
+    cache.put(keys[4], torch.tensor([4.0]))
+    assert list(cache.store) == [keys[0], keys[3], keys[4]]
+    assert len(cache.state_dict()["store"]) == 3
+    smaller = SequenceCache(capacity=2)
+    smaller.load_state_dict(cache.state_dict())
+    assert list(smaller.store) == [keys[3], keys[4]]
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        SequenceCache(capacity=0)
+    from megarlhf.config import load_config
+    with pytest.raises(ValueError, match="rollout.ref_cache_size"):
+        load_config(None, ["rollout.ref_cache_size=-1"])
 
 
 def test_reward_fn_import_errors():

@@ -42,7 +42,7 @@ def cases(out) -> dict:
         table[f"{name}_nostop"] = extra + NO_STOP
     table.update({
         "rloo_beta0": RLOO + ["ppo.init_kl_coef=0"],
-        "rpp_beta0": RPP + ["ppo.init_kl_coef=0"],
+        "rpp_beta0": RPP + ["ppo.init_kl_coef=0", "rollout.ref_cache_size=0"],
         "grpo_nokl": GRPO,
         "grpo_token": GRPO + ["ppo.kl_loss_coef=0.5", "ppo.grpo_normalization=token"],
         "decoupled": ["ppo.policy_loss=decoupled", "ppo.behavior_weight_cap=1.0000001"],
@@ -174,6 +174,16 @@ def test_kl_in_the_reward_shapes_reinforce_pp_returns(setup):
     torch.testing.assert_close(exp["advantages_BT"], _whiten(returns, mask), rtol=1e-4,
                                atol=1e-5)
     assert not torch.equal(run["after"], zero["after"])
+
+
+def test_reference_cache_size_zero_turns_it_off(setup):
+    """rollout.ref_cache_size=0 (the rpp_beta0 case) builds no reference log-prob cache,
+    and the reference still scores every row; the other runs hold one of the default size."""
+    off, on = load(setup, "rpp_beta0"), load(setup, "rpp_stop")
+    assert off["ref_cache_capacity"] == 0 and on["ref_cache_capacity"] == 4096
+    assert off["metrics"][0]["rollout/ref_cache_hit_rate"] == 0.0
+    ref, mask = off["experience"]["ref_logprobs_BT"], off["experience"]["response_mask_BT"]
+    assert ((ref < 0) == (mask > 0)).all()  # a log-prob on every response token
 
 
 def test_kl_loss_term_is_grpos(setup):

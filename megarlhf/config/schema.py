@@ -568,6 +568,12 @@ class RolloutConfig:
     """Free the inference model's weights (the actor at the rollout layout) after each
     generation: the next reshard rewrites all of them, so nothing is copied; the actor's
     size at rollout TP less per GPU in the experience, train and save phases."""
+    ref_cache_size: int = 4096
+    """Sequences whose reference log-probs are kept (the least recently used dropped first)
+    and saved with each checkpoint, so a sequence sampled again - twice in one batch, as in
+    GRPO groups with short answers, or in a later iteration - is not scored again. Memory
+    and checkpoint space: about 4 bytes per response token per sequence (16 MB at 4096
+    sequences of 1024 tokens). 0 turns the cache off."""
 
     def __post_init__(self):
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size",
@@ -583,6 +589,8 @@ class RolloutConfig:
         _require(self.forward_micro_batch_size is None or self.forward_micro_batch_size >= 1,
                  "rollout.forward_micro_batch_size", self.forward_micro_batch_size,
                  "must be >= 1, or null for ppo.micro_batch_size")
+        _require(self.ref_cache_size >= 0, "rollout.ref_cache_size", self.ref_cache_size,
+                 "must be >= 0 (0 turns the reference log-prob cache off)")
 
 
 @dataclass(kw_only=True)

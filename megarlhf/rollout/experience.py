@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -39,30 +40,42 @@ from megarlhf.rollout.reshard import Resharder, release_inference_weights
 # ------------------------------------------------------------------ frozen-model cache
 
 class SequenceCache:
-    """Per-sequence reference log-probs within a PPO run, keyed by the token sequence: a
-    sequence sampled twice (GRPO groups, short responses) is scored once. Saved in every
-    checkpoint so a resume is exact. Sampled responses rarely repeat (the demo: 0.06% hits
-    over 40 iterations), so nothing persists it across runs; offline data, where a cache
-    pays, uses ``engine.logit_cache`` (DPO, distillation)."""
+    """Reference log-probs of the ``capacity`` most recently used sequences of a PPO run,
+    keyed by the token sequence (:meth:`key`): a sequence sampled again - twice in one
+    batch (GRPO groups, short responses) or in a later iteration - is scored once. The
+    least recently used go first, so the memory it holds and the copy saved with every
+    checkpoint stay bounded (``rollout.ref_cache_size``); a resume restores it, so the
+    resumed run scores as the unbroken one. Sampled responses rarely repeat (the demo:
+    0.06% hits over 40 iterations), so nothing persists it across runs; offline data,
+    where a cache pays, uses ``engine.logit_cache`` (DPO, distillation)."""
 
-    def __init__(self):
-        self.store: dict[str, torch.Tensor] = {}
+    def __init__(self, capacity: int = 4096):
+        if capacity < 1:
+            raise ValueError(f"SequenceCache capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.store: OrderedDict[str, torch.Tensor] = OrderedDict()  # oldest use first
         self.hits = self.misses = 0
 
     @staticmethod
-    def key(tokens: list[int]) -> str:
-        return hashlib.sha1(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes()).hexdigest()
+    def key(tokens) -> str:
+        """SHA-1 of the sequence's token ids as int64 (prompt then response, no padding)."""
+        ids = torch.as_tensor(tokens, dtype=torch.int64)
+        return hashlib.sha1(ids.numpy().tobytes()).hexdigest()
 
-    def get(self, tokens: list[int]) -> torch.Tensor | None:
-        value = self.store.get(self.key(tokens))
+    def get(self, key: str) -> torch.Tensor | None:
+        value = self.store.get(key)
         if value is None:
             self.misses += 1
         else:
             self.hits += 1
+            self.store.move_to_end(key)
         return value
 
-    def put(self, tokens: list[int], value: torch.Tensor) -> None:
-        self.store[self.key(tokens)] = value.detach().clone()
+    def put(self, key: str, value: torch.Tensor) -> None:
+        self.store[key] = value.detach().clone()
+        self.store.move_to_end(key)
+        while len(self.store) > self.capacity:
+            self.store.popitem(last=False)
 
     @property
     def hit_rate(self) -> float:
@@ -70,10 +83,13 @@ class SequenceCache:
         return self.hits / total if total else 0.0
 
     def state_dict(self) -> dict:
-        return {"store": self.store, "hits": self.hits, "misses": self.misses}
+        return {"store": dict(self.store), "hits": self.hits, "misses": self.misses}
 
     def load_state_dict(self, state: dict) -> None:
-        self.store = dict(state["store"])
+        """The saved entries in their order of use; where this run's capacity is smaller
+        than the saving run's, the most recently used that fit."""
+        entries = list(state["store"].items())
+        self.store = OrderedDict(entries[max(0, len(entries) - self.capacity):])
         self.hits, self.misses = int(state["hits"]), int(state["misses"])
 
 
@@ -139,7 +155,7 @@ class ExperienceMaker:
     pad_id: int
     offload: bool = True  # frozen roles whose spec does not say (spec.offload None)
     micro_batch_size: int = 4
-    ref_cache: SequenceCache | None = field(default_factory=SequenceCache)
+    ref_cache: SequenceCache | None = field(default_factory=SequenceCache)  # None: off
     # phase hooks (memory accounting, trained-role offload): before_generate(),
     # after_generate(kv_cache_bytes), during_pass() - see stages.ppo.PhaseHooks
     hooks: object | None = None
@@ -206,28 +222,48 @@ class ExperienceMaker:
                             micro_batch_size=self.micro_batch_size)
 
     def _reference_logprobs(self, gen: Generation) -> torch.Tensor:
+        """The reference's log-probs of every sampled token: rows found in the cache, and
+        rows repeating an earlier row of this batch, are not scored again."""
         B, T = gen.response_tokens_BT.shape
+        if self.ref_cache is None:
+            return self._score_reference(gen, list(range(B)))
         out = torch.zeros(B, T)
-        missing = []
+        first: dict[str, int] = {}  # key -> the batch row that scores it
+        missing, repeats = [], []
         with cpu_backend.suspended():  # the cache's side: no megatron code
-            keys = [gen_sequence(gen, r) for r in range(B)]
+            keys = [SequenceCache.key(gen_sequence(gen, r)) for r in range(B)]
             for i, key in enumerate(keys):
-                hit = self.ref_cache.get(key) if self.ref_cache is not None else None
+                if key in first:
+                    self.ref_cache.hits += 1
+                    repeats.append(i)
+                    continue
+                hit = self.ref_cache.get(key)
                 if hit is None:
+                    first[key] = i
                     missing.append(i)
                 else:
                     out[i, :hit.numel()] = hit
         # Every rank holds the same batch and the same cache, so all agree on the misses.
         if missing:
-            self.ref_offloader.reload()
-            scored = self._score(self.reference, gen, missing)
-            self.ref_offloader.offload()
+            scored = self._score_reference(gen, missing)
             with cpu_backend.suspended():
-                for i, res in zip(missing, scored):
-                    n = int(gen.response_mask_BT[i].sum())
-                    out[i] = res["logprobs"] * gen.response_mask_BT[i]
-                    if self.ref_cache is not None:
-                        self.ref_cache.put(keys[i], out[i, :n])
+                for i in missing:
+                    out[i] = scored[i]
+                    self.ref_cache.put(keys[i], out[i, :int(gen.response_mask_BT[i].sum())])
+        for i in repeats:
+            out[i] = out[first[keys[i]]]
+        return out
+
+    def _score_reference(self, gen: Generation, rows: list[int]) -> torch.Tensor:
+        """(B, T) with the reference's log-probs on ``rows`` (zero on padding and on the
+        other rows), the reference loaded for the pass and offloaded after it."""
+        out = torch.zeros(gen.response_tokens_BT.shape)
+        self.ref_offloader.reload()
+        scored = self._score(self.reference, gen, rows)
+        self.ref_offloader.offload()
+        with cpu_backend.suspended():
+            for i, res in zip(rows, scored):
+                out[i] = res["logprobs"] * gen.response_mask_BT[i]
         return out
 
     def _scores(self, gen: Generation) -> torch.Tensor:
@@ -439,10 +475,10 @@ def decode_sample(gen: Generation, row: int, decode: Callable) -> tuple[str, str
     return decode(prompt), decode(response)
 
 
-def gen_sequence(gen: Generation, row: int) -> list[int]:
-    prompt = gen.prompt_tokens_BP[row][gen.prompt_mask_BP[row] == 1].tolist()
-    response = gen.response_tokens_BT[row][gen.response_mask_BT[row] == 1].tolist()
-    return prompt + response
+def gen_sequence(gen: Generation, row: int) -> torch.Tensor:
+    """Row ``row``'s prompt and response tokens, without padding."""
+    return torch.cat((gen.prompt_tokens_BP[row][gen.prompt_mask_BP[row] == 1],
+                      gen.response_tokens_BT[row][gen.response_mask_BT[row] == 1]))
 
 
 @cpu_backend.suspended()  # an object all-gather and row merging: no megatron code

@@ -217,7 +217,8 @@ class PPOSession:
                                      offload=r.offload_frozen_models,
                                      micro_batch_size=r.forward_micro_batch_size
                                      or ppo.micro_batch_size,
-                                     ref_cache=SequenceCache(),
+                                     ref_cache=SequenceCache(r.ref_cache_size)
+                                     if r.ref_cache_size else None,
                                      release_inference=r.release_inference_weights)
         self.kl_ctl = algos.make_kl_controller(ppo.kl_controller, ppo.init_kl_coef,
                                                ppo.kl_target, ppo.kl_horizon)

@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import build as build_role_from, make_config  # noqa: E402
 
 from megarlhf.rollout.experience import ExperienceMaker, RewardSource, SequenceCache  # noqa: E402
+from megarlhf.rollout.generate import Generation  # noqa: E402
 from megarlhf.rollout.reshard import build_inference_model, inference_layout  # noqa: E402
 
 PROMPTS = [[5, 17, 42, 8], [9, 3], [100, 101, 102, 103, 104, 105], [7], [11, 12, 13],
@@ -52,9 +53,35 @@ def case(name, tp, pp, rollout_tp, results, offload_variants=(True,)):
         dist.all_gather_object(gathered, (layout.dp_rank, layout.tp_rank, layout.pp_rank, full))
         out[variant] = {"experience": gathered, "metrics": metrics, "metrics2": metrics2,
                         "ref_equal_on_hit": torch.equal(exp.ref_logprobs_BT, exp2.ref_logprobs_BT),
-                        "generation": gen}
+                        "generation": gen, "repeats": repeats_case(maker, gen)}
         maker.restore_frozen_models()
     results[name] = out
+
+
+def repeats_case(maker, gen):
+    """The sampled batch twice over, with a fresh cache and without one: which rows the
+    reference scored, the cache's hits, and both results."""
+    doubled = Generation(*(torch.cat((getattr(gen, f.name),) * 2)
+                           for f in dataclasses.fields(gen)))
+    scored, real, saved = [], maker._score, maker.ref_cache
+
+    def counting(role, g, rows):
+        if role is maker.reference:
+            scored.append(list(rows))
+        return real(role, g, rows)
+
+    maker._score = counting
+    try:
+        maker.ref_cache = SequenceCache()
+        cached = maker._reference_logprobs(doubled)
+        hits = maker.ref_cache.hits
+        maker.ref_cache = None
+        plain = maker._reference_logprobs(doubled)
+    finally:
+        del maker._score
+        maker.ref_cache = saved
+    return {"cached": cached, "plain": plain, "scored": scored, "hits": hits,
+            "rows": gen.response_tokens_BT.shape[0]}
 
 
 def main():

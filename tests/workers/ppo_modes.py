@@ -56,7 +56,8 @@ def main() -> None:
         tokenizer = load_tokenizer(cfg.tokenizer)
         session = PPOSession(cfg, tokenizer)
         before = gathered_params(session.actor)
-        result = {"metrics": [], "eos_id": tokenizer.eos_id}
+        result = {"metrics": [], "eos_id": tokenizer.eos_id,
+                  "ref_cache_capacity": getattr(session.maker.ref_cache, "capacity", 0)}
         if session.ptx is not None:
             result["ptx_reference_nll"] = ptx_reference_nll(session)
         if session.critic is not None and name == "gae_stop":
