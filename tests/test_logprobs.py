@@ -121,9 +121,10 @@ def test_bmm_attention_equals_sdpa():
 
 
 def test_core_attention_takes_bmm_up_to_its_crossover(monkeypatch):
-    """SDPACoreAttention.attend runs the bmm attention on CPU with a mask and at most
-    BMM_MAX_KEYS keys (the measured crossover, BENCHMARKS.md round 7), SDPA above it and
-    without a mask; both give the same float32 result to rounding."""
+    """SDPACoreAttention.attend runs the bmm attention on CPU with a mask, several queries
+    and at most BMM_MAX_KEYS keys (the measured crossover, BENCHMARKS.md round 7); SDPA
+    above it, without a mask and for a decode step's single query; both give the same
+    float32 result to rounding."""
     from megatron.core.transformer.enums import AttnMaskType
 
     from megarlhf.models import spec
@@ -147,4 +148,5 @@ def test_core_attention_takes_bmm_up_to_its_crossover(monkeypatch):
         assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
         calls.clear()
         core.attend(q, k, v, None)  # no mask: SDPA's causal kernel
+        core.attend(q[:, :, -1:], k, v, blocked[:, :, -1:])  # a decode step
         assert not calls
