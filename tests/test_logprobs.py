@@ -121,10 +121,10 @@ def test_bmm_attention_equals_sdpa():
 
 
 def test_core_attention_takes_bmm_up_to_its_crossover(monkeypatch):
-    """SDPACoreAttention.attend runs the bmm attention on CPU with a mask, several queries
-    and at most BMM_MAX_KEYS keys (the measured crossover, BENCHMARKS.md round 7); SDPA
-    above it, without a mask and for a decode step's single query; both give the same
-    float32 result to rounding."""
+    """SDPACoreAttention.attend runs the bmm attention on CPU with a mask, several queries,
+    at most BMM_MAX_KEYS keys (the measured crossover, BENCHMARKS.md round 7) and at most
+    BMM_MAX_SCORES scores; SDPA above either, without a mask and for a decode step's
+    single query; both give the same float32 result to rounding."""
     from megatron.core.transformer.enums import AttnMaskType
 
     from megarlhf.models import spec
@@ -150,3 +150,11 @@ def test_core_attention_takes_bmm_up_to_its_crossover(monkeypatch):
         core.attend(q, k, v, None)  # no mask: SDPA's causal kernel
         core.attend(q[:, :, -1:], k, v, blocked[:, :, -1:])  # a decode step
         assert not calls
+    # a score matrix above BMM_MAX_SCORES elements (held for the backward): SDPA
+    monkeypatch.setattr(spec, "BMM_MAX_SCORES", 2 * 4 * 64 * 64 - 1)
+    q, k, v, blocked = _attention_case(2, 4, 2, 64, 64, (3, 0), dtype=torch.float32)
+    core.attend(q, k, v, blocked)
+    assert not calls
+    monkeypatch.setattr(spec, "BMM_MAX_SCORES", 2 * 4 * 64 * 64)
+    core.attend(q, k, v, blocked)
+    assert len(calls) == 1
