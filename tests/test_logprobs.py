@@ -123,8 +123,8 @@ def test_bmm_attention_equals_sdpa():
 def test_core_attention_takes_bmm_up_to_its_crossover(monkeypatch):
     """SDPACoreAttention.attend runs the bmm attention on CPU with a mask, several queries,
     at most BMM_MAX_KEYS keys (the measured crossover, BENCHMARKS.md round 7) and at most
-    BMM_MAX_SCORES scores; SDPA above either, without a mask and for a decode step's
-    single query; both give the same float32 result to rounding."""
+    BMM_MAX_SCORES scores, in fp32 or fp64; SDPA above either, without a mask, in bf16 and
+    for a decode step's single query; both give the same float32 result to rounding."""
     from megatron.core.transformer.enums import AttnMaskType
 
     from megarlhf.models import spec
@@ -157,4 +157,6 @@ def test_core_attention_takes_bmm_up_to_its_crossover(monkeypatch):
     assert not calls
     monkeypatch.setattr(spec, "BMM_MAX_SCORES", 2 * 4 * 64 * 64)
     core.attend(q, k, v, blocked)
+    assert len(calls) == 1
+    core.attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), blocked)  # bf16: SDPA's fp32 sums
     assert len(calls) == 1

@@ -67,9 +67,7 @@ class SDPACoreAttention(MegatronModule):
         if causal and attention_mask is None and sq == sk:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
                                                   scale=self.softmax_scale, enable_gqa=gqa)
-        if (attention_mask is not None and sq > 1 and sk <= BMM_MAX_KEYS
-                and q.shape[0] * q.shape[1] * sq * sk <= BMM_MAX_SCORES
-                and q.device.type == "cpu" and dropout == 0.0):
+        if attention_mask is not None and dropout == 0.0 and _bmm_pays(q, sk):
             return _attend_by_bmm(q, k, v, _bias(attention_mask, causal, sq, sk, q),
                                   self.softmax_scale)
         return F.scaled_dot_product_attention(
@@ -81,12 +79,21 @@ class SDPACoreAttention(MegatronModule):
 # batched matmul-like ops (:func:`_attend_by_bmm`), above it SDPA's flash kernel: at (B 8,
 # heads 8, groups 4, head 32), forward+backward, 64 keys 1.4-1.6x faster, 128 keys
 # 1.1-1.2x, 256 keys 0.85-1.0x (BENCHMARKS.md, round 7). Its score matrix (B, heads, sq,
-# sk) and the bias are held for the backward, which flash avoids: at most BMM_MAX_SCORES
-# elements each (16 MB in fp32 per layer; small's training micro-batch has 262144). A
-# decode step (one query, a new mask each step) stays on SDPA: building the bias every
-# step made greedy generation at batch 1 6% slower.
+# sk) is held for the backward, which flash avoids, and the bias as long as the mask: at
+# most BMM_MAX_SCORES elements each (16 MB in fp32 per layer; small's training
+# micro-batch has 262144). A decode step (one query, a new mask each step) stays on SDPA:
+# building the bias every step made greedy generation at batch 1 6% slower.
 BMM_MAX_KEYS = 128
 BMM_MAX_SCORES = 1 << 22
+
+
+def _bmm_pays(q, sk: int) -> bool:
+    """:func:`_attend_by_bmm` for this CPU query block (B, heads, sq, d) on ``sk`` keys:
+    several queries, the sizes above, and fp32 or fp64 (it takes scores and softmax in
+    the inputs' dtype, where SDPA's kernels sum bf16 and fp16 in fp32)."""
+    B, heads, sq = q.shape[:3]
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+            and 1 < sq and sk <= BMM_MAX_KEYS and B * heads * sq * sk <= BMM_MAX_SCORES)
 
 
 def _attend_by_bmm(q, k, v, bias, scale: float) -> torch.Tensor:
