@@ -86,8 +86,16 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm, pipeline):
     while time.time() < deadline and (not metrics.exists() or len(steps(out / "preempt")) < 4):
         time.sleep(1)
     subprocess.run(["scancel", "--signal=USR1", job], check=True)
-    wait_done(job, 900, release_requeued=True)
-    log = open(out / "logs" / f"megarlhf-ppo-preempt-{job}.out").read()
+    log_path = out / "logs" / f"megarlhf-ppo-preempt-{job}.out"
+    deadline = time.time() + 900
+    # squeue can show nothing for a moment between the requeue and the held job: wait
+    # until the job has left the queue after its resumed run wrote its last line
+    while True:
+        wait_done(job, max(deadline - time.time(), 1), release_requeued=True)
+        log = open(log_path).read()
+        if "[ppo] done" in log or time.time() > deadline:
+            break
+        time.sleep(2)
     # srun's rendezvous of the 2 tasks, the signal, the requeue, the resumed job
     assert "rendezvous" in log and "requeueing job" in log and "restart 1" in log \
         and "[ppo] resumed iter_" in log, log[-3000:]
