@@ -112,39 +112,51 @@ def _attend_by_bmm(q, k, v, bias, scale: float) -> torch.Tensor:
 
 def _bias(attention_mask, causal: bool, sq: int, sk: int, q) -> torch.Tensor:
     """:func:`_allowed` as :func:`_attend_by_bmm`'s additive bias (0 or -inf), one (sq, sk)
-    block per row and head of ``q``, (B, heads, sq, sk) contiguous; kept on the mask tensor
-    like the boolean one (every layer of one forward passes the same mask)."""
+    block per row and head of ``q``, (B, heads, sq, sk) contiguous."""
     B, heads = q.shape[:2]
-    key = (causal, sq, sk, attention_mask._version, B, heads, q.dtype)
-    cached = getattr(attention_mask, "_megarlhf_bmm_bias", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    allowed = _allowed(attention_mask, causal, sq, sk, q.device)
-    additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(
-        ~allowed, float("-inf"))
-    bias = additive.expand(B, heads, sq, sk).contiguous()
-    attention_mask._megarlhf_bmm_bias = (key, bias)
-    return bias
+
+    def build():
+        allowed = _allowed(attention_mask, causal, sq, sk, q.device)
+        additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(
+            ~allowed, float("-inf"))
+        return additive.expand(B, heads, sq, sk).contiguous()
+
+    return _kept_on_mask(attention_mask, "_megarlhf_bmm_bias",
+                         (causal, sq, sk, B, heads, q.dtype), build)
 
 
 def _allowed(attention_mask, causal: bool, sq: int, sk: int, device):
-    """SDPA's boolean mask (True = may attend) from megatron's (True = blocked). Every layer
-    of one forward passes the same mask tensor, so the result is kept on that tensor."""
-    key = (causal, sq, sk, getattr(attention_mask, "_version", None))
-    cached = getattr(attention_mask, "_megarlhf_sdpa_mask", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    allowed = None
-    if causal:
-        # Queries are the last sq of sk positions (sk > sq while prefilling on a cache).
-        allowed = torch.ones(sq, sk, dtype=torch.bool, device=device).tril(sk - sq)
-    if attention_mask is not None:
-        allowed = ~attention_mask if allowed is None else allowed & ~attention_mask
+    """SDPA's boolean mask (True = may attend) from megatron's (True = blocked)."""
+    if attention_mask is None:
+        return _causal_block(sq, sk, device) if causal else None
+
+    def build():
+        allowed = ~attention_mask
+        if causal:
+            allowed = _causal_block(sq, sk, device) & allowed
         # A query row with nothing allowed (a pad position) gives NaN in SDPA, and a
         # NaN value row poisons every row through 0 * NaN: let each position see itself.
-        allowed = allowed | _diagonal(sq, sk, device)
-        attention_mask._megarlhf_sdpa_mask = (key, allowed)
-    return allowed
+        return allowed | _diagonal(sq, sk, device)
+
+    return _kept_on_mask(attention_mask, "_megarlhf_sdpa_mask", (causal, sq, sk), build)
+
+
+def _kept_on_mask(mask: torch.Tensor, name: str, key: tuple, build):
+    """``build()``, kept on ``mask`` (attribute ``name``) while ``key`` and the mask's
+    contents hold: every layer of one forward passes the same mask tensor."""
+    key = key + (mask._version,)
+    cached = getattr(mask, name, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    value = build()
+    setattr(mask, name, (key, value))
+    return value
+
+
+def _causal_block(sq: int, sk: int, device) -> torch.Tensor:
+    """(sq, sk) bool, True where a query may see a key: the queries are the last sq of sk
+    positions (sk > sq while prefilling on a cache)."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(sk - sq)
 
 
 def _diagonal(sq: int, sk: int, device) -> torch.Tensor:
