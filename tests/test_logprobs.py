@@ -120,6 +120,43 @@ def test_bmm_attention_equals_sdpa():
         assert spec._bias(blocked, causal, sq, sk, q) is spec._bias(blocked, causal, sq, sk, q)
 
 
+def test_sdpa_path_adds_a_kept_mask_bitwise_as_the_boolean_one():
+    """SDPACoreAttention.attend's SDPA path gives SDPA the additive mask (0 / -inf in the
+    query's dtype, spec._additive) kept on megatron's mask tensor: built once for every
+    layer that passes the same mask, again when the mask changes in place, and the output
+    bitwise what SDPA gives with the boolean mask (a decode step, a prefill above the bmm
+    path's key limit; fp32, fp64, bf16)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megarlhf.models import spec
+
+    core = spec.SDPACoreAttention.__new__(spec.SDPACoreAttention)
+    torch.nn.Module.__init__(core)
+    core.attn_mask_type, core.heads, core.groups = AttnMaskType.causal, 4, 2
+    core.dropout_p, core.softmax_scale = 0.0, 8 ** -0.5
+    sk = spec.BMM_MAX_KEYS + 3
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for sq in (1, sk):
+            q, k, v, blocked = _attention_case(2, 4, 2, sq, sk, (3, 0), dtype=dtype)
+            causal = sq > 1
+            boolean = spec._allowed(blocked, causal, sq, sk, q.device)
+            out = core.attend(q, k, v, blocked)
+            assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=boolean, scale=core.softmax_scale, enable_gqa=True))
+            kept = spec._additive(blocked, causal, sq, sk, q)
+            assert kept.dtype == dtype
+            assert torch.equal(kept == 0, boolean) and torch.equal(kept == -torch.inf, ~boolean)
+            core.attend(q, k, v, blocked)  # the next layer
+            assert spec._additive(blocked, causal, sq, sk, q) is kept
+            blocked[1, :, :, :5] = True  # changed in place: built again
+            again = spec._additive(blocked, causal, sq, sk, q)
+            assert again is not kept and not torch.equal(again, kept)
+            assert torch.equal(core.attend(q, k, v, blocked),
+                               torch.nn.functional.scaled_dot_product_attention(
+                                   q, k, v, scale=core.softmax_scale, enable_gqa=True,
+                                   attn_mask=spec._allowed(blocked, causal, sq, sk, q.device)))
+
+
 def test_core_attention_takes_bmm_up_to_its_crossover(monkeypatch):
     """SDPACoreAttention.attend runs the bmm attention on CPU with a mask, several queries,
     at most BMM_MAX_KEYS keys (the measured crossover, BENCHMARKS.md round 7) and at most

@@ -10,9 +10,9 @@ output layer, so tensor parallelism and every supported architecture's weights b
 training - around one preallocated key/value buffer per layer, read by the layer's own SDPA
 core attention. It calls their ``forward`` directly (no module hooks run on this path) and
 does two things itself, op for op as megatron does them: the split of the fused QKV
-projection into query, key and value (:func:`_split_qkv`, megatron's
-``get_query_key_value_tensors`` without its branches) and the dense MLP's activation
-(:func:`_mlp`). At batch 1 of the small benchmark model their Python was about a tenth of
+projection into query, key and value (:func:`_qkv`, megatron's
+``get_query_key_value_tensors`` without its branches, with RoPE) and the dense MLP's
+activation (:func:`_mlp`). At batch 1 of the small benchmark model their Python was about a tenth of
 ``generate``; the results are bitwise those of the modules' own forwards (tested).
 
 Only the layer shapes megarlhf builds with its local spec qualify (:func:`supported`):
@@ -106,11 +106,9 @@ class KVCache:
             if freqs is not None else None
         for layer, keys, values in zip(self.layers, self.keys, self.values):
             attention = layer.self_attention
-            # (n, B, heads or groups, d)
-            query, key, value = _split_qkv(attention, layer.input_layernorm.forward(hidden))
-            if tables is not None:
-                query, key = rope.rotate(query, *tables), rope.rotate(key, *tables)
-            elif freqs is not None:
+            # (n, B, heads or groups, d), the query and key rotated by ``tables``
+            query, key, value = _qkv(attention, layer.input_layernorm.forward(hidden), tables)
+            if tables is None and freqs is not None:
                 cp = attention.pg_collection.cp
                 query = apply_rotary_pos_emb(query, freqs, config=attention.config, cp_group=cp)
                 key = apply_rotary_pos_emb(key, freqs, config=attention.config, cp_group=cp)
@@ -130,24 +128,35 @@ class KVCache:
         return logits[0]
 
 
-def _split_qkv(attention, hidden: torch.Tensor):
-    """megatron's ``get_query_key_value_tensors(hidden)`` for the layouts it handles without
-    communication or extra heads: (n, B, heads, d) query, (n, B, groups, d) key and value
-    from the fused projection, whose columns interleave each group's queries, key and
-    value. Anything else (query/key norms, output gates, fewer groups than TP ranks) goes
-    to megatron's method."""
+def _qkv(attention, hidden: torch.Tensor, tables=None):
+    """megatron's ``get_query_key_value_tensors(hidden)``, the query and the key rotated by
+    RoPE's ``tables`` (:func:`rope.cos_sin`) when given: (n, B, heads, d) query, (n, B,
+    groups, d) key and value. For the layouts it handles without communication or extra
+    heads, from the fused projection, whose columns interleave each group's queries, key
+    and value: each group's query heads and key are rotated together, in one
+    :func:`rope.rotate` of a view (elementwise, so bitwise what rotating each gives), and
+    the query heads are gathered into one dimension after it (the one copy). Anything else
+    (query/key norms, output gates, fewer groups than TP ranks) goes to megatron's
+    method."""
     config = attention.config
     if not _no_op(attention.q_layernorm) or not _no_op(attention.k_layernorm) \
             or getattr(config, "attention_output_gate", False) or config.test_mode \
             or config.num_query_groups < attention.world_size:
-        return attention.get_query_key_value_tensors(hidden, None)
+        query, key, value = attention.get_query_key_value_tensors(hidden, None)
+        if tables is not None:
+            query, key = rope.rotate(query, *tables), rope.rotate(key, *tables)
+        return query, key, value
     mixed, _ = attention.linear_qkv.forward(hidden)
     groups = attention.num_query_groups_per_partition
     d = attention.hidden_size_per_attention_head
     per_group = attention.num_attention_heads_per_partition // groups
-    mixed = mixed.view(*mixed.shape[:-1], groups, (per_group + 2) * d)
-    query, key, value = torch.split(mixed, [per_group * d, d, d], dim=3)
-    return query.reshape(query.shape[0], query.shape[1], -1, d), key, value
+    mixed = mixed.view(*mixed.shape[:-1], groups, per_group + 2, d)
+    query_key = mixed[..., :per_group + 1, :]
+    if tables is not None:  # (n, 1, 1, d) -> (n, 1, 1, 1, d): over groups and heads
+        query_key = rope.rotate(query_key, *(t.unsqueeze(-2) for t in tables))
+    query = query_key[..., :per_group, :]
+    return (query.reshape(query.shape[0], query.shape[1], -1, d), query_key[..., per_group, :],
+            mixed[..., per_group + 1, :])
 
 
 def _no_op(module) -> bool:
@@ -170,7 +179,9 @@ def _mlp(mlp: MLP, hidden: torch.Tensor):
         if (clamp := config.activation_func_clamp_value) is not None:
             x_glu = x_glu.clamp(min=None, max=clamp)
             x_linear = x_linear.clamp(min=-clamp, max=clamp)
-        out = config.activation_func(x_glu) * (x_linear + config.glu_linear_offset)
+        if config.glu_linear_offset:  # megatron adds it when 0 too: equal values
+            x_linear = x_linear + config.glu_linear_offset
+        out = config.activation_func(x_glu) * x_linear
     else:
         out = mlp.activation_func(out)
     return mlp.linear_fc2.forward(out)

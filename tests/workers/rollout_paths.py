@@ -159,38 +159,38 @@ def reshard_case(name, tp, pp, rollout_tp, results, vpp=None):
 
 
 def decode_parts(model) -> dict:
-    """rollout/decode.py's own QKV split, MLP and per-step RoPE tables against megatron's
-    methods, layer by layer, on random (3, 2, H) inputs: how many results differ bitwise
-    (summed over ranks), and how often decode fell back to megatron's methods (0: its own
-    code ran)."""
+    """rollout/decode.py's own QKV split (with RoPE's per-step tables, where the model has
+    RoPE) and MLP against megatron's methods (and megatron's RoPE per call), layer by
+    layer, on random (3, 2, H) inputs: how many results differ bitwise (summed over
+    ranks), and how often decode fell back to megatron's methods (0: its own code ran)."""
     gpt = model.module if hasattr(model, "module") else model
     gen = torch.Generator().manual_seed(5)
     differ = fallbacks = 0
     for layer in gpt.decoder.layers:
         attention, mlp = layer.self_attention, layer.mlp
         x = torch.randn(3, 2, gpt.config.hidden_size, generator=gen)
-        calls = []
-        qkv_method, mlp_forward = attention.get_query_key_value_tensors, type(mlp).forward
-        attention.get_query_key_value_tensors = lambda *a, **k: calls.append(1) or qkv_method(*a, **k)
-        mlp.forward = lambda *a, **k: calls.append(1) or mlp_forward(mlp, *a, **k)
-        try:
-            ours = (*decode._split_qkv(attention, x), *decode._mlp(mlp, x))
-            fallbacks += len(calls)
-        finally:
-            del attention.get_query_key_value_tensors, mlp.forward
-        theirs = (*qkv_method(x, None), *mlp(x))
+        tables = None
         if gpt.position_embedding_type == "rope":
             # one (cos, sin) per step for every layer, against megatron's RoPE per call
             freqs = gpt.rotary_pos_emb(x.shape[0])
             tables = rope.cos_sin(freqs, gpt.config, attention.hidden_size_per_attention_head,
                                   x.dtype)
-            if tables is None:
-                fallbacks += 1
-            else:
-                cp = attention.pg_collection.cp
-                ours += tuple(rope.rotate(t, *tables) for t in ours[:2])
-                theirs += tuple(apply_rotary_pos_emb(t, freqs, config=gpt.config, cp_group=cp)
-                                for t in theirs[:2])
+            fallbacks += tables is None
+        calls = []
+        qkv_method, mlp_forward = attention.get_query_key_value_tensors, type(mlp).forward
+        attention.get_query_key_value_tensors = lambda *a, **k: calls.append(1) or qkv_method(*a, **k)
+        mlp.forward = lambda *a, **k: calls.append(1) or mlp_forward(mlp, *a, **k)
+        try:
+            ours = (*decode._qkv(attention, x, tables), *decode._mlp(mlp, x))
+            fallbacks += len(calls)
+        finally:
+            del attention.get_query_key_value_tensors, mlp.forward
+        query, key, value = qkv_method(x, None)
+        if tables is not None:
+            cp = attention.pg_collection.cp
+            query, key = (apply_rotary_pos_emb(t, freqs, config=gpt.config, cp_group=cp)
+                          for t in (query, key))
+        theirs = (query, key, value, *mlp(x))
         differ += sum(not (a is None and b is None or torch.equal(a, b))
                       for a, b in zip(ours, theirs, strict=True))
     counts = torch.tensor([differ, fallbacks])
