@@ -12,8 +12,9 @@ core attention. It calls their ``forward`` directly (no module hooks run on this
 does two things itself, op for op as megatron does them: the split of the fused QKV
 projection into query, key and value (:func:`_qkv`, megatron's
 ``get_query_key_value_tensors`` without its branches, with RoPE) and the dense MLP's
-activation (:func:`_mlp`). At batch 1 of the small benchmark model their Python was about a tenth of
-``generate``; the results are bitwise those of the modules' own forwards (tested).
+activation (:func:`_mlp`). At batch 1 of the small benchmark model their Python was about
+a tenth of ``generate``; the results equal those of the modules' own forwards, bitwise but
+for the sign of a zero (tested).
 
 Only the layer shapes megarlhf builds with its local spec qualify (:func:`supported`):
 self-attention with :class:`~megarlhf.models.spec.SDPACoreAttention`, a dense MLP,
