@@ -125,16 +125,15 @@ def matmul_budget(session, it: int, iteration_s: float, speedup: float | None) -
               f"{rate / peak:8.0%}  {name} {shapes}")
     # the profiled iteration runs slower than a plain one: its shares, the plain time
     share = mm_s / op_s
-    at_peak = mm_flops / peak
+    at_peak, as_ran = mm_flops / peak, share * iteration_s
     print(f"budget: iteration {iteration_s:.3f} s (median, unprofiled); matrix products "
           f"{mm_flops / 1e9:.1f} GFLOP, {share:.0%} of the profiled operator time, at "
           f"{mm_flops / mm_s / 1e9:.1f} GFLOP/s where they ran")
-    rest = iteration_s - share * iteration_s
     print(f"  products at the peak {at_peak:.3f} s + lost to the peak "
-          f"{share * iteration_s - at_peak:.3f} s + everything else {rest:.3f} s")
+          f"{as_ran - at_peak:.3f} s + everything else {iteration_s - as_ran:.3f} s")
     if speedup is not None:
         target_s = iteration_s / speedup
-        for label, products in (("at the peak", at_peak), ("as they ran", share * iteration_s)):
+        for label, products in (("at the peak", at_peak), ("as they ran", as_ran)):
             other = iteration_s - products
             cut = 1 - (target_s - products) / other
             print(f"  {speedup:.3f}x as fast ({target_s:.3f} s), products {label}: {cut:.0%} "

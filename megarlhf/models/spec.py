@@ -136,19 +136,16 @@ def _additive(attention_mask, causal: bool, sq: int, sk: int, q) -> torch.Tensor
 
 
 def _allowed(attention_mask, causal: bool, sq: int, sk: int, device):
-    """SDPA's boolean mask (True = may attend) from megatron's (True = blocked)."""
+    """SDPA's boolean mask (True = may attend) from megatron's (True = blocked). With a
+    mask, only :func:`_additive` (kept on the mask) builds it, once per mask."""
     if attention_mask is None:
         return _causal_block(sq, sk, device) if causal else None
-
-    def build():
-        allowed = ~attention_mask
-        if causal:
-            allowed = _causal_block(sq, sk, device) & allowed
-        # A query row with nothing allowed (a pad position) gives NaN in SDPA, and a
-        # NaN value row poisons every row through 0 * NaN: let each position see itself.
-        return allowed | _diagonal(sq, sk, device)
-
-    return _kept_on_mask(attention_mask, "_megarlhf_sdpa_mask", (causal, sq, sk), build)
+    allowed = ~attention_mask
+    if causal:
+        allowed = _causal_block(sq, sk, device) & allowed
+    # A query row with nothing allowed (a pad position) gives NaN in SDPA, and a NaN
+    # value row poisons every row through 0 * NaN: let each position see itself.
+    return allowed | _diagonal(sq, sk, device)
 
 
 def _kept_on_mask(mask: torch.Tensor, name: str, key: tuple, build):
