@@ -80,7 +80,7 @@ def test_prompt_messages_end_with_the_generation_prompt(model, tok, tmp_path):
     rows = [{"messages": CONVERSATION[:2]}, {"messages": CONVERSATION[1:4]}]
     ds = tokenize_dataset(write_jsonl(str(tmp_path / "p.jsonl"), rows), "prompt", DATA, tok)
     hf = model["tokenizer"]
-    for row, ids in zip(rows, ds.prompts):
+    for row, ids in zip(rows, ds.prompts, strict=True):
         assert ids == hf_ids(hf, row["messages"], True)
         assert tok.decode(ids).endswith("<|im_start|>assistant\n")
 

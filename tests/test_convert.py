@@ -87,7 +87,7 @@ def test_logprobs_match_transformers(converted, arch, layout):
     from workers.converted_models import SEQS
     _, models, results = converted
     ours = results[(arch, *layout)]["logprobs"]
-    for seq, lp in zip(SEQS, ours):
+    for seq, lp in zip(SEQS, ours, strict=True):
         with torch.no_grad():
             logits = models[arch](torch.tensor([seq])).logits[0].float()
         ref = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(seq[1:])[:, None])
@@ -99,7 +99,7 @@ def test_greedy_generation_matches_transformers(converted, arch):
     from workers.converted_models import PROMPTS
     _, models, results = converted
     ours = results[(arch, 1, 1)]["greedy"]
-    for prompt, tokens in zip(PROMPTS, ours):
+    for prompt, tokens in zip(PROMPTS, ours, strict=True):
         ref = models[arch].generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
                                     min_new_tokens=20, pad_token_id=0)
         assert ref[0, len(prompt):].tolist() == tokens

@@ -83,8 +83,8 @@ def backend_results(tmp_path_factory):
 
 
 def max_logprob_diff(rows_a, rows_b):
-    return max(abs(x - y) for a, b in zip(rows_a, rows_b)
-               for x, y in zip(a["logprobs"], b["logprobs"]))
+    return max(abs(x - y) for a, b in zip(rows_a, rows_b, strict=True)
+               for x, y in zip(a["logprobs"], b["logprobs"], strict=True))
 
 
 @pytest.mark.slow
@@ -93,7 +93,7 @@ def test_training_steps_match_single_process(backend_results, case):
     """3 Adam steps (lr 0.01, clip 1.0): DP=2 with the distributed optimizer, PP=2 1F1B,
     TP=2 reproduce the single-process losses and the trained model's log-probs."""
     ref, run = backend_results[0]["ref"], backend_results[1][case]
-    for a, b in zip(ref["losses"], run["losses"]):
+    for a, b in zip(ref["losses"], run["losses"], strict=True):
         assert abs(a - b) < 1e-5, (case, ref["losses"], run["losses"])
     assert ref["losses"][-1] < ref["losses"][0]  # the steps did train
     assert max_logprob_diff(ref["rows"], run["rows"]) < 5e-5

@@ -54,12 +54,12 @@ def paths(tmp_path_factory):
 
 def max_gap(rows_a, rows_b) -> float:
     return max(float((torch.as_tensor(a) - torch.as_tensor(b)).abs().max())
-               for a, b in zip(rows_a, rows_b))
+               for a, b in zip(rows_a, rows_b, strict=True))
 
 
 def mean_gap(rows_a, rows_b) -> float:
     gaps = torch.cat([(torch.as_tensor(a) - torch.as_tensor(b)).abs().flatten()
-                      for a, b in zip(rows_a, rows_b)])
+                      for a, b in zip(rows_a, rows_b, strict=True)])
     return float(gaps.mean())
 
 
@@ -121,7 +121,7 @@ def test_cuda_offload_frees_the_parameters_and_reload_is_exact(paths):
         off = cuda[dtype]["offload"]
         assert off["param_bytes"] <= off["freed"] <= off["param_bytes"] * 1.05, off
         assert off["pinned"]  # host copies in page-locked memory
-        for a, b in zip(off["logprobs"], cuda[dtype]["logprobs"]):
+        for a, b in zip(off["logprobs"], cuda[dtype]["logprobs"], strict=True):
             assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
 
 
@@ -177,8 +177,8 @@ def test_cli_sft_rm_ppo_and_resume_on_cuda(tiny_checkpoints, tmp_path):
                 "--output", str(dest), f"checkpoint.load={out}/sft-tiny/checkpoints",
                 f"tokenizer.path={task['tokenizer']}", env=env)
         scores[device] = [json.loads(line) for line in dest.read_text().splitlines()]
-    for a, b in zip(scores["cuda"], scores["cpu"]):
-        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < FP32_TOL
+    for a, b in zip(scores["cuda"], scores["cpu"], strict=True):
+        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)) < FP32_TOL
 
 
 @pytest.mark.gpu

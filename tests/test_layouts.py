@@ -39,10 +39,10 @@ def test_layout_matches_single_process(layout_results, case):
     ref, run = ref_all[(arch, role, 1, 1, 1, temp)], run_all[case]
     field = "values" if role == "value" else "logprobs"
     assert len(ref) == len(run) == 8
-    for a, b in zip(ref, run):
+    for a, b in zip(ref, run, strict=True):
         assert a["tokens"] == b["tokens"]
         assert len(a[field]) == len(b[field]) == len(a["tokens"]) - (role == "lm")
-        assert max(abs(x - y) for x, y in zip(a[field], b[field])) < TOL
+        assert max(abs(x - y) for x, y in zip(a[field], b[field], strict=True)) < TOL
     flat = [x for r in ref for x in r[field]]
     assert max(flat) - min(flat) > 1e-3  # not a constant output
     if role == "lm":
@@ -86,7 +86,7 @@ def test_temperature_changes_logprobs(layout_results):
     ref = layout_results[0]
     a = ref[("llama", "lm", 1, 1, 1, 1.0)][0]["logprobs"]
     b = ref[("llama", "lm", 1, 1, 1, 0.7)][0]["logprobs"]
-    assert max(abs(x - y) for x, y in zip(a, b)) > 1e-3
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) > 1e-3
 
 
 def write_sequences(path):
@@ -119,9 +119,9 @@ def test_score_cli_same_logprobs_at_three_layouts(tmp_path):
             torchrun(argv, nprocs)
         outs[name] = read_rows(out)
     for name in ("tp2", "pp2"):
-        for a, b in zip(outs["tp1pp1"], outs[name]):
+        for a, b in zip(outs["tp1pp1"], outs[name], strict=True):
             assert a["tokens"] == b["tokens"]
-            assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < TOL
+            assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)) < TOL
 
 
 def test_read_sequences_errors(tmp_path):
@@ -181,6 +181,6 @@ def test_each_role_at_its_own_layout_matches_one_process(role_results, name, lay
     flat = []
     for a, b in zip(ref["rows"], run["rows"], strict=True):
         assert a["tokens"] == b["tokens"] and len(a[field]) == len(b[field])
-        assert max(abs(x - y) for x, y in zip(a[field], b[field])) < TOL
+        assert max(abs(x - y) for x, y in zip(a[field], b[field], strict=True)) < TOL
         flat += a[field]
     assert max(flat) - min(flat) > 1e-3  # a real output, not a constant

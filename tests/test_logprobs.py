@@ -114,7 +114,7 @@ def test_bmm_attention_equals_sdpa():
         assert torch.allclose(ours, theirs, rtol=0, atol=1e-12), (B, heads, sq, sk)
         g = torch.randn_like(ours)
         for a, b in zip(torch.autograd.grad(ours, (q, k, v), g),
-                        torch.autograd.grad(theirs, (q, k, v), g)):
+                        torch.autograd.grad(theirs, (q, k, v), g), strict=True):
             assert torch.allclose(a, b, rtol=0, atol=1e-12), (B, heads, sq, sk)
         # the bias is built once per mask tensor: every layer of a forward reuses it
         assert spec._bias(blocked, causal, sq, sk, q) is spec._bias(blocked, causal, sq, sk, q)

@@ -4,7 +4,7 @@ The worker runs PPO (actor, critic, reference, reward) at TP=1 (fp32 with the
 distributed optimizer; bf16 with the plain one), TP=2, PP=2 and DP=2, and measures every
 rank's bytes per phase. The plan's exact parts (parameters, gradients, optimizer state,
 the inference model, the KV cache) must equal them byte for byte on every rank; training
-activations must be within 20%. DP=2 runs twice more, without and with offload: the
+activations must be within 5% (fp32) or 15% (bf16). DP=2 runs twice more, without and with offload: the
 metrics must be bitwise identical and the rollout must hold exactly the predicted bytes
 less.
 """
@@ -40,7 +40,7 @@ def uniform_prompts(task: dict, out) -> tuple[str, int]:
     assert len(ds.prompts) == len(rows)
     lengths = [len(p) for p in ds.prompts]
     common = collections.Counter(lengths).most_common(1)[0][0]
-    keep = [r for r, n in zip(rows, lengths) if n == common]
+    keep = [r for r, n in zip(rows, lengths, strict=True) if n == common]
     return write_jsonl(str(out / "uniform_prompts.jsonl"), keep), common
 
 
@@ -98,17 +98,20 @@ def test_plan_lists_the_parameters_of_every_built_chunk(runs, name, world):
 @pytest.mark.parametrize("name,world", LAYOUTS)
 def test_plan_equals_measured_bytes(runs, name, world):
     """Every exact part of every role in every phase, on every rank, byte for byte;
-    activations within 20%."""
+    activations within 5% in fp32 (measured: at most 3.4%, PP=2's last stage) and 15% in
+    bf16 (measured: 11%, the estimate lower), the training phase's total within 2%
+    (measured: at most 1.5%)."""
+    activations_tol = 0.15 if name == "plain_bf16" else 0.05
     for rank, result in enumerate(runs(name, world)):
         measured, planned = result["measured"], result["planned"]
         assert exact_parts(result) == exact_parts(result, "planned"), rank
         for key in [k for k in measured if k.startswith("train/") and k.endswith("/activations")]:
-            assert planned[key] == pytest.approx(measured[key], rel=0.2), (rank, key)
+            assert planned[key] == pytest.approx(measured[key], rel=activations_tol), (rank, key)
         # phase totals: exact but for training, whose activations are estimated
         want, have = result["planned_totals"], result["measured_totals"]
         for phase in ("rollout", "experience", "save"):
             assert want[phase] == have[phase], (rank, phase)
-        assert want["train"] == pytest.approx(have["train"], rel=0.1), rank
+        assert want["train"] == pytest.approx(have["train"], rel=0.02), rank
 
 
 @pytest.fixture(scope="module")

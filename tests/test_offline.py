@@ -22,7 +22,7 @@ from megarlhf.algos.preference import dpo_loss, topk_kl
 
 def loop_dpo(pc, pr, rc, rr, beta, loss, eps):
     out = []
-    for a, b, c, d in zip(pc, pr, rc, rr):
+    for a, b, c, d in zip(pc, pr, rc, rr, strict=True):
         h = (a - c) - (b - d)
         if loss == "sigmoid":
             sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
@@ -96,7 +96,7 @@ def loop_kl(t_logits, s_logits, k, divergence):
         pt = [p[idx][i].item() for i in top] + [1 - sum(p[idx][i].item() for i in top)]
         ps = [q[idx][i].item() for i in top] + [1 - sum(q[idx][i].item() for i in top)]
         a, b = (pt, ps) if divergence == "forward" else (ps, pt)
-        out[idx] = sum(x * (math.log(x) - math.log(y)) for x, y in zip(a, b) if x > 0)
+        out[idx] = sum(x * (math.log(x) - math.log(y)) for x, y in zip(a, b, strict=True) if x > 0)
     return out
 
 
@@ -147,7 +147,7 @@ def test_cache_equals_recomputation_and_refuses_what_is_stale(tiny_checkpoints, 
         lc.build_cache(role, rows, path, key, micro_batch_size=2, max_len=32)
         cache = lc.load_cache(path, key)
         scored = score_sequences(role, rows, micro_batch_size=1)
-        for row, got in zip(scored, cache.logprobs):
+        for row, got in zip(scored, cache.logprobs, strict=True):
             assert torch.allclose(torch.tensor(row["logprobs"]), got, atol=1e-6)
         assert cache.topk_ids[0].shape == (4, 3)
         # the cached top-1 log-prob is at least the scored token's
@@ -176,7 +176,7 @@ def test_cache_equals_recomputation_and_refuses_what_is_stale(tiny_checkpoints, 
             role, rows, path, key, micro_batch_size=2, max_len=32), on_stale="rebuild",
             log=messages.append)
         assert "has no manifest.json" in messages[0] and "rebuilding" in messages[0]
-        assert all(torch.equal(a, b) for a, b in zip(rebuilt.logprobs, cache.logprobs))
+        assert all(torch.equal(a, b) for a, b in zip(rebuilt.logprobs, cache.logprobs, strict=True))
         assert not (tmp_path / ".tmp-cache-deadbeef").exists()
     finally:
         shutdown()

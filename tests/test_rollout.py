@@ -144,12 +144,12 @@ def test_reshard_reproduces_training_logprobs(rollout_results, case):
     for phase in ("initial", "after_step"):
         d = phases[phase]
         for rank_rows in d["inference"]:  # every replica / TP rank
-            diff = max(abs(x - y) for row, inf in zip(d["train"], rank_rows)
-                       for x, y in zip(row["logprobs"], inf))
+            diff = max(abs(x - y) for row, inf in zip(d["train"], rank_rows, strict=True)
+                       for x, y in zip(row["logprobs"], inf, strict=True))
             assert diff < 1e-5, (case, phase, diff)
         assert d["bytes"] > 0
-    moved = max(abs(x - y) for a, b in zip(phases["initial"]["train"], phases["after_step"]["train"])
-                for x, y in zip(a["logprobs"], b["logprobs"]))
+    moved = max(abs(x - y) for a, b in zip(phases["initial"]["train"], phases["after_step"]["train"], strict=True)
+                for x, y in zip(a["logprobs"], b["logprobs"], strict=True))
     assert moved > 1e-3  # the optimizer step changed the weights, and the reshard followed
 
 

@@ -75,7 +75,7 @@ def test_the_ema_policy_exports_too(walk):
     run_cli("export", *walk["ppo_args"], "--out", out, "--role", "ema")
     ema = transformers.AutoModelForCausalLM.from_pretrained(out)
     actor = transformers.AutoModelForCausalLM.from_pretrained(walk["out"])
-    gaps = [float((a - b).abs().max()) for a, b in zip(ema.parameters(), actor.parameters())]
+    gaps = [float((a - b).abs().max()) for a, b in zip(ema.parameters(), actor.parameters(), strict=True)]
     assert 0 < max(gaps) < 1.0  # the average lags the actor it follows
     assert all(torch.isfinite(p).all() for p in ema.parameters())
 
@@ -96,7 +96,10 @@ def _megarlhf_greedy(walk, nprocs: int, *layout: str) -> list[dict]:
         run_cli(*argv)
     else:
         torchrun(argv, nprocs)
-    walk["greedy"][key] = [json.loads(line) for line in open(out)], rows
+    written = [json.loads(line) for line in open(out)]
+    assert len(written) == len(rows) == 6, (len(written), len(rows))
+    assert all(len(r["response_tokens"]) == 12 for r in written)  # stop_at_eos=false
+    walk["greedy"][key] = written, rows
     return walk["greedy"][key]
 
 
@@ -108,7 +111,7 @@ def test_transformers_greedy_generation_equals_megarlhf(walk):
     tok = transformers.AutoTokenizer.from_pretrained(out)
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     model.generation_config.eos_token_id = None  # as rollout.stop_at_eos=false
-    for row, mine in zip(rows, ours):
+    for row, mine in zip(rows, ours, strict=True):
         ids = tok.apply_chat_template(row["messages"], add_generation_prompt=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         with torch.no_grad():

@@ -98,11 +98,11 @@ def nonfinite_case(results):
                                                 poison=dist.get_rank() == 1),
                                   microbatches(seqs, layout.dp_rank, layout.dp_size),
                                   seq_length=SEQ_LEN, micro_batch_size=MICRO)
-    unchanged = all(torch.equal(a, b) for a, b in zip(before, chunks[0].parameters()))
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, chunks[0].parameters(), strict=True))
     _, applied2, _ = train_step(role, lm_step(layout, cfg.model.vocab_size),
                                 microbatches(seqs, layout.dp_rank, layout.dp_size),
                                 seq_length=SEQ_LEN, micro_batch_size=MICRO)
-    changed = not all(torch.equal(a, b) for a, b in zip(before, chunks[0].parameters()))
+    changed = not all(torch.equal(a, b) for a, b in zip(before, chunks[0].parameters(), strict=True))
     flags = torch.tensor([float(applied), float(unchanged), float(applied2), float(changed),
                           float(role.num_skipped_steps)])
     gathered = [torch.zeros(5) for _ in range(dist.get_world_size())]
@@ -153,7 +153,7 @@ def legacy_case(out_dir, results):
     loaded = _adam_state(fresh.optimizer)
     results["legacy"] = {
         "tensors": len(saved),
-        "max_diff": max((a - b).abs().max().item() for a, b in zip(saved, loaded)),
+        "max_diff": max((a - b).abs().max().item() for a, b in zip(saved, loaded, strict=True)),
         "moments_nonzero": all(t.abs().sum() > 0 for t in saved[1::4])}
     distributed = build(make_config("llama", 1, 1, extra=(
         "optimizer.lr=0.01", "optimizer.use_distributed_optimizer=true")), "lm",
@@ -191,7 +191,7 @@ def megatron_step_case(results):
                 theirs.trained.scheduler.step(increment=1)
                 assert applied and ok
                 norms.append((norm, float(their_norm)))
-            pairs = zip(ours.chunks[0].parameters(), theirs.chunks[0].parameters())
+            pairs = zip(ours.chunks[0].parameters(), theirs.chunks[0].parameters(), strict=True)
             out[(distributed, clip)] = {
                 "equal": all(torch.equal(a, b) for a, b in pairs), "norms": norms}
     results["megatron_step"] = out
@@ -242,7 +242,7 @@ def reload_and_score(name, ckpt, results):
     ref_params = results["ref"]["params"]
     results[f"reload_{name}"] = {
         "param_diff": max((a - b).abs().max().item() for a, b in
-                          zip(ref_params, [p.detach().clone() for p in scorer.chunks[0].parameters()])),
+                          zip(ref_params, [p.detach().clone() for p in scorer.chunks[0].parameters()], strict=True)),
         "rows": score_sequences(scorer, fixed_sequences(6), micro_batch_size=2)}
 
 

@@ -34,7 +34,7 @@ def main():
             scorer = build(cfg, "lm")
             chunks = scorer.chunks
             rows = score_sequences(scorer, SEQS, micro_batch_size=1)
-            results[(arch, tp, pp)] = {"logprobs": rows and [r["logprobs"] for r in rows]}
+            results[(arch, tp, pp)] = {"logprobs": [r["logprobs"] for r in rows]}
             if world == 1:
                 gen = generate(chunks[0], PROMPTS, SamplingParams(max_new_tokens=20, greedy=True),
                                eos_id=-1, pad_id=0, true_vocab=cfg.model.vocab_size)

@@ -44,7 +44,7 @@ def ptx_reference_nll(session) -> float:
     out = forward_rows(session.actor, list(range(len(rows))), lambda idx: batches[idx[0]],
                        step, micro_batch_size=1)
     nll = sum(-float((o["logprobs"] * b["loss_mask"][0, :-1]).sum())
-              for o, b in zip(out, batches))
+              for o, b in zip(out, batches, strict=True))
     return nll / sum(float(b["loss_mask"].sum()) for b in batches)
 
 
