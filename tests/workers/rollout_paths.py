@@ -9,9 +9,17 @@ import functools
 import os
 import sys
 
+import contextlib
+
 import torch
 import torch.distributed as dist
+from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+# megatron's unfused RoPE, captured before anything of megarlhf is imported (building a
+# model routes rope_utils' function through megarlhf.models.rope)
+MEGATRON_BSHD = rope_utils._apply_rotary_pos_emb_bshd
+assert MEGATRON_BSHD.__module__ == rope_utils.__name__, MEGATRON_BSHD.__module__
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import build, fixed_sequences, make_config  # noqa: E402
@@ -158,6 +166,18 @@ def reshard_case(name, tp, pp, rollout_tp, results, vpp=None):
     results[name] = out
 
 
+@contextlib.contextmanager
+def megatrons_own_rope():
+    """megatron's ``apply_rotary_pos_emb`` with its own unfused function inside, not the
+    one megarlhf routes it through."""
+    routed = rope_utils._apply_rotary_pos_emb_bshd
+    rope_utils._apply_rotary_pos_emb_bshd = MEGATRON_BSHD
+    try:
+        yield
+    finally:
+        rope_utils._apply_rotary_pos_emb_bshd = routed
+
+
 def decode_parts(model) -> dict:
     """rollout/decode.py's own QKV split (with RoPE's per-step tables, where the model has
     RoPE) and MLP against megatron's methods (and megatron's RoPE per call), layer by
@@ -188,8 +208,9 @@ def decode_parts(model) -> dict:
         query, key, value = qkv_method(x, None)
         if tables is not None:
             cp = attention.pg_collection.cp
-            query, key = (apply_rotary_pos_emb(t, freqs, config=gpt.config, cp_group=cp)
-                          for t in (query, key))
+            with megatrons_own_rope():
+                query, key = [apply_rotary_pos_emb(t, freqs, config=gpt.config, cp_group=cp)
+                              for t in (query, key)]
         theirs = (query, key, value, *mlp(x))
         differ += sum(not (a is None and b is None or torch.equal(a, b))
                       for a, b in zip(ours, theirs, strict=True))
