@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megarlhf.algos.masked import ReduceFn, masked_whiten
+from megarlhf.algos.masked import masked_whiten
 
 
 def gae(rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor,
@@ -89,12 +89,11 @@ def rloo_advantages(scores_B: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def reinforce_pp_advantages(rewards_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float = 1.0,
-                            unbiased: bool = True,
-                            reduce_fn: ReduceFn | None = None) -> torch.Tensor:
+                            unbiased: bool = True) -> torch.Tensor:
     """REINFORCE++ (OpenRLHF): discounted returns of the KL-shaped token rewards, whitened
     over the whole (global) batch. Zero outside the mask."""
     returns = discounted_returns(rewards_BT, mask_BT, gamma)
-    return masked_whiten(returns, mask_BT, unbiased=unbiased, reduce_fn=reduce_fn) * mask_BT
+    return masked_whiten(returns, mask_BT, unbiased=unbiased) * mask_BT
 
 
 def broadcast_to_tokens(advantages_B: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
@@ -105,8 +104,7 @@ def broadcast_to_tokens(advantages_B: torch.Tensor, mask_BT: torch.Tensor) -> to
 def estimate_advantages(estimator: str, *, scores_B: torch.Tensor, rewards_BT: torch.Tensor,
                         values_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float,
                         lam: float, group_size: int, whiten: bool, unbiased: bool = True,
-                        group_norm: str = "sequence", reduce_fn: ReduceFn | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        group_norm: str = "sequence") -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BT, returns_BT) for ``ppo.advantage_estimator``:
 
     - ``gae``: GAE on the KL-shaped rewards with the critic's values (returns = A + V);
@@ -122,7 +120,7 @@ def estimate_advantages(estimator: str, *, scores_B: torch.Tensor, rewards_BT: t
     if estimator == "gae":
         advantages, returns = gae(rewards_BT, values_BT, mask, gamma, lam)
     elif estimator == "reinforce_pp":
-        advantages = reinforce_pp_advantages(rewards_BT, mask, gamma, unbiased, reduce_fn)
+        advantages = reinforce_pp_advantages(rewards_BT, mask, gamma, unbiased)
         returns = advantages.clone()
     elif estimator == "grpo" and group_norm == "token":
         advantages = grpo_token_advantages(scores_B, mask, group_size)
@@ -140,6 +138,5 @@ def estimate_advantages(estimator: str, *, scores_B: torch.Tensor, rewards_BT: t
     else:
         raise ValueError(f"unknown advantage estimator {estimator!r}")
     if whiten and estimator in ("gae", "rloo"):
-        advantages = masked_whiten(advantages, mask, unbiased=unbiased,
-                                   reduce_fn=reduce_fn) * mask
+        advantages = masked_whiten(advantages, mask, unbiased=unbiased) * mask
     return advantages, returns

@@ -1,47 +1,36 @@
 """Masked reductions and whitening.
 
-Every function takes an optional ``reduce_fn`` that sums a tensor across data-parallel
-ranks (e.g. an all-reduce), so statistics can be global without this package knowing
-about process groups. Variance convention: ``unbiased=True`` applies Bessel's correction
+Statistics are over the tensors given: PPO's experience batch is whole on every rank, so
+whitening it is global without any collective. Variance convention: ``unbiased=True`` applies Bessel's correction
 n/(n-1) (torch's default, and TRL's); ``unbiased=False`` is the population variance
 (TensorFlow's ``tf.nn.moments``, used by OpenAI's lm-human-preferences).
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
-
-ReduceFn = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _reduce(x: torch.Tensor, reduce_fn: ReduceFn | None) -> torch.Tensor:
-    return x if reduce_fn is None else reduce_fn(x)
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return (x * mask).sum() if dim is None else (x * mask).sum(dim)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None,
-                reduce_fn: ReduceFn | None = None) -> torch.Tensor:
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of ``x`` where ``mask`` is 1 (over all elements, or along ``dim``). An empty
-    mask gives 0, not NaN. ``reduce_fn`` only applies to the global (dim=None) form."""
+    mask gives 0, not NaN."""
     mask = mask.to(x.dtype)
     if dim is not None:
         return masked_sum(x, mask, dim) / mask.sum(dim).clamp(min=1)
-    parts = _reduce(torch.stack([masked_sum(x, mask), mask.sum()]), reduce_fn)
+    parts = torch.stack([masked_sum(x, mask), mask.sum()])
     return parts[0] / parts[1].clamp(min=1)
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
-               reduce_fn: ReduceFn | None = None) -> torch.Tensor:
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
     """Variance of the masked elements (two passes, for precision). Fewer than two
     elements give 0."""
     mask = mask.to(x.dtype)
-    mean = masked_mean(x, mask, reduce_fn=reduce_fn)
-    parts = _reduce(torch.stack([masked_sum((x - mean) ** 2, mask), mask.sum()]), reduce_fn)
+    mean = masked_mean(x, mask)
+    parts = torch.stack([masked_sum((x - mean) ** 2, mask), mask.sum()])
     sq_sum, count = parts[0], parts[1]
     if count < 2:
         return torch.zeros((), dtype=x.dtype, device=x.device)
@@ -49,13 +38,12 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
-                  unbiased: bool = True, eps: float = 1e-8,
-                  reduce_fn: ReduceFn | None = None) -> torch.Tensor:
+                  unbiased: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) over the masked elements; with ``shift_mean=False``
     the mean is added back (scale only, as trlx/TRL do for rewards). Masked-out positions
     are transformed too; callers zero them if they need to."""
-    mean = masked_mean(x, mask, reduce_fn=reduce_fn)
-    var = masked_var(x, mask, unbiased=unbiased, reduce_fn=reduce_fn)
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask, unbiased=unbiased)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     return whitened if shift_mean else whitened + mean
 
