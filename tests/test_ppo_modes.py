@@ -296,7 +296,7 @@ def test_critic_from_the_reward_model_predicts_the_normalised_score(setup):
 
 def test_two_processes_with_dp2_follow_one_process(setup):
     one, two = load(setup, "dp", 1), load(setup, "dp", 2)
-    for it, (a, b) in enumerate(zip(one["metrics"], two["metrics"])):
+    for it, (a, b) in enumerate(zip(one["metrics"], two["metrics"], strict=True)):
         for key, value in a.items():
             if key.startswith(("timing/", "perf/", "memory/")):  # memory differs by layout
                 continue

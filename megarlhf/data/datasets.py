@@ -172,7 +172,7 @@ def _finish(path: str, out: TokenizedDataset) -> TokenizedDataset:
     return out
 
 
-def _tokenize_texts(path, table, kind, data_cfg, tokenizer) -> TokenizedDataset:
+def _tokenize_texts(path, table, kind, data_cfg: DataConfig, tokenizer) -> TokenizedDataset:
     columns = {key: getattr(data_cfg, key) for key in KINDS[kind]}
     for key, column in columns.items():
         if column not in table.column_names:
@@ -194,7 +194,7 @@ def _tokenize_texts(path, table, kind, data_cfg, tokenizer) -> TokenizedDataset:
     return _finish(path, out)
 
 
-def _tokenize_chats(path, table, kind, data_cfg, tokenizer) -> TokenizedDataset:
+def _tokenize_chats(path, table, kind, data_cfg: DataConfig, tokenizer) -> TokenizedDataset:
     from megarlhf.data.chat import assistant_spans, check_messages, tokenize_pieces
 
     template = getattr(tokenizer, "chat_template", None)

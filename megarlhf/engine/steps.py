@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from megarlhf.config import PPOConfig
 from megarlhf.models.gpt import head_positions
 from megarlhf.models.logprobs import vocab_parallel_logprobs
 from megarlhf.parallel import cpu_backend, one_rank
@@ -143,7 +144,8 @@ def make_sequence_step(kind: str, *, prompt_len: int, tp_group=None, true_vocab:
     return forward_step
 
 
-def make_policy_step(*, prompt_len: int, tp_group, true_vocab: int, temperature: float, ppo):
+def make_policy_step(*, prompt_len: int, tp_group, true_vocab: int, temperature: float,
+                     ppo: PPOConfig):
     """The actor's loss on experience micro-batches, as ``ppo`` (the PPOConfig) selects:
 
     - the clipped surrogate (``policy_loss=ppo``; truncated importance weights of the
