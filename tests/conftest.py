@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -63,15 +64,31 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
     """The synthetic task, a tiny SFT policy with checkpoints at steps 3 and 6 and a tiny
-    reward model: (folder, task files, the CLI arguments every run shares)."""
+    reward model: (folder, task files, the CLI arguments every run shares).
+
+    ``MEGARLHF_TINY_DIR`` names a folder to keep them in and reuse when complete:
+    tests/mutants.py builds them once with the unmutated code and every mutant's run
+    reads them (nothing writes into them after they are complete)."""
+    from pathlib import Path
+
     from megarlhf.data.synthetic import write_task
 
-    out = tmp_path_factory.mktemp("tiny")
+    keep = os.environ.get("MEGARLHF_TINY_DIR")
+    out = Path(keep) if keep else tmp_path_factory.mktemp("tiny")
+    done = out / "COMPLETE"
+    if keep and done.exists():
+        return out, json.loads(done.read_text()), tiny_common(out, json.loads(done.read_text()))
     task = write_task(str(out / "task"), seed=0)
-    common = [f"tokenizer.path={task['tokenizer']}", f"run.output_dir={out}",
-              "logging.progress_bar=false", "logging.tensorboard=false"]
+    common = tiny_common(out, task)
     run_cli("sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
             "train.max_steps=6", "checkpoint.save_interval=3", "checkpoint.keep_last=2", *common)
     run_cli("rm", "configs/rm_tiny.yaml", f"data.train_path={task['prefs']}",
             "train.max_steps=6", "checkpoint.save_interval=0", *common)
+    if keep:
+        done.write_text(json.dumps(task))
     return out, task, common
+
+
+def tiny_common(out, task) -> list[str]:
+    return [f"tokenizer.path={task['tokenizer']}", f"run.output_dir={out}",
+            "logging.progress_bar=false", "logging.tensorboard=false"]
