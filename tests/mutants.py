@@ -1,0 +1,260 @@
+"""Mutants that must die: small, plausible bugs planted in a scratch copy of the
+repository, each run against the tests that claim to catch it.
+
+    .venv/bin/python tests/mutants.py [--jobs 2] [--only NAME ...] [--list]
+
+For each mutant the script copies the repository (tracked files) into a scratch folder,
+replaces one line (the text must occur exactly once), checks that Python imports
+``megarlhf`` from the copy, and runs the mutant's tests there with pytest. A mutant is
+killed when a test fails (pytest exit code 1); it survives when they pass, and an error
+that is not a test failure (a mutant that does not import, a collection error) is
+reported as such, not counted as a kill. Before any mutant, the same tests run on the
+unmutated copy and must pass, so a kill means the mutation, not a broken test. The tiny
+SFT policy and reward model are trained once, by the unmutated code, and shared
+(``MEGARLHF_TINY_DIR``); the PPO reference tests run only the cases a mutant names
+(``MEGARLHF_TRACE_CASES``).
+
+Prints a table (mutant, killing test, seconds) and exits 1 when a mutant survives.
+``scripts/test.sh`` runs it after the suite; tests/README.md holds the last table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REF = "tests/test_ppo_reference.py"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str  # the bug, in words
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest node ids
+    cases: tuple[str, ...] = ("gae_k1",)  # the PPO reference cases they need
+
+
+def ref(test: str, case: str = "gae_k1") -> str:
+    return f"{REF}::{test}[{case}]"
+
+
+MUTANTS = [
+    Mutant("kl_arguments_swapped", "the KL penalty's arguments swapped (KL of the reference "
+           "from the policy): the reward pays for moving away from the reference",
+           "megarlhf/rollout/experience.py",
+           "algos.kl_per_token(old_lp, ref_lp, mask, ppo.kl_estimator)",
+           "algos.kl_per_token(ref_lp, old_lp, mask, ppo.kl_estimator)",
+           (ref("test_experience_against_plain_loops"),)),
+    Mutant("loss_old_is_current", "the policy loss's old log-probs replaced by the current "
+           "ones: the ratio is always 1 and nothing is clipped",
+           "megarlhf/engine/steps.py",
+           'logprobs_BT, batch["old_logprobs"], batch["advantages"], mask,',
+           'logprobs_BT, logprobs_BT.detach(), batch["advantages"], mask,',
+           (ref("test_every_micro_batch_loss_against_a_loop"),
+            ref("test_the_policy_moves_and_the_clip_bites"))),
+    Mutant("gae_bootstrap_dropped", "GAE without the next state's value (delta = r - V)",
+           "megarlhf/algos/advantages.py",
+           "next_value = values[:, t + 1] if t < T - 1 else torch.zeros_like(last_gae)",
+           "next_value = torch.zeros_like(last_gae)",
+           (ref("test_experience_against_plain_loops"),)),
+    Mutant("score_on_first_token", "the score added at the first response token instead of "
+           "the last", "megarlhf/algos/rewards.py",
+           "rewards[rows, last[rows]] += scores[rows]", "rewards[rows, 0] += scores[rows]",
+           (ref("test_experience_against_plain_loops"),)),
+    Mutant("response_mask_shifted", "the response mask shifted one token to the right",
+           "megarlhf/rollout/experience.py", "mask = gen.response_mask_BT.float()",
+           "mask = torch.roll(gen.response_mask_BT.float(), 1, dims=1)",
+           (ref("test_trained_tokens_and_scores_follow_the_rules"),)),
+    Mutant("value_clip_sign_flipped", "the clipped value moves away from the new value",
+           "megarlhf/algos/losses.py",
+           "clipped = old_values_BT + (values_BT - old_values_BT).clamp(",
+           "clipped = old_values_BT - (values_BT - old_values_BT).clamp(",
+           (ref("test_every_micro_batch_loss_against_a_loop", "gae_abs_nostop"),
+            ref("test_each_step_lowers_its_mini_batch_loss", "gae_abs_nostop")),
+           ("gae_abs_nostop",)),
+    Mutant("reference_is_the_actor", "the reference's log-probs scored with the current "
+           "actor's weights", "megarlhf/rollout/experience.py",
+           "scored = self._score(self.reference, gen, rows)",
+           "scored = self._score(self.actor, gen, rows)",
+           (ref("test_logprobs_against_transformers"),)),
+    Mutant("ema_update_skipped", "the EMA actor never updated", "megarlhf/stages/ppo.py",
+           "                ema.update(actor.parameters)", "                pass",
+           (ref("test_ema_actor_follows_a_loop_over_the_steps"),)),
+    Mutant("critic_not_stepped", "the critic's gradients computed but never applied",
+           "megarlhf/stages/ppo.py",
+           "ok, _ = step_together([role.trained for role, _ in learners])",
+           "ok, _ = step_together([role.trained for role, _ in learners if role is actor])",
+           (ref("test_each_step_lowers_its_mini_batch_loss"),)),
+    # beyond the issue's list
+    Mutant("advantages_not_whitened", "GAE/RLOO advantages not whitened over the batch",
+           "megarlhf/algos/advantages.py", 'if whiten and estimator in ("gae", "rloo"):',
+           "if False:", (ref("test_experience_against_plain_loops"),)),
+    Mutant("k3_reversed", "k3 with the ratio inverted (a KL in the other direction)",
+           "megarlhf/algos/kl.py", "kl = torch.expm1(log_r) - log_r",
+           "kl = torch.expm1(-log_r) + log_r",
+           (ref("test_experience_against_plain_loops", "gae_k3_nostop"),), ("gae_k3_nostop",)),
+    Mutant("grpo_population_std", "GRPO's group std without Bessel's correction",
+           "megarlhf/algos/advantages.py",
+           "centred = centred / (groups.std(dim=1, keepdim=True) + eps)",
+           "centred = centred / (groups.std(dim=1, keepdim=True, unbiased=False) + eps)",
+           (ref("test_experience_against_plain_loops", "grpo_sequence"),), ("grpo_sequence",)),
+    Mutant("clip_upper_bound_doubled", "the ratio clipped at 1 + 2 eps above",
+           "megarlhf/algos/losses.py", "ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)",
+           "ratio.clamp(1.0 - clip_eps, 1.0 + 2 * clip_eps)",
+           (ref("test_every_micro_batch_loss_against_a_loop"),)),
+    Mutant("behaviour_weight_inverted", "the decoupled loss's behaviour weight inverted",
+           "megarlhf/algos/losses.py",
+           "torch.exp(proximal_logprobs_BT - behavior_logprobs_BT)",
+           "torch.exp(behavior_logprobs_BT - proximal_logprobs_BT)",
+           (ref("test_every_micro_batch_loss_against_a_loop", "decoupled"),), ("decoupled",)),
+    Mutant("missing_stop_rule_skipped", "responses without a stop token keep their score",
+           "megarlhf/rollout/experience.py", "if ppo.missing_stop_penalty is not None:",
+           "if False:",
+           (ref("test_trained_tokens_and_scores_follow_the_rules", "gae_k3_nostop"),),
+           ("gae_k3_nostop",)),
+    Mutant("entropy_bonus_sign", "the entropy bonus with the wrong sign (entropy penalised)", "megarlhf/engine/steps.py", "total = total + ent_total",
+           "total = total - ent_total",
+           (ref("test_every_micro_batch_loss_against_a_loop", "gae_k2"),), ("gae_k2",)),
+    Mutant("bypass_ignored", "rollout.recompute_logprobs=false still recomputes",
+           "megarlhf/rollout/experience.py", "if self.cfg.rollout.recompute_logprobs:",
+           "if True:", (ref("test_old_logprobs_are_the_ones_the_mode_promises", "bypass"),),
+           ("bypass",)),
+]
+
+
+def tracked_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, check=True)
+    return [p for p in out.stdout.decode().split("\0") if p]
+
+
+def make_copy(dest: str, files: list[str]) -> None:
+    for rel in files:
+        src = os.path.join(ROOT, rel)
+        if not os.path.isfile(src):  # deleted in the work tree
+            continue
+        os.makedirs(os.path.dirname(os.path.join(dest, rel)) or dest, exist_ok=True)
+        shutil.copy2(src, os.path.join(dest, rel))
+
+
+def mutate(copy: str, m: Mutant) -> None:
+    path = os.path.join(copy, m.path)
+    text = open(path).read()
+    count = text.count(m.old)
+    if count != 1:
+        raise SystemExit(f"mutant {m.name}: {m.path} holds {count} copies of {m.old!r} "
+                         "(expected exactly 1): update tests/mutants.py")
+    with open(path, "w") as f:
+        f.write(text.replace(m.old, m.new))
+
+
+def env_for(copy: str, tiny: str, cases) -> dict:
+    return {**os.environ, "PYTHONPATH": copy, "MEGARLHF_TINY_DIR": tiny,
+            "MEGARLHF_TRACE_CASES": ",".join(cases), "OMP_NUM_THREADS": "1",
+            "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def run_tests(copy: str, tiny: str, tests, cases, basetemp: str
+              ) -> tuple[int, str, float]:
+    env = env_for(copy, tiny, cases)
+    where = subprocess.run([sys.executable, "-c", "import megarlhf; print(megarlhf.__file__)"],
+                           cwd=copy, env=env, capture_output=True, text=True)
+    if not where.stdout.strip().startswith(copy):
+        raise SystemExit(f"megarlhf imports from {where.stdout.strip() or where.stderr!r}, "
+                         f"not from the scratch copy {copy}")
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p",
+                           "no:cacheprovider", f"--basetemp={basetemp}", "-n", "0", *tests],
+                          cwd=copy, env=env, capture_output=True, text=True)
+    return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - start
+
+
+def first_failure(output: str) -> str:
+    found = re.search(r"^FAILED (\S+)", output, re.M)
+    return found.group(1).split("::", 1)[-1] if found else "?"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=2, help="mutants run at once")
+    parser.add_argument("--only", nargs="*", default=None, help="mutant names")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--keep", default=None, help="scratch folder to keep (default: a "
+                        "temporary one, removed at the end)")
+    args = parser.parse_args(argv)
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.name:28s} {m.path}: {m.what}")
+        return 0
+    chosen = [m for m in MUTANTS if args.only is None or m.name in args.only]
+    unknown = set(args.only or ()) - {m.name for m in MUTANTS}
+    if unknown:
+        raise SystemExit(f"unknown mutant(s): {', '.join(sorted(unknown))}")
+    scratch = args.keep or tempfile.mkdtemp(prefix="megarlhf-mutants-")
+    os.makedirs(scratch, exist_ok=True)
+    files = tracked_files()
+    tiny = os.path.join(scratch, "tiny")
+    try:
+        # The unmutated copy: the targeted tests pass, and the shared inputs get built.
+        clean = os.path.join(scratch, "clean")
+        make_copy(clean, files)
+        tests = sorted({t for m in chosen for t in m.tests})
+        cases = sorted({c for m in chosen for c in m.cases})
+        start = time.perf_counter()
+        code, output, seconds = run_tests(clean, tiny, tests, cases,
+                                          os.path.join(scratch, "tmp-clean"))
+        if code != 0:
+            print(output[-6000:])
+            print(f"mutants: the unmutated code fails its mutants' tests (exit {code}): fix "
+                  "that first")
+            return 2
+        print(f"mutants: unmutated copy passes {len(tests)} tests ({seconds:.0f} s)",
+              flush=True)
+
+        def one(m: Mutant):
+            copy = os.path.join(scratch, m.name)
+            make_copy(copy, files)
+            mutate(copy, m)
+            code, output, seconds = run_tests(copy, tiny, m.tests, m.cases,
+                                              os.path.join(scratch, f"tmp-{m.name}"))
+            shutil.rmtree(copy, ignore_errors=True)
+            if code == 1:
+                return m, "killed", first_failure(output), seconds, output
+            verdict = "SURVIVED" if code == 0 else f"error (pytest exit {code})"
+            return m, verdict, "-", seconds, output
+
+        rows = []
+        with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            for m, verdict, killer, seconds, output in pool.map(one, chosen):
+                rows.append((m, verdict, killer, seconds))
+                print(f"  {m.name:28s} {verdict:8s} {seconds:5.1f} s  {killer}", flush=True)
+                if verdict != "killed":
+                    print(output[-3000:])
+        total = time.perf_counter() - start
+        print("\n| mutant | what | killed by | s |\n|---|---|---|---|")
+        for m, verdict, killer, seconds in rows:
+            mark = killer if verdict == "killed" else f"**{verdict}**"
+            print(f"| `{m.name}` | {m.what} | `{mark}` | {seconds:.0f} |")
+        alive = [m.name for m, verdict, _, _ in rows if verdict != "killed"]
+        print(f"\nmutants: {len(rows) - len(alive)} of {len(rows)} killed in {total:.0f} s"
+              + (f"; not killed: {', '.join(alive)}" if alive else ""))
+        return 1 if alive else 0
+    finally:
+        if not args.keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
