@@ -67,77 +67,15 @@ class SDPACoreAttention(MegatronModule):
         if causal and attention_mask is None and sq == sk:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
                                                   scale=self.softmax_scale, enable_gqa=gqa)
-        if attention_mask is not None and dropout == 0.0 and _bmm_pays(q, sk):
-            return _attend_by_bmm(q, k, v, _bias(attention_mask, causal, sq, sk, q),
-                                  self.softmax_scale)
-        mask = _allowed(attention_mask, causal, sq, sk, q.device) if attention_mask is None \
-            else _additive(attention_mask, causal, sq, sk, q)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                              scale=self.softmax_scale, enable_gqa=gqa)
-
-
-# Up to this many keys the CPU attention of several queries with a mask runs as three
-# batched matmul-like ops (:func:`_attend_by_bmm`), above it SDPA's flash kernel: at (B 8,
-# heads 8, groups 4, head 32), forward+backward, 64 keys 1.4-1.6x faster, 128 keys
-# 1.1-1.2x, 256 keys 0.85-1.0x (BENCHMARKS.md, round 7). Its score matrix (B, heads, sq,
-# sk) is held for the backward, which flash avoids, and the bias as long as the mask: at
-# most BMM_MAX_SCORES elements each (16 MB in fp32 per layer; small's training
-# micro-batch has 262144). A decode step (one query, a new mask each step) stays on SDPA:
-# building the bias every step made greedy generation at batch 1 6% slower.
-BMM_MAX_KEYS = 128
-BMM_MAX_SCORES = 1 << 22
-
-
-def _bmm_pays(q, sk: int) -> bool:
-    """:func:`_attend_by_bmm` for this CPU query block (B, heads, sq, d) on ``sk`` keys:
-    several queries, the sizes above, and fp32 or fp64 (it takes scores and softmax in
-    the inputs' dtype, where SDPA's kernels sum bf16 and fp16 in fp32)."""
-    B, heads, sq = q.shape[:3]
-    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
-            and 1 < sq and sk <= BMM_MAX_KEYS and B * heads * sq * sk <= BMM_MAX_SCORES)
-
-
-def _attend_by_bmm(q, k, v, bias, scale: float) -> torch.Tensor:
-    """softmax(scale * q k^T + bias) v with each K/V group's query heads stacked into one
-    matrix, so no key or value is copied per head: q (B, heads, sq, d), k and v (B, groups,
-    sk, d), ``bias`` (B, heads, sq, sk) contiguous -> (B, heads, sq, d). The scale
-    and the mask are applied inside the first product (``baddbmm``), and autograd keeps
-    three products and one softmax, where SDPA's CPU flash kernel is slow at these sizes."""
-    B, heads, sq, d = q.shape
-    groups, sk = k.shape[1], k.shape[2]
-    scores = torch.baddbmm(bias.view(B * groups, -1, sk), q.reshape(B * groups, -1, d),
-                           k.transpose(2, 3).reshape(B * groups, d, sk), alpha=scale)
-    out = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(B * groups, sk, d))
-    return out.view(B, heads, sq, d)
-
-
-def _bias(attention_mask, causal: bool, sq: int, sk: int, q) -> torch.Tensor:
-    """:func:`_additive` as :func:`_attend_by_bmm`'s bias, one (sq, sk) block per row and
-    head of ``q``, (B, heads, sq, sk) contiguous."""
-    B, heads = q.shape[:2]
-    return _kept_on_mask(
-        attention_mask, "_megarlhf_bmm_bias", (causal, sq, sk, B, heads, q.dtype),
-        lambda: _additive(attention_mask, causal, sq, sk, q).expand(B, heads, sq, sk)
-        .contiguous())
-
-
-def _additive(attention_mask, causal: bool, sq: int, sk: int, q) -> torch.Tensor:
-    """:func:`_allowed` as an additive mask in ``q``'s dtype: 0 where a query may look,
-    -inf elsewhere, kept on the mask. SDPA turns a boolean mask into the same numbers in
-    every call, i.e. every layer (a decode step's SDPA at batch 1: 14-18 us given this,
-    21-29 us given the boolean mask; outputs bitwise equal in fp32, fp64 and bf16)."""
-    def build():
-        allowed = _allowed(attention_mask, causal, sq, sk, q.device)
-        return torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(
-            ~allowed, float("-inf"))
-
-    return _kept_on_mask(attention_mask, "_megarlhf_additive_mask",
-                         (causal, sq, sk, q.dtype), build)
+        return F.scaled_dot_product_attention(q, k, v,
+                                              attn_mask=_allowed(attention_mask, causal, sq,
+                                                                 sk, q.device),
+                                              dropout_p=dropout, scale=self.softmax_scale,
+                                              enable_gqa=gqa)
 
 
 def _allowed(attention_mask, causal: bool, sq: int, sk: int, device):
-    """SDPA's boolean mask (True = may attend) from megatron's (True = blocked). With a
-    mask, only :func:`_additive` (kept on the mask) builds it, once per mask."""
+    """SDPA's boolean mask (True = may attend) from megatron's (True = blocked)."""
     if attention_mask is None:
         return _causal_block(sq, sk, device) if causal else None
     allowed = ~attention_mask
@@ -146,18 +84,6 @@ def _allowed(attention_mask, causal: bool, sq: int, sk: int, device):
     # A query row with nothing allowed (a pad position) gives NaN in SDPA, and a NaN
     # value row poisons every row through 0 * NaN: let each position see itself.
     return allowed | _diagonal(sq, sk, device)
-
-
-def _kept_on_mask(mask: torch.Tensor, name: str, key: tuple, build):
-    """``build()``, kept on ``mask`` (attribute ``name``) while ``key`` and the mask's
-    contents hold: every layer of one forward passes the same mask tensor."""
-    key = key + (mask._version,)
-    cached = getattr(mask, name, None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    value = build()
-    setattr(mask, name, (key, value))
-    return value
 
 
 def _causal_block(sq: int, sk: int, device) -> torch.Tensor:
