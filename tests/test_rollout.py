@@ -31,25 +31,6 @@ def test_kv_cache_greedy_equals_full_recompute(rollout_results, arch):
     assert cached.response_mask_BT.sum() > 0
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_own_kv_cache_equals_megatrons_inference_context(rollout_results, arch):
-    """megarlhf's decode path (rollout/decode.py) samples what megatron's
-    StaticInferenceContext path samples, greedy and top-k/top-p, with the same log-probs;
-    and it is the path these models take."""
-    gen = rollout_results[0][f"gen_{arch}"]
-    assert gen["megatron"]["fast_path"]
-    # its own QKV split, MLP and RoPE (llama) ran (no fallback) and equal megatron's
-    # methods bitwise
-    assert gen["megatron"]["parts"] == {"differ": 0, "fallbacks": 0, "layers": 4}
-    for kind in ("cached", "sampled"):
-        ours, theirs = gen[kind], gen["megatron"][kind]
-        assert torch.equal(ours.response_tokens_BT, theirs.response_tokens_BT), kind
-        assert torch.equal(ours.response_mask_BT, theirs.response_mask_BT), kind
-        assert (ours.logprobs_BT - theirs.logprobs_BT).abs().max() < 1e-5, kind
-        assert ours.response_mask_BT.sum() > 4
-
-
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 36, 64, 65, 200])
 def test_short_matmul_equals_torchs_either_way_round(rows):
     """models/linears._matmul: with at most FEW_ROWS rows it multiplies the other way round
@@ -91,15 +72,9 @@ def test_short_tp1_linears_equal_megatrons(rollout_results, arch):
 
 
 @pytest.mark.slow
-def test_own_kv_cache_at_rollout_tp2_equals_megatrons(rollout_results):
-    """At rollout TP=2 (heads and vocabulary split over two ranks) the two caches agree
-    too, and the cache's size is what megatron's context would allocate."""
-    for name in ("sample_tp1", "sample_pp2vpp2_to_tp2"):
-        gen = rollout_results[0 if name == "sample_tp1" else 1][name]
-        assert torch.equal(gen.response_tokens_BT, gen.megatron.response_tokens_BT), name
-        assert (gen.logprobs_BT - gen.megatron.logprobs_BT).abs().max() < 1e-5, name
-        # decode's own QKV split, MLP and RoPE, on each rank's heads: megatron's bitwise
-        assert gen.decode_parts == {"differ": 0, "fallbacks": 0, "layers": 4}, name
+def test_kv_cache_at_rollout_tp2_holds_half_the_heads(rollout_results):
+    """At rollout TP=2 (heads and vocabulary split over two ranks) each rank's KV cache is
+    half of TP=1's."""
     tp1, tp2 = (rollout_results[0]["sample_tp1"].kv_cache_bytes,
                 rollout_results[1]["sample_pp2vpp2_to_tp2"].kv_cache_bytes)
     assert tp1 > 0 and tp2 * 2 == tp1  # each TP rank holds half the key/value heads

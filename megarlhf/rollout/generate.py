@@ -1,8 +1,7 @@
 """Batched, KV-cached sampling on a megatron ``GPTModel`` (inference layout, no PP).
 
 Our own loop (megatron's engines need CUDA events); it runs on CPU and GPU alike. The keys
-and values are cached by :mod:`megarlhf.rollout.decode` where the model's layers allow it,
-else by megatron's ``StaticInferenceContext``. Prompts are left-padded so every response
+and values are cached by megatron's ``StaticInferenceContext``. Prompts are left-padded so every response
 starts at the same column; pad positions are masked out of attention and position ids count real
 tokens only. The returned log-probs are those of the sampled tokens under
 softmax(logits / temperature) - before top-k/top-p filtering - which is what the training
@@ -19,7 +18,6 @@ from megatron.core.inference.contexts import StaticInferenceContext
 from megarlhf.engine.memory import kv_cache_bytes
 from megarlhf.models.gpt import head_positions
 from megarlhf.parallel import cpu_backend
-from megarlhf.rollout import decode
 
 _NEG = -1e30
 
@@ -113,8 +111,7 @@ class _RowUniforms:
 def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id: int,
              pad_id: int, true_vocab: int, stop_at_eos: bool = True,
              generator: torch.Generator | None = None, row_seeds: list[int] | None = None,
-             use_cache: bool = True, kv_cache: str = "auto",
-             stats: dict | None = None) -> Generation:
+             use_cache: bool = True, stats: dict | None = None) -> Generation:
     """Sample up to ``max_new_tokens`` per prompt. Every TP rank of one replica must pass
     the same prompts and an identically seeded ``generator``.
 
@@ -124,13 +121,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     generators live on the model's device: the CPU and CUDA draw different streams, so
     samples are reproducible per device type. Everything runs on the model's device;
     the returned tensors are on the host. ``stats`` receives ``kv_cache_bytes``.
-
-    ``kv_cache``: ``auto`` caches keys and values with :class:`decode.KVCache` where
-    :func:`decode.supported` says the model allows it, else with megatron's
-    ``StaticInferenceContext``; ``megatron`` forces the latter. ``use_cache=False``
-    recomputes the whole sequence every step (a reference for tests)."""
-    if kv_cache not in ("auto", "megatron"):
-        raise ValueError(f"kv_cache must be 'auto' or 'megatron', got {kv_cache!r}")
+    ``use_cache=False`` recomputes the whole sequence every step (a reference for tests)."""
     device = next(model.parameters()).device
     prompt_tokens, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
     B, P = prompt_tokens.shape
@@ -148,9 +139,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     response_mask = torch.zeros(B, T, dtype=torch.long, device=device)
     logprobs = torch.zeros(B, T, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
-    cache = decode.KVCache(model, B, P + T) \
-        if use_cache and kv_cache == "auto" and decode.supported(model) else None
-    ctx = StaticInferenceContext(B, P + T) if use_cache and cache is None else None
+    ctx = StaticInferenceContext(B, P + T) if use_cache else None
     row_draws = _RowUniforms(row_seeds, true_vocab, device) if row_seeds else None
 
     def last_logits(length: int, new: int) -> torch.Tensor:
@@ -159,8 +148,6 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
         inp = tokens[:, start:length].masked_fill(key_mask[:, start:length] == 0, pad_id)
         pos = positions[:, start:length]
         blocked = _attention_blocked(key_mask[:, :length], new)
-        if cache is not None:
-            return cache.forward(inp, pos, blocked, start)[:, :true_vocab].float()
         # logits at the last column only (the prefill's other P - 1 are never read)
         with head_positions(model, slice(-1, None)):
             if ctx is None:
@@ -202,13 +189,12 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
         col = P + t
         tokens[:, col] = next_token
         key_mask[:, col] = active
-        if ctx is None and cache is None:
+        if ctx is None:
             logits = last_logits(col + 1, col + 1)
         else:
             logits = last_logits(col + 1, 1)
     if stats is not None:
-        stats["kv_cache_bytes"] = cache.nbytes if cache is not None \
-            else kv_cache_bytes(ctx) if ctx is not None else 0
+        stats["kv_cache_bytes"] = kv_cache_bytes(ctx) if ctx is not None else 0
     # responses as wide as the longest one: when every row stopped early, the passes and
     # the training that follow pay nothing for the columns no row reached
     width = t + 1

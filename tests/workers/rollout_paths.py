@@ -9,25 +9,14 @@ import functools
 import os
 import sys
 
-import contextlib
-
 import torch
 import torch.distributed as dist
-from megatron.core.models.common.embeddings import rope_utils
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-
-# megatron's unfused RoPE, captured before anything of megarlhf is imported (building a
-# model routes rope_utils' function through megarlhf.models.rope)
-MEGATRON_BSHD = rope_utils._apply_rotary_pos_emb_bshd
-assert MEGATRON_BSHD.__module__ == rope_utils.__name__, MEGATRON_BSHD.__module__
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import build, fixed_sequences, make_config  # noqa: E402
 
 from megarlhf.engine.optimizer import train_step  # noqa: E402
-from megarlhf.models import rope  # noqa: E402
 from megarlhf.models.logprobs import vocab_parallel_logprobs  # noqa: E402
-from megarlhf.rollout import decode  # noqa: E402
 from megarlhf.rollout.generate import SamplingParams, generate  # noqa: E402
 from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout  # noqa: E402
 from megarlhf.stages.score import right_padded_batch, score_sequences  # noqa: E402
@@ -64,20 +53,13 @@ def generation_case(arch, results):
         n = int(sampled.response_mask_BT[b].sum())
         seqs.append(prompt + sampled.response_tokens_BT[b, :n].tolist())
     rows = score_sequences(scorer, seqs, micro_batch_size=1, temperature=0.9)
-    # the same generations with megatron's StaticInferenceContext holding the keys/values
-    sample_params = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=50, top_p=0.9)
-    megatron = {"cached": generate(model, PROMPTS, params, kv_cache="megatron", **common),
-                "sampled": generate(model, PROMPTS, sample_params, kv_cache="megatron",
-                                    generator=torch.Generator().manual_seed(3), **common),
-                "fast_path": decode.supported(model), "parts": decode_parts(model)}
     # every row stops by its second token: the responses are two columns wide, not 12
     stops = tuple(sorted(set(cached.response_tokens_BT[:, 1].tolist())))
     stopped = generate(model, PROMPTS, SamplingParams(max_new_tokens=12, greedy=True,
                                                       temperature=0.8, stop_token_ids=stops),
                        **common)
     results[f"gen_{arch}"] = {"cached": cached, "full": full, "sampled": sampled,
-                              "teacher": [r["logprobs"] for r in rows], "stopped": stopped,
-                              "megatron": megatron}
+                              "teacher": [r["logprobs"] for r in rows], "stopped": stopped}
 
 
 def short_linears_case(arch, results):
@@ -166,60 +148,6 @@ def reshard_case(name, tp, pp, rollout_tp, results, vpp=None):
     results[name] = out
 
 
-@contextlib.contextmanager
-def megatrons_own_rope():
-    """megatron's ``apply_rotary_pos_emb`` with its own unfused function inside, not the
-    one megarlhf routes it through."""
-    routed = rope_utils._apply_rotary_pos_emb_bshd
-    rope_utils._apply_rotary_pos_emb_bshd = MEGATRON_BSHD
-    try:
-        yield
-    finally:
-        rope_utils._apply_rotary_pos_emb_bshd = routed
-
-
-def decode_parts(model) -> dict:
-    """rollout/decode.py's own QKV split (with RoPE's per-step tables, where the model has
-    RoPE) and MLP against megatron's methods (and megatron's RoPE per call), layer by
-    layer, on random (3, 2, H) inputs: how many results differ bitwise (summed over
-    ranks), and how often decode fell back to megatron's methods (0: its own code ran)."""
-    gpt = model.module if hasattr(model, "module") else model
-    gen = torch.Generator().manual_seed(5)
-    differ = fallbacks = 0
-    for layer in gpt.decoder.layers:
-        attention, mlp = layer.self_attention, layer.mlp
-        x = torch.randn(3, 2, gpt.config.hidden_size, generator=gen)
-        tables = None
-        if gpt.position_embedding_type == "rope":
-            # one (cos, sin) per step for every layer, against megatron's RoPE per call
-            freqs = gpt.rotary_pos_emb(x.shape[0])
-            tables = rope.cos_sin(freqs, gpt.config, attention.hidden_size_per_attention_head,
-                                  x.dtype)
-            fallbacks += tables is None
-        calls = []
-        qkv_method, mlp_forward = attention.get_query_key_value_tensors, type(mlp).forward
-        attention.get_query_key_value_tensors = lambda *a, **k: calls.append(1) or qkv_method(*a, **k)
-        mlp.forward = lambda *a, **k: calls.append(1) or mlp_forward(mlp, *a, **k)
-        try:
-            ours = (*decode._qkv(attention, x, tables), *decode._mlp(mlp, x))
-            fallbacks += len(calls)
-        finally:
-            del attention.get_query_key_value_tensors, mlp.forward
-        query, key, value = qkv_method(x, None)
-        if tables is not None:
-            cp = attention.pg_collection.cp
-            with megatrons_own_rope():
-                query, key = [apply_rotary_pos_emb(t, freqs, config=gpt.config, cp_group=cp)
-                              for t in (query, key)]
-        theirs = (query, key, value, *mlp(x))
-        differ += sum(not (a is None and b is None or torch.equal(a, b))
-                      for a, b in zip(ours, theirs, strict=True))
-    counts = torch.tensor([differ, fallbacks])
-    dist.all_reduce(counts)
-    return {"differ": int(counts[0]), "fallbacks": int(counts[1]),
-            "layers": len(gpt.decoder.layers)}
-
-
 def sampling_case(name, tp, pp, vpp, rollout_tp, results):
     """Sampled tokens and their log-probs after resharding from a training layout (the
     same seeded weights at every layout): equal to the TP=1 run's."""
@@ -236,9 +164,7 @@ def sampling_case(name, tp, pp, vpp, rollout_tp, results):
               row_seeds=[11 * 1000003 + i for i in range(len(PROMPTS))])
     stats = {}
     gen = generate(inf_model, PROMPTS, params, stats=stats, **kw)
-    gen.megatron = generate(inf_model, PROMPTS, params, kv_cache="megatron", **kw)
     gen.kv_cache_bytes = stats["kv_cache_bytes"]
-    gen.decode_parts = decode_parts(inf_model)
     results[name] = gen
 
 
