@@ -49,35 +49,3 @@ def test_logprob_of_a_target_outside_the_vocabulary_is_minus_log_z():
     p = torch.softmax(logits.float(), -1)
     assert torch.allclose(g[0, 1].float(), -p[0, 1], atol=1e-6)
     assert torch.allclose(g[1, 0].float(), -p[1, 0], atol=1e-6)
-
-
-def test_cached_rope_is_bitwise_megatrons():
-    from megarlhf.models import rope
-
-    torch.manual_seed(0)
-    # megatron's RotaryEmbedding: angles (S, 1, 1, d) with the two halves duplicated
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32))
-    angles = torch.outer(torch.arange(48, dtype=torch.float32), inv_freq)
-    freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :]
-    for dtype in (torch.float32, torch.bfloat16):
-        for mscale in (1.0, 0.7):
-            t = torch.randn(48, 3, 4, 32).to(dtype)
-            ours = rope.apply_rotary_pos_emb_bshd(t, freqs, mscale=mscale)
-            theirs = rope._megatron_bshd(t, freqs, mscale=mscale)
-            assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
-            # a second layer's call uses the cached cos/sin, a decode step's slice its own
-            assert torch.equal(rope.apply_rotary_pos_emb_bshd(t, freqs, mscale=mscale), theirs)
-            assert torch.equal(rope.apply_rotary_pos_emb_bshd(t[5:6], freqs[5:6], mscale=mscale),
-                               theirs[5:6])
-    # and the gradients (the roll's backward against megatron's cat and negation)
-    t = torch.randn(48, 3, 4, 32, requires_grad=True)
-    g = torch.randn(48, 3, 4, 32)
-    ours = torch.autograd.grad(rope.apply_rotary_pos_emb_bshd(t, freqs), t, g)[0]
-    theirs = torch.autograd.grad(rope._megatron_bshd(t, freqs), t, g)[0]
-    assert torch.equal(ours, theirs)
-    # halves that differ, and partial rotary dimensions, go to megatron's function
-    odd = torch.randn(48, 1, 1, 32)
-    t = torch.randn(48, 3, 4, 32)
-    assert torch.equal(rope.apply_rotary_pos_emb_bshd(t, odd), rope._megatron_bshd(t, odd))
-    t = torch.randn(48, 3, 4, 40)
-    assert torch.equal(rope.apply_rotary_pos_emb_bshd(t, freqs), rope._megatron_bshd(t, freqs))

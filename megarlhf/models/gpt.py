@@ -20,7 +20,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarlhf.config import ModelConfig
-from megarlhf.models import linears, rope
+from megarlhf.models import linears
 from megarlhf.models.spec import activation, layer_spec, resolve_impl
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -145,7 +145,6 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, pg_coll
         raise ValueError(f"kind must be 'lm' or 'value', got {kind!r}")
     if model_cfg.vocab_size is None:
         raise ValueError("model.vocab_size is unset: set it or configure a tokenizer")
-    rope.install()  # cos/sin once per sequence length (bitwise megatron's)
     tp_size, pp_size = pg_collection.tp.size(), pg_collection.pp.size()
     tcfg = transformer_config(model_cfg, tp_size=tp_size, pp_size=pp_size, vpp_size=vpp_size)
     model = GPTModel(
