@@ -8,7 +8,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from megarlhf.engine.schedule import forward_only
-from megarlhf.parallel import cpu_backend, one_rank
+from megarlhf.parallel import cpu_backend
+from megarlhf.parallel.gather import gather_objects
 
 
 def forward_rows(role, rows: Sequence[Any], make_batch: Callable[[list[Any]], dict],
@@ -53,7 +54,7 @@ def forward_rows(role, rows: Sequence[Any], make_batch: Callable[[list[Any]], di
     if not gather:
         return local
     merged: dict[int, dict] = {}
-    for part in one_rank.gather_objects(local):
+    for part in gather_objects(local):
         merged.update(part)
     assert sorted(merged) == list(range(len(rows))), "forward_rows lost rows"
     return [merged[i] for i in range(len(rows))]

@@ -12,7 +12,8 @@ import torch
 from megarlhf.config import PPOConfig
 from megarlhf.models.gpt import head_positions
 from megarlhf.models.logprobs import vocab_parallel_logprobs
-from megarlhf.parallel import cpu_backend, one_rank
+from megarlhf.parallel import cpu_backend
+from megarlhf.parallel.gather import gather_objects
 
 
 def model_forward(model, batch: dict, positions: slice | None = None):
@@ -103,7 +104,7 @@ def reduce_logs(logs: list[dict], layout) -> dict[str, float]:
             for key, value in entry.items():
                 local[key] = local.get(key, 0.0) + float(value)
     total: dict[str, float] = {}
-    for part in one_rank.gather_objects(local):
+    for part in gather_objects(local):
         for key, value in part.items():
             total[key] = total.get(key, 0.0) + value
     return total

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.config import Config
-from megarlhf.parallel import cpu_backend, one_rank
+from megarlhf.parallel import cpu_backend
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,6 @@ def init_distributed(cfg: Config, env: DistEnv | None = None) -> DistEnv:
             backend=backend, rank=env.rank, world_size=env.world_size,
             init_method=f"tcp://{env.master_addr}:{env.master_port}",
             timeout=datetime.timedelta(minutes=cfg.parallel.timeout_minutes))
-    one_rank.install()
     seed_everything(cfg.run.seed)
     return env
 

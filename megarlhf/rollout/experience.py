@@ -31,7 +31,8 @@ from megarlhf.engine.forward import forward_rows, stack_results
 from megarlhf.engine.offload import Offloader
 from megarlhf.engine.roles import Role
 from megarlhf.engine.steps import make_sequence_step
-from megarlhf.parallel import cpu_backend, one_rank
+from megarlhf.parallel import cpu_backend
+from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel.layout import ParallelLayout
 from megarlhf.rollout.generate import Generation, SamplingParams, generate
 from megarlhf.rollout.reshard import Resharder, release_inference_weights
@@ -487,7 +488,7 @@ def gather_generations(gen: Generation, prompts: list[list[int]], inf: ParallelL
     """Every rank gets every sample, in prompt order (replica r generated prompts r::dp)."""
     # One copy per replica: the TP rank 0 of each.
     replicas = {}
-    for rank, part in enumerate(one_rank.gather_objects(gen)):
+    for rank, part in enumerate(gather_objects(gen)):
         replicas.setdefault(rank // inf.tp_size, part)
     dp = inf.dp_size
     ordered = [None] * len(prompts)

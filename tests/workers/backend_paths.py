@@ -197,45 +197,6 @@ def megatron_step_case(results):
     results["megatron_step"] = out
 
 
-def one_rank_case(results):
-    """World 2: collectives on each rank's own one-rank group return without reaching
-    torch (tensors untouched); on the two-rank group, asynchronously, or on a group this
-    rank is not in, torch's own collective runs."""
-    from megarlhf.parallel import one_rank
-
-    calls = []
-    one_rank.uninstall()
-    counted = {name: getattr(dist, name) for name in ("all_reduce", "broadcast", "barrier")}
-    for name, fn in counted.items():
-        setattr(dist, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
-    one_rank.install()
-    try:
-        rank = dist.get_rank()
-        own = [dist.new_group([r]) for r in range(2)]
-        mine, other = own[rank], own[1 - rank]
-        x = torch.full((3,), float(rank + 1))
-        dist.all_reduce(x, group=mine)
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=mine)
-        dist.broadcast(x, src=rank, group=mine)
-        dist.barrier(group=mine)
-        alone = {"calls": list(calls), "x": x.tolist()}
-        calls.clear()
-        dist.all_reduce(x)  # both ranks: 1 + 2
-        pair = {"calls": list(calls), "x": x.tolist()}
-        calls.clear()
-        dist.all_reduce(x, group=mine, async_op=True).wait()
-        dist.all_reduce(x, group=other)  # not a member: torch warns and returns
-        passed = {"calls": list(calls), "x": x.tolist()}
-    finally:
-        one_rank.uninstall()
-        for name, fn in counted.items():
-            setattr(dist, name, fn)
-        one_rank.install()
-    gathered = [None, None]
-    dist.all_gather_object(gathered, {"alone": alone, "pair": pair, "passed": passed})
-    results["one_rank"] = gathered
-
-
 def reload_and_score(name, ckpt, results):
     """The saved checkpoint through the role builder (checkpoint.load) at TP=1 PP=1."""
     scorer = build(make_config("llama", 1, 1, extra=(f"checkpoint.load={ckpt}",)), "lm")
@@ -261,7 +222,6 @@ def main():
         run_case("pp2", 1, 2, out_dir, results)
         run_case("tp2", 2, 1, out_dir, results)
         nonfinite_case(results)
-        one_rank_case(results)
     if dist.get_rank() == 0:
         torch.save(results, os.path.join(out_dir, f"results_world{world}.pt"))
     dist.destroy_process_group()
