@@ -216,39 +216,3 @@ def test_resolve_checkpoint_accepts_step_folder_and_run_directory(tmp_path):
         resolve_checkpoint(str(tmp_path / "empty"))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_checkpoint(str(tmp_path / "missing"))
-
-
-def test_foreach_grad_norm_and_clip_equal_megatrons_local_kernels():
-    """The gradient norm and clip megatron falls back to without apex/TE run as foreach
-    kernels (engine/optimizer.use_foreach_grad_kernels): the norm equals a plain one over
-    all gradients, the clip scales exactly as megatron's local kernel does, in place and
-    into other tensors, and megatron's clip_grads module uses them once installed."""
-    import torch
-    from megatron.core import utils
-    from megatron.core.optimizer import clip_grads
-
-    from megarlhf.engine import optimizer as opt
-
-    gen = torch.Generator().manual_seed(0)
-    grads = [torch.randn(n, generator=gen) * s
-             for n, s in ((4000 * 64, 1e-3), (688, 3.0), (1, 0.5))]
-    norm, _ = opt._foreach_l2_norm(0, None, [grads], False)
-    plain = torch.cat([g.double() for g in grads]).norm()
-    assert norm.shape == (1,) and norm.dtype == torch.float32
-    assert abs(norm.item() - plain.item()) <= 1e-6 * plain.item()
-    for in_place in (True, False):
-        ours, theirs = [g.clone() for g in grads], [g.clone() for g in grads]
-        dst_ours = ours if in_place else [torch.empty_like(g) for g in grads]
-        dst_theirs = theirs if in_place else [torch.empty_like(g) for g in grads]
-        opt._foreach_scale(0, None, [ours, dst_ours], 0.37)
-        utils.local_multi_tensor_scale(0, None, [theirs, dst_theirs], 0.37)
-        assert all(torch.equal(a, b) for a, b in zip(dst_ours, dst_theirs, strict=True))
-    saved = clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl
-    try:
-        clip_grads.l2_norm_impl = utils.local_multi_tensor_l2_norm
-        clip_grads.multi_tensor_scale_impl = utils.local_multi_tensor_scale
-        opt.use_foreach_grad_kernels()
-        assert clip_grads.l2_norm_impl is opt._foreach_l2_norm
-        assert clip_grads.multi_tensor_scale_impl is opt._foreach_scale
-    finally:
-        clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl = saved

@@ -112,52 +112,6 @@ def use_fused_torch_adam(optimizer) -> None:
                 inner._step_supports_amp_scaling = True  # as torch's constructor sets it
 
 
-def step_inner_without_mode(optimizer) -> None:
-    """Run each inner torch optimizer's ``step`` without the CPU backend's mode (see
-    ``cpu_backend.suspended``): torch's Adam names no device, and under the mode each of its
-    torch calls (about 90 per step at the tiny benchmark size) costs about 2 us more.
-    Idempotent; a no-op where the mode is not active (GPU)."""
-    for opt in _sub_optimizers(optimizer):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None or getattr(inner.step, "megarlhf_without_mode", False):
-            continue
-        step = cpu_backend.suspended()(inner.step)
-        step.megarlhf_without_mode = True
-        inner.step = step
-
-
-def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
-    """megatron's ``local_multi_tensor_l2_norm`` (amp_C's signature) in two kernels: its
-    per-tensor ``torch.norm`` loop builds the total from a Python list of 0-d tensors, one
-    host read each. Returns ``(norm of all tensors (1,), None)``."""
-    norms = torch._foreach_norm(tensor_lists[0])
-    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1).float(), None
-
-
-def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
-    """megatron's ``local_multi_tensor_scale``: ``dst = src * scale`` for every pair; in
-    place (the gradient clip's case) one foreach kernel instead of a multiply and a copy
-    per tensor."""
-    src, dst = tensor_lists
-    if all(s is d for s, d in zip(src, dst)):
-        torch._foreach_mul_(dst, scale)
-    else:
-        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
-
-
-def use_foreach_grad_kernels() -> None:
-    """Where megatron falls back to its local multi-tensor kernels (no apex or
-    TransformerEngine: every CPU run), give its gradient norm and clip foreach versions
-    (together about 2.5 ms of each optimizer step of the small benchmark model)."""
-    from megatron.core import utils
-    from megatron.core.optimizer import clip_grads
-
-    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
-        clip_grads.l2_norm_impl = _foreach_l2_norm
-    if clip_grads.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
-        clip_grads.multi_tensor_scale_impl = _foreach_scale
-
-
 def ensure_optimizer_state(optimizer) -> None:
     """Give a distributed optimizer that never stepped (every step so far skipped, or a
     fresh one about to load) its Adam state, which megatron's (sharded) state dict needs
@@ -204,8 +158,6 @@ def build_optimizer(opt: OptimizerConfig, model: list, *, lr: float, total_steps
     optimizer = get_megatron_optimizer(mcfg, model, pg_collection=pg_collection,
                                        use_gloo_process_groups=pg_collection is None)
     use_fused_torch_adam(optimizer)
-    step_inner_without_mode(optimizer)
-    use_foreach_grad_kernels()
     decay_steps = max(total_steps, opt.warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if opt.warmup_steps else lr, max_lr=lr,
