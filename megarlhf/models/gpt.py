@@ -187,25 +187,14 @@ def _let_head_skip_positions(layer) -> None:
     """The LM head computes logits for ``layer.megarlhf_positions`` (a slice of the
     sequence) only, when set: a loss that reads the response positions alone then pays
     neither the prompt's (S, B, H) x (H, V/tp) matmul nor its logits. See
-    :func:`head_positions`.
-
-    The head also computes its logits batch-first. megatron's ``GPTModel`` ends with
-    ``logits.transpose(0, 1).contiguous()``, an (S, B, V) -> (B, S, V) copy in the forward
-    and another in the backward; transposing the (S, B, H) hidden states instead copies
-    H/V as much, and megatron's ``contiguous()`` then finds the logits contiguous. The
-    head runs without sequence parallelism here (every layer's input is the whole
-    sequence), so its matmul and TP gather do not care which leading dimension is first.
-    """
+    :func:`head_positions`."""
     forward = layer.forward
     layer.megarlhf_positions = None
 
     def sliced_forward(hidden_states, *args, **kwargs):
         if layer.megarlhf_positions is not None:
             hidden_states = hidden_states[layer.megarlhf_positions]  # (S, B, H): a view
-        if layer.sequence_parallel:  # its input is sequence-sharded along dim 0: keep it
-            return forward(hidden_states, *args, **kwargs)
-        logits_BSV, bias = forward(hidden_states.transpose(0, 1).contiguous(), *args, **kwargs)
-        return logits_BSV.transpose(0, 1), bias  # an (S, B, V) view, as megatron expects
+        return forward(hidden_states, *args, **kwargs)
 
     layer.forward = sliced_forward
 
