@@ -1,62 +1,10 @@
 """megarlhf: RLHF (PPO and relatives) on megatron-core."""
 
-import functools
-import importlib.abc
-import importlib.machinery
-import sys
-
 __version__ = "0.1.0"
 
+from megarlhf.speedups import lazy_jit as _lazy_jit  # noqa: E402
 
-class _LazyMegatronFuser(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """megatron-core decorates its fusion kernels with ``torch.compile`` as its modules are
-    imported (``megatron.core.jit.jit_fuser``), and the first ``torch.compile`` imports
-    torch's whole compiler stack: about 2 of every process's 5.5 s start-up on CPU, also
-    where no fused kernel ever runs. This hook swaps ``jit_fuser``, as soon as
-    ``megatron.core.jit`` is executed and before any module takes it, for one that calls
-    ``torch.compile`` on a kernel's first call - when ``torch.compile`` compiles anyway."""
-
-    NAME = "megatron.core.jit"
-
-    def find_spec(self, name, path, target=None):
-        if name != self.NAME:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return None
-        self._loader = spec.loader
-        spec.loader = self
-        return spec
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        import torch
-
-        if module.jit_fuser is torch.compile:
-            module.jit_fuser = _compile_on_first_call
-
-
-def _compile_on_first_call(fn):
-    compiled = None
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        nonlocal compiled
-        if compiled is None:
-            import torch
-
-            compiled = torch.compile(fn)
-        return compiled(*args, **kwargs)
-
-    return call
-
-
-if "megatron.core.jit" not in sys.modules and \
-        not any(isinstance(f, _LazyMegatronFuser) for f in sys.meta_path):
-    sys.meta_path.insert(0, _LazyMegatronFuser())
+_lazy_jit.install()
 
 
 def quiet_known_warnings() -> None:

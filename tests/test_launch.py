@@ -50,7 +50,7 @@ def test_megatron_fusion_kernels_compile_on_first_call_not_at_import():
 def test_a_deferred_fusion_kernel_is_torch_compiled_once_on_its_first_call(monkeypatch):
     import torch
 
-    import megarlhf
+    from megarlhf.speedups import lazy_jit
 
     compiled = []
 
@@ -63,7 +63,7 @@ def test_a_deferred_fusion_kernel_is_torch_compiled_once_on_its_first_call(monke
     def kernel(x):
         return x * 2
 
-    fused = megarlhf._compile_on_first_call(kernel)
+    fused = lazy_jit._compile_on_first_call(kernel)
     assert compiled == [] and fused.__name__ == "kernel"
     assert fused(torch.ones(2)).tolist() == [2.0, 2.0] and compiled == [kernel]
     assert fused(torch.ones(2)).tolist() == [2.0, 2.0] and compiled == [kernel]

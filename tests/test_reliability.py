@@ -245,7 +245,7 @@ def test_checkpoint_write_results_come_back_inside_this_process():
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megarlhf.engine import checkpoint
+    from megarlhf.speedups import checkpoint_queue
 
-    checkpoint._in_process_write_results()
+    checkpoint_queue._in_process_write_results()
     assert type(filesystem_async._get_write_results_queue()) is queue.Queue

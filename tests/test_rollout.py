@@ -33,10 +33,10 @@ def test_kv_cache_greedy_equals_full_recompute(rollout_results, arch):
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 36, 64, 65, 200])
 def test_short_matmul_equals_torchs_either_way_round(rows):
-    """models/linears._matmul: with at most FEW_ROWS rows it multiplies the other way round
+    """speedups/linears._matmul: with at most FEW_ROWS rows it multiplies the other way round
     (the weight on the left); the result equals ``input @ weight.T`` to rounding, with
     the same shape, contiguous. Above FEW_ROWS it is torch's matmul, bitwise."""
-    from megarlhf.models import linears
+    from megarlhf.speedups import linears
 
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(300, 64, generator=gen)

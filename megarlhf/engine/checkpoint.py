@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import random
 import shutil
 from dataclasses import dataclass, field
@@ -28,7 +27,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.dist_checkpointing.strategies import filesystem_async
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megarlhf.engine.optimizer_state import (
@@ -39,6 +37,7 @@ from megarlhf.engine.optimizer_state import (
     sharded_optimizer_state,
 )
 from megarlhf.models.gpt import sharded_state_dict, unwrap
+from megarlhf.speedups import checkpoint_queue
 
 META_FILE = "megarlhf_meta.json"
 LATEST_FILE = "latest"
@@ -141,16 +140,6 @@ def read_meta(path: str) -> dict:
         return json.load(f)
 
 
-def _in_process_write_results() -> None:
-    """megatron's ``torch_dist`` writer returns its write results through a queue served by
-    a spawned ``multiprocessing.Manager``, built for saves that finish in another process.
-    The server unpickles the results, so it imports torch: 2.2 s of the first save of each
-    process, and one more process. Saves here are synchronous (the writer runs in this
-    process and forks its file writers), so the results may stay in this process."""
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
 def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
                     trainer_state: dict | None = None, config: dict | None = None,
                     layout: str = "", keep_last: int | None = None,
@@ -167,7 +156,7 @@ def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
                 shutil.rmtree(os.path.join(save_dir, stale), ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    _in_process_write_results()
+    checkpoint_queue._in_process_write_results()
     state = _sharded_state(roles, loading=False, with_rng=True)
     for name, role in roles.items():
         if role.scheduler is not None:

@@ -20,7 +20,8 @@ from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_te
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from megarlhf.engine.optimizer import ensure_optimizer_state, use_fused_torch_adam
+from megarlhf.engine.optimizer import ensure_optimizer_state
+from megarlhf.speedups import fused_adam
 
 FORMAT = "fully_reshardable"
 METADATA = {"distrib_optim_sharding_type": FORMAT}  # for the distributed optimizer
@@ -108,7 +109,7 @@ def load_optimizer_state(optimizer, loaded: dict, *, legacy: bool = False) -> No
         _unshare_torch_adam_step(optimizer)
     else:
         _load_plain(optimizer, loaded)
-    use_fused_torch_adam(optimizer)
+    fused_adam.use_fused_torch_adam(optimizer)
 
 
 def _load_plain(optimizer, loaded: dict) -> None:

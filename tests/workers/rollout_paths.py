@@ -63,7 +63,7 @@ def generation_case(arch, results):
 
 
 def short_linears_case(arch, results):
-    """megarlhf's short TP=1 forward of megatron's linears (models/linears.py) against
+    """megarlhf's short TP=1 forward of megatron's linears (speedups/linears.py) against
     megatron's own: logits bitwise equal without autograd, and with it the same loss and
     the same gradients in megatron DDP's main_grad buffers; and which path ran - megatron's
     linear functions never on the short path."""

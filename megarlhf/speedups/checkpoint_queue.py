@@ -1,0 +1,17 @@
+"""Start-up of a save: megatron's checkpoint write results kept in this process."""
+
+from __future__ import annotations
+
+import queue
+
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+
+def _in_process_write_results() -> None:
+    """megatron's ``torch_dist`` writer returns its write results through a queue served by
+    a spawned ``multiprocessing.Manager``, built for saves that finish in another process.
+    The server unpickles the results, so it imports torch: 2.2 s of the first save of each
+    process, and one more process. Saves here are synchronous (the writer runs in this
+    process and forks its file writers), so the results may stay in this process."""
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
