@@ -9,7 +9,14 @@ import subprocess
 import sys
 import time
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Benchmarks measure megarlhf as the CLI runs it: the speed-ups MEGARLHF_SPEEDUPS selects,
+# installed before megatron is imported.
+from megarlhf import speedups  # noqa: E402
+
+speedups.install()
+
+import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = {  # the tiny and small sizes

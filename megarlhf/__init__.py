@@ -2,10 +2,6 @@
 
 __version__ = "0.1.0"
 
-from megarlhf.speedups import lazy_jit as _lazy_jit  # noqa: E402
-
-_lazy_jit.install()
-
 
 def quiet_known_warnings() -> None:
     """Silence third-party warnings a user cannot act on: megatron-core announces its torch

@@ -23,7 +23,7 @@ import argparse
 import os
 import sys
 
-from megarlhf import quiet_known_warnings
+from megarlhf import quiet_known_warnings, speedups
 from megarlhf.config import Config, ConfigError, dump_config, load_config
 
 
@@ -430,11 +430,20 @@ def main(argv: list[str] | None = None) -> int:
     quiet_known_warnings()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command in ("sft", "rm", "ppo", "dpo", "distill"):
+    training = args.command in ("sft", "rm", "ppo", "dpo", "distill")
+    if training:
         # Before anything slow: a signal during start-up is honoured at the first safe point.
         from megarlhf.engine.signals import install_handlers
         install_handlers()
+    try:  # the start-up speed-ups must be in before megatron is imported
+        speedups.install()
+    except ValueError as err:
+        print(f"megarlhf: error: {err}", file=sys.stderr)
+        return 2
+    if training:
         _note_missing_gpu_extras()
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[megarlhf] {speedups.describe()}", flush=True)
     # key=value overrides may come before or after options.
     unknown = [a for a in extra if a.startswith("-") or "=" not in a]
     if unknown or (extra and not hasattr(args, "overrides")):

@@ -33,18 +33,22 @@ def test_first_slurm_host(nodelist, host):
 
 def test_megatron_fusion_kernels_compile_on_first_call_not_at_import():
     """megatron's ``jit_fuser`` is ``torch.compile``, applied as its modules import; with
-    megarlhf imported first it compiles on a kernel's first call instead, so start-up does
-    not import torch's compiler (measured: 5.5 -> 3.5 s per process on CPU)."""
+    speedups.lazy_jit installed first it compiles on a kernel's first call instead, so
+    start-up does not import torch's compiler (measured: 5.5 -> 3.5 s per process on
+    CPU). Importing megarlhf alone changes nothing."""
     import subprocess
     import sys
 
-    code = ("import sys, megarlhf, megatron.core.models.gpt, megatron.core.jit as j;"
-            "from megatron.core.fusions.fused_bias_swiglu import bias_swiglu;"
-            "print('torch._dynamo' in sys.modules, j.jit_fuser.__name__,"
-            " bias_swiglu.__name__)")
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
-                         text=True, check=True).stdout.split()
-    assert out == ["False", "_compile_on_first_call", "bias_swiglu"]
+    probe = ("import megatron.core.models.gpt, megatron.core.jit as j;"
+             "from megatron.core.fusions.fused_bias_swiglu import bias_swiglu;"
+             "print('torch._dynamo' in sys.modules, j.jit_fuser.__name__,"
+             " bias_swiglu.__name__)")
+    for setup, want in (("from megarlhf import speedups; speedups.install('lazy_jit');",
+                         ["False", "_compile_on_first_call", "bias_swiglu"]),
+                        ("import megarlhf;", ["True", "compile", "bias_swiglu"])):
+        out = subprocess.run([sys.executable, "-W", "ignore", "-c", "import sys;" + setup + probe],
+                             capture_output=True, text=True, check=True).stdout.split()
+        assert out == want, (setup, out)
 
 
 def test_a_deferred_fusion_kernel_is_torch_compiled_once_on_its_first_call(monkeypatch):

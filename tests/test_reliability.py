@@ -247,5 +247,5 @@ def test_checkpoint_write_results_come_back_inside_this_process():
 
     from megarlhf.speedups import checkpoint_queue
 
-    checkpoint_queue._in_process_write_results()
+    checkpoint_queue.install()
     assert type(filesystem_async._get_write_results_queue()) is queue.Queue

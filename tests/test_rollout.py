@@ -62,6 +62,8 @@ def test_short_tp1_linears_equal_megatrons(rollout_results, arch):
     sums as the usual one at 16 rows and more), and with autograd the same loss and
     main_grad gradients to rounding; none of megatron's linear functions ran on that path,
     all of them (twice) on megatron's."""
+    if f"linears_{arch}" not in rollout_results[0]:
+        pytest.skip("speedups.linears is off (MEGARLHF_SPEEDUPS)")
     out = rollout_results[0][f"linears_{arch}"]
     assert torch.equal(out["short"], out["megatron"])
     assert torch.allclose(*out["loss"], rtol=1e-6)

@@ -190,8 +190,9 @@ def convert(hf_dir: str, out: str, tp: int, pp: int, role: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megarlhf import quiet_known_warnings
+    from megarlhf import quiet_known_warnings, speedups
 
+    speedups.install()
     quiet_known_warnings()
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

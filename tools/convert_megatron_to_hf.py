@@ -32,8 +32,9 @@ def convert(config_path: str, out: str, ckpt: str | None, role_name: str | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megarlhf import quiet_known_warnings
+    from megarlhf import quiet_known_warnings, speedups
 
+    speedups.install()
     quiet_known_warnings()
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

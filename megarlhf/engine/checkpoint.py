@@ -37,7 +37,6 @@ from megarlhf.engine.optimizer_state import (
     sharded_optimizer_state,
 )
 from megarlhf.models.gpt import sharded_state_dict, unwrap
-from megarlhf.speedups import checkpoint_queue
 
 META_FILE = "megarlhf_meta.json"
 LATEST_FILE = "latest"
@@ -156,7 +155,6 @@ def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
                 shutil.rmtree(os.path.join(save_dir, stale), ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    checkpoint_queue._in_process_write_results()
     state = _sharded_state(roles, loading=False, with_rng=True)
     for name, role in roles.items():
         if role.scheduler is not None:

@@ -22,6 +22,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megarlhf.config import OptimizerConfig
 from megarlhf.engine.schedule import run_schedule
 from megarlhf.parallel import cpu_backend
+from megarlhf import speedups
 from megarlhf.speedups import fused_adam
 
 
@@ -138,7 +139,8 @@ def build_optimizer(opt: OptimizerConfig, model: list, *, lr: float, total_steps
     # A role's own groups (pg_collection) exclude megatron's gloo side groups.
     optimizer = get_megatron_optimizer(mcfg, model, pg_collection=pg_collection,
                                        use_gloo_process_groups=pg_collection is None)
-    fused_adam.use_fused_torch_adam(optimizer)
+    if speedups.enabled("fused_adam"):
+        fused_adam.use_fused_torch_adam(optimizer)
     decay_steps = max(total_steps, opt.warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if opt.warmup_steps else lr, max_lr=lr,

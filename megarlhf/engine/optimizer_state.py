@@ -21,6 +21,7 @@ from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_f
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megarlhf.engine.optimizer import ensure_optimizer_state
+from megarlhf import speedups
 from megarlhf.speedups import fused_adam
 
 FORMAT = "fully_reshardable"
@@ -109,7 +110,8 @@ def load_optimizer_state(optimizer, loaded: dict, *, legacy: bool = False) -> No
         _unshare_torch_adam_step(optimizer)
     else:
         _load_plain(optimizer, loaded)
-    fused_adam.use_fused_torch_adam(optimizer)
+    if speedups.enabled("fused_adam"):
+        fused_adam.use_fused_torch_adam(optimizer)
 
 
 def _load_plain(optimizer, loaded: dict) -> None:

@@ -19,6 +19,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from megarlhf import speedups
 from megarlhf.config import Config, ConfigError, check_model_layout, padded_vocab_size
 from megarlhf.engine.offload import LEVEL_PARTS, OFFLOAD_LEVELS
 from megarlhf.engine.role_specs import RoleSpec, ppo_role_specs
@@ -157,19 +158,24 @@ def mlp_activation_floats(model, tp: int) -> float:
 def chunk_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int,
                            layers: int, pre: bool, post: bool) -> float:
     """One micro-batch through one chunk, bytes saved for backward. On the last chunk the
-    last layer's MLP runs at the ``response`` positions the PPO losses read
-    (``models.gpt.head_positions``; not with fp8, where the head cuts instead)."""
+    last layer's MLP and the head run at the ``response`` positions the PPO losses read
+    with ``speedups.positions`` (the MLP not with fp8, where the head cuts instead);
+    without it everything runs at every position and the losses slice the output."""
     model, tokens = spec.model, batch * seq
     dsize = DTYPE_BYTES[model.params_dtype]
+    cut = speedups.enabled("positions")
     total = layers * layer_activation_floats(model, spec.tp, batch, seq) * tokens * dsize
-    if post and layers and not model.fp8.enabled:
+    if cut and post and layers and not model.fp8.enabled:
         total -= mlp_activation_floats(model, spec.tp) * batch * (seq - response) * dsize
     if pre:
         total += tokens * 8 * (2 if model.arch == "gpt2" else 1)  # token (and position) ids
     if post:
-        total += (3 * model.hidden_size + 2) * tokens * dsize + 12 * batch * response * 4
-        if spec.kind == "lm":  # response logits and their softmax, fp32
-            total += 2 * batch * response * (spec.padded_vocab // spec.tp) * 4
+        # the final norm and the head's input, at the kept positions with the cut
+        head_tokens = batch * response if cut and not model.fp8.enabled else tokens
+        total += (3 * model.hidden_size + 2) * head_tokens * dsize + 12 * batch * response * 4
+        if spec.kind == "lm":  # the logits (response's, or all) and the softmax, fp32
+            rows = response if cut else seq
+            total += batch * (rows + response) * (spec.padded_vocab // spec.tp) * 4
     return total
 
 

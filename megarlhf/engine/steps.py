@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from megarlhf.config import PPOConfig
-from megarlhf.models.gpt import head_positions
 from megarlhf.models.logprobs import vocab_parallel_logprobs
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
@@ -18,9 +17,10 @@ from megarlhf.parallel.gather import gather_objects
 
 def model_forward(model, batch: dict, positions: slice | None = None):
     """``model`` on one micro-batch, its outputs (logits or values) at sequence
-    ``positions`` only (all when None; see ``models.gpt.head_positions``)."""
-    with cpu_backend.suspended(), head_positions(model, positions):
-        return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
+    ``positions`` only (all when None; see ``models.gpt.RoleModel``)."""
+    with cpu_backend.suspended():
+        return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                     positions=positions)
 
 
 def make_score_step(role: str, *, tp_group, true_vocab: int, temperature: float = 1.0):

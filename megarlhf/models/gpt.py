@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import types
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -17,11 +16,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megarlhf import speedups
 from megarlhf.config import ModelConfig
-from megarlhf.speedups import linears
-from megarlhf.speedups.positions import (  # noqa: F401 (head_positions: its callers)
-    _let_head_skip_positions, _let_last_mlp_skip_positions, head_positions)
 from megarlhf.models.spec import activation, layer_spec, resolve_impl
+from megarlhf.speedups import linears, positions as cuts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -101,7 +99,6 @@ class ScalarHead(MegatronModule):
     def __init__(self, config: TransformerConfig, tp_group):
         super().__init__(config=config)
         self.tp_group = tp_group  # megatron's sharded_state_dict reads it
-        self.megarlhf_positions = None  # see head_positions
         self.weight = torch.nn.Parameter(torch.zeros(1, config.hidden_size,
                                                      dtype=config.params_dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype))
@@ -111,9 +108,76 @@ class ScalarHead(MegatronModule):
         self.sequence_parallel = False
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
-        if self.megarlhf_positions is not None:
-            hidden_states = hidden_states[self.megarlhf_positions]
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
+
+
+class RoleModel(GPTModel):
+    """megatron's ``GPTModel`` as a role uses it: the LM head (``kind="lm"``: policy,
+    reference) or :class:`ScalarHead` (``"value"``: critic, reward model), outputs at
+    chosen sequence positions only, and the tied embedding's checkpoint mapping on the
+    chunk's own groups. ``true_vocab`` is the tokenizer's vocabulary (rows above it pad
+    the table for TP).
+
+    ``forward(input_ids, position_ids, attention_mask, ..., positions=None)``: with
+    ``positions`` (a slice of the sequence) the last stage returns (B, len, V/tp) logits
+    or (B, len, 1) values at those positions only; earlier stages ignore it. Plainly the
+    whole sequence is computed and sliced; ``speedups.positions`` cuts it before the
+    last layer's MLP or the head instead."""
+
+    def __init__(self, *, kind: str, true_vocab: int, **gpt_kwargs):
+        super().__init__(**gpt_kwargs)
+        self.kind, self.true_vocab = kind, true_vocab
+        if kind == "value" and self.post_process:
+            self.output_layer = ScalarHead(self.config, self.pg_collection.tp)
+        elif self.post_process and speedups.enabled("linears"):
+            # megatron's GPTModel builds its head itself, outside the layer spec
+            self.output_layer.__class__ = linears.head_class(type(self.output_layer))
+        self.cuts_early = self.post_process and speedups.enabled("positions") \
+            and cuts.head_cut_allowed(self.config)
+        self._head_positions = None  # while a forward cuts at the head
+
+    def forward(self, input_ids, position_ids, attention_mask, *args, positions=None,
+                **kwargs):
+        if positions is None or not self.post_process:
+            return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        if not self.cuts_early:
+            out = super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+            return out[:, positions]
+        last = self.decoder.layers[-1] if len(self.decoder.layers) else None
+        if isinstance(last, cuts.CutLayer):
+            last.positions = positions
+        else:
+            self._head_positions = positions
+        try:
+            return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        finally:
+            if isinstance(last, cuts.CutLayer):
+                last.positions = None
+            self._head_positions = None
+
+    def _postprocess(self, hidden_states, **kwargs):
+        if self._head_positions is not None:
+            hidden_states = hidden_states[self._head_positions]  # (S, B, H): a view
+        return super()._postprocess(hidden_states, **kwargs)
+
+    def tie_embeddings_and_output_weights_state_dict(
+            self, sharded_state_dict, output_layer_weight_key: str,
+            first_stage_word_emb_key: str, metadata: dict) -> None:
+        """megatron-core 0.16.1's version reads the data-parallel rank from the global
+        ``parallel_state`` on the last stage of a tied model; the same logic with the
+        chunk's own group (``metadata['dp_cp_group']``)."""
+        from megatron.core.transformer.utils import make_tp_sharded_tensor_for_checkpoint
+
+        if not self.post_process or self.pre_process or getattr(self, "mtp_process", False):
+            return super().tie_embeddings_and_output_weights_state_dict(
+                sharded_state_dict, output_layer_weight_key, first_stage_word_emb_key,
+                metadata)
+        del sharded_state_dict[output_layer_weight_key]
+        dp_cp = metadata["dp_cp_group"]
+        sharded_state_dict[output_layer_weight_key] = make_tp_sharded_tensor_for_checkpoint(
+            tensor=self.shared_embedding_or_output_weight(), key=first_stage_word_emb_key,
+            replica_id=(1, 0, dp_cp.rank()),  # a copy of the first stage's embedding
+            allow_shape_mismatch=True, tp_group=self.tp_group, dp_cp_group=dp_cp)
 
 
 def unwrap(model):
@@ -136,7 +200,7 @@ def fold_head_affine(chunks: list, gain: float, bias: float) -> None:
 
 def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, pg_collection,
                 pre_process: bool, post_process: bool, vp_stage: int | None = None,
-                vpp_size: int | None = None) -> GPTModel:
+                vpp_size: int | None = None) -> RoleModel:
     """One model chunk. ``kind`` is ``"lm"`` (policy, reference) or ``"value"`` (critic,
     reward model). ``padded_vocab`` is the embedding table's row count (the vocabulary
     padded for TP, see :func:`~megarlhf.config.padded_vocab_size`). Weights are random;
@@ -147,9 +211,14 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, pg_coll
         raise ValueError("model.vocab_size is unset: set it or configure a tokenizer")
     tp_size, pp_size = pg_collection.tp.size(), pg_collection.pp.size()
     tcfg = transformer_config(model_cfg, tp_size=tp_size, pp_size=pp_size, vpp_size=vpp_size)
-    model = GPTModel(
+    spec = layer_spec(model_cfg)
+    if post_process and speedups.enabled("positions") and cuts.mlp_cut_allowed(tcfg, spec):
+        spec = cuts.block_spec(spec, tcfg, vp_stage=vp_stage, pp_rank=pg_collection.pp.rank())
+    model = RoleModel(
+        kind=kind,
+        true_vocab=model_cfg.vocab_size,
         config=tcfg,
-        transformer_layer_spec=layer_spec(model_cfg),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab,
         max_sequence_length=model_cfg.max_position_embeddings,
         pre_process=pre_process,
@@ -161,19 +230,6 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, pg_coll
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
-    linears.install(model)  # first: the head's slicing below wraps the output layer's forward
-    if kind == "value" and post_process:
-        model.output_layer = ScalarHead(tcfg, pg_collection.tp)
-    elif post_process:
-        _let_head_skip_positions(model.output_layer)
-    if post_process:  # where head_positions cuts the sequence: the last MLP, else the head
-        cut = _let_last_mlp_skip_positions(model) or model.output_layer
-        object.__setattr__(model, "megarlhf_cut", cut)  # a reference, not a submodule
-    if model.share_embeddings_and_output_weights:
-        model.tie_embeddings_and_output_weights_state_dict = types.MethodType(
-            _tied_output_state_dict, model)
-    model.megarlhf_role = kind
-    model.megarlhf_true_vocab = model_cfg.vocab_size
     if tcfg.params_dtype != torch.float32:
         # Without apex, megatron's local norms (torch.nn.RMSNorm / LayerNorm) are built in
         # fp32 whatever params_dtype says; megatron's own training loop casts the whole
@@ -181,26 +237,6 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, pg_coll
         # fp32 main copies assume (a mixed model breaks its state-dict mapping).
         model.to(tcfg.params_dtype)
     return model
-
-
-def _tied_output_state_dict(self, sharded_state_dict, output_layer_weight_key: str,
-                            first_stage_word_emb_key: str, metadata: dict) -> None:
-    """megatron-core 0.16.1's ``tie_embeddings_and_output_weights_state_dict`` reads the
-    data-parallel rank from the global ``parallel_state`` on the last stage of a tied
-    model; the same logic with the chunk's own group (``metadata['dp_cp_group']``)."""
-    from megatron.core.models.common.language_module.language_module import LanguageModule
-    from megatron.core.transformer.utils import make_tp_sharded_tensor_for_checkpoint
-
-    if not self.post_process or self.pre_process or getattr(self, "mtp_process", False):
-        return LanguageModule.tie_embeddings_and_output_weights_state_dict(
-            self, sharded_state_dict, output_layer_weight_key, first_stage_word_emb_key,
-            metadata)
-    del sharded_state_dict[output_layer_weight_key]
-    dp_cp = metadata["dp_cp_group"]
-    sharded_state_dict[output_layer_weight_key] = make_tp_sharded_tensor_for_checkpoint(
-        tensor=self.shared_embedding_or_output_weight(), key=first_stage_word_emb_key,
-        replica_id=(1, 0, dp_cp.rank()),  # a copy of the first stage's embedding
-        allow_shape_mismatch=True, tp_group=self.tp_group, dp_cp_group=dp_cp)
 
 
 def _param_seed(seed: int, key: str, layer_offsets: tuple) -> int:
@@ -252,7 +288,7 @@ def init_weights(model, model_cfg: ModelConfig, seed: int) -> None:
     is drawn from its own generator seeded by (seed, name, layer); this rank copies
     its slice. TP=1, TP=2 and PP=2 therefore hold the same model for one seed.
     """
-    role = getattr(model, "megarlhf_role", "lm")
+    role = model.kind
     for st in _sharded_tensors(model):
         if st.data is None or not torch.is_floating_point(st.data):
             continue
@@ -275,11 +311,11 @@ def init_weights(model, model_cfg: ModelConfig, seed: int) -> None:
 
 def _zero_vocab_padding(model) -> None:
     """Rows of the padded vocabulary hold zeros (they are masked out of every softmax)."""
-    true_vocab = model.megarlhf_true_vocab
+    true_vocab = model.true_vocab
     tables = []
     if model.pre_process:
         tables.append(model.embedding.word_embeddings)
-    if model.post_process and model.megarlhf_role == "lm":
+    if model.post_process and model.kind == "lm":
         tables.append(model.output_layer)
     for table in tables:
         if table.weight is None:  # tied output layer on the embedding's stage

@@ -16,7 +16,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megarlhf import speedups
 from megarlhf.config import ModelConfig
+from megarlhf.speedups import linears
 
 
 class SDPACoreAttention(MegatronModule):
@@ -140,6 +142,8 @@ def layer_spec(model: ModelConfig) -> ModuleSpec:
         return get_gpt_layer_with_transformer_engine_spec()
     spec = get_gpt_layer_local_spec(normalization=norm)
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if speedups.enabled("linears"):
+        linears.use_in_spec(spec)
     return spec
 
 

@@ -16,7 +16,6 @@ import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
 from megarlhf.engine.memory import kv_cache_bytes
-from megarlhf.models.gpt import head_positions
 from megarlhf.parallel import cpu_backend
 
 _NEG = -1e30
@@ -149,14 +148,14 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
         pos = positions[:, start:length]
         blocked = _attention_blocked(key_mask[:, :length], new)
         # logits at the last column only (the prefill's other P - 1 are never read)
-        with head_positions(model, slice(-1, None)):
-            if ctx is None:
-                out = model(inp, pos, blocked, runtime_gather_output=True)
-            else:
-                out = model(inp, pos, blocked, inference_context=ctx,
-                            runtime_gather_output=True)
-                ctx.sequence_len_offset += new
-                ctx.enable_decode_mode()
+        if ctx is None:
+            out = model(inp, pos, blocked, runtime_gather_output=True,
+                        positions=slice(-1, None))
+        else:
+            out = model(inp, pos, blocked, inference_context=ctx, runtime_gather_output=True,
+                        positions=slice(-1, None))
+            ctx.sequence_len_offset += new
+            ctx.enable_decode_mode()
         return out[:, -1, :true_vocab].float()
 
     logits = last_logits(P, P)

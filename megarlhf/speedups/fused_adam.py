@@ -1,4 +1,14 @@
-"""torch's fused Adam kernel for megatron's optimizer without apex/TransformerEngine."""
+"""torch's fused Adam kernel for megatron's optimizer without apex/TransformerEngine.
+
+Replaces: torch's per-tensor Adam loop, which megatron-core builds with torch's defaults
+when neither apex nor TransformerEngine provides a fused Adam (every CPU run). torch's
+``fused=True`` kernel runs where the device has one.
+
+Bitwise: no (the fused kernel orders its arithmetic otherwise; weights agree to rounding).
+
+Measured: the PPO iteration 10.3% faster at the bench's medium size, its training phase
+12% (``bench/speedups.py --size medium``); 5x on the small model's step (2.8 vs 14.9 ms).
+"""
 
 from __future__ import annotations
 

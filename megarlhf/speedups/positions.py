@@ -1,77 +1,75 @@
-"""Outputs only where the loss reads them: the last layer's MLP and the LM head at chosen
-sequence positions."""
+"""Outputs only where the loss reads them: the last layer's MLP and the LM head at the
+positions a caller asks ``RoleModel.forward(..., positions=)`` for.
+
+Replaces: with ``positions`` given, ``models.gpt.RoleModel`` computes the whole sequence
+and slices its output; with this speed-up the sequence is cut before the last layer's MLP
+(:class:`CutLayer`, the model's last layer in the block spec, :func:`block_spec`) where the
+model allows it, else before the head. A PPO loss reads the response positions only, so
+neither the prompt's head matmul and logits nor its last MLP is computed. Nothing after the
+last MLP mixes positions - the final norm and the head work per position - so every other
+position's MLP is work whose result no caller reads: with the benchmark's 32 prompt and 32
+response tokens, 9% of the trunk's linear-layer FLOPs at the small model (4 layers), 18% at
+tiny (2). Attention still runs at every position (the kept ones attend to all).
+
+The MLP cut is not made with sequence or context parallelism (the hidden states are
+sharded along the sequence), activation recomputation (the recomputed forward would see no
+positions), multi-token prediction (it reads every position), fp8 (its GEMMs want row
+counts in multiples of 8 or 16) or a mixture-of-experts MLP (routing statistics count
+tokens); the head cut is, but for sequence parallelism (then nothing is cut early).
+
+Bitwise: no. The head's and the MLP's matmuls see fewer rows, which this machine's MKL
+may sum in another order (the logits of a kept position agree to float rounding).
+
+Measured: see BENCHMARKS.md, "Speed-ups" (``bench/speedups.py --size medium``).
+"""
 
 from __future__ import annotations
 
-import contextlib
-
-from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    LayerNormImpl,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
-def _let_head_skip_positions(layer) -> None:
-    """The LM head computes logits for ``layer.megarlhf_positions`` (a slice of the
-    sequence) only, when set: a loss that reads the response positions alone then pays
-    neither the prompt's (S, B, H) x (H, V/tp) matmul nor its logits. See
-    :func:`head_positions`."""
-    forward = layer.forward
-    layer.megarlhf_positions = None
+class CutLayer(TransformerLayer):
+    """The model's last transformer layer: while ``positions`` is set, its MLP (with its
+    norm and residual) runs at those sequence positions only, and so does everything
+    after it."""
 
-    def sliced_forward(hidden_states, *args, **kwargs):
-        if layer.megarlhf_positions is not None:
-            hidden_states = hidden_states[layer.megarlhf_positions]  # (S, B, H): a view
-        return forward(hidden_states, *args, **kwargs)
+    positions: slice | None = None
 
-    layer.forward = sliced_forward
+    def _forward_mlp(self, hidden_states, *args, **kwargs):
+        if self.positions is not None:
+            hidden_states = hidden_states[self.positions]  # (S, B, H): a view
+        return super()._forward_mlp(hidden_states, *args, **kwargs)
 
 
-def _let_last_mlp_skip_positions(model: GPTModel):
-    """The last layer's MLP (with its norm and residual) runs at ``megarlhf_positions``
-    only, when set; returns that layer, or None where the model does not allow it. Nothing
-    after it mixes positions - the final norm and the head work per position - so every
-    other position's MLP is work whose result no caller reads: with the benchmark's 32
-    prompt and 32 response tokens, 9% of the trunk's linear-layer FLOPs at the small model
-    (4 layers), 18% at tiny (2).
-    Attention still runs at every position (the kept ones attend to all). Not with sequence
-    or context parallelism (the hidden states are sharded along the sequence), activation
-    recomputation (the recomputed forward would see no positions), multi-token prediction
-    (it reads every position), fp8 (its GEMMs want row counts in multiples of 8 or 16) or a
-    mixture-of-experts MLP (routing statistics count tokens)."""
-    config = model.config
-    layers = model.decoder.layers
-    if not layers or config.sequence_parallel or config.context_parallel_size > 1 \
-            or config.recompute_granularity is not None or config.mtp_num_layers \
-            or config.fp8 or type(layers[-1].mlp) is not MLP:
-        return None
-    layer = layers[-1]
-    forward_mlp = layer._forward_mlp
-    layer.megarlhf_positions = None
-
-    def sliced_forward_mlp(hidden_states, *args, **kwargs):
-        if layer.megarlhf_positions is not None:
-            hidden_states = hidden_states[layer.megarlhf_positions]  # (S, B, H): a view
-        return forward_mlp(hidden_states, *args, **kwargs)
-
-    layer._forward_mlp = sliced_forward_mlp
-    return layer
+def mlp_cut_allowed(config, layer_spec: ModuleSpec) -> bool:
+    """Whether the last MLP may run at some positions only (see the module docstring)."""
+    return (issubclass(layer_spec.module, TransformerLayer)
+            and layer_spec.submodules.mlp.module is MLP
+            and not config.sequence_parallel and config.context_parallel_size == 1
+            and config.recompute_granularity is None and not config.mtp_num_layers
+            and not config.fp8)
 
 
-@contextlib.contextmanager
-def head_positions(model, positions: slice | None):
-    """Within the block, ``model`` (any wrapping; a no-op but on the last pipeline stage)
-    returns its outputs at sequence ``positions`` only: (B, len(positions), V/tp) logits or
-    (B, len(positions), 1) values. The sequence is cut before the last layer's MLP where
-    the model allows it (:func:`_let_last_mlp_skip_positions`), else at the head."""
-    from megarlhf.models.gpt import unwrap
+def block_spec(layer_spec: ModuleSpec, config, *, vp_stage: int | None, pp_rank: int
+               ) -> TransformerBlockSubmodules:
+    """The block of the model's last chunk with :class:`CutLayer` as its last layer (the
+    layers megatron would build on this stage from ``layer_spec``, as megatron lists
+    them)."""
+    num_layers = get_num_layers_to_build(config, vp_stage, pp_rank)
+    last = ModuleSpec(module=CutLayer, params=layer_spec.params,
+                      submodules=layer_spec.submodules)
+    layers = [layer_spec] * (num_layers - 1) + [last] if num_layers else []
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl)
 
-    module = unwrap(model)
-    cut = getattr(module, "megarlhf_cut", None) if getattr(module, "post_process", False) \
-        else None
-    if positions is None or cut is None:
-        yield
-        return
-    cut.megarlhf_positions = positions
-    try:
-        yield
-    finally:
-        cut.megarlhf_positions = None
+
+def head_cut_allowed(config) -> bool:
+    """Whether the head may run at some positions only: not with its input sharded along
+    the sequence."""
+    return not config.sequence_parallel

@@ -5,6 +5,10 @@ dist_checkpointing save. Run at world size 1 (reference) and 2; results -> OUT/r
 
 from __future__ import annotations
 
+# As the CLI does, before megatron is imported: the speed-ups MEGARLHF_SPEEDUPS selects.
+from megarlhf import speedups  # noqa: E402
+speedups.install()
+
 import json
 import os
 import sys

@@ -3,6 +3,10 @@ reference log-prob cache. Results -> OUT/experience_world{N}.pt on rank 0."""
 
 from __future__ import annotations
 
+# As the CLI does, before megatron is imported: the speed-ups MEGARLHF_SPEEDUPS selects.
+from megarlhf import speedups  # noqa: E402
+speedups.install()
+
 import dataclasses
 import os
 import sys

@@ -9,6 +9,10 @@ tolerance.
 
 from __future__ import annotations
 
+# As the CLI does, before megatron is imported: the speed-ups MEGARLHF_SPEEDUPS selects.
+from megarlhf import speedups  # noqa: E402
+speedups.install()
+
 import sys
 
 from megarlhf.config import load_config

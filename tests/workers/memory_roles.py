@@ -11,6 +11,10 @@ whether ``models.shapes`` lists every built chunk's parameters.
 
 from __future__ import annotations
 
+# As the CLI does, before megatron is imported: the speed-ups MEGARLHF_SPEEDUPS selects.
+from megarlhf import speedups  # noqa: E402
+speedups.install()
+
 import json
 import os
 import sys

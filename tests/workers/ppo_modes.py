@@ -10,6 +10,10 @@ for PPO-ptx the reference NLL of the first ptx mini-batch under the initial acto
 
 from __future__ import annotations
 
+# As the CLI does, before megatron is imported: the speed-ups MEGARLHF_SPEEDUPS selects.
+from megarlhf import speedups  # noqa: E402
+speedups.install()
+
 import dataclasses
 import json
 import os

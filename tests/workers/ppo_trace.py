@@ -24,6 +24,10 @@ consume no random numbers.
 
 from __future__ import annotations
 
+# As the CLI does, before megatron is imported: the speed-ups MEGARLHF_SPEEDUPS selects.
+from megarlhf import speedups  # noqa: E402
+speedups.install()
+
 import dataclasses
 import json
 import os

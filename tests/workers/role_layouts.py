@@ -4,6 +4,10 @@ TP=1 PP=1 as the reference. Results -> OUT/roles_world{N}.pt on rank 0."""
 
 from __future__ import annotations
 
+# As the CLI does, before megatron is imported: the speed-ups MEGARLHF_SPEEDUPS selects.
+from megarlhf import speedups  # noqa: E402
+speedups.install()
+
 import os
 import sys
 

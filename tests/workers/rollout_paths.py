@@ -5,6 +5,10 @@ and after an optimizer step. Results -> OUT/rollout_world{N}.pt on rank 0."""
 
 from __future__ import annotations
 
+# As the CLI does, before megatron is imported: the speed-ups MEGARLHF_SPEEDUPS selects.
+from megarlhf import speedups  # noqa: E402
+speedups.install()
+
 import functools
 import os
 import sys
@@ -69,6 +73,8 @@ def short_linears_case(arch, results):
     linear functions never on the short path."""
     from megatron.core.tensor_parallel import layers
 
+    from megarlhf.speedups import linears
+
     cfg = make_config(arch, 1, 1)
     (model,) = build(cfg, "lm", trained=True).trained.model  # megatron DDP around the GPT
     model.eval()  # no dropout: the two passes must see the same function
@@ -103,13 +109,14 @@ def short_linears_case(arch, results):
         setattr(layers, name, counted(fn))
     try:
         short = run()
-        short_forwards = {}
+        short_forwards = {}  # module -> its fast class; megatron's class for the second run
         for module in model.modules():
-            if isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)):
-                short_forwards[module] = module.__dict__.pop("forward")  # megatron's again
+            if type(module) in (linears.ColumnLinear, linears.RowLinear):
+                short_forwards[module] = type(module)
+                module.__class__ = type(module).__bases__[0]
         theirs = run()
-        for module, forward in short_forwards.items():
-            module.forward = forward
+        for module, cls in short_forwards.items():
+            module.__class__ = cls
     finally:
         for name, fn in originals.items():
             setattr(layers, name, fn)
@@ -175,8 +182,9 @@ def main():
     if world == 1:
         generation_case("llama", results)
         generation_case("gpt2", results)
-        short_linears_case("llama", results)
-        short_linears_case("gpt2", results)
+        if speedups.enabled("linears"):
+            short_linears_case("llama", results)
+            short_linears_case("gpt2", results)
         sampling_case("sample_tp1", 1, 1, None, 1, results)
     else:
         sampling_case("sample_pp2vpp2_to_tp2", 1, 2, 2, 2, results)

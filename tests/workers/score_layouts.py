@@ -4,6 +4,10 @@ Results -> OUT/layouts_world{N}.pt on rank 0."""
 
 from __future__ import annotations
 
+# As the CLI does, before megatron is imported: the speed-ups MEGARLHF_SPEEDUPS selects.
+from megarlhf import speedups  # noqa: E402
+speedups.install()
+
 import os
 import sys
 
@@ -16,6 +20,8 @@ from common import build, fixed_sequences, make_config  # noqa: E402
 from megarlhf.engine.forward import forward_rows, stack_results  # noqa: E402
 from megarlhf.engine.steps import make_score_step, make_sequence_step  # noqa: E402
 from megarlhf.models.gpt import unwrap  # noqa: E402
+from megarlhf.speedups.positions import CutLayer  # noqa: E402
+from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: E402
 from megarlhf.stages.score import right_padded_batch, score_sequences  # noqa: E402
 
 PROMPT = 4  # the response-only case: outputs from position PROMPT - 1 on
@@ -85,10 +91,12 @@ def main():
                 results[("response_only", arch, role, tp, pp, vpp)] = \
                     response_only_gap(scorer, seqs)
                 if world == 1:  # where the MLP cut is not allowed (fp8, ...): the head cuts
-                    gpt = unwrap(scorer.chunks[-1])
-                    object.__setattr__(gpt, "megarlhf_cut", gpt.output_layer)
+                    last = unwrap(scorer.chunks[-1]).decoder.layers[-1]
+                    if isinstance(last, CutLayer):  # built as a plain layer would be
+                        last.__class__ = TransformerLayer
                     results[("head_only", arch, role, tp, pp, vpp)] = \
                         response_only_gap(scorer, seqs)
+    results["positions_cut"] = speedups.enabled("positions")
     if dist.get_rank() == 0:
         torch.save(results, os.path.join(out_dir, f"layouts_world{world}.pt"))
     dist.destroy_process_group()
