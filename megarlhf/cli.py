@@ -73,10 +73,10 @@ def _resolved_roles(cfg: Config, world_size: int) -> str:
                  "kind": spec.kind + (" (trunk only: new scalar head)" if spec.trunk_only
                                       else ""),
                  "model": dataclasses.asdict(spec.model),
-                 "parallel": {"tensor_model_parallel_size": spec.tp,
-                              "pipeline_model_parallel_size": spec.pp,
-                              "virtual_pipeline_model_parallel_size": spec.vpp,
-                              "data_parallel_size": world_size // (spec.tp * spec.pp)}}
+                 "parallel": {"tensor_model_parallel_size": spec.layout.tp,
+                              "pipeline_model_parallel_size": spec.layout.pp,
+                              "virtual_pipeline_model_parallel_size": spec.layout.vpp,
+                              "data_parallel_size": spec.layout.dp(world_size)}}
         if spec.optimizer is not None:
             entry["optimizer"] = dataclasses.asdict(spec.optimizer)
         view[name] = entry

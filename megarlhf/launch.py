@@ -12,36 +12,34 @@ import os
 import shlex
 import subprocess
 
-from megarlhf.config import Config, ConfigError, check_ppo, explicit_fields
+from megarlhf.config import Config, ConfigError, Layout, check_ppo, explicit_fields
 
 STAGES = ("sft", "rm", "ppo", "dpo", "distill", "score")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _role_layouts(cfg: Config) -> dict[str, tuple[int, int]]:
-    """(TP, PP) of the training layout and of every role block that sets its own."""
-    par = cfg.parallel
+def _role_layouts(cfg: Config) -> dict[str, Layout]:
+    """The training layout and that of every role block that sets its own."""
     actor = cfg.roles.actor.parallel
-    base = (actor.tensor_model_parallel_size or par.tensor_model_parallel_size,
-            actor.pipeline_model_parallel_size or par.pipeline_model_parallel_size)
+    base = Layout.of(cfg.parallel).with_role(actor)
     out = {"parallel" if actor == type(actor)() else "roles.actor.parallel": base}
     for name in ("critic", "reference", "reward"):
         own = getattr(cfg.roles, name).parallel
         if own != type(own)():
-            out[f"roles.{name}.parallel"] = (own.tensor_model_parallel_size or base[0],
-                                            own.pipeline_model_parallel_size or base[1])
+            out[f"roles.{name}.parallel"] = base.with_role(own)
     return out
 
 
 def check_fit(cfg: Config) -> int:
     launch = cfg.launch
     world = launch.nodes * launch.tasks_per_node
-    for where, (tp, pp) in _role_layouts(cfg).items():
-        if world % (tp * pp):
+    for where, layout in _role_layouts(cfg).items():
+        tp, pp, ranks = layout.tp, layout.pp, layout.model_parallel
+        if world % ranks:
             raise ConfigError(
-                f"the layout {where}: TP x PP = {tp} x {pp} = {tp * pp} processes does not fit "
+                f"the layout {where}: TP x PP = {tp} x {pp} = {ranks} processes does not fit "
                 f"{launch.nodes} node(s) x {launch.tasks_per_node} task(s) = {world}: use a "
-                f"multiple of {tp * pp} processes (launch.nodes / launch.tasks_per_node)")
+                f"multiple of {ranks} processes (launch.nodes / launch.tasks_per_node)")
         if tp > launch.tasks_per_node:
             raise ConfigError(f"{where}: TP={tp} spans nodes (launch.tasks_per_node="
                               f"{launch.tasks_per_node}); keep TP within a node")
@@ -102,10 +100,9 @@ def render_sbatch(cfg: Config, stage: str, config_path: str, overrides: list[str
     if launch.account:
         lines.append(f"#SBATCH --account={launch.account}")
     args = [stage, config_path, *overrides] if stage != "score" else [stage, *overrides]
-    lines += [f"# {world} processes: training layout {cfg.parallel.tensor_model_parallel_size}"
-              f" (TP) x {cfg.parallel.pipeline_model_parallel_size} (PP) x "
-              f"{world // (cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size)}"
-              f" (DP); rollout TP {cfg.rollout.tensor_parallel_size}",
+    train = Layout.of(cfg.parallel)
+    lines += [f"# {world} processes: training layout {train.tp} (TP) x {train.pp} (PP) x "
+              f"{train.dp(world)} (DP); rollout TP {cfg.rollout.tensor_parallel_size}",
               f"cd {shlex.quote(REPO)}",
               f"mkdir -p {shlex.quote(launch.log_dir)} {shlex.quote(run_dir)}",
               f"exec bash slurm/launch.sh {shlex.quote(run_dir)} {shlex.quote(launch.python)} "

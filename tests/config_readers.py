@@ -228,13 +228,21 @@ def readers(root: type, sources: dict[str, str], schema_source: str) -> set[tupl
     return scanner.reads
 
 
+# In the config package, the module that carries values out of it: the Layout value (the
+# parallel sections' sizes, read there and nowhere else).
+CONFIG_READERS = ("layout.py",)
+
+
 def package_sources() -> dict[str, str]:
-    """megarlhf's modules outside megarlhf/config (the loader and validation)."""
+    """megarlhf's modules outside megarlhf/config (the loader and validation), and the
+    config package's ``CONFIG_READERS``."""
     out = {}
     for folder, _, files in os.walk(os.path.join(ROOT, "megarlhf")):
-        if os.path.relpath(folder, ROOT).replace(os.sep, "/").startswith("megarlhf/config"):
-            continue
+        in_config = os.path.relpath(folder, ROOT).replace(os.sep, "/").startswith(
+            "megarlhf/config")
         for file in files:
+            if in_config and file not in CONFIG_READERS:
+                continue
             if file.endswith(".py"):
                 path = os.path.join(folder, file)
                 out[os.path.relpath(path, ROOT)] = open(path).read()

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from megarlhf.config import ConfigError, ModelConfig, load_config
+from megarlhf.config import ConfigError, Layout, ModelConfig, load_config
 from megarlhf.engine.checkpoint import META_FILE
 from megarlhf.engine.role_specs import ppo_role_specs, single_role_spec
 
@@ -50,7 +50,7 @@ def test_models_come_from_each_checkpoint_and_layouts_from_the_actor(ckpts):
     assert (reward.model.num_layers, reward.model.hidden_size) == (2, 32)
     assert (critic.model.num_layers, critic.model.hidden_size) == (2, 32)  # from the RM
     assert ref.model == actor.model and ref.checkpoint == actor.checkpoint
-    assert all((s.tp, s.pp, s.vpp) == (2, 1, None) for s in specs.values())
+    assert all(s.layout == Layout(tp=2) for s in specs.values())
     assert actor.kind == ref.kind == "lm" and critic.kind == reward.kind == "value"
     assert actor.optimizer.lr == 1e-4 and critic.optimizer.lr == 3e-4
     assert ref.optimizer is None and reward.optimizer is None
@@ -67,10 +67,10 @@ def test_per_role_layouts_models_and_optimizers(ckpts):
                   "roles.critic.optimizer.use_distributed_optimizer=false",
                   "parallel.pipeline_model_parallel_size=1")
     specs = ppo_role_specs(cfg, 2, TOKENIZER)
-    assert (specs["actor"].tp, specs["actor"].pp) == (2, 1)
-    assert (specs["critic"].tp, specs["critic"].pp) == (1, 2)
-    assert (specs["reference"].tp, specs["reference"].pp) == (1, 1)
-    assert (specs["reward"].tp, specs["reward"].pp) == (2, 1)  # the actor's
+    assert (specs["actor"].layout.tp, specs["actor"].layout.pp) == (2, 1)
+    assert (specs["critic"].layout.tp, specs["critic"].layout.pp) == (1, 2)
+    assert (specs["reference"].layout.tp, specs["reference"].layout.pp) == (1, 1)
+    assert (specs["reward"].layout.tp, specs["reward"].layout.pp) == (2, 1)  # the actor's
     assert specs["reward"].model.params_dtype == "bfloat16"
     assert specs["reward"].model.num_layers == 2  # the rest from its checkpoint
     assert specs["critic"].optimizer.lr == 2e-3
@@ -103,10 +103,10 @@ def test_vpp_follows_the_actor_only_with_its_pipeline(ckpts):
                   "roles.critic.parallel.virtual_pipeline_model_parallel_size=1",
                   "roles.reference.parallel.virtual_pipeline_model_parallel_size=1")
     specs = ppo_role_specs(cfg, 2, TOKENIZER)
-    assert (specs["actor"].pp, specs["actor"].vpp) == (2, 2)
-    assert (specs["critic"].pp, specs["critic"].vpp) == (2, None)
-    assert (specs["reward"].pp, specs["reward"].vpp) == (1, None)
-    assert (specs["reference"].pp, specs["reference"].vpp) == (2, None)
+    assert (specs["actor"].layout.pp, specs["actor"].layout.vpp) == (2, 2)
+    assert (specs["critic"].layout.pp, specs["critic"].layout.vpp) == (2, None)
+    assert (specs["reward"].layout.pp, specs["reward"].layout.vpp) == (1, None)
+    assert (specs["reference"].layout.pp, specs["reference"].layout.vpp) == (2, None)
 
 
 def test_today_configs_resolve_unchanged(ckpts):

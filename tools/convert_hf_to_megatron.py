@@ -107,7 +107,7 @@ def copy_into(model_sd: dict, name: str, tensor: torch.Tensor, done: set) -> Non
 
 
 def convert(hf_dir: str, out: str, tp: int, pp: int, role: str) -> dict:
-    from megarlhf.config import config_from_dict, padded_vocab_size, validate_layout
+    from megarlhf.config import Layout, config_from_dict, padded_vocab_size, validate_layout
     from megarlhf.engine.checkpoint import RoleState, save_checkpoint
     from megarlhf.engine.role_specs import RoleSpec
     from megarlhf.engine.roles import build_chunks
@@ -132,8 +132,8 @@ def convert(hf_dir: str, out: str, tp: int, pp: int, role: str) -> dict:
     init_distributed(cfg)
     try:
         # Built in one process, but with the vocabulary padded for the requested TP.
-        layout = build_layout(1, 1)
-        spec = RoleSpec(name=role, kind=kind, model=target_cfg.model, tp=1, pp=1, vpp=None,
+        layout = build_layout(Layout())
+        spec = RoleSpec(name=role, kind=kind, model=target_cfg.model, layout=Layout(),
                         padded_vocab=padded_vocab_size(
                             target_cfg.model.vocab_size,
                             target_cfg.parallel.make_vocab_size_divisible_by, tp))

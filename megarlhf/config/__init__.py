@@ -1,5 +1,6 @@
 """Typed configuration: the dataclass tree, YAML loading and layout validation."""
 
+from megarlhf.config.layout import Layout
 from megarlhf.config.loader import (
     ConfigError, config_from_dict, dump_config, explicit_fields, load_config, overlay,
     parse_overrides, section_from_dict, written_fields)
@@ -29,7 +30,7 @@ from megarlhf.config.schema import (
 )
 
 __all__ = [
-    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FP8Config", "LoggingConfig",
+    "CheckpointConfig", "Config", "ConfigError", "Layout", "DataConfig", "FP8Config", "LoggingConfig",
     "ModelConfig", "OptimizerConfig", "config_from_dict", "PPOConfig", "ParallelConfig", "RolloutConfig",
     "RunConfig", "TokenizerConfig", "TrainConfig", "dump_config", "load_config", "padded_vocab_size",
     "parse_overrides", "validate_layout", "RoleConfig", "RoleParallelConfig", "RolesConfig",

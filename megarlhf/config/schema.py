@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megarlhf.config.layout import Layout
+
 
 def _require(ok: bool, name: str, value, valid: str) -> None:
     if not ok:
@@ -869,12 +871,13 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def check_model_layout(where: str, model: ModelConfig, tp: int, pp: int, vpp: int | None,
+def check_model_layout(where: str, model: ModelConfig, layout: Layout,
                        world_size: int | None = None, model_name: str = "model") -> None:
     """The one place where a model's split is checked: heads, query groups and MLP width
     divisible by TP, layers by the pipeline chunks, the world by TP x PP. ``where`` names
     the layout's config section (``parallel``, ``roles.critic.parallel``) and
     ``model_name`` the model's (``model``, ``roles.reward.model``) in the messages."""
+    tp, pp, vpp = layout.tp, layout.pp, layout.vpp
     _require(model.num_attention_heads % tp == 0, f"{where}.tensor_model_parallel_size", tp,
              f"must divide {model_name}.num_attention_heads={model.num_attention_heads}")
     _require(model.query_groups % tp == 0, f"{where}.tensor_model_parallel_size", tp,
@@ -910,9 +913,7 @@ def validate_layout(cfg: Config, world_size: int) -> None:
     processes (SFT, RM, score; PPO checks every role in ``engine.role_specs``). Runs before
     any process group exists."""
     par, model = cfg.parallel, cfg.model
-    check_model_layout("parallel", model, par.tensor_model_parallel_size,
-                       par.pipeline_model_parallel_size,
-                       par.virtual_pipeline_model_parallel_size, world_size)
+    check_model_layout("parallel", model, Layout.of(par), world_size)
     check_rollout_layout(model, cfg.rollout.tensor_parallel_size, world_size)
     check_precision(model)
 

@@ -28,7 +28,7 @@ def forward_rows(role, rows: Sequence[Any], make_batch: Callable[[list[Any]], di
     that shards by owner needs.
     """
     layout = role.layout
-    mine = list(range(layout.dp_rank, len(rows), layout.dp_size))
+    mine = list(range(layout.dp_rank, len(rows), layout.dp))
     local: dict[int, dict] = {}
     if mine:
         padded = mine + [mine[0]] * (-len(mine) % micro_batch_size)
@@ -39,7 +39,7 @@ def forward_rows(role, rows: Sequence[Any], make_batch: Callable[[list[Any]], di
         for chunk in role.chunks:
             if chunk.training:  # as engine.optimizer.forward_backward
                 chunk.eval()
-        outs = forward_only(role.chunks, forward_step, batches,
+        outs = forward_only(role.chunks, forward_step, batches, layout=layout,
                             seq_length=batches[0]["tokens"].shape[1],
                             micro_batch_size=micro_batch_size)
         if layout.writes_results:

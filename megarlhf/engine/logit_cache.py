@@ -229,7 +229,7 @@ def build_cache(role, rows: Sequence[Sequence[int]], path: str, key: CacheKey, *
     local = forward_rows(role, list(rows), lambda batch: pad_batch(
         [(list(r), []) for r in batch], length, pad_id), step,
         micro_batch_size=micro_batch_size, gather=False)
-    shard_name = f"shard-{layout.dp_rank:05d}-of-{layout.dp_size:05d}.safetensors"
+    shard_name = f"shard-{layout.dp_rank:05d}-of-{layout.dp:05d}.safetensors"
     if layout.writes_results:
         ids = sorted(local)
         lengths = [len(rows[i]) - 1 for i in ids]

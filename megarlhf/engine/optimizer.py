@@ -22,6 +22,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megarlhf.config import OptimizerConfig
 from megarlhf.engine.schedule import run_schedule
 from megarlhf.parallel import cpu_backend
+from megarlhf.parallel.layout import RankLayout
 from megarlhf import speedups
 from megarlhf.speedups import fused_adam
 
@@ -61,6 +62,7 @@ class TrainedRole:
     model: list  # DDP-wrapped chunks
     optimizer: Any
     scheduler: OptimizerParamScheduler
+    layout: RankLayout  # its split, for the pipeline schedule
     num_skipped_steps: int = 0
     # the runaway guard (optimizer.max_consecutive_skipped_steps, max_skipped_fraction)
     max_consecutive_skipped: int = 0
@@ -162,7 +164,8 @@ def forward_backward(role: TrainedRole, forward_step: Callable, microbatches: li
         chunk.zero_grad_buffer()
     with cpu_backend.suspended():  # megatron's zero_grad only sets .grad attributes
         role.optimizer.zero_grad()
-    return run_schedule(role.model, forward_step, microbatches, seq_length=seq_length,
+    return run_schedule(role.model, forward_step, microbatches, layout=role.layout,
+                        seq_length=seq_length,
                         micro_batch_size=micro_batch_size, forward_only=False)
 
 

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 
 from megarlhf import speedups
-from megarlhf.config import Config, ConfigError, check_model_layout, padded_vocab_size
+from megarlhf.config import Config, ConfigError, Layout, check_model_layout, padded_vocab_size
 from megarlhf.engine.offload import LEVEL_PARTS, OFFLOAD_LEVELS
 from megarlhf.engine.role_specs import RoleSpec, ppo_role_specs
 from megarlhf.models.shapes import ParamShape, rank_chunks
@@ -92,7 +92,7 @@ def static_bytes(spec: RoleSpec, dp: int, pp_rank: int, dp_rank: int) -> dict[st
     role: parameters only; optimizer state as after the first step)."""
     dsize = DTYPE_BYTES[spec.model.params_dtype]
     chunks = rank_chunks(spec.model, kind=spec.kind, padded_vocab=spec.padded_vocab,
-                         tp=spec.tp, pp=spec.pp, pp_rank=pp_rank, vpp=spec.vpp)
+                         layout=spec.layout, pp_rank=pp_rank)
     if spec.optimizer is None:
         return {"params": sum(p.numel for chunk in chunks for p in chunk) * dsize}
     distributed = spec.optimizer.use_distributed_optimizer
@@ -164,9 +164,9 @@ def chunk_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: in
     model, tokens = spec.model, batch * seq
     dsize = DTYPE_BYTES[model.params_dtype]
     cut = speedups.enabled("positions")
-    total = layers * layer_activation_floats(model, spec.tp, batch, seq) * tokens * dsize
+    total = layers * layer_activation_floats(model, spec.layout.tp, batch, seq) * tokens * dsize
     if cut and post and layers and not model.fp8.enabled:
-        total -= mlp_activation_floats(model, spec.tp) * batch * (seq - response) * dsize
+        total -= mlp_activation_floats(model, spec.layout.tp) * batch * (seq - response) * dsize
     if pre:
         total += tokens * 8 * (2 if model.arch == "gpt2" else 1)  # token (and position) ids
     if post:
@@ -175,7 +175,7 @@ def chunk_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: in
         total += (3 * model.hidden_size + 2) * head_tokens * dsize + 12 * batch * response * 4
         if spec.kind == "lm":  # the logits (response's, or all) and the softmax, fp32
             rows = response if cut else seq
-            total += batch * (rows + response) * (spec.padded_vocab // spec.tp) * 4
+            total += batch * (rows + response) * (spec.padded_vocab // spec.layout.tp) * 4
     return total
 
 
@@ -184,7 +184,7 @@ def train_activation_bytes(spec: RoleSpec, *, pp_rank: int, micro: int, micro_ba
     """Peak activations of pipeline rank ``pp_rank``: one micro-batch without a pipeline;
     1F1B holds min(PP - stage, micro-batches); the interleaved schedule holds its warm-up
     of chunk forwards."""
-    pp, vpp = spec.pp, spec.vpp or 1
+    pp, vpp = spec.layout.pp, spec.layout.vpp or 1
     layers = spec.model.num_layers // (pp * vpp)
     per_chunk = [chunk_activation_bytes(
         spec, batch=micro, seq=seq, response=response, layers=layers,
@@ -205,7 +205,7 @@ def prefill_bytes(spec: RoleSpec, *, batch: int, prompt: int) -> float:
     m = spec.model
     dsize = DTYPE_BYTES[m.params_dtype]
     tokens = batch * prompt
-    return (tokens * (4 * m.hidden_size + 6 * m.ffn_size / spec.tp) * dsize
+    return (tokens * (4 * m.hidden_size + 6 * m.ffn_size / spec.layout.tp) * dsize
             + 5 * batch * prompt * prompt + 5 * batch * spec.padded_vocab * 4)
 
 
@@ -214,7 +214,7 @@ def forward_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int) -> flo
     response positions and their softmax (LM), or a few hidden-state copies (value
     model)."""
     if spec.kind == "lm":
-        return 2 * batch * response * (spec.padded_vocab // spec.tp) * 4
+        return 2 * batch * response * (spec.padded_vocab // spec.layout.tp) * 4
     return 4 * batch * seq * spec.model.hidden_size * DTYPE_BYTES[spec.model.params_dtype]
 
 
@@ -271,12 +271,6 @@ def _resident(spec: RoleSpec, phase: str, part: str) -> bool:
     return True
 
 
-def _coords(rank: int, tp: int, pp: int, world: int) -> tuple[int, int, int]:
-    """(tp_rank, dp_rank, pp_rank) of ``rank`` (rank = tp + TP * dp + TP * DP * pp)."""
-    dp = world // (tp * pp)
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
-
-
 def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = None,
              rollout_tp: int | None = None, prompt_len: int | None = None,
              response_len: int | None = None) -> Plan:
@@ -290,27 +284,27 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
     S = P + T
     actor = specs["actor"]
     inference = dataclasses.replace(actor, name="inference",
-                                    tp=rollout_tp or r.tensor_parallel_size, pp=1, vpp=None,
+                                    layout=Layout(tp=rollout_tp or r.tensor_parallel_size),
                                     optimizer=None)
     ema = dataclasses.replace(actor, name="ema", optimizer=None) if ppo.ema_decay else None
     samples = ppo.rollout_batch_size * ppo.group_size
-    inf_dp = world // inference.tp
+    inf_dp = inference.layout.dp(world)
     eval_prompts = ppo.num_eval_prompts if cfg.data.eval_path else 0
     static_cache: dict = {}
 
     def static(spec: RoleSpec, rank: int) -> dict[str, int]:
-        _, d, s = _coords(rank, spec.tp, spec.pp, world)
+        _, d, s = spec.layout.coordinates(rank, world)
         key = (spec.name, s, d)
         if key not in static_cache:
-            static_cache[key] = static_bytes(spec, world // (spec.tp * spec.pp), s, d)
+            static_cache[key] = static_bytes(spec, spec.layout.dp(world), s, d)
         return static_cache[key]
 
     ranks, totals, measurables = [], [], []
     for rank in range(world):
-        inf_replica = _coords(rank, inference.tp, 1, world)[1]
+        inf_replica = inference.layout.coordinates(rank, world)[1]
         rollout_rows = len(range(inf_replica, samples, inf_dp))
         eval_rows = len(range(inf_replica, eval_prompts, inf_dp))
-        kv = kv_cache_bytes(inference.model, tp=inference.tp, batch=rollout_rows, seq=S)
+        kv = kv_cache_bytes(inference.model, tp=inference.layout.tp, batch=rollout_rows, seq=S)
         by_phase: dict[str, dict[tuple[str, str], float]] = {p: {} for p in PHASES}
         total: dict[str, float] = {}
         for phase in PHASES:
@@ -331,7 +325,7 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
         gen_rows = max(rollout_rows, eval_rows)
         prefill = prefill_bytes(inference, batch=gen_rows, prompt=P)
         by_phase["rollout"][("inference", "activations")] = prefill
-        eval_kv = kv_cache_bytes(inference.model, tp=inference.tp, batch=eval_rows, seq=S)
+        eval_kv = kv_cache_bytes(inference.model, tp=inference.layout.tp, batch=eval_rows, seq=S)
         total["rollout"] += prefill + max(0, eval_kv - kv)
         # experience: offloaded frozen roles come on one at a time; one pass's buffers
         frozen_on = [float(static(spec, rank)["params"]) for spec in specs.values()
@@ -341,8 +335,8 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
                 by_phase["experience"][(name, "params")] = float(static(spec, rank)["params"])
         passes = {}
         for name, spec in specs.items():
-            _, _, s = _coords(rank, spec.tp, spec.pp, world)
-            if s == spec.pp - 1:
+            _, _, s = spec.layout.coordinates(rank, world)
+            if s == spec.layout.pp - 1:
                 passes[name] = forward_bytes(
                     spec, batch=cfg.rollout.forward_micro_batch_size or ppo.micro_batch_size,
                     seq=S, response=T)
@@ -353,8 +347,8 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
         acts = {}
         for name, spec in specs.items():
             if spec.trained:
-                _, _, s = _coords(rank, spec.tp, spec.pp, world)
-                dp = world // (spec.tp * spec.pp)
+                _, _, s = spec.layout.coordinates(rank, world)
+                dp = spec.layout.dp(world)
                 micro_batches = max(1, ppo.mini_batch_size // dp // ppo.micro_batch_size)
                 acts[name] = train_activation_bytes(spec, pp_rank=s, micro=ppo.micro_batch_size,
                                                     micro_batches=micro_batches, seq=S,
@@ -367,11 +361,11 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
         measurables.append(measurable)
     notes = [f"sequences of {P} prompt + {T} response tokens; micro-batch "
              f"{ppo.micro_batch_size}; {samples} rollout samples over {inf_dp} inference "
-             f"replica(s) of TP={inference.tp}"]
+             f"replica(s) of TP={inference.layout.tp}"]
     if eval_prompts > samples:
         notes.append(f"evaluation generates for {eval_prompts} prompts (ppo.num_eval_prompts), "
                      "more than a rollout: its KV cache is in the rollout total")
-    return Plan(world, specs, inference.tp, ranks, totals, notes, measurables)
+    return Plan(world, specs, inference.layout.tp, ranks, totals, notes, measurables)
 
 
 # ------------------------------------------------------------------ reporting
@@ -395,7 +389,7 @@ def missing_checkpoints(cfg: Config) -> list[str]:
 def model_params(spec: RoleSpec) -> int:
     """Global parameter count (TP=1, PP=1; the embedding at the padded vocabulary)."""
     (chunk,) = rank_chunks(spec.model, kind=spec.kind, padded_vocab=spec.padded_vocab,
-                           tp=1, pp=1, pp_rank=0)
+                           layout=Layout(), pp_rank=0)
     return sum(p.numel for p in chunk)
 
 
@@ -411,8 +405,7 @@ def format_plan(plan: Plan, capacity: float | None, headroom: float) -> str:
         n = model_params(spec)
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
         model = f"{m.arch} {m.num_layers}x{m.hidden_size} {spec.kind} {size} {m.params_dtype}"
-        dp = plan.world // (spec.tp * spec.pp)
-        layout = f"TP={spec.tp} PP={spec.pp} DP={dp}" + (f" VPP={spec.vpp}" if spec.vpp else "")
+        layout = spec.layout.describe(plan.world)
         opt = ""
         if spec.optimizer is not None:
             opt = " (distributed optimizer)" if spec.optimizer.use_distributed_optimizer \
@@ -459,10 +452,11 @@ def relayout(specs: dict[str, RoleSpec], cfg: Config, world: int, tp: int, pp: i
     offloading at ``level``; ConfigError when a model does not split that way."""
     out = {}
     for name, spec in specs.items():
-        check_model_layout(spec.where, spec.model, tp, pp, None, world)
+        layout = Layout(tp=tp, pp=pp)
+        check_model_layout(spec.where, spec.model, layout, world)
         padded = padded_vocab_size(spec.model.vocab_size,
                                    cfg.parallel.make_vocab_size_divisible_by, tp)
-        out[name] = dataclasses.replace(spec, tp=tp, pp=pp, vpp=None, padded_vocab=padded,
+        out[name] = dataclasses.replace(spec, layout=layout, padded_vocab=padded,
                                         offload=level if spec.trained else spec.offload)
     return out
 

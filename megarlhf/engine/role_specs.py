@@ -14,9 +14,9 @@ import os
 from dataclasses import dataclass
 
 from megarlhf.config import (
-    Config, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RoleParallelConfig,
-    check_model_layout, check_ppo, check_precision, check_rollout_layout, explicit_fields, overlay,
-    padded_vocab_size, section_from_dict)
+    Config, ConfigError, Layout, ModelConfig, OptimizerConfig, check_model_layout, check_ppo,
+    check_precision, check_rollout_layout, explicit_fields, overlay, padded_vocab_size,
+    section_from_dict)
 from megarlhf.engine.checkpoint import read_meta, resolve_checkpoint
 
 # Fields that decide the shapes of the weights: a config may not contradict the checkpoint.
@@ -34,9 +34,7 @@ class RoleSpec:
     name: str  # actor, critic, reference, reward; policy (SFT), reward (RM), model (score)
     kind: str  # "lm" (LM head) or "value" (scalar head)
     model: ModelConfig
-    tp: int
-    pp: int
-    vpp: int | None
+    layout: Layout  # its parallel split (config -> process groups -> schedule)
     padded_vocab: int  # embedding rows: the vocabulary padded for every TP it meets
     checkpoint: str | None = None  # resolved checkpoint folder to initialise from
     checkpoint_role: str | None = None  # the role inside that checkpoint
@@ -60,14 +58,13 @@ class RoleSpec:
 
     def describe(self) -> str:
         m = self.model
-        layout = f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp else "")
         src = (f"{self.checkpoint} [{self.checkpoint_role}]" + (" trunk only"
                if self.trunk_only else "")) if self.checkpoint else "random init"
         opt = (f"; lr {self.optimizer.lr:g}, {self.optimizer.lr_schedule}, "
                f"{self.optimizer_kind}") if self.optimizer else "; frozen"
         return (f"{self.name:9s} {self.kind:5s} {m.arch} {m.num_layers}x{m.hidden_size} "
                 f"heads {m.num_attention_heads}/{m.query_groups} vocab {m.vocab_size} "
-                f"{m.params_dtype}; {layout}; {src}{opt}")
+                f"{m.params_dtype}; {self.layout.describe()}; {src}{opt}")
 
 
 @dataclass(frozen=True)
@@ -101,21 +98,6 @@ def read_saved_role(path: str, preferred: tuple[str, ...], where: str) -> SavedR
     model = section_from_dict(ModelConfig, dict(saved), f"{where} (saved model)") \
         if saved else None
     return SavedRole(resolved, role, info.get("kind"), model, info.get("tokenizer"))
-
-
-def _layout_of(base: tuple[int, int, int | None], own: RoleParallelConfig | None
-               ) -> tuple[int, int, int | None]:
-    tp, pp, vpp = base
-    if own is None:
-        return base
-    new_tp = own.tensor_model_parallel_size or tp
-    new_pp = own.pipeline_model_parallel_size or pp
-    if own.virtual_pipeline_model_parallel_size is not None:
-        new_vpp = None if own.virtual_pipeline_model_parallel_size == 1 \
-            else own.virtual_pipeline_model_parallel_size
-    else:
-        new_vpp = vpp if new_pp == pp else None
-    return new_tp, new_pp, new_vpp
 
 
 def _model_of(where: str, saved: SavedRole | None, base: ModelConfig,
@@ -155,26 +137,25 @@ def _check_kind(where: str, saved: SavedRole | None, kind: str, allow_trunk: boo
 
 
 def _spec(cfg: Config, *, name: str, kind: str, where: str, saved: SavedRole | None,
-          model: ModelConfig, layout: tuple[int, int, int | None], world_size: int,
+          model: ModelConfig, layout: Layout, world_size: int,
           optimizer: OptimizerConfig | None = None, allow_trunk: bool = False,
           vocab_tps: tuple[int, ...] = ()) -> RoleSpec:
-    tp, pp, vpp = layout
     if model.vocab_size is None:
         raise ConfigError(f"{where}: the model's vocab_size is unknown: configure "
                           "tokenizer.path or set model.vocab_size")
     role_block = where.startswith("roles.")
     model_name = f"{where}.model" if role_block else "model"
-    check_model_layout(f"{where}.parallel" if role_block else "parallel", model, tp, pp, vpp,
+    check_model_layout(f"{where}.parallel" if role_block else "parallel", model, layout,
                        world_size, model_name)
     check_precision(model, model_name)
     trunk_only = _check_kind(where, saved, kind, allow_trunk)
     padded = padded_vocab_size(model.vocab_size, cfg.parallel.make_vocab_size_divisible_by,
-                               math.lcm(tp, *vocab_tps))
+                               math.lcm(layout.tp, *vocab_tps))
     if optimizer is not None and optimizer.use_distributed_optimizer == "auto":
         # sharding over one data-parallel rank saves nothing and costs buffer copies
         optimizer = dataclasses.replace(
-            optimizer, use_distributed_optimizer=world_size // (tp * pp) > 1)
-    return RoleSpec(name=name, kind=kind, model=model, tp=tp, pp=pp, vpp=vpp,
+            optimizer, use_distributed_optimizer=layout.dp(world_size) > 1)
+    return RoleSpec(name=name, kind=kind, model=model, layout=layout,
                     padded_vocab=padded, checkpoint=saved.path if saved else None,
                     checkpoint_role=saved.role if saved else None, trunk_only=trunk_only,
                     optimizer=optimizer, where=where,
@@ -246,10 +227,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
     if reward_ckpt is not None and cfg.rollout.reward_fn is not None:
         raise ConfigError("both a reward-model checkpoint and rollout.reward_fn are set: "
                           "choose one reward source")
-    par: ParallelConfig = cfg.parallel
-    top = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-           par.virtual_pipeline_model_parallel_size)
-    actor_layout = _layout_of(top, roles.actor.parallel)
+    actor_layout = Layout.of(cfg.parallel).with_role(roles.actor.parallel)
     precision = ("model", cfg.model, PRECISION_FIELDS)
     policy_overrides = [("model", cfg.model, None)]
     rollout_tp = cfg.rollout.tensor_parallel_size
@@ -271,7 +249,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
                                            None)])
     specs["reference"] = _spec(cfg, name="reference", kind="lm", where="roles.reference",
                                saved=saved, model=model,
-                               layout=_layout_of(actor_layout, roles.reference.parallel),
+                               layout=actor_layout.with_role(roles.reference.parallel),
                                world_size=world_size)
 
     reward_saved = None
@@ -281,7 +259,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
                           [precision, ("roles.reward.model", roles.reward.model, None)])
         specs["reward"] = _spec(cfg, name="reward", kind="value", where="roles.reward",
                                 saved=reward_saved, model=model,
-                                layout=_layout_of(actor_layout, roles.reward.parallel),
+                                layout=actor_layout.with_role(roles.reward.parallel),
                                 world_size=world_size)
 
     if ppo.advantage_estimator == "gae":
@@ -302,7 +280,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
                                                     cfg.optimizer.critic_lr))
         specs["critic"] = _spec(cfg, name="critic", kind="value", where="roles.critic",
                                 saved=saved, model=model,
-                                layout=_layout_of(actor_layout, roles.critic.parallel),
+                                layout=actor_layout.with_role(roles.critic.parallel),
                                 world_size=world_size,
                                 optimizer=overlay(critic_opt, roles.critic.optimizer),
                                 allow_trunk=True)
@@ -374,10 +352,8 @@ def single_role_spec(cfg: Config, *, name: str, kind: str, world_size: int, trai
             raise ConfigError(f"checkpoint.load={cfg.checkpoint.load!r} has no role "
                               f"'{checkpoint_role}' (it holds '{saved.role}')")
     model = _model_of("model", saved, cfg.model, [("model", cfg.model, None)])
-    par = cfg.parallel
     spec = _spec(cfg, name=name, kind=kind, where="model", saved=saved, model=model,
-                 layout=(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                         par.virtual_pipeline_model_parallel_size),
+                 layout=Layout.of(cfg.parallel),
                  world_size=world_size, optimizer=cfg.optimizer if trained else None,
                  allow_trunk=trained, vocab_tps=(cfg.rollout.tensor_parallel_size,))
     _check_vocab({name: spec}, tokenizer)
@@ -400,9 +376,7 @@ def frozen_role_spec(cfg: Config, *, name: str, checkpoint: str, where: str, bas
     model = _model_of(f"roles.{name}", saved, cfg.model,
                       [("model", cfg.model, PRECISION_FIELDS),
                        (f"roles.{name}.model", own.model, None)])
-    par = cfg.parallel
-    layout = _layout_of((par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                         par.virtual_pipeline_model_parallel_size), own.parallel)
+    layout = Layout.of(cfg.parallel).with_role(own.parallel)
     spec = _spec(cfg, name=name, kind="lm", where=f"roles.{name}", saved=saved, model=model,
                  layout=layout, world_size=world_size)
     _check_vocab({"actor": base, name: spec}, tokenizer)

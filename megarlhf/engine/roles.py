@@ -14,7 +14,7 @@ from megarlhf.engine.optimizer import TrainedRole, build_optimizer, wrap_ddp
 from megarlhf.engine.role_specs import RoleSpec
 from megarlhf.models.gpt import build_model, fold_head_affine, init_weights
 from megarlhf.parallel.launch import compute_device
-from megarlhf.parallel.layout import ParallelLayout, build_layout
+from megarlhf.parallel.layout import RankLayout, build_layout
 
 
 @dataclass
@@ -23,7 +23,7 @@ class Role:
     chunks with optimizer and schedule."""
 
     spec: RoleSpec
-    layout: ParallelLayout
+    layout: RankLayout
     chunks: list  # bare model chunks (one, or VPP chunks)
     trained: TrainedRole | None = None
     saved: dict = dataclasses.field(default_factory=dict)  # the checkpoint's entry (RM gain)
@@ -47,18 +47,17 @@ class Role:
                          extra)
 
 
-def build_chunks(spec: RoleSpec, layout: ParallelLayout) -> list:
+def build_chunks(spec: RoleSpec, layout: RankLayout) -> list:
     """This rank's model chunks of ``spec`` (one, or ``vpp`` for the interleaved schedule),
     on this process's compute device (megatron builds them on the host:
     ``use_cpu_initialization``)."""
-    vpp = layout.vpp_size or 1
+    vpp = layout.vpp or 1
     device = compute_device()
     return [build_model(spec.model, kind=spec.kind, padded_vocab=spec.padded_vocab,
-                        pg_collection=layout.pg_collection,
+                        layout=layout.layout, pg_collection=layout.pg_collection,
                         pre_process=layout.is_first_stage and vp_stage == 0,
                         post_process=layout.is_last_stage and vp_stage == vpp - 1,
-                        vp_stage=vp_stage if layout.vpp_size else None,
-                        vpp_size=layout.vpp_size).to(device)
+                        vp_stage=vp_stage if layout.vpp else None).to(device)
             for vp_stage in range(vpp)]
 
 
@@ -67,7 +66,7 @@ def build_role(spec: RoleSpec, *, seed: int, total_steps: int = 1) -> Role:
     every layout), then its checkpoint when it has one; frozen roles are put in eval mode
     without gradients, trained roles get DDP + optimizer + LR schedule over
     ``total_steps``. Every rank must build the same roles in the same order."""
-    layout = build_layout(spec.tp, spec.pp, spec.vpp)
+    layout = build_layout(spec.layout)
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         model_parallel_cuda_manual_seed(seed, tp_rank=layout.tp_rank, ep_rank=0, etp_rank=0,
@@ -96,7 +95,7 @@ def build_role(spec: RoleSpec, *, seed: int, total_steps: int = 1) -> Role:
     optimizer, scheduler = build_optimizer(opt_cfg, model, lr=opt_cfg.lr,
                                            total_steps=total_steps,
                                            pg_collection=layout.pg_collection)
-    role.trained = TrainedRole(model, optimizer, scheduler,
+    role.trained = TrainedRole(model, optimizer, scheduler, layout,
                                max_consecutive_skipped=opt_cfg.max_consecutive_skipped_steps,
                                max_skipped_fraction=opt_cfg.max_skipped_fraction)
     return role

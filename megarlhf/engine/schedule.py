@@ -15,21 +15,23 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megarlhf.models.gpt import unwrap
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.launch import to_device
+from megarlhf.parallel.layout import RankLayout
 
 
 def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[Any], *,
-                 seq_length: int, micro_batch_size: int, forward_only: bool,
-                 collect_non_loss_data: bool = False) -> list:
-    """Drive ``microbatches`` through the pipeline schedule; returns what the last stage's
-    loss functions produced (empty on other stages)."""
+                 layout: RankLayout, seq_length: int, micro_batch_size: int,
+                 forward_only: bool, collect_non_loss_data: bool = False) -> list:
+    """Drive ``microbatches`` through the pipeline schedule of the role's ``layout`` (its
+    sizes and groups; ``model_chunks`` are its VPP chunks on this rank); returns what the
+    last stage's loss functions produced (empty on other stages)."""
     if not microbatches:
         return []
     device = next(unwrap(model_chunks[0]).parameters()).device
-    vpp = len(model_chunks)
+    vpp, pp, pgc = layout.vpp or 1, layout.pp, layout.pg_collection
+    assert len(model_chunks) == vpp, (len(model_chunks), layout.describe())
     if vpp > 1:
         # The interleaved schedule needs a multiple of the pipeline size; top up with
         # copies that carry no loss weight (their outputs are ignored by the callers).
-        pp = unwrap(model_chunks[0]).pg_collection.pp.size()
         microbatches = list(microbatches) + [weightless(microbatches[-1])] * (
             -len(microbatches) % pp)
         # Interleaved schedule: one iterator per chunk, each seeing every micro-batch.
@@ -41,8 +43,6 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
     # The role's own groups: the schedule, its p2p communicator and the gradient
     # finalisation never fall back to megatron's global parallel_state.
     core = unwrap(model_chunks[0])
-    pgc = core.pg_collection
-    pp = pgc.pp.size()
     forward_backward = get_forward_backward_func(pp_size=pp, vp_size=vpp if vpp > 1 else None)
     extra = {"pg_collection": pgc}
     if pp > 1:
@@ -91,8 +91,8 @@ def weightless(batch: dict) -> dict:
 
 @torch.no_grad()
 def forward_only(model_chunks: list, forward_step: Callable, microbatches: list[Any], *,
-                 seq_length: int, micro_batch_size: int) -> list:
+                 layout: RankLayout, seq_length: int, micro_batch_size: int) -> list:
     """Forward-only pass; the last stage gets one loss-function result per micro-batch."""
-    return run_schedule(model_chunks, forward_step, microbatches, seq_length=seq_length,
-                        micro_batch_size=micro_batch_size, forward_only=True,
-                        collect_non_loss_data=True)
+    return run_schedule(model_chunks, forward_step, microbatches, layout=layout,
+                        seq_length=seq_length, micro_batch_size=micro_batch_size,
+                        forward_only=True, collect_non_loss_data=True)

@@ -17,16 +17,15 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarlhf import speedups
-from megarlhf.config import ModelConfig
+from megarlhf.config import Layout, ModelConfig
 from megarlhf.models.spec import activation, layer_spec, resolve_impl
 from megarlhf.speedups import linears, positions as cuts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def transformer_config(model: ModelConfig, *, tp_size: int, pp_size: int,
-                       vpp_size: int | None = None) -> TransformerConfig:
-    """Megatron's ``TransformerConfig`` for ``model`` at one layout."""
+def transformer_config(model: ModelConfig, layout: Layout) -> TransformerConfig:
+    """Megatron's ``TransformerConfig`` for ``model`` at ``layout``."""
     dtype = _DTYPES[model.params_dtype]
     impl = resolve_impl(model)
     fp8 = {}
@@ -56,9 +55,9 @@ def transformer_config(model: ModelConfig, *, tp_size: int, pp_size: int,
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std,
-        tensor_model_parallel_size=tp_size,
-        pipeline_model_parallel_size=pp_size,
-        virtual_pipeline_model_parallel_size=vpp_size,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
@@ -198,19 +197,19 @@ def fold_head_affine(chunks: list, gain: float, bias: float) -> None:
             head.bias.mul_(gain).add_(bias)
 
 
-def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, pg_collection,
-                pre_process: bool, post_process: bool, vp_stage: int | None = None,
-                vpp_size: int | None = None) -> RoleModel:
-    """One model chunk. ``kind`` is ``"lm"`` (policy, reference) or ``"value"`` (critic,
-    reward model). ``padded_vocab`` is the embedding table's row count (the vocabulary
-    padded for TP, see :func:`~megarlhf.config.padded_vocab_size`). Weights are random;
-    call :func:`init_weights` for the layout-independent seeded initialisation."""
+def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, layout: Layout,
+                pg_collection, pre_process: bool, post_process: bool,
+                vp_stage: int | None = None) -> RoleModel:
+    """One model chunk at ``layout`` (its groups in ``pg_collection``). ``kind`` is ``"lm"``
+    (policy, reference) or ``"value"`` (critic, reward model). ``padded_vocab`` is the
+    embedding table's row count (the vocabulary padded for TP, see
+    :func:`~megarlhf.config.padded_vocab_size`). Weights are random; call
+    :func:`init_weights` for the layout-independent seeded initialisation."""
     if kind not in ("lm", "value"):
         raise ValueError(f"kind must be 'lm' or 'value', got {kind!r}")
     if model_cfg.vocab_size is None:
         raise ValueError("model.vocab_size is unset: set it or configure a tokenizer")
-    tp_size, pp_size = pg_collection.tp.size(), pg_collection.pp.size()
-    tcfg = transformer_config(model_cfg, tp_size=tp_size, pp_size=pp_size, vpp_size=vpp_size)
+    tcfg = transformer_config(model_cfg, layout)
     spec = layer_spec(model_cfg)
     if post_process and speedups.enabled("positions") and cuts.mlp_cut_allowed(tcfg, spec):
         spec = cuts.block_spec(spec, tcfg, vp_stage=vp_stage, pp_rank=pg_collection.pp.rank())

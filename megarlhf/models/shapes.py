@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarlhf.config import ModelConfig
+from megarlhf.config import Layout, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,9 @@ def chunk_params(model: ModelConfig, *, kind: str, padded_vocab: int, tp: int, p
     return out
 
 
-def rank_chunks(model: ModelConfig, *, kind: str, padded_vocab: int, tp: int, pp: int,
-                pp_rank: int, vpp: int | None = None) -> list[list[ParamShape]]:
+def rank_chunks(model: ModelConfig, *, kind: str, padded_vocab: int, layout: Layout,
+                pp_rank: int) -> list[list[ParamShape]]:
     """Every chunk pipeline rank ``pp_rank`` holds (one, or ``vpp``)."""
-    return [chunk_params(model, kind=kind, padded_vocab=padded_vocab, tp=tp, pp=pp,
-                         pp_rank=pp_rank, vpp=vpp, vp_stage=v) for v in range(vpp or 1)]
+    return [chunk_params(model, kind=kind, padded_vocab=padded_vocab, tp=layout.tp,
+                         pp=layout.pp, pp_rank=pp_rank, vpp=layout.vpp, vp_stage=v)
+            for v in range(layout.vpp or 1)]

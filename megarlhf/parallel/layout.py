@@ -1,10 +1,11 @@
-"""Parallel layouts: one role's TP x PP (x VPP) x DP split of the world, with its own
-megatron process groups built from ``HyperCommGrid``.
+"""Layouts placed on the ranks: one role's TP x PP (x VPP) x DP split of the world, with
+its own megatron process groups built from ``HyperCommGrid``.
 
 Every role (actor, critic, reference, reward model, the rollout's inference model) gets a
-:class:`ParallelLayout` from :func:`build_layout` and hands its ``pg_collection`` to the
-model, the pipeline schedule, DDP and the optimizer. Nothing reads megatron's global
-``parallel_state``. Layouts are cached by shape: roles with the same TP x PP share groups.
+:class:`RankLayout` from :func:`build_layout` and hands its ``pg_collection`` to the
+model, DDP and the optimizer, and itself to the pipeline schedule. Nothing reads megatron's
+global ``parallel_state``. Groups are cached by shape: roles with the same TP x PP share
+them.
 """
 
 from __future__ import annotations
@@ -13,24 +14,38 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from megarlhf.config import Layout
+
 
 @dataclass(frozen=True)
-class ParallelLayout:
-    """One model layout: sizes, this rank's coordinates and the process groups.
+class RankLayout:
+    """A :class:`~megarlhf.config.Layout` placed on this rank: its coordinates and the
+    process groups of models built in it (``pg_collection``: megatron's
+    ``ProcessGroupCollection``). Sizes are the layout's; the data-parallel size and the
+    coordinates follow from it (``Layout.dp``, ``Layout.coordinates``)."""
 
-    ``pg_collection`` is megatron's ``ProcessGroupCollection`` for models built in this
-    layout. Ranks are ordered TP fastest, then DP, then PP (megatron's default
-    ``tp-cp-ep-dp-pp``), so a TP group stays within a node.
-    """
-
-    tp_size: int
-    pp_size: int
-    dp_size: int
+    layout: Layout
+    world_size: int
     tp_rank: int
-    pp_rank: int
     dp_rank: int
-    vpp_size: int | None
+    pp_rank: int
     pg_collection: object
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def vpp(self) -> int | None:
+        return self.layout.vpp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp(self.world_size)
 
     @property
     def is_first_stage(self) -> bool:
@@ -38,7 +53,7 @@ class ParallelLayout:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
+        return self.pp_rank == self.pp - 1
 
     @property
     def tp_group(self):
@@ -59,16 +74,16 @@ class ParallelLayout:
         return self.is_last_stage and self.tp_rank == 0
 
     def describe(self) -> str:
-        return (f"TP={self.tp_size} PP={self.pp_size} DP={self.dp_size}"
-                + (f" VPP={self.vpp_size}" if self.vpp_size else ""))
+        return self.layout.describe(self.world_size)
 
 
 _GROUPS: dict[tuple[int, int, int], object] = {}
 
 
-def _groups(tp: int, pp: int, world: int):
+def _groups(layout: Layout, world: int):
     """The ``ProcessGroupCollection`` of a TP x PP layout; created once per shape. Every
     rank must ask for the same shapes in the same order (group creation is collective)."""
+    tp, pp = layout.tp, layout.pp
     key = (tp, pp, world)
     if key in _GROUPS:
         return _GROUPS[key]
@@ -77,7 +92,7 @@ def _groups(tp: int, pp: int, world: int):
         default_embedding_ranks, default_position_embedding_ranks)
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    dp = world // (tp * pp)
+    dp = layout.dp(world)
     grid = HyperCommGrid([tp, 1, 1, dp, pp], ["tp", "cp", "ep", "dp", "pp"])
     g = {name: grid.create_pg(name) for name in ("tp", "cp", "ep", "dp", "pp")}
     pp_ranks = dist.get_process_group_ranks(g["pp"])
@@ -114,16 +129,17 @@ def _all_pp_groups(tp: int, dp: int, pp: int) -> list[list[int]]:
     return [[t + tp * d + tp * dp * s for s in range(pp)] for d in range(dp) for t in range(tp)]
 
 
-def build_layout(tp: int, pp: int = 1, vpp: int | None = None) -> ParallelLayout:
-    """This rank's place in a TP x PP (x VPP) layout over the whole world; the rest of the
-    world forms data-parallel replicas. Sizes are validated before any process group exists
-    (``config.check_model_layout``); here only the world size is rechecked."""
+def build_layout(layout: Layout) -> RankLayout:
+    """This rank's place in ``layout`` over the whole world (the rest of the world forms
+    data-parallel replicas), with its groups. Sizes are validated before any process group
+    exists (``config.check_model_layout``)."""
     world = dist.get_world_size()
-    assert world % (tp * pp) == 0, f"TP x PP = {tp} x {pp} does not divide the world {world}"
-    pgc = _groups(tp, pp, world)
-    return ParallelLayout(tp_size=tp, pp_size=pp, dp_size=world // (tp * pp),
-                          tp_rank=pgc.tp.rank(), pp_rank=pgc.pp.rank(), dp_rank=pgc.dp.rank(),
-                          vpp_size=vpp, pg_collection=pgc)
+    pgc = _groups(layout, world)
+    tp_rank, dp_rank, pp_rank = layout.coordinates(dist.get_rank(), world)
+    assert (tp_rank, dp_rank, pp_rank) == (pgc.tp.rank(), pgc.dp.rank(), pgc.pp.rank()), \
+        "HyperCommGrid's groups do not follow Layout.coordinates"
+    return RankLayout(layout=layout, world_size=world, tp_rank=tp_rank, dp_rank=dp_rank,
+                      pp_rank=pp_rank, pg_collection=pgc)
 
 
 def reset_layouts() -> None:

@@ -33,7 +33,7 @@ from megarlhf.engine.roles import Role
 from megarlhf.engine.steps import make_sequence_step
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
-from megarlhf.parallel.layout import ParallelLayout
+from megarlhf.parallel.layout import RankLayout
 from megarlhf.rollout.generate import Generation, SamplingParams, generate
 from megarlhf.rollout.reshard import Resharder, release_inference_weights
 
@@ -147,7 +147,7 @@ def load_reward_fn(path: str) -> Callable:
 class ExperienceMaker:
     cfg: Config
     actor: Role  # trained; its chunks are resharded into ``inference_model``
-    inference_layout: ParallelLayout
+    inference_layout: RankLayout
     inference_model: object
     reference: Role
     reward: RewardSource
@@ -186,7 +186,7 @@ class ExperienceMaker:
     def rollout(self, prompts: list[list[int]], seed: int) -> tuple[Generation, dict]:
         stats = self.resharder()
         inf = self.inference_layout
-        indices = list(range(inf.dp_rank, len(prompts), inf.dp_size))
+        indices = list(range(inf.dp_rank, len(prompts), inf.dp))
         mine = [prompts[i] for i in indices]
         r = self.cfg.rollout
         params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
@@ -483,14 +483,14 @@ def gen_sequence(gen: Generation, row: int) -> torch.Tensor:
 
 
 @cpu_backend.suspended()  # an object all-gather and row merging: no megatron code
-def gather_generations(gen: Generation, prompts: list[list[int]], inf: ParallelLayout,
+def gather_generations(gen: Generation, prompts: list[list[int]], inf: RankLayout,
                         pad_id: int) -> Generation:
     """Every rank gets every sample, in prompt order (replica r generated prompts r::dp)."""
     # One copy per replica: the TP rank 0 of each.
     replicas = {}
     for rank, part in enumerate(gather_objects(gen)):
-        replicas.setdefault(rank // inf.tp_size, part)
-    dp = inf.dp_size
+        replicas.setdefault(rank // inf.tp, part)
+    dp = inf.dp
     ordered = [None] * len(prompts)
     for r in range(dp):
         part = replicas[r]

@@ -21,11 +21,12 @@ import torch.distributed as dist
 from megatron.core.resharding.copy_services.base import CopyService
 from megatron.core.resharding.refit import swap_model_weights
 
+from megarlhf.config import Layout
 from megarlhf.engine.offload import StorageStash, unique_storages
 from megarlhf.engine.role_specs import RoleSpec
 from megarlhf.engine.roles import build_chunks
 from megarlhf.parallel.launch import uses_nccl
-from megarlhf.parallel.layout import ParallelLayout, build_layout
+from megarlhf.parallel.layout import RankLayout, build_layout
 
 
 class GlooP2PCopyService(CopyService):
@@ -73,17 +74,16 @@ def _tag(task_id: int | None) -> int:
     return 0 if task_id is None else int(task_id) % (2**31 - 1)
 
 
-def inference_layout(tp_size: int) -> ParallelLayout:
+def inference_layout(tp: int) -> RankLayout:
     """The inference layout: TP = ``rollout.tensor_parallel_size``, no PP, the rest of the
     world data-parallel replicas (validated by ``config.check_rollout_layout``)."""
-    return build_layout(tp_size, 1)
+    return build_layout(Layout(tp=tp))
 
 
-def build_inference_model(actor: RoleSpec, layout: ParallelLayout):
+def build_inference_model(actor: RoleSpec, layout: RankLayout):
     """The actor's model in the inference layout (same global shapes, so resharding maps
     tensors one to one), frozen."""
-    (model,) = build_chunks(dataclasses.replace(actor, tp=layout.tp_size, pp=1, vpp=None),
-                            layout)
+    (model,) = build_chunks(dataclasses.replace(actor, layout=layout.layout), layout)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)

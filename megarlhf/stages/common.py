@@ -25,7 +25,7 @@ from megarlhf.engine.roles import Role, build_role
 from megarlhf.engine.schedule import run_schedule
 from megarlhf.engine.steps import reduce_logs
 from megarlhf.parallel.launch import init_distributed, read_dist_env, seed_everything
-from megarlhf.parallel.layout import ParallelLayout
+from megarlhf.parallel.layout import RankLayout
 
 
 def run_dir(cfg: Config) -> str:
@@ -106,9 +106,9 @@ def global_batches(plan: StepPlan, seed: int, start_step: int
         yield step, epoch, order[start:start + plan.global_batch].tolist()
 
 
-def rank_share(items: list, layout: ParallelLayout) -> list:
+def rank_share(items: list, layout: RankLayout) -> list:
     """This data-parallel rank's contiguous share of a global batch."""
-    per_rank = exact_div(len(items), layout.dp_size, "batch", "the data-parallel size")
+    per_rank = exact_div(len(items), layout.dp, "batch", "the data-parallel size")
     return items[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
 
 
@@ -166,7 +166,7 @@ def step_plan(cfg: Config, spec: RoleSpec, num_items: int) -> StepPlan:
     train = cfg.train
     world = read_dist_env().world_size
     plan = StepPlan(train.global_batch_size, train.micro_batch_size,
-                    world // (spec.tp * spec.pp), num_items, train.num_epochs,
+                    spec.layout.dp(world), num_items, train.num_epochs,
                     train.max_steps)
     _ = (plan.micro_batches, plan.total_steps)
     return plan
@@ -225,7 +225,7 @@ def _evaluate(task: SupervisedTask, role: Role, step_fn) -> dict[str, float] | N
     for chunk in role.model:
         chunk.eval()
     with torch.no_grad():
-        logs = run_schedule(role.model, step_fn, batches, seq_length=length,
+        logs = run_schedule(role.model, step_fn, batches, layout=role.layout, seq_length=length,
                             micro_batch_size=task.rows_per_micro_batch,
                             forward_only=True) if batches else []
     out = {f"eval/{k}": v for k, v in task.summarize(reduce_logs(logs, role.layout)).items()}
@@ -234,9 +234,9 @@ def _evaluate(task: SupervisedTask, role: Role, step_fn) -> dict[str, float] | N
     return out
 
 
-def rank_share_strided(items: list, layout: ParallelLayout) -> list:
+def rank_share_strided(items: list, layout: RankLayout) -> list:
     """Items ``dp_rank::dp_size`` (evaluation: every item once, no exact division)."""
-    return items[layout.dp_rank::layout.dp_size]
+    return items[layout.dp_rank::layout.dp]
 
 
 def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_step: int,

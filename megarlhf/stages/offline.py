@@ -142,7 +142,7 @@ def gold_evaluator(cfg: Config, tokenizer):
                          resharder=Resharder(role.chunks, model))
         built["resharder"]()
         layout = built["layout"]
-        mine = list(range(layout.dp_rank, len(prompts), layout.dp_size))
+        mine = list(range(layout.dp_rank, len(prompts), layout.dp))
         local = torch.zeros(3, dtype=torch.float64)
         if mine:
             gen = generate(built["model"], [prompts[i] for i in mine], params,

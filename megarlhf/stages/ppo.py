@@ -95,7 +95,7 @@ class PtxData:
                 else (toks, weights) for toks, weights in rows]
         tokens = sum(sum(w) for _, w in rows)
         scale = torch.tensor(self.coef * policy_count / max(tokens, 1))
-        per_rank = len(rows) // layout.dp_size
+        per_rank = len(rows) // layout.dp
         mine = rows[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
         out = []
         for i in range(0, len(mine), self.micro):
@@ -182,7 +182,7 @@ class PPOSession:
         self.specs = specs = ppo_role_specs(cfg, world, self.tokenizer_fingerprint)
         # Batch arithmetic per trained role (each splits mini-batches over its own DP).
         self.sizes = {name: algos.BatchSizes(ppo.rollout_batch_size, ppo.mini_batch_size,
-                                             ppo.micro_batch_size, world // (s.tp * s.pp),
+                                             ppo.micro_batch_size, s.layout.dp(world),
                                              ppo.group_size).validate()
                       for name, s in specs.items() if s.trained}
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -197,7 +197,7 @@ class PPOSession:
             if ppo.ptx_coef > 0 else None
         if self.ptx is not None:
             actor = specs["actor"]
-            self.ptx.validate(world // (actor.tp * actor.pp))
+            self.ptx.validate(actor.layout.dp(world))
 
         init_distributed(cfg)
         total_steps = ppo.num_iterations * ppo.ppo_epochs * self.sizes["actor"].num_mini_batches
@@ -243,7 +243,7 @@ class PPOSession:
         self.layouts = describe_layouts({k: v for k, v in built.items() if v is not None})
         for spec in specs.values():
             print0(f"[ppo] {spec.describe()}")
-        print0(f"[ppo] rollout TP={r.tensor_parallel_size} x {inf_layout.dp_size} replicas; "
+        print0(f"[ppo] rollout TP={r.tensor_parallel_size} x {inf_layout.dp} replicas; "
                f"{self.sizes['actor'].describe()}; {len(self.prompts)} prompts")
 
     @property
@@ -406,7 +406,7 @@ def _prompt_batch(prompts: list, size: int, group: int, seed: int, it: int) -> l
 @cpu_backend.suspended()  # batch arithmetic: no megatron code
 def _share(exp: algos.Experience, layout) -> algos.Experience:
     """This data-parallel rank's contiguous share of a (global) mini-batch."""
-    per_rank = algos.exact_div(len(exp), layout.dp_size, "ppo.mini_batch_size",
+    per_rank = algos.exact_div(len(exp), layout.dp, "ppo.mini_batch_size",
                                "the data-parallel size")
     return exp.rows(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)
 
@@ -494,7 +494,7 @@ def _evaluator(cfg, maker, eval_ds, tokenizer, gold_fn):
         prompts = eval_ds.prompts[:cfg.ppo.num_eval_prompts]
         (resharder or maker.resharder)()
         inf = maker.inference_layout
-        mine_idx = list(range(inf.dp_rank, len(prompts), inf.dp_size))
+        mine_idx = list(range(inf.dp_rank, len(prompts), inf.dp))
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, greedy=True,
                                 temperature=cfg.rollout.temperature,
                                 stop_token_ids=tuple(cfg.rollout.stop_token_ids))

@@ -107,13 +107,13 @@ def run_generate(cfg: Config, tokenizer, *, input_path: str, output_path: str,
     params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                             top_k=r.top_k, top_p=r.top_p, greedy=r.greedy,
                             stop_token_ids=tuple(r.stop_token_ids))
-    _log(f"[generate] {spec.describe()}; rollout TP={inf.tp_size} x {inf.dp_size} "
+    _log(f"[generate] {spec.describe()}; rollout TP={inf.tp} x {inf.dp} "
            f"replica(s); {len(prompts)} prompts")
     rows = []
     bar = progress(len(prompts), 0, "generate", cfg.logging.progress_bar)
     for start in range(0, len(prompts), batch_size):
         batch = [ids for _, ids in prompts[start:start + batch_size]]
-        mine = list(range(inf.dp_rank, len(batch), inf.dp_size))
+        mine = list(range(inf.dp_rank, len(batch), inf.dp))
         if mine:  # one seed per prompt: samples do not depend on the layout
             gen = generate(model, [batch[i] for i in mine], params, eos_id=tokenizer.eos_id,
                            pad_id=tokenizer.pad_id, true_vocab=spec.model.vocab_size,

@@ -75,12 +75,12 @@ def run_case(name, tp, pp, out_dir, results):
     for _ in range(3):
         logs, applied, grad_norm = train_step(
             role, lm_step(layout, cfg.model.vocab_size),
-            microbatches(seqs, layout.dp_rank, layout.dp_size),
+            microbatches(seqs, layout.dp_rank, layout.dp),
             seq_length=SEQ_LEN, micro_batch_size=MICRO)
         assert applied
         total = torch.stack([log["loss"] for log in logs]).sum(0) if logs else torch.zeros(2)
         dist.all_reduce(total)  # sum over DP ranks (and zeros from non-last stages)
-        total = total / (layout.tp_size)  # every TP rank of the last stage contributed
+        total = total / (layout.tp)  # every TP rank of the last stage contributed
         losses.append((total[0] / total[1]).item())
     rows = score_sequences(built, fixed_sequences(6), micro_batch_size=2)
     ckpt = save_checkpoint(os.path.join(out_dir, f"ckpt_{name}"), "step_3",
@@ -100,11 +100,11 @@ def nonfinite_case(results):
     before = [p.detach().clone() for p in chunks[0].parameters()]
     _, applied, norm = train_step(role, lm_step(layout, cfg.model.vocab_size,
                                                 poison=dist.get_rank() == 1),
-                                  microbatches(seqs, layout.dp_rank, layout.dp_size),
+                                  microbatches(seqs, layout.dp_rank, layout.dp),
                                   seq_length=SEQ_LEN, micro_batch_size=MICRO)
     unchanged = all(torch.equal(a, b) for a, b in zip(before, chunks[0].parameters(), strict=True))
     _, applied2, _ = train_step(role, lm_step(layout, cfg.model.vocab_size),
-                                microbatches(seqs, layout.dp_rank, layout.dp_size),
+                                microbatches(seqs, layout.dp_rank, layout.dp),
                                 seq_length=SEQ_LEN, micro_batch_size=MICRO)
     changed = not all(torch.equal(a, b) for a, b in zip(before, chunks[0].parameters(), strict=True))
     flags = torch.tensor([float(applied), float(unchanged), float(applied2), float(changed),

@@ -40,8 +40,8 @@ def shape_mismatches(session) -> list[str]:
         spec, layout = role.spec, role.layout
         for v, chunk in enumerate(role.chunks):
             want = [(p.name, p.shape, p.shared_embedding) for p in chunk_params(
-                spec.model, kind=spec.kind, padded_vocab=spec.padded_vocab, tp=spec.tp,
-                pp=spec.pp, pp_rank=layout.pp_rank, vpp=spec.vpp, vp_stage=v)]
+                spec.model, kind=spec.kind, padded_vocab=spec.padded_vocab, tp=spec.layout.tp,
+                pp=spec.layout.pp, pp_rank=layout.pp_rank, vpp=spec.layout.vpp, vp_stage=v)]
             have = [(n, tuple(p.shape), bool(getattr(p, "shared_embedding", False)))
                     for n, p in chunk.named_parameters()]
             if want != have:
@@ -50,7 +50,7 @@ def shape_mismatches(session) -> list[str]:
     spec = session.specs["actor"]
     want = [(p.name, p.shape) for p in chunk_params(
         spec.model, kind="lm", padded_vocab=spec.padded_vocab,
-        tp=session.maker.inference_layout.tp_size, pp=1, pp_rank=0)]
+        tp=session.maker.inference_layout.tp, pp=1, pp_rank=0)]
     have = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     if want != have:
         out.append(f"inference: plan {want} built {have}")

@@ -60,7 +60,7 @@ def main() -> None:
             if want != have:
                 mismatches.append(f"chunk {v}: plan {want} built {have}")
         out[name] = {"measured": role_bytes(role),
-                     "planned": static_bytes(spec, layout.dp_size, layout.pp_rank,
+                     "planned": static_bytes(spec, layout.dp, layout.pp_rank,
                                              layout.dp_rank),
                      "shape_mismatches": mismatches}
         reset_layouts()

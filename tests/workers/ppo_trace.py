@@ -52,7 +52,8 @@ def score(role, batches: list[dict], kind: str, prompt_len: int, temperature: fl
     """The role's outputs on ``batches`` at its current weights (forward-only)."""
     step = make_sequence_step(kind, prompt_len=prompt_len, tp_group=role.layout.tp_group,
                               true_vocab=role.spec.model.vocab_size, temperature=temperature)
-    outs = forward_only(role.chunks, step, batches, seq_length=batches[0]["tokens"].shape[1],
+    outs = forward_only(role.chunks, step, batches, layout=role.layout,
+                        seq_length=batches[0]["tokens"].shape[1],
                         micro_batch_size=batches[0]["tokens"].shape[0])
     return [{k: v.detach().clone() for k, v in out.items()} for out in outs]
 

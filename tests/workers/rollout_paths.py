@@ -143,7 +143,7 @@ def reshard_case(name, tp, pp, rollout_tp, results, vpp=None):
             from backend_paths import lm_step, microbatches, MICRO, SEQ_LEN
             train_step(actor.trained, lm_step(actor.layout, cfg.model.vocab_size),
                        microbatches(fixed_sequences(8), actor.layout.dp_rank,
-                                    actor.layout.dp_size),
+                                    actor.layout.dp),
                        seq_length=SEQ_LEN, micro_batch_size=MICRO)
         stats = resharder()
         train_rows = score_sequences(actor, seqs, micro_batch_size=2)

@@ -1,0 +1,82 @@
+"""A role's parallel layout as one value: what a config's ``parallel`` section (and a
+role's ``roles.<name>.parallel`` on top of it) asks for, carried unchanged to the process
+groups, the model, the schedule and the memory plan.
+
+Everything that follows from the sizes and the world size - the data-parallel size, a
+rank's coordinates, the one-line description - is derived here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the schema imports this module
+    from megarlhf.config.schema import ParallelConfig, RoleParallelConfig
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Tensor (``tp``), pipeline (``pp``, with ``vpp`` virtual stages per rank for the
+    interleaved schedule) and expert parallelism (``ep`` expert-parallel ranks, ``etp``
+    tensor-parallel ranks per expert; room for mixture-of-experts models, 1 for dense
+    ones). The rest of the world forms data-parallel replicas. Ranks are ordered TP
+    fastest, then DP, then PP (megatron's ``tp-cp-ep-dp-pp``), so a TP group stays within
+    a node."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    ep: int = 1
+    etp: int = 1
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that hold one copy of the model (TP x PP)."""
+        return self.tp * self.pp
+
+    def dp(self, world_size: int) -> int:
+        """Data-parallel replicas on ``world_size`` ranks (the layout must divide it: the
+        config's layout checks say so first, with the field names)."""
+        if world_size % self.model_parallel:
+            raise ValueError(f"{self.describe()} does not divide the world of {world_size} "
+                             f"processes (TP x PP = {self.model_parallel})")
+        return world_size // self.model_parallel
+
+    def coordinates(self, rank: int, world_size: int) -> tuple[int, int, int]:
+        """``rank``'s (tp_rank, dp_rank, pp_rank): rank = tp + TP * (dp + DP * pp)."""
+        dp = self.dp(world_size)
+        return rank % self.tp, (rank // self.tp) % dp, rank // (self.tp * dp)
+
+    def describe(self, world_size: int | None = None) -> str:
+        """``TP=2 PP=1 DP=2`` (DP when the world size is given), with VPP and EP when
+        used."""
+        text = f"TP={self.tp} PP={self.pp}"
+        if world_size is not None:
+            text += f" DP={self.dp(world_size)}"
+        if self.vpp:
+            text += f" VPP={self.vpp}"
+        if self.ep > 1 or self.etp > 1:
+            text += f" EP={self.ep} ETP={self.etp}"
+        return text
+
+    @classmethod
+    def of(cls, parallel: ParallelConfig) -> "Layout":
+        """The layout a ``ParallelConfig`` section writes."""
+        return cls(tp=parallel.tensor_model_parallel_size,
+                   pp=parallel.pipeline_model_parallel_size,
+                   vpp=parallel.virtual_pipeline_model_parallel_size)
+
+    def with_role(self, own: RoleParallelConfig | None) -> "Layout":
+        """This layout with a role's ``RoleParallelConfig`` on top: the sizes it writes
+        replace these; VPP is kept only while PP is (``vpp: 1`` turns it off)."""
+        if own is None:
+            return self
+        tp = own.tensor_model_parallel_size or self.tp
+        pp = own.pipeline_model_parallel_size or self.pp
+        if own.virtual_pipeline_model_parallel_size is not None:
+            vpp = own.virtual_pipeline_model_parallel_size
+            vpp = None if vpp == 1 else vpp
+        else:
+            vpp = self.vpp if pp == self.pp else None
+        return Layout(tp=tp, pp=pp, vpp=vpp, ep=self.ep, etp=self.etp)
