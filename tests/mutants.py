@@ -53,9 +53,9 @@ def ref(test: str, case: str = "gae_k1") -> str:
 MUTANTS = [
     Mutant("kl_arguments_swapped", "the KL penalty's arguments swapped (KL of the reference "
            "from the policy): the reward pays for moving away from the reference",
-           "megarlhf/rollout/experience.py",
-           "algos.kl_per_token(old_lp, ref_lp, mask, ppo.kl_estimator)",
-           "algos.kl_per_token(ref_lp, old_lp, mask, ppo.kl_estimator)",
+           "megarlhf/algos/targets.py",
+           "kl_per_token(logprobs_BT, ref_logprobs_BT, mask, kl_estimator)",
+           "kl_per_token(ref_logprobs_BT, logprobs_BT, mask, kl_estimator)",
            (ref("test_experience_against_plain_loops"),)),
     Mutant("loss_old_is_current", "the policy loss's old log-probs replaced by the current "
            "ones: the ratio is always 1 and nothing is clipped",
@@ -85,9 +85,9 @@ MUTANTS = [
             ref("test_each_step_lowers_its_mini_batch_loss", "gae_abs_nostop")),
            ("gae_abs_nostop",)),
     Mutant("reference_is_the_actor", "the reference's log-probs scored with the current "
-           "actor's weights", "megarlhf/rollout/experience.py",
-           "scored = self._score(self.reference, gen, rows)",
-           "scored = self._score(self.actor, gen, rows)",
+           "actor's weights", "megarlhf/rollout/scoring.py",
+           "scored = self.score(self.reference, gen, rows)",
+           "scored = self.score(self.actor, gen, rows)",
            (ref("test_logprobs_against_transformers"),)),
     Mutant("ema_update_skipped", "the EMA actor never updated", "megarlhf/stages/ppo.py",
            "                ema.update(actor.parameters)", "                pass",
@@ -120,8 +120,8 @@ MUTANTS = [
            "torch.exp(behavior_logprobs_BT - proximal_logprobs_BT)",
            (ref("test_every_micro_batch_loss_against_a_loop", "decoupled"),), ("decoupled",)),
     Mutant("missing_stop_rule_skipped", "responses without a stop token keep their score",
-           "megarlhf/rollout/experience.py", "if ppo.missing_stop_penalty is not None:",
-           "if False:",
+           "megarlhf/algos/rewards.py", "    if missing_stop_penalty is not None:",
+           "    if False:",
            (ref("test_trained_tokens_and_scores_follow_the_rules", "gae_k3_nostop"),),
            ("gae_k3_nostop",)),
     Mutant("entropy_bonus_sign", "the entropy bonus with the wrong sign (entropy penalised)", "megarlhf/engine/steps.py", "total = total + ent_total",

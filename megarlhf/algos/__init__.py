@@ -15,17 +15,19 @@ from megarlhf.algos.losses import (
     policy_loss, ppo_ptx_objective, ptx_loss, value_loss)
 from megarlhf.algos.masked import (
     last_valid_index, masked_mean, masked_sum, masked_var, masked_whiten)
+from megarlhf.algos.mismatch import mismatch_correction
 from megarlhf.algos.rewards import (
-    apply_missing_stop_rule, fit_score_normalization, normalize_scores, overlong_penalty, shape_rewards,
-    truncate_after_stop)
+    apply_missing_stop_rule, fit_score_normalization, informative_groups, normalize_scores,
+    overlong_penalty, shape_rewards, shape_scores, truncate_after_stop)
+from megarlhf.algos.targets import learning_targets
 
 __all__ = [
     "AdaptiveKLController", "BatchSizes", "Experience", "FixedKLController", "ParameterEMA",
     "aggregate", "aggregate_parts", "apply_missing_stop_rule", "broadcast_to_tokens",
     "decoupled_policy_loss", "discounted_returns", "entropy_bonus", "estimate_advantages", "exact_div",
     "explained_variance", "fit_score_normalization", "gae", "grpo_advantages", "grpo_token_advantages",
-    "kl_per_token", "last_valid_index", "make_kl_controller", "masked_mean", "masked_sum",
+    "informative_groups", "kl_per_token", "learning_targets", "mismatch_correction", "last_valid_index", "make_kl_controller", "masked_mean", "masked_sum",
     "masked_var", "masked_whiten", "normalize_scores", "overlong_penalty", "policy_loss", "ppo_ptx_objective",
-    "ptx_loss", "reinforce_pp_advantages", "rloo_advantages", "shape_rewards",
+    "ptx_loss", "reinforce_pp_advantages", "rloo_advantages", "shape_rewards", "shape_scores",
     "truncate_after_stop", "value_loss",
 ]

@@ -59,6 +59,26 @@ def overlong_penalty(lengths_B: torch.Tensor, max_len: int, buffer: int,
     return -penalty * over.clamp(max=1.0)
 
 
+def shape_scores(scores_B: torch.Tensor, has_stop_B: torch.Tensor, lengths_B: torch.Tensor, *,
+                 missing_stop_penalty: float | None, missing_stop_mode: str, max_len: int,
+                 overlong_buffer: int, overlong_penalty_value: float) -> torch.Tensor:
+    """The score a sample trains on: :func:`apply_missing_stop_rule`, then DAPO's
+    :func:`overlong_penalty` for its ``lengths_B`` response tokens."""
+    if missing_stop_penalty is not None:
+        scores_B = apply_missing_stop_rule(scores_B, has_stop_B, missing_stop_penalty,
+                                           missing_stop_mode)
+    return scores_B + overlong_penalty(lengths_B, max_len, overlong_buffer,
+                                       overlong_penalty_value)
+
+
+def informative_groups(scores_B: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(G,) True for each group of ``group_size`` consecutive samples whose scores are not
+    all equal (DAPO's dynamic sampling keeps those: an all-equal group has zero advantage
+    under a group baseline)."""
+    spread = scores_B.view(-1, group_size)
+    return spread.max(dim=1).values > spread.min(dim=1).values
+
+
 def fit_score_normalization(raw_scores: torch.Tensor) -> tuple[float, float]:
     """(gain, bias) so that gain * raw + bias has mean 0 and std 1 on ``raw_scores``
     (Ziegler et al.: measured on SFT samples after reward-model training)."""

@@ -122,7 +122,8 @@ def gold_evaluator(cfg: Config, tokenizer):
     import torch.distributed as dist
 
     from megarlhf.data.datasets import tokenize_dataset
-    from megarlhf.rollout.experience import decode_sample, load_reward_fn
+    from megarlhf.rollout.sampling import decode_sample
+    from megarlhf.rollout.scoring import load_reward_fn
     from megarlhf.rollout.generate import SamplingParams, generate
     from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout
 

@@ -1,4 +1,4 @@
-"""``megarlhf ppo``: the PPO iteration of DESIGN.md.
+"""``megarlhf ppo``: the PPO iteration (docs/design.md).
 
 Each iteration reads as numbered stages:
 1. rollout (reshard the actor into the inference layout, sample) and 2. experience
@@ -33,11 +33,12 @@ from megarlhf.engine.roles import build_role
 from megarlhf.engine.steps import make_policy_step, make_value_step, ratio, reduce_logs
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.launch import init_distributed, read_dist_env
-from megarlhf.rollout.experience import (
-    ExperienceMaker, RewardSource, SequenceCache, decode_sample, load_reward_fn)
+from megarlhf.rollout.experience import ExperienceMaker
 from megarlhf.rollout.generate import SamplingParams, generate
 from megarlhf.rollout.reshard import (
     Resharder, build_inference_model, inference_layout, release_inference_weights)
+from megarlhf.rollout.sampling import Sampler, decode_sample
+from megarlhf.rollout.scoring import RewardSource, Scorer, SequenceCache, load_reward_fn
 from megarlhf.stages.common import check_writable, print0, progress, run_dir
 
 
@@ -210,16 +211,17 @@ class PPOSession:
                               role=build_role(specs["reward"], seed=seed)
                               if "reward" in specs else None)
         inf_layout = inference_layout(r.tensor_parallel_size)
-        self.maker = ExperienceMaker(cfg, self.actor, inf_layout,
-                                     build_inference_model(specs["actor"], inf_layout),
-                                     self.reference, reward, self.critic,
-                                     eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                                     offload=r.offload_frozen_models,
-                                     micro_batch_size=r.forward_micro_batch_size
-                                     or ppo.micro_batch_size,
-                                     ref_cache=SequenceCache(r.ref_cache_size)
-                                     if r.ref_cache_size else None,
-                                     release_inference=r.release_inference_weights)
+        self.sampler = Sampler(cfg, self.actor, inf_layout,
+                               build_inference_model(specs["actor"], inf_layout),
+                               eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                               release_inference=r.release_inference_weights)
+        self.scorer = Scorer(cfg, self.actor, self.reference, reward, self.critic,
+                             pad_id=tokenizer.pad_id, offload=r.offload_frozen_models,
+                             micro_batch_size=r.forward_micro_batch_size
+                             or ppo.micro_batch_size,
+                             ref_cache=SequenceCache(r.ref_cache_size)
+                             if r.ref_cache_size else None)
+        self.maker = ExperienceMaker(cfg, self.sampler, self.scorer)
         self.kl_ctl = algos.make_kl_controller(ppo.kl_controller, ppo.init_kl_coef,
                                                ppo.kl_target, ppo.kl_horizon)
         # EMA of the actor (evaluation only): its own frozen role at the actor's layout, so
@@ -229,15 +231,16 @@ class PPOSession:
             self.ema = algos.ParameterEMA(self.actor.parameters, ppo.ema_decay)
             self.ema_role = build_role(dataclasses.replace(specs["actor"], name="ema",
                                                            optimizer=None), seed=seed)
-            self.ema_resharder = Resharder(self.ema_role.chunks, self.maker.inference_model)
+            self.ema_resharder = Resharder(self.ema_role.chunks, self.sampler.inference_model)
         self.trained = {"actor": self.actor}
         if self.critic is not None:
             self.trained["critic"] = self.critic
         self.tracker = MemoryTracker({
             "actor": self.actor, "critic": self.critic, "reference": self.reference,
             "reward": reward.role, "ema": self.ema_role,
-            "inference": [self.maker.inference_model]}) if cfg.logging.memory_metrics else None
-        self.hooks = self.maker.hooks = PhaseHooks(self.trained, self.tracker)
+            "inference": [self.sampler.inference_model]}) if cfg.logging.memory_metrics else None
+        self.hooks = self.sampler.hooks = self.scorer.hooks = PhaseHooks(self.trained,
+                                                                          self.tracker)
         built = {"actor": self.actor, "critic": self.critic, "reference": self.reference,
                  "reward": reward.role}
         self.layouts = describe_layouts({k: v for k, v in built.items() if v is not None})
@@ -313,7 +316,7 @@ class PPOSession:
         return metrics, exp, gen
 
     def close(self) -> None:
-        self.maker.restore_frozen_models()
+        self.scorer.restore_frozen_models()
 
 
 def run_ppo(cfg: Config, tokenizer) -> dict:
@@ -321,7 +324,7 @@ def run_ppo(cfg: Config, tokenizer) -> dict:
     gold_fn = load_reward_fn(ppo.gold_reward_fn) if ppo.gold_reward_fn else None
     check_writable(cfg)
     session = PPOSession(cfg, tokenizer)
-    kl_ctl, cache = session.kl_ctl, session.maker.ref_cache
+    kl_ctl, cache = session.kl_ctl, session.scorer.ref_cache
     ckpt_dir = os.path.join(run_dir(cfg), "checkpoints")
     start = 0
     if cfg.checkpoint.resume and os.path.exists(os.path.join(ckpt_dir, LATEST_FILE)):
@@ -336,7 +339,7 @@ def run_ppo(cfg: Config, tokenizer) -> dict:
     logger = MetricsLogger(run_dir(cfg), tensorboard=cfg.logging.tensorboard,
                            wandb_project=cfg.logging.wandb_project,
                            config=dataclasses.asdict(cfg), resume_step=start or None)
-    evaluate_policy = _evaluator(cfg, session.maker, session.eval_prompts, tokenizer, gold_fn)
+    evaluate_policy = _evaluator(cfg, session.sampler, session.eval_prompts, tokenizer, gold_fn)
 
     def evaluate(step: int) -> dict:
         out = evaluate_policy(step)
@@ -483,7 +486,7 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
     return out
 
 
-def _evaluator(cfg, maker, eval_ds, tokenizer, gold_fn):
+def _evaluator(cfg, sampler, eval_ds, tokenizer, gold_fn):
     """Greedy responses to held-out prompts: gold score (when known), reward-model score
     and length. Runs on the inference layout (weights resharded first)."""
 
@@ -492,18 +495,18 @@ def _evaluator(cfg, maker, eval_ds, tokenizer, gold_fn):
         if eval_ds is None:
             return {}
         prompts = eval_ds.prompts[:cfg.ppo.num_eval_prompts]
-        (resharder or maker.resharder)()
-        inf = maker.inference_layout
+        (resharder or sampler.resharder)()
+        inf = sampler.inference_layout
         mine_idx = list(range(inf.dp_rank, len(prompts), inf.dp))
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, greedy=True,
                                 temperature=cfg.rollout.temperature,
                                 stop_token_ids=tuple(cfg.rollout.stop_token_ids))
-        gen = generate(maker.inference_model, [prompts[i] for i in mine_idx], params,
+        gen = generate(sampler.inference_model, [prompts[i] for i in mine_idx], params,
                        eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                       true_vocab=maker.actor.spec.model.vocab_size,
+                       true_vocab=sampler.actor.spec.model.vocab_size,
                        stop_at_eos=cfg.rollout.stop_at_eos)
-        if maker.release_inference:
-            release_inference_weights(maker.inference_model)
+        if sampler.release_inference:
+            release_inference_weights(sampler.inference_model)
         local = torch.zeros(3, dtype=torch.float64)
         if inf.tp_rank == 0:
             for b in range(len(mine_idx)):

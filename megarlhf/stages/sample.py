@@ -76,7 +76,7 @@ def run_generate(cfg: Config, tokenizer, *, input_path: str, output_path: str,
     from megarlhf.engine.role_specs import single_role_spec
     from megarlhf.engine.roles import build_role
     from megarlhf.parallel.launch import init_distributed, read_dist_env
-    from megarlhf.rollout.experience import gather_generations
+    from megarlhf.rollout.sampling import gather_generations
     from megarlhf.rollout.generate import Generation, SamplingParams, generate
     from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout
 

@@ -17,7 +17,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from common import build as build_role_from, make_config  # noqa: E402
 
-from megarlhf.rollout.experience import ExperienceMaker, RewardSource, SequenceCache  # noqa: E402
+from megarlhf.rollout.experience import ExperienceMaker  # noqa: E402
+from megarlhf.rollout.sampling import Sampler  # noqa: E402
+from megarlhf.rollout.scoring import RewardSource, Scorer, SequenceCache  # noqa: E402
 from megarlhf.rollout.generate import Generation  # noqa: E402
 from megarlhf.rollout.reshard import build_inference_model, inference_layout  # noqa: E402
 
@@ -44,46 +46,46 @@ def case(name, tp, pp, rollout_tp, results, offload_variants=(True,)):
     out = {}
     for variant in offload_variants:
         offload = bool(variant)
-        maker = ExperienceMaker(cfg, actor, inf_layout, inf_model, reference,
-                                RewardSource(role=reward), critic,
-                                eos_id=2, pad_id=0, offload=offload,
-                                micro_batch_size=8 if variant == "mb8" else 2,
-                                ref_cache=SequenceCache())
+        scorer = Scorer(cfg, actor, reference, RewardSource(role=reward), critic, pad_id=0,
+                        offload=offload, micro_batch_size=8 if variant == "mb8" else 2,
+                        ref_cache=SequenceCache())
+        maker = ExperienceMaker(cfg, Sampler(cfg, actor, inf_layout, inf_model, eos_id=2,
+                                             pad_id=0), scorer)
         exp, gen, metrics = maker.make(PROMPTS, seed=5, kl_coef=0.1)
-        assert maker.ref_offloader.offloaded == offload
+        assert scorer.ref_offloader.offloaded == offload
         exp2, _, metrics2 = maker.make(PROMPTS, seed=5, kl_coef=0.1)  # same samples: all hits
         full = {f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)}
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (layout.dp_rank, layout.tp_rank, layout.pp_rank, full))
         out[variant] = {"experience": gathered, "metrics": metrics, "metrics2": metrics2,
                         "ref_equal_on_hit": torch.equal(exp.ref_logprobs_BT, exp2.ref_logprobs_BT),
-                        "generation": gen, "repeats": repeats_case(maker, gen)}
-        maker.restore_frozen_models()
+                        "generation": gen, "repeats": repeats_case(scorer, gen)}
+        scorer.restore_frozen_models()
     results[name] = out
 
 
-def repeats_case(maker, gen):
+def repeats_case(scorer, gen):
     """The sampled batch twice over, with a fresh cache and without one: which rows the
     reference scored, the cache's hits, and both results."""
     doubled = Generation(*(torch.cat((getattr(gen, f.name),) * 2)
                            for f in dataclasses.fields(gen)))
-    scored, real, saved = [], maker._score, maker.ref_cache
+    scored, real, saved = [], scorer.score, scorer.ref_cache
 
     def counting(role, g, rows):
-        if role is maker.reference:
+        if role is scorer.reference:
             scored.append(list(rows))
         return real(role, g, rows)
 
-    maker._score = counting
+    scorer.score = counting
     try:
-        maker.ref_cache = SequenceCache()
-        cached = maker._reference_logprobs(doubled)
-        hits = maker.ref_cache.hits
-        maker.ref_cache = None
-        plain = maker._reference_logprobs(doubled)
+        scorer.ref_cache = SequenceCache()
+        cached = scorer.reference_logprobs(doubled)
+        hits = scorer.ref_cache.hits
+        scorer.ref_cache = None
+        plain = scorer.reference_logprobs(doubled)
     finally:
-        del maker._score
-        maker.ref_cache = saved
+        del scorer.score
+        scorer.ref_cache = saved
     return {"cached": cached, "plain": plain, "scored": scored, "hits": hits,
             "rows": gen.response_tokens_BT.shape[0]}
 

@@ -33,7 +33,7 @@ def shape_mismatches(session) -> list[str]:
     """Where ``models.shapes`` disagrees with a built chunk (names, shapes, shared flag)."""
     out = []
     roles = {"actor": session.actor, "critic": session.critic,
-             "reference": session.reference, "reward": session.maker.reward.role}
+             "reference": session.reference, "reward": session.scorer.reward.role}
     for name, role in roles.items():
         if role is None:
             continue
@@ -46,11 +46,11 @@ def shape_mismatches(session) -> list[str]:
                     for n, p in chunk.named_parameters()]
             if want != have:
                 out.append(f"{name} chunk {v}: plan {want} built {have}")
-    model = session.maker.inference_model
+    model = session.sampler.inference_model
     spec = session.specs["actor"]
     want = [(p.name, p.shape) for p in chunk_params(
         spec.model, kind="lm", padded_vocab=spec.padded_vocab,
-        tp=session.maker.inference_layout.tp, pp=1, pp_rank=0)]
+        tp=session.sampler.inference_layout.tp, pp=1, pp_rank=0)]
     have = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     if want != have:
         out.append(f"inference: plan {want} built {have}")

@@ -61,18 +61,18 @@ def main() -> None:
         session = PPOSession(cfg, tokenizer)
         before = gathered_params(session.actor)
         result = {"metrics": [], "eos_id": tokenizer.eos_id,
-                  "ref_cache_capacity": getattr(session.maker.ref_cache, "capacity", 0)}
+                  "ref_cache_capacity": getattr(session.scorer.ref_cache, "capacity", 0)}
         if session.ptx is not None:
             result["ptx_reference_nll"] = ptx_reference_nll(session)
         if session.critic is not None and name == "gae_stop":
             # the critic's head output after the last token vs the reward model's
             # normalised score, on the first iteration's samples, before any update
-            maker = session.maker
-            gen, _ = maker.finalize(maker.rollout(session.prompt_batch(0), cfg.run.seed)[0])
+            sampler, scorer = session.sampler, session.scorer
+            gen, _ = sampler.finalize(sampler.rollout(session.prompt_batch(0), cfg.run.seed)[0])
             rows = list(range(gen.response_tokens_BT.shape[0]))
-            result["critic_last"] = stack_results(maker._score(session.critic, gen, rows),
+            result["critic_last"] = stack_results(scorer.score(session.critic, gen, rows),
                                                   "last")
-            result["rm_score"] = maker._scores(gen)
+            result["rm_score"] = scorer.reward_scores(gen)
         for it in range(case.get("iterations", 1)):
             metrics, exp, gen = session.iteration(it)
             result["metrics"].append(metrics)

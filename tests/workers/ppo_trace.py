@@ -125,10 +125,10 @@ def main() -> None:
         cfg = load_config("configs/demo/ppo.yaml", case["overrides"])
         tokenizer = load_tokenizer(cfg.tokenizer)
         session = PPOSession(cfg, tokenizer)
-        maker = session.maker
+        sampler, scorer = session.sampler, session.scorer
         raw: list = []
         raw_scores: list = []
-        real_rollout, real_scores = maker.rollout, maker._scores
+        real_rollout, real_scores = sampler.rollout, scorer.reward_scores
 
         def rollout(prompts, seed):
             gen, metrics = real_rollout(prompts, seed)
@@ -142,7 +142,7 @@ def main() -> None:
 
         # observe the sampler's output before truncation, and the reward model's scores
         # before the missing-stop rule and the overlong ramp
-        maker.rollout, maker._scores = rollout, scores
+        sampler.rollout, scorer.reward_scores = rollout, scores
         kl_coef = session.kl_ctl.value
         with Tracer(session) as tracer:
             metrics, exp, gen = session.iteration(0)

@@ -1,0 +1,180 @@
+"""Sampling a rollout: the actor resharded into the inference layout, each inference
+replica's share of the prompts sampled, every sample gathered on every rank, and each
+response cut after its stop token.
+
+Each rank ends with the whole batch: every role scores it at its own layout, and each
+trained role takes its own data-parallel share when it learns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from megarlhf import algos
+from megarlhf.config import Config
+from megarlhf.engine.roles import Role
+from megarlhf.parallel import cpu_backend
+from megarlhf.parallel.gather import gather_objects
+from megarlhf.parallel.layout import RankLayout
+from megarlhf.rollout.generate import Generation, SamplingParams, generate
+from megarlhf.rollout.reshard import Resharder, release_inference_weights
+
+
+@dataclass
+class Sampler:
+    cfg: Config
+    actor: Role  # trained; its chunks are resharded into ``inference_model``
+    inference_layout: RankLayout
+    inference_model: object
+    eos_id: int
+    pad_id: int
+    # phase hooks (memory accounting, trained-role offload): before_generate(),
+    # after_generate(kv_cache_bytes) - see stages.ppo.PhaseHooks
+    hooks: object | None = None
+    # free the inference model's weights after each generation (the next reshard
+    # rewrites them all): rollout.release_inference_weights
+    release_inference: bool = False
+
+    def __post_init__(self):
+        self.resharder = Resharder(self.actor.chunks, self.inference_model)
+
+    def rollout(self, prompts: list[list[int]], seed: int) -> tuple[Generation, dict]:
+        """Reshard, sample this replica's prompts, gather: (generation, metrics)."""
+        stats = self.resharder()
+        inf = self.inference_layout
+        indices = list(range(inf.dp_rank, len(prompts), inf.dp))
+        mine = [prompts[i] for i in indices]
+        r = self.cfg.rollout
+        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                                top_k=r.top_k, top_p=r.top_p, greedy=r.greedy,
+                                stop_token_ids=tuple(r.stop_token_ids))
+        # One seed per (iteration, prompt): samples do not depend on the layout, and TP
+        # peers of a replica (same gathered logits) draw the same tokens.
+        if self.hooks is not None:
+            self.hooks.before_generate()
+        start = time.perf_counter()
+        gen_stats: dict = {}
+        gen = generate(self.inference_model, mine, params, eos_id=self.eos_id,
+                       pad_id=self.pad_id, true_vocab=self.actor.spec.model.vocab_size,
+                       stop_at_eos=r.stop_at_eos,
+                       row_seeds=[seed * 1000003 + i for i in indices], stats=gen_stats)
+        seconds = time.perf_counter() - start
+        if self.hooks is not None:
+            self.hooks.after_generate(gen_stats["kv_cache_bytes"])
+        if self.release_inference:
+            release_inference_weights(self.inference_model)
+        gen = gather_generations(gen, prompts, inf, self.pad_id)
+        return gen, {"timing/reshard": stats.seconds, "perf/reshard_bytes": stats.bytes_received,
+                     "timing/generate": seconds}
+
+    def finalize(self, gen: Generation) -> tuple[Generation, torch.Tensor]:
+        """Cut every response after its first stop token (the stop token stays): with
+        ``rollout.stop_at_eos=false`` the sampler runs past EOS to the fixed length, and the
+        truncated response is what is scored, trained and shown. Returns (the truncated
+        generation, ``has_stop`` (B,): a stop token occurred)."""
+        stops = sorted(set(self.cfg.rollout.stop_token_ids) | {self.eos_id})
+        tokens, mask, has_stop = algos.truncate_after_stop(
+            gen.response_tokens_BT, gen.response_mask_BT, stops, self.pad_id)
+        return Generation(prompt_tokens_BP=gen.prompt_tokens_BP,
+                          prompt_mask_BP=gen.prompt_mask_BP, response_tokens_BT=tokens,
+                          response_mask_BT=mask, logprobs_BT=gen.logprobs_BT * mask,
+                          finished_B=has_stop), has_stop
+
+
+def dynamic_sampling(gen: Generation, has_stop: torch.Tensor, scores: torch.Tensor, *,
+                     group_size: int, max_rounds: int, pad_id: int,
+                     sample_more: Callable[[int], tuple]) -> tuple:
+    """DAPO's dynamic sampling: keep the groups whose scores are not all equal
+    (``algos.informative_groups``), calling ``sample_more(round)`` for another
+    (generation, has_stop, scores, metrics) until the batch has as many groups as it
+    started with (at most ``max_rounds`` rollouts); a batch still short is topped up with
+    dropped groups, in order. Returns (generation, has_stop, scores, metrics)."""
+    k = group_size
+    needed = len(scores) // k
+    kept: list = []
+    dropped: list = []
+    rounds, seen, reward_seconds = 1, 0, 0.0
+    while True:
+        informative = algos.informative_groups(scores, k)
+        for g in range(informative.shape[0]):
+            rows = [(gen, g * k + j, bool(has_stop[g * k + j]), float(scores[g * k + j]))
+                    for j in range(k)]
+            (kept if bool(informative[g]) else dropped).append(rows)
+        seen += informative.shape[0]
+        if len(kept) >= needed or rounds >= max_rounds:
+            break
+        gen, has_stop, scores, more = sample_more(rounds)
+        reward_seconds += more["timing/reward"]
+        rounds += 1
+    shortfall = max(needed - len(kept), 0)
+    groups = (kept + dropped[:shortfall])[:needed]
+    rows = [row for group in groups for row in group]
+    merged = merge_rows([(g, j) for g, j, _, _ in rows], pad_id)
+    metrics = {"rollout/dynamic_sampling_rounds": float(rounds),
+               "rollout/dynamic_sampling_kept_fraction": min(len(kept), needed) / needed,
+               "rollout/dynamic_sampling_shortfall": float(shortfall),
+               "rollout/dynamic_sampling_groups_seen": float(seen),
+               "timing/reward_refills": reward_seconds}
+    return (merged, torch.tensor([r[2] for r in rows]), torch.tensor([r[3] for r in rows]),
+            metrics)
+
+
+def decode_sample(gen: Generation, row: int, decode: Callable) -> tuple[str, str]:
+    """(prompt text, response text without the stop token)."""
+    prompt = gen.prompt_tokens_BP[row][gen.prompt_mask_BP[row] == 1].tolist()
+    response = gen.response_tokens_BT[row][gen.response_mask_BT[row] == 1].tolist()
+    if response and bool(gen.finished_B[row]):
+        response = response[:-1]
+    return decode(prompt), decode(response)
+
+
+def gen_sequence(gen: Generation, row: int) -> torch.Tensor:
+    """Row ``row``'s prompt and response tokens, without padding."""
+    return torch.cat((gen.prompt_tokens_BP[row][gen.prompt_mask_BP[row] == 1],
+                      gen.response_tokens_BT[row][gen.response_mask_BT[row] == 1]))
+
+
+@cpu_backend.suspended()  # an object all-gather and row merging: no megatron code
+def gather_generations(gen: Generation, prompts: list[list[int]], inf: RankLayout,
+                        pad_id: int) -> Generation:
+    """Every rank gets every sample, in prompt order (replica r generated prompts r::dp)."""
+    # One copy per replica: the TP rank 0 of each.
+    replicas = {}
+    for rank, part in enumerate(gather_objects(gen)):
+        replicas.setdefault(rank // inf.tp, part)
+    dp = inf.dp
+    ordered = [None] * len(prompts)
+    for r in range(dp):
+        part = replicas[r]
+        for j, i in enumerate(range(r, len(prompts), dp)):
+            ordered[i] = (part, j)
+    return merge_rows(ordered, pad_id)
+
+
+def merge_rows(rows: list[tuple[Generation, int]], pad_id: int) -> Generation:
+    """One generation of the given (generation, row) pairs, in order: prompts left-padded
+    and responses right-padded to the widest."""
+    P = max(g.prompt_tokens_BP.shape[1] for g, _ in rows)
+    T = max(g.response_tokens_BT.shape[1] for g, _ in rows)
+
+    def take(name, width, left):
+        out = []
+        for part, j in rows:
+            row = getattr(part, name)[j]
+            pad = width - row.shape[0]
+            fill = torch.full((pad,), pad_id if name.endswith("tokens_BP") or
+                              name.endswith("tokens_BT") else 0, dtype=row.dtype)
+            out.append(torch.cat([fill, row]) if left else torch.cat([row, fill]))
+        return torch.stack(out)
+
+    return Generation(
+        prompt_tokens_BP=take("prompt_tokens_BP", P, True),
+        prompt_mask_BP=take("prompt_mask_BP", P, True),
+        response_tokens_BT=take("response_tokens_BT", T, False),
+        response_mask_BT=take("response_mask_BT", T, False),
+        logprobs_BT=take("logprobs_BT", T, False),
+        finished_B=torch.stack([part.finished_B[j] for part, j in rows]))

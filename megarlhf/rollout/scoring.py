@@ -1,0 +1,237 @@
+"""Scoring a rollout: the forward-only passes of the four roles over the sampled
+sequences, each role at its own layout through the one forward path
+(``engine.forward.forward_rows``) - the reference's log-probs (cached for sequences seen
+before), the reward model's score, the critic's values, the actor's own log-probs - with
+the frozen roles brought on for their pass and offloaded after it."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from megarlhf import algos
+from megarlhf.config import Config
+from megarlhf.data.batching import prompt_response_batch
+from megarlhf.engine.forward import forward_rows, stack_results
+from megarlhf.engine.offload import Offloader
+from megarlhf.engine.roles import Role
+from megarlhf.engine.steps import make_sequence_step
+from megarlhf.parallel import cpu_backend
+from megarlhf.rollout.generate import Generation
+from megarlhf.rollout.sampling import decode_sample, gen_sequence
+
+
+class SequenceCache:
+    """Reference log-probs of the ``capacity`` most recently used sequences of a PPO run,
+    keyed by the token sequence (:meth:`key`): a sequence sampled again - twice in one
+    batch (GRPO groups, short responses) or in a later iteration - is scored once. The
+    least recently used go first, so the memory it holds and the copy saved with every
+    checkpoint stay bounded (``rollout.ref_cache_size``); a resume restores it, so the
+    resumed run scores as the unbroken one. Sampled responses rarely repeat (the demo:
+    0.06% hits over 40 iterations), so nothing persists it across runs; offline data,
+    where a cache pays, uses ``engine.logit_cache`` (DPO, distillation)."""
+
+    def __init__(self, capacity: int = 4096):
+        if capacity < 1:
+            raise ValueError(f"SequenceCache capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.store: OrderedDict[str, torch.Tensor] = OrderedDict()  # oldest use first
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def key(tokens) -> str:
+        """SHA-1 of the sequence's token ids as int64 (prompt then response, no padding)."""
+        ids = torch.as_tensor(tokens, dtype=torch.int64)
+        return hashlib.sha1(ids.numpy().tobytes()).hexdigest()
+
+    def get(self, key: str) -> torch.Tensor | None:
+        value = self.store.get(key)
+        if value is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+            self.store.move_to_end(key)
+        return value
+
+    def put(self, key: str, value: torch.Tensor) -> None:
+        self.store[key] = value.detach().clone()
+        self.store.move_to_end(key)
+        while len(self.store) > self.capacity:
+            self.store.popitem(last=False)
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def state_dict(self) -> dict:
+        return {"store": dict(self.store), "hits": self.hits, "misses": self.misses}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The saved entries in their order of use; where this run's capacity is smaller
+        than the saving run's, the most recently used that fit."""
+        entries = list(state["store"].items())
+        self.store = OrderedDict(entries[max(0, len(entries) - self.capacity):])
+        self.hits, self.misses = int(state["hits"]), int(state["misses"])
+
+
+# ------------------------------------------------------------------ batching
+
+def sequence_batch_fn(gen: Generation, pad_id: int) -> Callable[[list[int]], dict]:
+    """Row indices -> one prompt+response micro-batch (attention mask for the left padding,
+    position ids counting real tokens), every batch the full width P + T."""
+
+    def make_batch(rows: list[int]) -> dict:
+        idx = torch.tensor(rows)
+        return prompt_response_batch(gen.prompt_tokens_BP[idx], gen.prompt_mask_BP[idx],
+                                     gen.response_tokens_BT[idx], gen.response_mask_BT[idx],
+                                     pad_id)
+
+    return make_batch
+
+
+@dataclass
+class RewardSource:
+    """A frozen reward-model role (with the normalisation stored in its checkpoint) or a
+    programmatic reward ``fn(prompt_text, response_text) -> float`` by import path."""
+
+    role: Role | None = None
+    fn: Callable | None = None
+    decode: Callable | None = None  # token ids -> text, for ``fn``
+
+    @property
+    def gain(self) -> float:
+        return float(self.role.saved.get("score_gain", 1.0)) if self.role else 1.0
+
+    @property
+    def bias(self) -> float:
+        return float(self.role.saved.get("score_bias", 0.0)) if self.role else 0.0
+
+
+def load_reward_fn(path: str) -> Callable:
+    """``package.module:function`` -> the function."""
+    if ":" not in path:
+        raise ValueError(f"reward function {path!r} must look like 'package.module:function'")
+    module, name = path.split(":", 1)
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"cannot import reward function {path!r}: {err}") from None
+    if not callable(fn):
+        raise ValueError(f"reward function {path!r} is not callable")
+    return fn
+
+
+@dataclass
+class Scorer:
+    cfg: Config
+    actor: Role
+    reference: Role
+    reward: RewardSource
+    critic: Role | None
+    pad_id: int
+    offload: bool = True  # frozen roles whose spec does not say (spec.offload None)
+    micro_batch_size: int = 4
+    ref_cache: SequenceCache | None = field(default_factory=SequenceCache)  # None: off
+    hooks: object | None = None  # during_pass() - see stages.ppo.PhaseHooks
+
+    def __post_init__(self):
+        self.ref_offloader = Offloader(self.reference.chunks, self._offloads(self.reference))
+        self.rm_offloader = Offloader(self.reward.role.chunks if self.reward.role else [],
+                                      self._offloads(self.reward.role))
+        self.ref_offloader.offload()
+        self.rm_offloader.offload()
+
+    def _offloads(self, role: Role | None) -> bool:
+        if role is None or role.spec.offload is None:
+            return self.offload
+        return role.spec.offload == "all"
+
+    def restore_frozen_models(self) -> None:
+        """Bring the reference and reward models back (e.g. before handing them elsewhere)."""
+        self.ref_offloader.reload()
+        self.rm_offloader.reload()
+
+    def score(self, role: Role, gen: Generation, rows: list[int]) -> list[dict]:
+        """``role``'s forward-only pass over ``rows`` at its own layout: per-token
+        log-probs and entropy (LM) or values and the last value (value model)."""
+        step = make_sequence_step(role.spec.kind, prompt_len=gen.prompt_tokens_BP.shape[1],
+                                  tp_group=role.layout.tp_group,
+                                  true_vocab=role.spec.model.vocab_size,
+                                  temperature=self.cfg.rollout.temperature)
+        if self.hooks is not None:
+            self.hooks.during_pass()
+        return forward_rows(role, rows, sequence_batch_fn(gen, self.pad_id), step,
+                            micro_batch_size=self.micro_batch_size)
+
+    def actor_logprobs(self, gen: Generation) -> torch.Tensor:
+        """(B, T) the actor's log-probs at its training layout."""
+        rows = list(range(gen.response_tokens_BT.shape[0]))
+        return stack_results(self.score(self.actor, gen, rows), "logprobs")
+
+    def values(self, gen: Generation) -> torch.Tensor:
+        """(B, T) the critic's values of the states before each response token."""
+        rows = list(range(gen.response_tokens_BT.shape[0]))
+        return stack_results(self.score(self.critic, gen, rows), "values")
+
+    def reference_logprobs(self, gen: Generation) -> torch.Tensor:
+        """The reference's log-probs of every sampled token: rows found in the cache, and
+        rows repeating an earlier row of this batch, are not scored again."""
+        B, T = gen.response_tokens_BT.shape
+        if self.ref_cache is None:
+            return self._score_reference(gen, list(range(B)))
+        out = torch.zeros(B, T)
+        first: dict[str, int] = {}  # key -> the batch row that scores it
+        missing, repeats = [], []
+        with cpu_backend.suspended():  # the cache's side: no megatron code
+            keys = [SequenceCache.key(gen_sequence(gen, r)) for r in range(B)]
+            for i, key in enumerate(keys):
+                if key in first:
+                    self.ref_cache.hits += 1
+                    repeats.append(i)
+                    continue
+                hit = self.ref_cache.get(key)
+                if hit is None:
+                    first[key] = i
+                    missing.append(i)
+                else:
+                    out[i, :hit.numel()] = hit
+        # Every rank holds the same batch and the same cache, so all agree on the misses.
+        if missing:
+            scored = self._score_reference(gen, missing)
+            with cpu_backend.suspended():
+                for i in missing:
+                    out[i] = scored[i]
+                    self.ref_cache.put(keys[i], out[i, :int(gen.response_mask_BT[i].sum())])
+        for i in repeats:
+            out[i] = out[first[keys[i]]]
+        return out
+
+    def _score_reference(self, gen: Generation, rows: list[int]) -> torch.Tensor:
+        """(B, T) with the reference's log-probs on ``rows`` (zero on padding and on the
+        other rows), the reference loaded for the pass and offloaded after it."""
+        out = torch.zeros(gen.response_tokens_BT.shape)
+        self.ref_offloader.reload()
+        scored = self.score(self.reference, gen, rows)
+        self.ref_offloader.offload()
+        with cpu_backend.suspended():
+            for i, res in zip(rows, scored):
+                out[i] = res["logprobs"] * gen.response_mask_BT[i]
+        return out
+
+    def reward_scores(self, gen: Generation) -> torch.Tensor:
+        """(B,) the reward model's normalised score of each sample (or the programmatic
+        reward's), the reward model loaded for its pass and offloaded after it."""
+        B = gen.response_tokens_BT.shape[0]
+        if self.reward.fn is not None:
+            return torch.tensor([float(self.reward.fn(*decode_sample(gen, r, self.reward.decode)))
+                                 for r in range(B)])
+        self.rm_offloader.reload()
+        raw = stack_results(self.score(self.reward.role, gen, list(range(B))), "last")
+        self.rm_offloader.offload()
+        return algos.normalize_scores(raw, self.reward.gain, self.reward.bias)
