@@ -50,6 +50,9 @@ SlurmctldLogFile=$state/log/slurmctld.log
 SlurmdLogFile=$state/log/slurmd.log
 ReturnToService=2
 JobRequeue=1
+# A requeued job waits until its old credential expires (Slurm's default: 120 s); started
+# earlier on the same node it is killed ("Job credential revoked").
+AuthInfo=cred_expire=10
 MpiDefault=none
 NodeName=$host CPUs=$(getconf _NPROCESSORS_ONLN) State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
