@@ -12,9 +12,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Benchmarks measure megarlhf as the CLI runs it: the speed-ups MEGARLHF_SPEEDUPS selects,
 # installed before megatron is imported.
-from megarlhf import speedups  # noqa: E402
+from megarlhf import quiet_known_warnings, speedups  # noqa: E402
 
 speedups.install()
+quiet_known_warnings()
 
 import torch  # noqa: E402
 

@@ -64,7 +64,10 @@ MEGARLHF_ROWS = {
                  "roles.critic.model.params_dtype=bfloat16"],
 }
 TRL_ROWS = ("trl", "trl-nogc", "trl-bf16")
-ROWS = (*MEGARLHF_ROWS, *TRL_ROWS)
+# "baseline": megarlhf's default row from another checkout (--baseline DIR, e.g. a
+# ``git worktree`` of an older commit), its own bench/ppo_vs_trl.py as the worker
+BASELINE = "baseline"
+ROWS = (*MEGARLHF_ROWS, BASELINE, *TRL_ROWS)
 DEFAULT_ROWS = ("megarlhf", "mrl-distopt", "trl", "trl-nogc")
 
 
@@ -317,15 +320,18 @@ def trl_worker(folder: str, variant: str, collect_garbage: bool, iterations: int
 # ------------------------------------------------------------------ driver
 
 class Worker:
-    def __init__(self, kind: str, folder: str, variant: str, iterations: int, log):
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--folder", folder,
+    def __init__(self, kind: str, folder: str, variant: str, iterations: int, log,
+                 baseline: str | None = None):
+        tree = baseline if kind == BASELINE else ROOT
+        cmd = [sys.executable, os.path.join(tree, "bench", "ppo_vs_trl.py"), "--worker",
+               "megarlhf" if kind == BASELINE else kind, "--folder", folder,
                "--variant", variant, "--iterations", str(iterations), "--batch", str(BATCH),
                "--response", str(RESPONSE)]
         env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false",
-               "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+               "PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.kind, self.log = kind, log
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=log, text=True, env=env, cwd=ROOT)
+                                     stderr=log, text=True, env=env, cwd=tree)
 
     def receive(self):
         for line in self.proc.stdout:
@@ -340,11 +346,11 @@ class Worker:
 
 
 def run_pair(size: str, variant: str, iterations: int, warmup: int, folder: str,
-             rows: tuple = DEFAULT_ROWS) -> dict:
+             rows: tuple = DEFAULT_ROWS, baseline: str | None = None) -> dict:
     info = prepare(size, variant, folder)
     total = warmup + iterations
     log = open(os.path.join(folder, "workers.log"), "w")
-    workers = [Worker(k, folder, variant, total, log) for k in rows]
+    workers = [Worker(k, folder, variant, total, log, baseline) for k in rows]
     for w in workers:
         assert w.receive() == "ready"
     results = {w.kind: [] for w in workers}
@@ -371,7 +377,7 @@ def run_pair(size: str, variant: str, iterations: int, warmup: int, folder: str,
 def report(size: str, variant: str, out: dict) -> None:
     med = out["medians"]
     rows = list(med)
-    ours_rows = [k for k in rows if k in MEGARLHF_ROWS]
+    ours_rows = [k for k in rows if k in MEGARLHF_ROWS or k == BASELINE]
     rate = {k: med[k]["tokens"] / med[k]["iteration"] for k in rows}
     print(f"\n## {size}, {variant}, batch {BATCH}, response <= {RESPONSE} ({out['note']})")
     print(f"{'':>12} {'generation s':>12} {'experience s':>12} {'training s':>10} "
@@ -386,16 +392,18 @@ def report(size: str, variant: str, out: dict) -> None:
     if variant == "stop":
         print("  mean response tokens per iteration (warm-up first): " + "; ".join(
             f"{kind} " + " ".join(f"{x:.1f}" for x in out["lengths"][kind]) for kind in rows))
-    for ours in ours_rows:
-        for kind in (k for k in rows if k in TRL_ROWS):
-            paired = sorted(a["tokens"] / a["iteration"] / (b["tokens"] / b["iteration"])
-                            for a, b in zip(out["rounds"][ours], out["rounds"][kind]))
-            print(f"  {ours} vs {kind}, tokens/s ratio of each round (rows run back to "
-                  f"back): median {statistics.median(paired):.2f}x, range "
-                  f"{paired[0]:.2f}-{paired[-1]:.2f}x")
-            print(f"  phase speed-up {ours} vs {kind}: " + ", ".join(
-                f"{phase} {med[kind][phase] / med[ours][phase]:.2f}x"
-                for phase in ("generation", "experience", "training")))
+    pairs = [(ours, kind) for ours in ours_rows for kind in rows if kind in TRL_ROWS]
+    if "megarlhf" in rows and BASELINE in rows:
+        pairs.insert(0, ("megarlhf", BASELINE))
+    for ours, kind in pairs:
+        paired = sorted(a["tokens"] / a["iteration"] / (b["tokens"] / b["iteration"])
+                        for a, b in zip(out["rounds"][ours], out["rounds"][kind], strict=True))
+        print(f"  {ours} vs {kind}, tokens/s ratio of each round (rows run back to "
+              f"back): median {statistics.median(paired):.2f}x, range "
+              f"{paired[0]:.2f}-{paired[-1]:.2f}x")
+        print(f"  phase speed-up {ours} vs {kind}: " + ", ".join(
+            f"{phase} {med[kind][phase] / med[ours][phase]:.2f}x"
+            for phase in ("generation", "experience", "training")))
 
 
 def main() -> None:
@@ -411,10 +419,14 @@ def main() -> None:
                              "numerators of the ratio columns)")
     parser.add_argument("--batch", type=int, default=BATCH, help="rollout batch")
     parser.add_argument("--response", type=int, default=RESPONSE, help="longest response")
+    parser.add_argument("--baseline", default=None,
+                        help="another checkout for the 'baseline' row (e.g. a git worktree)")
     parser.add_argument("--worker", choices=ROWS, help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if BASELINE in args.rows and not args.baseline:
+        parser.error("the baseline row needs --baseline DIR")
     configure(args.batch, args.response)
     if args.worker in MEGARLHF_ROWS:
         return megarlhf_worker(args.folder, args.variant, MEGARLHF_ROWS[args.worker])
@@ -430,7 +442,7 @@ def main() -> None:
         for variant in args.variants:
             folder = tempfile.mkdtemp(prefix=f"ppo_vs_trl_{size}_{variant}_")
             report(size, variant, run_pair(size, variant, args.iterations, args.warmup, folder,
-                                           tuple(args.rows)))
+                                           tuple(args.rows), args.baseline))
             sys.stdout.flush()
 
 

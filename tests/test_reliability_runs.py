@@ -106,7 +106,7 @@ def test_a_signal_during_start_up_checkpoints_at_the_first_safe_point(tiny_check
 
 
 def test_signalling_torchrun_workers_checkpoints_every_rank(tiny_checkpoints):
-    """The local torchrun way the help and README give: SIGUSR1 to torchrun's children (the
+    """The local torchrun way the help and docs/launching.md give: SIGUSR1 to torchrun's children (the
     workers), not to torchrun. Both ranks agree on one safe point, checkpoint, and exit 0."""
     from conftest import free_port
 

@@ -1,4 +1,4 @@
-"""README "Your own model", run exactly: a Hugging Face Llama directory with a chat
+"""docs/your-own-model.md, run exactly: a Hugging Face Llama directory with a chat
 template -> convert -> SFT on ``messages`` -> reward model on preference conversations ->
 PPO on chat prompts -> export -> transformers ``generate``, whose greedy tokens must be
 megarlhf's (``megarlhf generate``, also at TP=2 and PP=2 under torchrun)."""

@@ -3,9 +3,9 @@
 megatron-core's pipeline schedules, DDP buffers, distributed optimizer, gradient
 clipping and checkpoint saving allocate on ``"cuda"`` / ``torch.cuda.current_device()``,
 call ``torch.cuda.synchronize()`` and test ``param.type() == 'torch.cuda.FloatTensor'``.
-On a machine without CUDA this module redirects exactly those four things
-(measured against megatron-core 0.16.1, see DESIGN.md), and keeps the cost of the mode off
-the model's forward and backward passes (``suspended``):
+On a machine without CUDA this module redirects exactly those four things (measured
+against megarlhf's pin, megatron-core 0.16.1; docs/design.md), and keeps the cost of the
+mode off the model's forward and backward passes (``suspended``):
 
 1. ``torch.cuda.current_device()`` returns the CPU device;
 2. a ``TorchFunctionMode`` rewrites ``device="cuda..."`` arguments to CPU;

@@ -16,14 +16,15 @@ first use, megatron's checkpoint results queue) happen in :func:`install`. Code 
 calls the library directly (tests, benchmarks) gets plain megatron-core unless it calls
 :func:`install` too.
 
-| speed-up | replaces | at the bench's medium size | bitwise |
+| speed-up | replaces | medium size: time without / with - 1 | bitwise |
 |---|---|---|---|
-| ``lazy_jit`` | ``torch.compile`` of megatron's fusion kernels at import | start-up 16% | yes |
-| ``checkpoint_queue`` | megatron's spawned results queue of a save | start + first save 35% | yes |
-| ``fused_adam`` | torch's per-tensor Adam loop | PPO iteration 10% | no (rounding) |
-| ``linears`` | megatron's TP=1 linear layers' Python | PPO iteration 3-4% | no (rounding) |
-| ``positions`` | the whole sequence through the last MLP and head | PPO iteration 4-6% | no (rounding) |
+| ``lazy_jit`` | ``torch.compile`` of megatron's fusion kernels at import | a process 20% | yes |
+| ``checkpoint_queue`` | megatron's spawned results queue of a save | a process 35% | yes |
+| ``fused_adam`` | torch's per-tensor Adam loop | PPO iteration 7.5% | no (rounding) |
+| ``linears`` | megatron's TP=1 linear layers' Python | PPO iteration 5.5% | tests' shapes |
+| ``positions`` | the whole sequence through the last MLP and head | PPO iteration 4.0% | tests' shapes |
 
+("a process": launch to the first checkpoint save of a medium PPO session.)
 Dropped for paying less than 3% there (BENCHMARKS.md): one-rank collectives, cached RoPE
 tables, the batch-first head, the kept additive mask and the batched-product CPU attention,
 Adam outside the CPU backend's mode, foreach gradient norm and clip, KV-cached decode on the

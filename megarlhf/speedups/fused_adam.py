@@ -6,8 +6,9 @@ when neither apex nor TransformerEngine provides a fused Adam (every CPU run). t
 
 Bitwise: no (the fused kernel orders its arithmetic otherwise; weights agree to rounding).
 
-Measured: the PPO iteration 10.3% faster at the bench's medium size, its training phase
-12% (``bench/speedups.py --size medium``); 5x on the small model's step (2.8 vs 14.9 ms).
+Measured (2026-11-25, ``bench/speedups.py --size medium``): the PPO iteration 7.5% longer
+without it (per-round median 6.4%), its training phase 9%; 5x on the small model's
+optimizer step alone (2.8 vs 14.9 ms).
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ the other way round (:func:`_matmul`): this machine's MKL then sums as in the us
 at 16 rows and more and differs by rounding at fewer. With autograd the gradients agree to
 rounding (tests/test_rollout.py).
 
-Measured: see BENCHMARKS.md, "Speed-ups" (``bench/speedups.py --size medium``).
+Measured (2026-11-25, ``bench/speedups.py --size medium``): the PPO iteration 5.5% longer
+without it (per-round median 5.9%), its generation phase 16%.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ tokens); the head cut is, but for sequence parallelism (then nothing is cut earl
 Bitwise: no. The head's and the MLP's matmuls see fewer rows, which this machine's MKL
 may sum in another order (the logits of a kept position agree to float rounding).
 
-Measured: see BENCHMARKS.md, "Speed-ups" (``bench/speedups.py --size medium``).
+Measured (2026-11-25, ``bench/speedups.py --size medium``): the PPO iteration 4.0% longer
+without it (per-round median 4.4%).
 """
 
 from __future__ import annotations
