@@ -27,7 +27,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from megarlhf.config import load_config
-    from megarlhf.engine.roles import build_from_config
+    from megarlhf.roles.build import build_from_config
     from megarlhf.parallel.launch import init_distributed
     from megarlhf.stages.score import score_sequences
 

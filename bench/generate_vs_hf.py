@@ -54,7 +54,7 @@ def main() -> None:
     convert(os.path.join(tmp, "hf"), os.path.join(tmp, "mrl"))
 
     from megarlhf.config import load_config
-    from megarlhf.engine.roles import build_from_config
+    from megarlhf.roles.build import build_from_config
     from megarlhf.parallel import cpu_backend
     from megarlhf.parallel.launch import init_distributed
     from megarlhf.rollout.generate import SamplingParams, generate

@@ -92,7 +92,7 @@ def start(cfg) -> None:
 def train(s: dict, peak: float, quick: bool) -> None:
     from megarlhf.config import load_config
     from megarlhf.engine.optimizer import train_step
-    from megarlhf.engine.roles import build_from_config
+    from megarlhf.roles.build import build_from_config
     from megarlhf.engine.steps import make_lm_loss_step
 
     seq, micro, num_micro = (2048, 4, 4) if not quick else (256, 2, 2)
@@ -127,7 +127,7 @@ def generate_vs_hf(s: dict, quick: bool) -> None:
     import transformers
 
     from megarlhf.config import load_config
-    from megarlhf.engine.roles import build_from_config
+    from megarlhf.roles.build import build_from_config
     from megarlhf.rollout.generate import SamplingParams, generate
 
     prompt, new = (128, 128) if not quick else (16, 16)
@@ -177,7 +177,7 @@ def generate_vs_hf(s: dict, quick: bool) -> None:
 
 def reshard(s: dict) -> None:
     from megarlhf.config import load_config
-    from megarlhf.engine.roles import build_from_config
+    from megarlhf.roles.build import build_from_config
     from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout
 
     cfg = load_config(None, model_overrides(s) + [f"model.vocab_size={s['vocab']}"])

@@ -58,7 +58,7 @@ def ppo_config(folder: str, level: str, accounting: bool = True):
 
 def phases(size: str, iterations: int) -> None:
     from megarlhf.data.tokenizer import load_tokenizer
-    from megarlhf.engine.plan import plan_ppo
+    from megarlhf.memory.plan import plan_ppo
     from megarlhf.stages.ppo import PPOSession
 
     folder = tempfile.mkdtemp(prefix=f"bench_memory_{size}_")
@@ -92,9 +92,9 @@ def phases(size: str, iterations: int) -> None:
 
 def transfer(shape: str) -> None:
     from megarlhf.config import load_config
-    from megarlhf.engine.offload import Offloader, TrainedOffloader
+    from megarlhf.roles.offload import Offloader, TrainedOffloader
     from megarlhf.engine.optimizer import ensure_optimizer_state
-    from megarlhf.engine.roles import build_from_config
+    from megarlhf.roles.build import build_from_config
     from megarlhf.parallel.launch import init_distributed
 
     layers, hidden = (int(x) for x in shape.split("x"))

@@ -27,7 +27,7 @@ def worker(size: str) -> None:
 
     from megarlhf.config import load_config
     from megarlhf.engine.checkpoint import RoleState, load_checkpoint, save_checkpoint
-    from megarlhf.engine.roles import build_from_config
+    from megarlhf.roles.build import build_from_config
     from megarlhf.parallel.launch import init_distributed
     from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout
 

@@ -55,7 +55,7 @@ def main() -> None:
 
     from megarlhf.config import load_config
     from megarlhf.engine.optimizer import train_step
-    from megarlhf.engine.roles import build_from_config
+    from megarlhf.roles.build import build_from_config
     from megarlhf.engine.steps import make_lm_loss_step
     from megarlhf.parallel.launch import init_distributed
 

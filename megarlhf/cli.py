@@ -62,7 +62,7 @@ def _resolved_roles(cfg: Config, world_size: int) -> str:
 
     import yaml
 
-    from megarlhf.engine.role_specs import ppo_role_specs
+    from megarlhf.roles.spec import ppo_role_specs
 
     if cfg.tokenizer.path is not None and cfg.model.vocab_size is None:
         from megarlhf.data.tokenizer import load_tokenizer
@@ -147,7 +147,7 @@ def cmd_plot(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from megarlhf.engine.plan import GIB, explain, format_plan, parse_bytes, plan_ppo
+    from megarlhf.memory.plan import GIB, explain, format_plan, parse_bytes, plan_ppo
 
     cfg = _resolve(args)
     gpus = args.gpus_per_node or cfg.launch.gpus_per_node or cfg.launch.tasks_per_node
@@ -194,7 +194,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from megarlhf.launch import render_sbatch, submit
+    from megarlhf.sbatch import render_sbatch, submit
 
     if not args.slurm:
         raise ConfigError("only --slurm launching is implemented; use torchrun locally")
@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     training = args.command in ("sft", "rm", "ppo", "dpo", "distill")
     if training:
         # Before anything slow: a signal during start-up is honoured at the first safe point.
-        from megarlhf.engine.signals import install_handlers
+        from megarlhf.parallel.signals import install_handlers
         install_handlers()
     try:  # the start-up speed-ups must be in before megatron is imported
         speedups.install()

@@ -211,8 +211,8 @@ def test_te_spec_fp8_forward_single_gpu():
         pytest.skip("TransformerEngine is not installed (pip install -e .[fp8])")
     import torch.distributed as dist
 
-    from megarlhf.engine.role_specs import single_role_spec
-    from megarlhf.engine.roles import build_role
+    from megarlhf.roles.spec import single_role_spec
+    from megarlhf.roles.build import build_role
     from megarlhf.models.logprobs import vocab_parallel_logprobs
     from megarlhf.parallel.launch import init_distributed, shutdown
 
@@ -244,7 +244,7 @@ def test_bf16_reward_model_trains_and_saves(tiny_checkpoints):
     breaks on the scalar head); a bf16 reward model trains and saves its checkpoint."""
     import torch.distributed as dist
 
-    from megarlhf.engine.roles import build_from_config
+    from megarlhf.roles.build import build_from_config
     from megarlhf.parallel.launch import init_distributed, shutdown
 
     cfg = load_config(None, ["model.vocab_size=64", "model.hidden_size=32",

@@ -200,8 +200,8 @@ def test_plan_command_sizes_an_8b_run_and_suggests_layouts():
 def test_plan_numbers_by_hand():
     """8B Llama at TP=4, DP=4, bf16, distributed optimizer: per rank the grads are the
     fp32 buffer, the optimizer 12 bytes per parameter of a quarter of the shard."""
-    from megarlhf.engine.plan import plan_ppo
-    from megarlhf.engine.plan import model_params
+    from megarlhf.memory.plan import plan_ppo
+    from megarlhf.memory.plan import model_params
 
     cfg = load_config("configs/plan_8b.yaml")
     plan = plan_ppo(cfg, 16)
@@ -215,7 +215,7 @@ def test_plan_numbers_by_hand():
 
 
 def test_launch_refuses_a_run_that_does_not_fit(tmp_path):
-    from megarlhf.launch import render_sbatch
+    from megarlhf.sbatch import render_sbatch
 
     cfg = load_config("configs/plan_8b.yaml", ["launch.gpu_memory_gib=24"])
     with pytest.raises(ConfigError, match="does not fit launch.gpu_memory_gib=24") as err:
@@ -226,7 +226,7 @@ def test_launch_refuses_a_run_that_does_not_fit(tmp_path):
 
 
 def test_offload_settings_are_checked():
-    from megarlhf.engine.role_specs import ppo_role_specs
+    from megarlhf.roles.spec import ppo_role_specs
 
     with pytest.raises(ConfigError, match="roles.offload|must be one of|offload"):
         load_config(None, ["roles.actor.offload=everything"])
@@ -244,7 +244,7 @@ def test_offload_settings_are_checked():
 def test_storage_stash_keeps_views_valid():
     import torch
 
-    from megarlhf.engine.offload import StorageStash, unique_storages
+    from megarlhf.roles.offload import StorageStash, unique_storages
 
     buf = torch.arange(12, dtype=torch.float32)
     param, view = torch.nn.Parameter(buf[:6].view(2, 3)), buf[6:]
@@ -261,7 +261,7 @@ def test_storage_stash_keeps_views_valid():
 
 
 def test_parse_bytes():
-    from megarlhf.engine.plan import parse_bytes
+    from megarlhf.memory.plan import parse_bytes
 
     assert parse_bytes("80GiB") == 80 * 2**30
     assert parse_bytes("141GB") == 141 * 10**9

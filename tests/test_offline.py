@@ -129,8 +129,8 @@ def test_cache_equals_recomputation_and_refuses_what_is_stale(tiny_checkpoints, 
     (or a shard cut short) is detected; another checkpoint, data or temperature is named."""
     from megarlhf.config import load_config
     from megarlhf.engine import logit_cache as lc
-    from megarlhf.engine.role_specs import single_role_spec
-    from megarlhf.engine.roles import build_role
+    from megarlhf.roles.spec import single_role_spec
+    from megarlhf.roles.build import build_role
     from megarlhf.parallel.launch import init_distributed, shutdown
     from megarlhf.stages.score import score_sequences
 
@@ -278,7 +278,7 @@ def test_bad_dpo_and_distill_settings_are_refused_before_any_work(tiny_checkpoin
     with pytest.raises(ConfigError, match="go together"):
         cfg("dpo.gold_reward_fn=megarlhf.data.synthetic:gold_reward_pair")
     with pytest.raises(ConfigError, match="roles.teacher is configured but ppo"):
-        from megarlhf.engine.role_specs import ppo_role_specs
+        from megarlhf.roles.spec import ppo_role_specs
         ppo_role_specs(cfg(f"ppo.sft_checkpoint={out}/sft-tiny/checkpoints",
                            f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints",
                            "roles.teacher.parallel.tensor_model_parallel_size=1"), 1)

@@ -10,7 +10,7 @@ import pytest
 
 from megarlhf.config import ConfigError, Layout, ModelConfig, load_config
 from megarlhf.engine.checkpoint import META_FILE
-from megarlhf.engine.role_specs import ppo_role_specs, single_role_spec
+from megarlhf.roles.spec import ppo_role_specs, single_role_spec
 
 TOKENIZER = {"vocab_size": 43, "sha256": "abc"}
 

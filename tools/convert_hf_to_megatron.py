@@ -109,8 +109,8 @@ def copy_into(model_sd: dict, name: str, tensor: torch.Tensor, done: set) -> Non
 def convert(hf_dir: str, out: str, tp: int, pp: int, role: str) -> dict:
     from megarlhf.config import Layout, config_from_dict, padded_vocab_size, validate_layout
     from megarlhf.engine.checkpoint import RoleState, save_checkpoint
-    from megarlhf.engine.role_specs import RoleSpec
-    from megarlhf.engine.roles import build_chunks
+    from megarlhf.roles.spec import RoleSpec
+    from megarlhf.roles.build import build_chunks
     from megarlhf.models.gpt import init_weights
     from megarlhf.parallel.layout import build_layout
     from megarlhf.models.hf_mapping import (

@@ -910,7 +910,7 @@ def check_rollout_layout(model: ModelConfig, rollout_tp: int, world_size: int) -
 
 def validate_layout(cfg: Config, world_size: int) -> None:
     """Check that ``cfg.model`` can be split as ``cfg.parallel`` asks on ``world_size``
-    processes (SFT, RM, score; PPO checks every role in ``engine.role_specs``). Runs before
+    processes (SFT, RM, score; PPO checks every role in ``roles.spec``). Runs before
     any process group exists."""
     par, model = cfg.parallel, cfg.model
     check_model_layout("parallel", model, Layout.of(par), world_size)

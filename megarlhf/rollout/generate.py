@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
-from megarlhf.engine.memory import kv_cache_bytes
+from megarlhf.memory.accounting import kv_cache_bytes
 from megarlhf.parallel import cpu_backend
 
 _NEG = -1e30

@@ -22,9 +22,9 @@ from megatron.core.resharding.copy_services.base import CopyService
 from megatron.core.resharding.refit import swap_model_weights
 
 from megarlhf.config import Layout
-from megarlhf.engine.offload import StorageStash, unique_storages
-from megarlhf.engine.role_specs import RoleSpec
-from megarlhf.engine.roles import build_chunks
+from megarlhf.roles.offload import StorageStash, unique_storages
+from megarlhf.roles.spec import RoleSpec
+from megarlhf.roles.build import build_chunks
 from megarlhf.parallel.launch import uses_nccl
 from megarlhf.parallel.layout import RankLayout, build_layout
 

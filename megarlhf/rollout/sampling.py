@@ -16,7 +16,7 @@ import torch
 
 from megarlhf import algos
 from megarlhf.config import Config
-from megarlhf.engine.roles import Role
+from megarlhf.roles.build import Role
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel.layout import RankLayout

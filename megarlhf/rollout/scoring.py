@@ -18,8 +18,8 @@ from megarlhf import algos
 from megarlhf.config import Config
 from megarlhf.data.batching import prompt_response_batch
 from megarlhf.engine.forward import forward_rows, stack_results
-from megarlhf.engine.offload import Offloader
-from megarlhf.engine.roles import Role
+from megarlhf.roles.offload import Offloader
+from megarlhf.roles.build import Role
 from megarlhf.engine.steps import make_sequence_step
 from megarlhf.parallel import cpu_backend
 from megarlhf.rollout.generate import Generation

@@ -83,8 +83,8 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
     from safetensors.torch import save_file
 
     from megarlhf.engine.checkpoint import policy_role, read_meta, resolve_checkpoint
-    from megarlhf.engine.role_specs import single_role_spec
-    from megarlhf.engine.roles import build_role
+    from megarlhf.roles.spec import single_role_spec
+    from megarlhf.roles.build import build_role
     from megarlhf.models.hf_mapping import ConversionError, megatron_to_hf
     from megarlhf.parallel.launch import init_distributed, shutdown
 

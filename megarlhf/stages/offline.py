@@ -19,12 +19,13 @@ from megarlhf.config import Config, ConfigError
 from megarlhf.data.batching import batch_length, pad_batch, sft_example
 from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.logit_cache import (LogitCache, build_cache, ensure_cache, make_key)
-from megarlhf.engine.role_specs import check_unused_roles, frozen_role_spec
-from megarlhf.engine.roles import build_role
+from megarlhf.roles.spec import check_unused_roles, frozen_role_spec
+from megarlhf.roles.build import build_role
 from megarlhf.engine.steps import make_distill_step, make_dpo_step, ratio
 from megarlhf.parallel.launch import init_distributed, read_dist_env
-from megarlhf.stages.common import (SupervisedTask, check_writable, print0, run_dir,
-                                    run_supervised, step_plan, supervised_spec)
+from megarlhf.stages.common import check_writable, print0, run_dir
+from megarlhf.stages.supervised import (SupervisedTask, run_supervised, step_plan,
+                                        supervised_spec)
 
 
 def cache_path(cfg: Config, role: str) -> str:

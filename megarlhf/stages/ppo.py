@@ -23,13 +23,13 @@ from megarlhf.data.batching import pad_batch, prompt_response_batch
 from megarlhf.data.datasets import tokenize_dataset
 from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, load_object, save_checkpoint
-from megarlhf.engine.memory import ActivationMeter, MemoryTracker, format_table
+from megarlhf.memory.accounting import ActivationMeter, MemoryTracker, format_table
 from megarlhf.engine.metrics import MetricsLogger
-from megarlhf.engine.offload import TrainedOffloader
+from megarlhf.roles.offload import TrainedOffloader
 from megarlhf.engine.optimizer import check_runaway, forward_backward, step_together
-from megarlhf.engine.preemption import PreemptionGuard, mark_preempted
-from megarlhf.engine.role_specs import ppo_role_specs
-from megarlhf.engine.roles import build_role
+from megarlhf.parallel.preemption import PreemptionGuard, mark_preempted
+from megarlhf.roles.spec import ppo_role_specs
+from megarlhf.roles.build import build_role
 from megarlhf.engine.steps import make_policy_step, make_value_step, ratio, reduce_logs
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.launch import init_distributed, read_dist_env
@@ -109,7 +109,7 @@ class PtxData:
 class PhaseHooks:
     """What happens at the phase boundaries of an iteration: the trained roles' state
     leaves the device for the rollout and comes back (``roles.<name>.offload``, see
-    ``engine.offload.TrainedOffloader``), and ``tracker`` (when set) records each phase's
+    ``roles.offload.TrainedOffloader``), and ``tracker`` (when set) records each phase's
     memory: rollout (after the offload, with the KV cache), experience (during every
     scoring pass, with that pass's frozen role resident), train (with each trained
     role's activation peak) and save."""

@@ -11,7 +11,8 @@ from megarlhf.data.batching import batch_length, pad_batch, preference_batch
 from megarlhf.data.datasets import tokenize_dataset
 from megarlhf.engine.forward import forward_rows, stack_results
 from megarlhf.engine.steps import make_pairwise_rm_step, model_forward, ratio
-from megarlhf.stages.common import SupervisedTask, print0, run_supervised, supervised_spec
+from megarlhf.stages.common import print0
+from megarlhf.stages.supervised import SupervisedTask, run_supervised, supervised_spec
 from megarlhf.stages.sft import split_eval
 
 

@@ -73,8 +73,8 @@ def read_prompts(path: str, tokenizer) -> list[tuple[str, list[int]]]:
 def run_generate(cfg: Config, tokenizer, *, input_path: str, output_path: str,
                  role_name: str | None, batch_size: int) -> int:
     from megarlhf.engine.checkpoint import policy_role, read_meta, resolve_checkpoint
-    from megarlhf.engine.role_specs import single_role_spec
-    from megarlhf.engine.roles import build_role
+    from megarlhf.roles.spec import single_role_spec
+    from megarlhf.roles.build import build_role
     from megarlhf.parallel.launch import init_distributed, read_dist_env
     from megarlhf.rollout.sampling import gather_generations
     from megarlhf.rollout.generate import Generation, SamplingParams, generate

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from megarlhf.config import Config
 from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.forward import forward_rows
-from megarlhf.engine.role_specs import single_role_spec
-from megarlhf.engine.roles import build_role
+from megarlhf.roles.spec import single_role_spec
+from megarlhf.roles.build import build_role
 from megarlhf.engine.steps import make_score_step
 from megarlhf.parallel.launch import init_distributed, read_dist_env
 

@@ -8,7 +8,8 @@ from megarlhf.config import Config
 from megarlhf.data.batching import batch_length, pack_examples, pad_batch, stack_batches
 from megarlhf.data.datasets import TokenizedDataset, tokenize_dataset
 from megarlhf.engine.steps import make_lm_loss_step, ratio
-from megarlhf.stages.common import SupervisedTask, print0, run_supervised, supervised_spec
+from megarlhf.stages.common import print0
+from megarlhf.stages.supervised import SupervisedTask, run_supervised, supervised_spec
 
 
 def split_eval(data: TokenizedDataset, fraction: float, seed: int):

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.config import load_config
-from megarlhf.engine.roles import build_from_config
+from megarlhf.roles.build import build_from_config
 from megarlhf.parallel.launch import init_distributed
 
 

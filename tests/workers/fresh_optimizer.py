@@ -17,7 +17,7 @@ import sys
 
 from megarlhf.config import load_config
 from megarlhf.engine.checkpoint import load_checkpoint, read_meta, save_checkpoint
-from megarlhf.engine.roles import build_from_config
+from megarlhf.roles.build import build_from_config
 from megarlhf.parallel.launch import init_distributed
 
 

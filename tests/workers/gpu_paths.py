@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import build, fixed_sequences, make_config  # noqa: E402
 
-from megarlhf.engine.offload import Offloader  # noqa: E402
+from megarlhf.roles.offload import Offloader  # noqa: E402
 from megarlhf.rollout.generate import SamplingParams, generate  # noqa: E402
 from megarlhf.stages.score import score_sequences  # noqa: E402
 

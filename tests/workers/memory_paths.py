@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megarlhf.config import load_config
 from megarlhf.data.tokenizer import load_tokenizer
-from megarlhf.engine.plan import plan_ppo
+from megarlhf.memory.plan import plan_ppo
 from megarlhf.models.shapes import chunk_params
 from megarlhf.stages.ppo import PPOSession
 

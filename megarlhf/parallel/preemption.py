@@ -13,8 +13,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from megarlhf.engine import signals
-from megarlhf.engine.signals import install_handlers
+from megarlhf.parallel import signals
+from megarlhf.parallel.signals import install_handlers
 
 MARKER = "PREEMPTED"
 

@@ -11,7 +11,7 @@ import torch
 
 from megarlhf.engine.checkpoint import RoleState, load_checkpoint, read_meta
 from megarlhf.engine.optimizer import TrainedRole, build_optimizer, wrap_ddp
-from megarlhf.engine.role_specs import RoleSpec
+from megarlhf.roles.spec import RoleSpec
 from megarlhf.models.gpt import build_model, fold_head_affine, init_weights
 from megarlhf.parallel.launch import compute_device
 from megarlhf.parallel.layout import RankLayout, build_layout
@@ -107,7 +107,7 @@ def build_from_config(cfg, *, kind: str, trained: bool = False, name: str = "mod
     on the already started process group - what benchmarks, tools and tests build."""
     import torch.distributed as dist
 
-    from megarlhf.engine.role_specs import single_role_spec
+    from megarlhf.roles.spec import single_role_spec
 
     spec = single_role_spec(cfg, name=name, kind=kind, world_size=dist.get_world_size(),
                             trained=trained)

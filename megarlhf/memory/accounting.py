@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megarlhf.engine.offload import part_storages, unique_storages
+from megarlhf.roles.offload import part_storages, unique_storages
 from megarlhf.parallel import cpu_backend
 
 PHASES = ("rollout", "experience", "train", "save")

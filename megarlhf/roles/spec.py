@@ -43,7 +43,7 @@ class RoleSpec:
     where: str = "model"  # config section, for messages
     saved_tokenizer: dict | None = None  # the checkpoint's tokenizer fingerprint
     head_affine: tuple[float, float] | None = None  # (gain, bias) folded into the scalar head
-    # what leaves the device between phases (engine.offload levels); None: not resolved
+    # what leaves the device between phases (roles.offload levels); None: not resolved
     offload: str | None = None
 
     @property

@@ -1,6 +1,6 @@
 """Memory per rank before anything is built: ``megarlhf plan``.
 
-For every role, phase and rank the planner predicts what :mod:`engine.memory` measures:
+For every role, phase and rank the planner predicts what :mod:`memory.accounting` measures:
 
 - **exact** (equal to the measured bytes): parameters (with the distributed optimizer, the
   padded contiguous buffer megatron allocates), gradient buffers (fp32, padded the same
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from megarlhf import speedups
 from megarlhf.config import Config, ConfigError, Layout, check_model_layout, padded_vocab_size
-from megarlhf.engine.offload import LEVEL_PARTS, OFFLOAD_LEVELS
-from megarlhf.engine.role_specs import RoleSpec, ppo_role_specs
+from megarlhf.roles.offload import LEVEL_PARTS, OFFLOAD_LEVELS
+from megarlhf.roles.spec import RoleSpec, ppo_role_specs
 from megarlhf.models.shapes import ParamShape, rank_chunks
 
 PHASES = ("rollout", "experience", "train", "save")

@@ -1,0 +1,1 @@
+"""Memory: what each role holds per phase, measured (accounting) and predicted (plan)."""

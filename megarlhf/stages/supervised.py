@@ -1,0 +1,269 @@
+"""The one supervised loop that runs SFT, reward modelling, DPO and distillation: batch
+arithmetic, the global batch order, building the trained role, resume, evaluation,
+metrics, preemption and checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from megarlhf.algos.experience import exact_div
+from megarlhf.config import Config
+from megarlhf.data.tokenizer import fingerprint
+from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, save_checkpoint
+from megarlhf.engine.metrics import MetricsLogger
+from megarlhf.engine.optimizer import check_runaway, train_step
+from megarlhf.parallel.preemption import PreemptionGuard, mark_preempted
+from megarlhf.roles.spec import RoleSpec, check_positions, single_role_spec
+from megarlhf.roles.build import Role, build_role
+from megarlhf.engine.schedule import run_schedule
+from megarlhf.engine.steps import reduce_logs
+from megarlhf.parallel.launch import init_distributed, read_dist_env, seed_everything
+from megarlhf.parallel.layout import RankLayout
+from megarlhf.stages.common import check_writable, print0, progress, run_dir
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Global batch -> per-rank samples -> micro-batches, by exact division."""
+
+    global_batch: int
+    micro_batch: int
+    dp_size: int
+    num_samples: int
+    num_epochs: int
+    max_steps: int | None
+
+    @property
+    def per_rank(self) -> int:
+        return exact_div(self.global_batch, self.dp_size, "train.global_batch_size",
+                         "the data-parallel size")
+
+    @property
+    def micro_batches(self) -> int:
+        return exact_div(self.per_rank, self.micro_batch,
+                         "train.global_batch_size per data-parallel rank",
+                         "train.micro_batch_size")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        steps = self.num_samples // self.global_batch
+        if steps == 0:
+            raise ValueError(f"the training data has {self.num_samples} samples, fewer than "
+                             f"one global batch (train.global_batch_size={self.global_batch})")
+        return steps
+
+    @property
+    def total_steps(self) -> int:
+        total = self.steps_per_epoch * self.num_epochs
+        return min(total, self.max_steps) if self.max_steps else total
+
+    def describe(self) -> str:
+        return (f"global batch {self.global_batch} = DP {self.dp_size} x {self.micro_batches} "
+                f"micro-batches x {self.micro_batch}; {self.steps_per_epoch} steps/epoch, "
+                f"{self.total_steps} steps")
+
+
+def global_batches(plan: StepPlan, seed: int, start_step: int
+                   ) -> Iterator[tuple[int, int, list[int]]]:
+    """(step, epoch, sample indices of the global batch), from ``start_step`` on. The order
+    depends only on the seed and the epoch, so a resumed run - at any layout - sees the
+    same batches as an unbroken one."""
+    for step in range(start_step, plan.total_steps):
+        epoch, within = divmod(step, plan.steps_per_epoch)
+        order = torch.randperm(plan.num_samples,
+                               generator=torch.Generator().manual_seed(seed + 7919 * epoch))
+        start = within * plan.global_batch
+        yield step, epoch, order[start:start + plan.global_batch].tolist()
+
+
+def rank_share(items: list, layout: RankLayout) -> list:
+    """This data-parallel rank's contiguous share of a global batch."""
+    per_rank = exact_div(len(items), layout.dp, "batch", "the data-parallel size")
+    return items[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
+
+
+def save_role(cfg: Config, role: Role, name: str, tag: str, trainer_state: dict,
+              extra: dict | None = None) -> str:
+    """One trained role as a checkpoint of the run (weights, optimizer, schedule, RNG)."""
+    state = role.state()
+    state.extra.update(extra or {})
+    path = save_checkpoint(os.path.join(run_dir(cfg), "checkpoints"), tag, {name: state},
+                           trainer_state=trainer_state, config=dataclasses.asdict(cfg),
+                           layout=role.layout.describe(),
+                           keep_last=cfg.checkpoint.keep_last)
+    print0(f"saved checkpoint {path}")
+    return path
+
+
+@dataclass
+class SupervisedTask:
+    """What separates one supervised stage from another (SFT, reward modelling)."""
+
+    name: str  # stage name: progress bar, messages
+    train_items: list  # samples (SFT examples, preference pairs)
+    eval_items: list
+    make_step: Callable[[Role], Callable]  # role -> megatron forward step with its loss
+    make_batches: Callable[[list, bool], tuple[list[dict], int]]  # (items, training) ->
+    # (micro-batches, sequence length)
+    rows_per_micro_batch: int  # rows the schedule sees (pairs are two rows each)
+    summarize: Callable[[dict[str, float]], dict[str, float]]  # summed logs -> metrics
+    describe: str = ""  # extra start-up line
+    finish: Callable[[Role], dict] | None = None  # after training: values saved with the role
+    before_batch: Callable[[list], None] | None = None  # every rank, the whole global (or
+    # evaluation) batch's items before they are split: e.g. a frozen model scores them
+    extra_eval: Callable[[Role], dict] | None = None  # more eval/* metrics (gold score)
+
+
+def supervised_spec(cfg: Config, name: str, kind: str, tokenizer) -> RoleSpec:
+    """The trained role of ``sft`` / ``rm`` (``name``: its name in checkpoints), resolved
+    and checked against the launcher's world size before any process group exists."""
+    spec = single_role_spec(cfg, name=name, kind=kind, world_size=read_dist_env().world_size,
+                            trained=True, tokenizer=fingerprint(tokenizer))
+    check_positions(spec, cfg.data.max_seq_len, "data.max_seq_len")  # its longest sequence
+    return spec
+
+
+def step_plan(cfg: Config, spec: RoleSpec, num_items: int) -> StepPlan:
+    """The batch arithmetic of training ``spec`` on ``num_items``; bad arithmetic raises
+    here, before any work."""
+    train = cfg.train
+    world = read_dist_env().world_size
+    plan = StepPlan(train.global_batch_size, train.micro_batch_size,
+                    spec.layout.dp(world), num_items, train.num_epochs,
+                    train.max_steps)
+    _ = (plan.micro_batches, plan.total_steps)
+    return plan
+
+
+def run_supervised(cfg: Config, spec: RoleSpec, task: SupervisedTask, tokenizer) -> dict:
+    """Train ``spec`` on ``task``: build it (or resume the run's latest checkpoint, at any
+    layout), then global batches -> micro-batches -> one optimizer step each, with
+    evaluation, metrics, progress, preemption and checkpoints."""
+    plan = step_plan(cfg, spec, len(task.train_items))
+    check_writable(cfg)
+    init_distributed(cfg)
+    role = build_role(spec, seed=cfg.run.seed, total_steps=plan.total_steps)
+    start_step = resume(cfg, role, spec.name)
+    layout = role.layout
+    print0(f"[{task.name}] layout {layout.describe()}; {spec.optimizer_kind}; "
+           f"weights: {role.source}")
+    print0(f"[{task.name}] {len(task.train_items)} train / {len(task.eval_items)} eval; "
+           f"{plan.describe()}" + (f"; {task.describe}" if task.describe else ""))
+    logger = MetricsLogger(run_dir(cfg), tensorboard=cfg.logging.tensorboard,
+                           wandb_project=cfg.logging.wandb_project,
+                           config=dataclasses.asdict(cfg), resume_step=start_step or None)
+    bar = progress(plan.total_steps, start_step, task.name, cfg.logging.progress_bar)
+    try:
+        result = _loop(cfg, task, role, plan, start_step, logger, bar,
+                       {"tokenizer": fingerprint(tokenizer)})
+    finally:
+        bar.close()
+        logger.close()
+    print0(f"[{task.name}] done: {result}")
+    return result
+
+
+def resume(cfg: Config, role: Role, name: str) -> int:
+    """Continue from the run's own latest checkpoint (weights, optimizer, schedule, RNG -
+    the RNG only at the same layout); returns the step to start from."""
+    ckpt_dir = os.path.join(run_dir(cfg), "checkpoints")
+    if not (cfg.checkpoint.resume and os.path.exists(os.path.join(ckpt_dir, LATEST_FILE))):
+        return 0
+    meta = load_checkpoint(ckpt_dir, {name: role.state()}, layout=role.layout.describe())
+    start = int(meta["trainer"]["step"])
+    role.trained.num_skipped_steps = int(meta["trainer"].get("skipped_steps", 0))
+    role.source = (f"resumed {meta['tag']} (saved at {meta['layout']}, RNG "
+                   f"{'restored' if meta['rng_restored'] else 're-seeded: layout changed'})")
+    if not meta["rng_restored"]:
+        seed_everything(cfg.run.seed + start)
+    return start
+
+
+def _evaluate(task: SupervisedTask, role: Role, step_fn) -> dict[str, float] | None:
+    if not task.eval_items:
+        return None
+    if task.before_batch:
+        task.before_batch(task.eval_items)
+    batches, length = task.make_batches(rank_share_strided(task.eval_items, role.layout), False)
+    for chunk in role.model:
+        chunk.eval()
+    with torch.no_grad():
+        logs = run_schedule(role.model, step_fn, batches, layout=role.layout, seq_length=length,
+                            micro_batch_size=task.rows_per_micro_batch,
+                            forward_only=True) if batches else []
+    out = {f"eval/{k}": v for k, v in task.summarize(reduce_logs(logs, role.layout)).items()}
+    if task.extra_eval:
+        out.update(task.extra_eval(role))
+    return out
+
+
+def rank_share_strided(items: list, layout: RankLayout) -> list:
+    """Items ``dp_rank::dp_size`` (evaluation: every item once, no exact division)."""
+    return items[layout.dp_rank::layout.dp]
+
+
+def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_step: int,
+          logger: MetricsLogger, bar, saved: dict) -> dict:
+    """``saved``: what every checkpoint records with the role (its tokenizer)."""
+    train, layout = cfg.train, role.layout
+    guard = PreemptionGuard()
+    step_fn = task.make_step(role)
+    result: dict = {}
+    if start_step == 0:
+        first = _evaluate(task, role, step_fn)
+        if first:
+            logger.log(0, first)
+            result["eval_start"] = first
+    for step, epoch, indices in global_batches(plan, cfg.run.seed, start_step):
+        started = time.perf_counter()
+        if task.before_batch:
+            task.before_batch([task.train_items[i] for i in indices])
+        mine = [task.train_items[i] for i in rank_share(indices, layout)]
+        batches, length = task.make_batches(mine, True)
+        logs, applied, grad_norm = train_step(role.trained, step_fn, batches,
+                                              seq_length=length,
+                                              micro_batch_size=task.rows_per_micro_batch)
+        if not applied:
+            print0(f"[{role.spec.name}] step {step + 1}: skipped for non-finite gradients")
+        check_runaway(role.trained, role.spec.name)
+        done = step + 1
+        metrics = {f"train/{k}": v for k, v in task.summarize(reduce_logs(logs, layout)).items()}
+        metrics.update({"perf/step_seconds": time.perf_counter() - started,
+                        "train/grad_norm": grad_norm,
+                        "train/lr": role.trained.optimizer.param_groups[0]["lr"],
+                        "train/epoch": epoch,
+                        "train/skipped_steps": role.trained.num_skipped_steps})
+        if done % cfg.logging.log_interval == 0 or done == plan.total_steps:
+            logger.log(done, metrics)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['train/loss']:.4f}",
+                        gnorm=f"{grad_norm:.2f}" if math.isfinite(grad_norm) else "nan")
+        result["train_loss"] = metrics["train/loss"]
+        if done == plan.total_steps:
+            break
+        if train.eval_interval and done % train.eval_interval == 0:
+            logger.log(done, _evaluate(task, role, step_fn) or {})
+        trainer_state = {"step": done, "skipped_steps": role.trained.num_skipped_steps}
+        if cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0:
+            save_role(cfg, role, role.spec.name, f"step_{done:07d}", trainer_state, saved)
+        if guard.requested():
+            mark_preempted(run_dir(cfg), save_role(cfg, role, role.spec.name,
+                                                   f"step_{done:07d}", trainer_state, saved))
+            return {"preempted_at": done}
+    last = _evaluate(task, role, step_fn)
+    if last:
+        logger.log(plan.total_steps, last)
+        result["eval_end"] = last
+    extra = task.finish(role) if task.finish else {}
+    result.update(extra)
+    save_role(cfg, role, role.spec.name, f"step_{plan.total_steps:07d}",
+              {"step": plan.total_steps, "skipped_steps": role.trained.num_skipped_steps},
+              {**saved, **extra})
+    return result
