@@ -21,12 +21,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _role_layouts(cfg: Config) -> dict[str, Layout]:
     """The training layout and that of every role block that sets its own."""
     actor = cfg.roles.actor.parallel
-    base = Layout.of(cfg.parallel).with_role(actor)
+    base = actor.over(cfg.parallel.layout)
     out = {"parallel" if actor == type(actor)() else "roles.actor.parallel": base}
     for name in ("critic", "reference", "reward"):
         own = getattr(cfg.roles, name).parallel
         if own != type(own)():
-            out[f"roles.{name}.parallel"] = base.with_role(own)
+            out[f"roles.{name}.parallel"] = own.over(base)
     return out
 
 
@@ -100,7 +100,7 @@ def render_sbatch(cfg: Config, stage: str, config_path: str, overrides: list[str
     if launch.account:
         lines.append(f"#SBATCH --account={launch.account}")
     args = [stage, config_path, *overrides] if stage != "score" else [stage, *overrides]
-    train = Layout.of(cfg.parallel)
+    train = cfg.parallel.layout
     lines += [f"# {world} processes: training layout {train.tp} (TP) x {train.pp} (PP) x "
               f"{train.dp(world)} (DP); rollout TP {cfg.rollout.tensor_parallel_size}",
               f"cd {shlex.quote(REPO)}",

@@ -9,8 +9,8 @@ An object is known to be a section (a config dataclass) when it is
   not followed), or a parameter annotated with the section's class;
 - ``getattr(roles, name)`` on a section whose fields all hold one class (the roles);
 - ``a or b``, ``a if c else b`` of such objects.
-A field is read by ``obj.field`` or ``getattr(obj, "field")``, through a property of its
-class that reads ``self.field`` (``model.ffn_size``), or by ``getattr(obj, key)`` with a
+A field is read by ``obj.field`` or ``getattr(obj, "field")``, through a property or method
+of its class that reads ``self.field`` (``model.ffn_size``, ``parallel.layout``), or by ``getattr(obj, key)`` with a
 non-constant key in a module whose string constants name the field (a table of columns).
 Calls such as ``dataclasses.asdict`` and the config package's own validation do not
 count: a field only the loader touches does nothing.
@@ -72,15 +72,15 @@ def leaf_fields(root: type, prefix: str = "") -> list[tuple[str, type, str]]:
 
 
 def properties(schema_source: str, classes: dict[str, type]) -> dict[type, dict[str, set]]:
-    """{class: {property: fields it reads through ``self``}} from the schema's source."""
+    """{class: {property or method: fields it reads through ``self``}} from the schema's
+    source (validation, ``__post_init__``, is not a reader)."""
     out: dict = {}
     for node in ast.parse(schema_source).body:
         if not isinstance(node, ast.ClassDef) or node.name not in classes:
             continue
         cls = classes[node.name]
         for item in node.body:
-            if isinstance(item, ast.FunctionDef) and any(
-                    isinstance(d, ast.Name) and d.id == "property" for d in item.decorator_list):
+            if isinstance(item, ast.FunctionDef) and not item.name.startswith("__"):
                 reads = {n.attr for n in ast.walk(item) if isinstance(n, ast.Attribute)
                          and isinstance(n.value, ast.Name) and n.value.id == "self"}
                 out.setdefault(cls, {})[item.name] = reads
@@ -228,21 +228,13 @@ def readers(root: type, sources: dict[str, str], schema_source: str) -> set[tupl
     return scanner.reads
 
 
-# In the config package, the module that carries values out of it: the Layout value (the
-# parallel sections' sizes, read there and nowhere else).
-CONFIG_READERS = ("layout.py",)
-
-
 def package_sources() -> dict[str, str]:
-    """megarlhf's modules outside megarlhf/config (the loader and validation), and the
-    config package's ``CONFIG_READERS``."""
+    """megarlhf's modules outside megarlhf/config (the loader and validation)."""
     out = {}
     for folder, _, files in os.walk(os.path.join(ROOT, "megarlhf")):
-        in_config = os.path.relpath(folder, ROOT).replace(os.sep, "/").startswith(
-            "megarlhf/config")
+        if os.path.relpath(folder, ROOT).replace(os.sep, "/").startswith("megarlhf/config"):
+            continue
         for file in files:
-            if in_config and file not in CONFIG_READERS:
-                continue
             if file.endswith(".py"):
                 path = os.path.join(folder, file)
                 out[os.path.relpath(path, ROOT)] = open(path).read()

@@ -1,6 +1,7 @@
-"""A role's parallel layout as one value: what a config's ``parallel`` section (and a
-role's ``roles.<name>.parallel`` on top of it) asks for, carried unchanged to the process
-groups, the model, the schedule and the memory plan.
+"""A role's parallel layout as one value: what a config's ``parallel`` section writes
+(``ParallelConfig.layout``, a role's ``roles.<name>.parallel`` on top of it:
+``RoleParallelConfig.over``), carried unchanged to the process groups, the model, the
+schedule and the memory plan.
 
 Everything that follows from the sizes and the world size - the data-parallel size, a
 rank's coordinates, the one-line description - is derived here and nowhere else.
@@ -9,10 +10,6 @@ rank's coordinates, the one-line description - is derived here and nowhere else.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the schema imports this module
-    from megarlhf.config.schema import ParallelConfig, RoleParallelConfig
 
 
 @dataclass(frozen=True)
@@ -59,24 +56,3 @@ class Layout:
         if self.ep > 1 or self.etp > 1:
             text += f" EP={self.ep} ETP={self.etp}"
         return text
-
-    @classmethod
-    def of(cls, parallel: ParallelConfig) -> "Layout":
-        """The layout a ``ParallelConfig`` section writes."""
-        return cls(tp=parallel.tensor_model_parallel_size,
-                   pp=parallel.pipeline_model_parallel_size,
-                   vpp=parallel.virtual_pipeline_model_parallel_size)
-
-    def with_role(self, own: RoleParallelConfig | None) -> "Layout":
-        """This layout with a role's ``RoleParallelConfig`` on top: the sizes it writes
-        replace these; VPP is kept only while PP is (``vpp: 1`` turns it off)."""
-        if own is None:
-            return self
-        tp = own.tensor_model_parallel_size or self.tp
-        pp = own.pipeline_model_parallel_size or self.pp
-        if own.virtual_pipeline_model_parallel_size is not None:
-            vpp = own.virtual_pipeline_model_parallel_size
-            vpp = None if vpp == 1 else vpp
-        else:
-            vpp = self.vpp if pp == self.pp else None
-        return Layout(tp=tp, pp=pp, vpp=vpp, ep=self.ep, etp=self.etp)

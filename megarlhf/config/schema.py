@@ -188,6 +188,13 @@ class ParallelConfig:
                      "must be >= 2 and needs parallel.pipeline_model_parallel_size >= 2 "
                      "(or null to disable)")
 
+    @property
+    def layout(self) -> Layout:
+        """The training layout this section writes."""
+        return Layout(tp=self.tensor_model_parallel_size,
+                      pp=self.pipeline_model_parallel_size,
+                      vpp=self.virtual_pipeline_model_parallel_size)
+
 
 @dataclass(kw_only=True)
 class TokenizerConfig:
@@ -773,6 +780,18 @@ class RoleParallelConfig:
             if value is not None:
                 _require(value >= 1, f"parallel.{name}", value, "must be >= 1 or null")
 
+    def over(self, base: Layout) -> Layout:
+        """``base`` (the actor's layout) with the sizes this role writes on top; VPP is
+        kept only while PP is (``vpp: 1`` turns it off)."""
+        tp = self.tensor_model_parallel_size or base.tp
+        pp = self.pipeline_model_parallel_size or base.pp
+        if self.virtual_pipeline_model_parallel_size is not None:
+            vpp = self.virtual_pipeline_model_parallel_size
+            vpp = None if vpp == 1 else vpp
+        else:
+            vpp = base.vpp if pp == base.pp else None
+        return Layout(tp=tp, pp=pp, vpp=vpp, ep=base.ep, etp=base.etp)
+
 
 @dataclass(kw_only=True)
 class RoleConfig:
@@ -913,7 +932,7 @@ def validate_layout(cfg: Config, world_size: int) -> None:
     processes (SFT, RM, score; PPO checks every role in ``roles.spec``). Runs before
     any process group exists."""
     par, model = cfg.parallel, cfg.model
-    check_model_layout("parallel", model, Layout.of(par), world_size)
+    check_model_layout("parallel", model, par.layout, world_size)
     check_rollout_layout(model, cfg.rollout.tensor_parallel_size, world_size)
     check_precision(model)
 

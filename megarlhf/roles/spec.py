@@ -227,7 +227,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
     if reward_ckpt is not None and cfg.rollout.reward_fn is not None:
         raise ConfigError("both a reward-model checkpoint and rollout.reward_fn are set: "
                           "choose one reward source")
-    actor_layout = Layout.of(cfg.parallel).with_role(roles.actor.parallel)
+    actor_layout = roles.actor.parallel.over(cfg.parallel.layout)
     precision = ("model", cfg.model, PRECISION_FIELDS)
     policy_overrides = [("model", cfg.model, None)]
     rollout_tp = cfg.rollout.tensor_parallel_size
@@ -249,7 +249,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
                                            None)])
     specs["reference"] = _spec(cfg, name="reference", kind="lm", where="roles.reference",
                                saved=saved, model=model,
-                               layout=actor_layout.with_role(roles.reference.parallel),
+                               layout=roles.reference.parallel.over(actor_layout),
                                world_size=world_size)
 
     reward_saved = None
@@ -259,7 +259,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
                           [precision, ("roles.reward.model", roles.reward.model, None)])
         specs["reward"] = _spec(cfg, name="reward", kind="value", where="roles.reward",
                                 saved=reward_saved, model=model,
-                                layout=actor_layout.with_role(roles.reward.parallel),
+                                layout=roles.reward.parallel.over(actor_layout),
                                 world_size=world_size)
 
     if ppo.advantage_estimator == "gae":
@@ -280,7 +280,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
                                                     cfg.optimizer.critic_lr))
         specs["critic"] = _spec(cfg, name="critic", kind="value", where="roles.critic",
                                 saved=saved, model=model,
-                                layout=actor_layout.with_role(roles.critic.parallel),
+                                layout=roles.critic.parallel.over(actor_layout),
                                 world_size=world_size,
                                 optimizer=overlay(critic_opt, roles.critic.optimizer),
                                 allow_trunk=True)
@@ -353,7 +353,7 @@ def single_role_spec(cfg: Config, *, name: str, kind: str, world_size: int, trai
                               f"'{checkpoint_role}' (it holds '{saved.role}')")
     model = _model_of("model", saved, cfg.model, [("model", cfg.model, None)])
     spec = _spec(cfg, name=name, kind=kind, where="model", saved=saved, model=model,
-                 layout=Layout.of(cfg.parallel),
+                 layout=cfg.parallel.layout,
                  world_size=world_size, optimizer=cfg.optimizer if trained else None,
                  allow_trunk=trained, vocab_tps=(cfg.rollout.tensor_parallel_size,))
     _check_vocab({name: spec}, tokenizer)
@@ -376,7 +376,7 @@ def frozen_role_spec(cfg: Config, *, name: str, checkpoint: str, where: str, bas
     model = _model_of(f"roles.{name}", saved, cfg.model,
                       [("model", cfg.model, PRECISION_FIELDS),
                        (f"roles.{name}.model", own.model, None)])
-    layout = Layout.of(cfg.parallel).with_role(own.parallel)
+    layout = own.parallel.over(cfg.parallel.layout)
     spec = _spec(cfg, name=name, kind="lm", where=f"roles.{name}", saved=saved, model=model,
                  layout=layout, world_size=world_size)
     _check_vocab({"actor": base, name: spec}, tokenizer)
