@@ -25,6 +25,7 @@ import sys
 
 from megarlhf import quiet_known_warnings, speedups
 from megarlhf.config import Config, ConfigError, dump_config, load_config
+from megarlhf.parallel.rank import launcher_rank
 
 
 def _resolve(args) -> Config:
@@ -416,7 +417,7 @@ def _note_missing_gpu_extras() -> None:
     (which are silenced above): what runs instead and how to get the fast path."""
     import torch
 
-    if not torch.cuda.is_available() or int(os.environ.get("RANK", "0")) != 0:
+    if not torch.cuda.is_available() or launcher_rank() != 0:
         return
     from megarlhf.models.spec import transformer_engine_available
 
@@ -442,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if training:
         _note_missing_gpu_extras()
-        if int(os.environ.get("RANK", "0")) == 0:
+        if launcher_rank() == 0:
             print(f"[megarlhf] {speedups.describe()}", flush=True)
     # key=value overrides may come before or after options.
     unknown = [a for a in extra if a.startswith("-") or "=" not in a]

@@ -135,6 +135,8 @@ def test_resume_is_bitwise_and_reshardable(task, tmp_path):
     _copy_checkpoint(tmp_path, "broken", "step_0000006", "dp2")
     proc = torchrun(sft_args(task, tmp_path, "dp2", "train.max_steps=12", *common), 2)
     assert "re-seeded: layout changed" in proc.stdout and "distributed optimizer" in proc.stdout
+    for line in ("[megarlhf] speed-ups:", "[sft] layout ", " train / "):  # once per job
+        assert proc.stdout.count(line) == 1, (line, proc.stdout.count(line))
     dp2 = losses(tmp_path, "dp2")
     for step in range(7, 13):  # measured: at most 3.1e-7
         assert abs(dp2[step] - unbroken[step]) < RESHARD_TOL, (step, dp2[step], unbroken[step])

@@ -132,3 +132,7 @@ def test_signalling_torchrun_workers_checkpoints_every_rank(tiny_checkpoints):
     tag = (out / "torchrun_sig" / "PREEMPTED").read_text().rsplit("/", 1)[-1]
     assert (out / "torchrun_sig" / "checkpoints" / "latest").read_text() == tag
     assert int(tag.split("_")[1]) < 30
+    # start-up lines are the job's, printed once however many ranks run it
+    for line in ("[megarlhf] speed-ups:", "prompts.jsonl: 256 of 256 prompt rows kept",
+                 "[ppo] actor ", "[ppo] rollout TP="):
+        assert output.count(line) == 1, (line, output.count(line))

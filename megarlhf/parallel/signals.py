@@ -6,6 +6,8 @@ from __future__ import annotations
 import signal
 import threading
 
+from megarlhf.parallel.rank import is_first
+
 _STATE = {"asked": False, "installed": False, "interrupts": 0}
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
@@ -27,8 +29,9 @@ def _handler(signum, frame):
         if _STATE["interrupts"] > 1:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
-        print("\n[signal] Ctrl-C: checkpointing at the next safe point (Ctrl-C again aborts "
-              "without a checkpoint)", flush=True)
+        if is_first():  # every rank of a terminal's job gets the Ctrl-C
+            print("\n[signal] Ctrl-C: checkpointing at the next safe point (Ctrl-C again "
+                  "aborts without a checkpoint)", flush=True)
     _STATE["asked"] = True
 
 

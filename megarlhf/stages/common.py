@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from megarlhf.config import Config
+from megarlhf.parallel.rank import is_first
 
 
 def run_dir(cfg: Config) -> str:
@@ -29,12 +28,12 @@ def check_writable(cfg: Config) -> str:
 
 
 def print0(*args) -> None:
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+    """Print on the job's first rank only (also before the process group exists)."""
+    if is_first():
         print(*args, flush=True)
 
 
 def progress(total: int, initial: int, desc: str, enabled: bool):
     from tqdm import tqdm
-    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    return tqdm(total=total, initial=initial, desc=desc, disable=not (enabled and rank0),
+    return tqdm(total=total, initial=initial, desc=desc, disable=not (enabled and is_first()),
                 dynamic_ncols=True)

@@ -393,7 +393,7 @@ def run_ppo(cfg: Config, tokenizer) -> dict:
         logger.log_text(ppo.num_iterations, "memory", "    " + table.replace("\n", "\n    "))
     session.close()
     logger.close()
-    print0(f"[ppo] done: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()
+    print0("[ppo] done: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()
                                        if k.startswith(("eval/", "objective/"))))
     return result
 

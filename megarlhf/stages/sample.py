@@ -21,12 +21,13 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.config import Config, ConfigError
+from megarlhf.parallel.rank import is_first
 from megarlhf.stages.common import progress
 
 
 def _log(text: str) -> None:
     """Progress notes go to stderr: stdout may be the JSONL output."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if is_first():
         print(text, file=sys.stderr, flush=True)
 
 def read_prompts(path: str, tokenizer) -> list[tuple[str, list[int]]]:
