@@ -1,12 +1,13 @@
 """megarlhf: RLHF on megatron-core - supervised fine-tuning, a reward model, then PPO (or
 GRPO, RLOO, REINFORCE++) with every role at its own tensor/pipeline layout.
 
-The pipeline, on the synthetic task that `bash scripts/demo.sh` writes:
+The pipeline, on the synthetic task that `bash scripts/demo.sh` writes (runs/demo/task):
 
-  megarlhf sft configs/sft_tiny.yaml tokenizer.path=runs/task/tok.model
-  megarlhf rm  configs/rm_tiny.yaml  tokenizer.path=runs/task/tok.model
-  megarlhf ppo configs/demo/ppo.yaml
-  megarlhf dpo configs/dpo_tiny.yaml      # or DPO on the pairs, no reward model
+  megarlhf sft configs/sft_tiny.yaml
+  megarlhf rm  configs/rm_tiny.yaml
+  megarlhf ppo configs/demo/ppo.yaml ppo.sft_checkpoint=runs/sft-tiny/checkpoints \\
+      ppo.reward_checkpoint=runs/rm-tiny/checkpoints
+  megarlhf dpo configs/dpo_tiny.yaml checkpoint.load=runs/sft-tiny/checkpoints   # no RM
   torchrun --nproc-per-node 2 -m megarlhf.cli ppo configs/demo/ppo.yaml \\
       parallel.tensor_model_parallel_size=2
 
@@ -212,21 +213,19 @@ def cmd_launch(args) -> int:
 
 STAGES = [
     ("sft", cmd_sft, "supervised fine-tuning: next-token loss on the response tokens",
-     "example:\n  megarlhf sft configs/sft_tiny.yaml data.train_path=sft.jsonl "
-     "tokenizer.path=tok.model train.num_epochs=2\n  megarlhf sft configs/chat/sft.yaml "
-     "checkpoint.load=runs/my-model/checkpoints tokenizer.path=runs/my-model "
-     "data.train_path=chat.jsonl\n\ndata: JSONL/Parquet rows with 'prompt' and 'response' "
+     "example:\n  megarlhf sft configs/sft_tiny.yaml data.train_path=runs/demo/task/sft.jsonl "
+     "train.num_epochs=2\n(a Hugging Face model on chat data: docs/your-own-model.md)\n\ndata: JSONL/Parquet rows with 'prompt' and 'response' "
      "(data.prompt_key, data.response_key), or chat 'messages' (data.messages_key; loss "
      "on every assistant turn, rendered with the tokenizer's chat template)."),
     ("rm", cmd_rm, "reward model: pairwise Bradley-Terry loss, then score normalisation",
-     "example:\n  megarlhf rm configs/rm_tiny.yaml data.train_path=prefs.jsonl "
-     "tokenizer.path=tok.model\n\ndata: rows with 'prompt', 'chosen', 'rejected' strings, or "
+     "example:\n  megarlhf rm configs/rm_tiny.yaml data.train_path=runs/demo/task/prefs.jsonl"
+     "\n\ndata: rows with 'prompt', 'chosen', 'rejected' strings, or "
      "chosen/rejected conversations sharing their first turns (HH-RLHF) with an optional "
      "'prompt' (UltraFeedback-binarized)."),
     ("ppo", cmd_ppo, "PPO (GRPO, RLOO, REINFORCE++) with actor, critic, reference and "
      "reward roles, each at its own layout",
-     "example:\n  megarlhf ppo configs/demo/ppo.yaml ppo.sft_checkpoint=runs/sft/checkpoints "
-     "ppo.reward_checkpoint=runs/rm/checkpoints\n\nGRPO: ppo.advantage_estimator=grpo "
+     "example:\n  megarlhf ppo configs/demo/ppo.yaml ppo.sft_checkpoint=runs/demo/sft-tiny/"
+     "checkpoints ppo.reward_checkpoint=runs/demo/rm-tiny/checkpoints\n\nGRPO: ppo.advantage_estimator=grpo "
      "ppo.group_size=8 ppo.kl_loss_coef=0.04 (GRPO keeps the KL out of the reward, so "
      "ppo.init_kl_coef and an adaptive controller are refused there).\n\nMemory: roles.actor.offload="
      "optimizer|optimizer+grads|all (and roles.critic.offload) moves the trained roles' state "
@@ -236,8 +235,8 @@ STAGES = [
      "--world-size N` prints the roles as this run would build them."),
     ("dpo", cmd_dpo, "DPO (sigmoid, cDPO label smoothing, or IPO) on preference pairs, "
      "reference log-probs from the cache",
-     "example:\n  megarlhf dpo configs/dpo_tiny.yaml checkpoint.load=runs/sft/checkpoints "
-     "data.train_path=prefs.jsonl dpo.beta=0.1\n\ndata: rows with 'prompt', 'chosen', "
+     "example:\n  megarlhf dpo configs/dpo_tiny.yaml checkpoint.load=runs/demo/sft-tiny/"
+     "checkpoints data.train_path=runs/demo/task/prefs.jsonl dpo.beta=0.1\n\ndata: rows with 'prompt', 'chosen', "
      "'rejected'. The reference (dpo.reference_checkpoint, default the policy's "
      "checkpoint.load) scores every pair once into cache.path (default RUN_DIR/cache/"
      "reference) and is released before the policy is built; reruns reuse the cache, "
@@ -247,7 +246,8 @@ STAGES = [
     ("distill", cmd_distill, "distillation: a student learns a teacher's cached top-k "
      "next-token log-probs on the response tokens",
      "example:\n  megarlhf distill configs/sft_tiny.yaml distill.teacher_checkpoint="
-     "runs/big-sft/checkpoints data.train_path=sft.jsonl distill.top_k=16\n\ndata: rows "
+     "runs/demo/sft-tiny/checkpoints data.train_path=runs/demo/task/sft.jsonl "
+     "distill.top_k=16\n\ndata: rows "
      "with 'prompt' and 'response'. distill.divergence=forward is KL(teacher || student) "
      "over the teacher's top-k tokens plus one bucket for the rest; reverse is "
      "KL(student || teacher) on the same buckets. The teacher runs once, at "
@@ -323,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
         "distillation teacher) at that model's layout and write the cache atomically, "
         "so the training run never builds the frozen model. Runs under torchrun like the "
         "stages.\n\nexample:\n  megarlhf cache build dpo configs/dpo_tiny.yaml "
-        "checkpoint.load=runs/sft/checkpoints data.train_path=prefs.jsonl",
+        "checkpoint.load=runs/demo/sft-tiny/checkpoints "
+        "data.train_path=runs/demo/task/prefs.jsonl",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     build.add_argument("stage", choices=["dpo", "distill"])
     _config_args(build, "the stage's YAML config")
@@ -366,9 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(chat template + generation prompt), 'prompt' (text) or 'tokens'; a line that is "
         "not JSON is a text prompt. output: JSONL rows with prompt, response, "
         "response_tokens, finished, logprob.\n\nexamples:\n  echo 'words: red cat' | "
-        "megarlhf generate configs/sft_tiny.yaml checkpoint.load=runs/sft-tiny/checkpoints "
-        "tokenizer.path=runs/task/tok.model -i - -o -\n  torchrun --nproc-per-node 2 -m "
-        "megarlhf.cli generate conv/config.yaml -i prompts.jsonl -o out.jsonl "
+        "megarlhf generate configs/sft_tiny.yaml checkpoint.load=runs/demo/sft-tiny/"
+        "checkpoints -i - -o -\n  torchrun --nproc-per-node 2 -m megarlhf.cli generate "
+        "configs/sft_tiny.yaml checkpoint.load=runs/demo/sft-tiny/checkpoints -i "
+        "runs/demo/task/eval_prompts.jsonl -o runs/demo/samples.jsonl "
         "parallel.tensor_model_parallel_size=2 rollout.greedy=true",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _config_args(gen, "YAML config (model, tokenizer, checkpoint.load)")
@@ -384,10 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
         "config.json, safetensors, the run's tokenizer files with its chat template, and "
         "generation_config.json with the run's stop tokens and sampling settings. The "
         "checkpoint may be at any layout; one process.\n\nexamples:\n  megarlhf export "
-        "configs/demo/ppo.yaml --out runs/ppo-tiny/hf             # the actor\n  megarlhf "
-        "export configs/demo/ppo.yaml --out hf-ema --role ema       # ppo.ema_decay runs\n  "
-        "megarlhf export configs/sft_tiny.yaml --out hf --ckpt runs/sft-tiny/checkpoints/"
-        "step_0000100\n\nThen: transformers.AutoModelForCausalLM.from_pretrained(OUT).",
+        "configs/demo/ppo.yaml run.output_dir=runs/demo --out runs/demo/ppo-tiny/hf   # the "
+        "actor\n  megarlhf export configs/sft_tiny.yaml --out runs/demo/sft-tiny/hf --ckpt "
+        "runs/demo/sft-tiny/checkpoints\n(--role ema: the EMA actor of a run with "
+        "ppo.ema_decay)\n\nThen: transformers.AutoModelForCausalLM.from_pretrained(OUT).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _config_args(export, "the run's YAML config", "key.sub=value overrides the run used")
     export.add_argument("--out", required=True, help="Hugging Face directory to write")

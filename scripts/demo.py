@@ -15,6 +15,13 @@ import time
 from megarlhf.data.synthetic import write_task
 
 OUT = os.path.join("runs", "demo")
+# MEGARLHF_DEMO_QUICK=1: the same pipeline, a few steps of each stage (tests/test_commands.py
+# needs its outputs, not its results)
+QUICK = os.environ.get("MEGARLHF_DEMO_QUICK") == "1"
+
+
+def quick(*overrides: str) -> list[str]:
+    return list(overrides) if QUICK else []
 
 
 def megarlhf(args: list[str], nprocs: int = 1) -> None:
@@ -40,20 +47,23 @@ def main() -> None:
               "checkpoint.resume=false"]
     print("2. SFT (configs/sft_tiny.yaml)")
     megarlhf(["sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}", *common,
-              "train.num_epochs=4"])
+              "train.num_epochs=4", *quick("train.max_steps=8")])
     print("3. reward model on gold-labelled preferences with 10% label noise")
-    megarlhf(["rm", "configs/rm_tiny.yaml", f"data.train_path={task['prefs']}", *common])
+    megarlhf(["rm", "configs/rm_tiny.yaml", f"data.train_path={task['prefs']}", *common,
+              *quick("train.max_steps=8")])
     print("4. PPO against the learned reward model (configs/demo/ppo.yaml)")
     megarlhf(["ppo", "configs/demo/ppo.yaml", f"data.train_path={task['prompts']}",
               f"data.eval_path={task['eval_prompts']}",
               f"ppo.sft_checkpoint={OUT}/sft-tiny/checkpoints",
-              f"ppo.reward_checkpoint={OUT}/rm-tiny/checkpoints", *common])
+              f"ppo.reward_checkpoint={OUT}/rm-tiny/checkpoints", *common,
+              *quick("ppo.num_iterations=2", "ppo.eval_interval=2", "ppo.num_eval_prompts=8")])
     megarlhf(["plot", os.path.join(OUT, "ppo-tiny")])
     print("5. DPO from the same SFT policy on the preference pairs, no reward model "
           "(configs/dpo_tiny.yaml; the reference's log-probs are cached once)")
     megarlhf(["dpo", "configs/dpo_tiny.yaml", f"data.train_path={task['prefs']}",
               f"checkpoint.load={OUT}/sft-tiny/checkpoints",
-              f"dpo.gold_eval_path={task['eval_prompts']}", *common])
+              f"dpo.gold_eval_path={task['eval_prompts']}", *common,
+              *quick("train.max_steps=4")])
     print("6. score held-out texts with the SFT checkpoint at three layouts")
     texts = os.path.join(OUT, "texts.jsonl")
     with open(texts, "w") as f:

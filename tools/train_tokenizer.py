@@ -1,8 +1,10 @@
 """Train a sentencepiece tokenizer from local text files.
 
-    python tools/train_tokenizer.py --input corpus.txt --vocab-size 1000 --out tok/spm
+    python tools/train_tokenizer.py --input runs/demo/task/corpus.txt --vocab-size 100 \\
+        --out runs/demo/tok2/spm
 
-writes tok/spm.model (pad=0, unk=1, bos=2, eos=3) and prints a round-trip check.
+writes runs/demo/tok2/spm.model (pad=0, unk=1, bos=2, eos=3) and prints a round-trip
+check.
 """
 
 from __future__ import annotations
