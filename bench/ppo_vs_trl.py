@@ -181,7 +181,7 @@ class Channel:
 def megarlhf_overrides(folder: str, variant: str) -> list[str]:
     """The bench's PPO settings as megarlhf config overrides (on the converted policy's
     config.yaml)."""
-    from megarlhf.config.schema import RolloutConfig
+    from megarlhf.config import RolloutConfig
 
     mrl = lambda name: os.path.join(folder, name)  # noqa: E731
     # the experience passes in one forward micro-batch, as TRL's; megarlhf before this

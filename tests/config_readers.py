@@ -228,6 +228,13 @@ def readers(root: type, sources: dict[str, str], schema_source: str) -> set[tupl
     return scanner.reads
 
 
+def schema_source() -> str:
+    """The section modules of megarlhf/config, one text (their properties and methods)."""
+    folder = os.path.join(ROOT, "megarlhf", "config")
+    return "\n".join(open(os.path.join(folder, name)).read()
+                     for name in sorted(os.listdir(folder)) if name.endswith(".py"))
+
+
 def package_sources() -> dict[str, str]:
     """megarlhf's modules outside megarlhf/config (the loader and validation)."""
     out = {}

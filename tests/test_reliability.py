@@ -89,8 +89,7 @@ def test_unbounded_fields_are_numeric_fields_and_take_any_value():
 def _readers():
     import config_readers as cr
 
-    schema = open(os.path.join(ROOT, "megarlhf", "config", "schema.py")).read()
-    return cr, schema
+    return cr, cr.schema_source()
 
 
 def test_every_config_field_is_read_outside_the_config_package():
@@ -109,8 +108,9 @@ def test_every_config_field_is_read_outside_the_config_package():
 
 def test_the_reader_scan_can_fail():
     """The scan on planted code, and on megarlhf's own code with one reader removed."""
-    from megarlhf.config.schema import DistillConfig, ModelConfig, PPOConfig, RoleConfig
-    from megarlhf.config.schema import RolloutConfig, TokenizerConfig
+    from megarlhf.config import ModelConfig, PPOConfig, RoleConfig
+    from megarlhf.config.offline import DistillConfig
+    from megarlhf.config import RolloutConfig, TokenizerConfig
 
     cr, schema = _readers()
 

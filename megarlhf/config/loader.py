@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
-from megarlhf.config.schema import Config
+from megarlhf.config.tree import Config
 
 
 class ConfigError(ValueError):

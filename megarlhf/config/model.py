@@ -1,0 +1,136 @@
+"""The model's shape and precision: ``model`` (and ``model.fp8``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megarlhf.config.fields import _require
+
+
+@dataclass(kw_only=True)
+class FP8Config:
+    enabled: bool = False
+    """Run linear layers in fp8 through TransformerEngine (GPU with TE only)."""
+    format: Literal["e4m3", "hybrid"] = "hybrid"
+    """fp8 format: e4m3 everywhere, or hybrid (e4m3 forward, e5m2 backward)."""
+    recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = "delayed"
+    """Scaling recipe passed to TransformerEngine."""
+    amax_history_len: int = 1024
+    """Length of the amax history window (delayed scaling)."""
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    """How the scale is derived from the amax history (delayed scaling)."""
+    margin: int = 0
+    """Scaling-factor margin (delayed scaling)."""
+    num_layers_at_start_in_bf16: int = 0
+    """Keep this many first transformer layers in bf16."""
+    num_layers_at_end_in_bf16: int = 0
+    """Keep this many last transformer layers in bf16."""
+
+    def __post_init__(self):
+        _require(self.amax_history_len >= 1, "model.fp8.amax_history_len",
+                 self.amax_history_len, "must be >= 1")
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "margin"):
+            _require(getattr(self, name) >= 0, f"model.fp8.{name}", getattr(self, name),
+                     "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    arch: Literal["llama", "gpt2"] = "llama"
+    """Llama-style (RMSNorm, SwiGLU, RoPE, untied) or GPT-2-style (LayerNorm, GELU,
+    learned positions, tied embeddings, biases)."""
+    num_layers: int = 2
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Model width."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention; None means one per query head."""
+    ffn_hidden_size: int | None = None
+    """MLP width; None means 4 x hidden (gpt2) or the Llama 8/3 x hidden rounded to 64."""
+    max_position_embeddings: int = 512
+    """Longest sequence the model handles (size of learned position table)."""
+    rotary_base: float = 10000.0
+    """RoPE theta (llama)."""
+    vocab_size: int | None = None
+    """Vocabulary size before TP padding; None takes it from the tokenizer."""
+    tie_word_embeddings: bool | None = None
+    """Share input embedding and LM head; None means the architecture's default."""
+    add_qkv_bias: bool | None = None
+    """Biases on the QKV projection (Qwen2); None means the architecture's default."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of LayerNorm / RMSNorm."""
+    init_method_std: float = 0.02
+    """Std of the normal weight initialisation."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention and MLP (keep 0 for RM and PPO)."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities (keep 0 for RM and PPO)."""
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter and compute dtype. CPU runs use float32."""
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    """Layer implementation: TransformerEngine when it imports and CUDA is present
+    (auto), megatron-core's local layers with SDPA attention otherwise."""
+    value_head_init: Literal["zero", "normal"] = "zero"
+    """Scalar head init for value models: zero (critic, lm-human-preferences) or
+    N(0, 1/sqrt(hidden+1)) (reward model)."""
+    fp8: FP8Config = field(default_factory=FP8Config)
+    """fp8 settings (GPU with TransformerEngine only)."""
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_attention_heads",
+                     "max_position_embeddings"):
+            _require(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), "must be >= 1")
+        if self.ffn_hidden_size is not None:
+            _require(self.ffn_hidden_size >= 1, "model.ffn_hidden_size", self.ffn_hidden_size,
+                     "must be >= 1 or null")
+        _require(0 < self.norm_epsilon < 1, "model.norm_epsilon", self.norm_epsilon,
+                 "must be in (0, 1)")
+        _require(self.init_method_std > 0, "model.init_method_std", self.init_method_std,
+                 "must be > 0")
+        _require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
+                 self.hidden_size,
+                 f"must be divisible by model.num_attention_heads={self.num_attention_heads}")
+        if self.num_query_groups is not None:
+            _require(self.num_query_groups >= 1
+                     and self.num_attention_heads % self.num_query_groups == 0,
+                     "model.num_query_groups", self.num_query_groups,
+                     f"must divide model.num_attention_heads={self.num_attention_heads}")
+        if self.vocab_size is not None:
+            _require(self.vocab_size >= 2, "model.vocab_size", self.vocab_size, "must be >= 2")
+        for name in ("hidden_dropout", "attention_dropout"):
+            _require(0.0 <= getattr(self, name) < 1.0, f"model.{name}", getattr(self, name),
+                     "must be in [0, 1)")
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.arch == "gpt2":
+            return 4 * self.hidden_size
+        return 64 * ((8 * self.hidden_size // 3 + 63) // 64)
+
+    @property
+    def tied(self) -> bool:
+        if self.tie_word_embeddings is not None:
+            return self.tie_word_embeddings
+        return self.arch == "gpt2"
+
+    @property
+    def qkv_bias(self) -> bool:
+        if self.add_qkv_bias is not None:
+            return self.add_qkv_bias
+        return self.arch == "gpt2"
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Round the vocabulary up so every TP rank holds an equal slice that is a multiple
+    of ``divisible_by`` (Megatron's convention)."""
+    multiple = divisible_by * tp_size
+    return ((vocab_size + multiple - 1) // multiple) * multiple

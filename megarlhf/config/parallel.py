@@ -1,0 +1,77 @@
+"""The training layout (``parallel``) and a role's layout on top of it
+(``roles.<name>.parallel``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megarlhf.config.fields import _require
+from megarlhf.config.layout import Layout
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size of the training layout."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel size of the training layout."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline stage (interleaved 1F1B schedule); None disables."""
+    make_vocab_size_divisible_by: int = 128
+    """The vocabulary is padded to a multiple of this times the TP size."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend. With CUDA, ``auto`` and ``nccl`` are NCCL for tensors on
+    the GPU plus gloo for host-side bookkeeping (``cuda:nccl,cpu:gloo``); without CUDA,
+    ``auto`` and ``gloo`` are gloo."""
+    timeout_minutes: int = 30
+    """Collective timeout."""
+
+    def __post_init__(self):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "make_vocab_size_divisible_by", "timeout_minutes"):
+            _require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
+                     "must be >= 1")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None:
+            _require(vpp >= 2 and self.pipeline_model_parallel_size >= 2,
+                     "parallel.virtual_pipeline_model_parallel_size", vpp,
+                     "must be >= 2 and needs parallel.pipeline_model_parallel_size >= 2 "
+                     "(or null to disable)")
+
+    @property
+    def layout(self) -> Layout:
+        """The training layout this section writes."""
+        return Layout(tp=self.tensor_model_parallel_size,
+                      pp=self.pipeline_model_parallel_size,
+                      vpp=self.virtual_pipeline_model_parallel_size)
+
+
+@dataclass(kw_only=True)
+class RoleParallelConfig:
+    tensor_model_parallel_size: int | None = None
+    """Tensor-parallel size of this role; None: the actor's."""
+    pipeline_model_parallel_size: int | None = None
+    """Pipeline-parallel size of this role; None: the actor's."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline stage; None: the actor's when this role keeps the actor's
+    pipeline size, otherwise off; 1: off."""
+
+    def __post_init__(self):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "virtual_pipeline_model_parallel_size"):
+            value = getattr(self, name)
+            if value is not None:
+                _require(value >= 1, f"parallel.{name}", value, "must be >= 1 or null")
+
+    def over(self, base: Layout) -> Layout:
+        """``base`` (the actor's layout) with the sizes this role writes on top; VPP is
+        kept only while PP is (``vpp: 1`` turns it off)."""
+        tp = self.tensor_model_parallel_size or base.tp
+        pp = self.pipeline_model_parallel_size or base.pp
+        if self.virtual_pipeline_model_parallel_size is not None:
+            vpp = self.virtual_pipeline_model_parallel_size
+            vpp = None if vpp == 1 else vpp
+        else:
+            vpp = base.vpp if pp == base.pp else None
+        return Layout(tp=tp, pp=pp, vpp=vpp, ep=base.ep, etp=base.etp)

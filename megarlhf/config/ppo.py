@@ -1,0 +1,274 @@
+"""PPO and its relatives: ``ppo`` (the algorithm) and ``rollout`` (generation, the
+inference layout and the experience passes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megarlhf.config.fields import _require
+
+
+@dataclass(kw_only=True)
+class PPOConfig:
+    rollout_batch_size: int = 64
+    """Prompts per PPO iteration (global, all data-parallel ranks)."""
+    mini_batch_size: int = 16
+    """Samples per optimizer step (global)."""
+    micro_batch_size: int = 4
+    """Samples per forward/backward pass on one data-parallel rank."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    num_iterations: int = 100
+    """PPO iterations to run."""
+    clip_eps: float = 0.2
+    """Policy ratio clip (1 +- clip_eps)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 for negative advantages; None disables."""
+    cliprange_value: float | None = 0.2
+    """Value clip around the old values; None disables value clipping."""
+    value_loss_coef: float = 0.5
+    """Weight of the critic's loss: value_loss_coef * max((V - R)^2, (V_clip - R)^2). The
+    critic has its own optimizer, so with Adam this mostly matters through gradient
+    clipping and epsilon; 0.5 is the usual 0.5 * squared error."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    gamma: float = 1.0
+    """Discount (InstructGPT: 1)."""
+    lam: float = 0.95
+    """GAE lambda."""
+    kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k1"
+    """Per-token KL estimator in the shaped reward (and the reported objective/kl)."""
+    kl_in_reward: bool | None = None
+    """Subtract beta x KL to the reference from the reward (beta: init_kl_coef, then the
+    controller): per token for gae and reinforce_pp; summed over the response and taken off
+    the score before the group baseline for rloo and grpo (TRL's RLOO). None: on for gae,
+    reinforce_pp and rloo, off for grpo (which regularises with kl_loss_coef instead)."""
+    kl_loss_coef: float = 0.0
+    """Weight of a KL-to-reference term in the actor's loss (DeepSeekMath's GRPO: 0.04;
+    0.001 is common); 0 disables. Works with every estimator."""
+    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator of the loss term (k3: DeepSeekMath; k2's gradient is the true KL's)."""
+    kl_controller: Literal["fixed", "adaptive"] = "fixed"
+    """KL coefficient controller (Ziegler et al. 2019)."""
+    init_kl_coef: float = 0.05
+    """Initial beta."""
+    kl_target: float = 6.0
+    """Adaptive controller target KL (per sequence)."""
+    kl_horizon: int = 10000
+    """Adaptive controller horizon."""
+    clip_reward_value: float = 5.0
+    """Reward-model score clip (DeepSpeed-Chat: 5)."""
+    missing_stop_penalty: float | None = -1.0
+    """Score for responses without a stop token (lm-human-preferences: -1); None disables."""
+    missing_stop_mode: Literal["replace", "subtract"] = "replace"
+    """Replace the score by missing_stop_penalty, or subtract it (TRL's missing_eos_penalty)."""
+    whiten_advantages: bool = True
+    """Whiten advantages (global across data-parallel ranks)."""
+    whiten_rewards: bool = False
+    """Scale rewards by their std (no mean shift)."""
+    whiten_unbiased: bool = True
+    """Variance in whitening: unbiased n/(n-1) (torch, TRL) or biased (TF, lm-human-prefs)."""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    """How per-token losses are reduced."""
+    ptx_coef: float = 0.0
+    """PPO-ptx weight of next-token loss on pretraining data; 0 disables."""
+    critic_warmup_iterations: int = 0
+    """Iterations at the start that train the critic only (Qwen)."""
+    ema_decay: float | None = None
+    """Decay of an EMA copy of the actor for evaluation (0.992 in InstructGPT); None off."""
+    group_size: int = 1
+    """Responses per prompt (GRPO/RLOO)."""
+    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = "gae"
+    """GAE with a critic, or a critic-free group/global baseline."""
+    grpo_normalization: Literal["sequence", "token", "center"] = "sequence"
+    """GRPO advantages: sequence = (score - group mean) / unbiased group std per sample
+    (DeepSeekMath, TRL: the default, so runs compare with the paper and TRL); token = mean
+    and population std over all valid tokens of the group (AReaL: long responses weigh
+    more); center = score - group mean, no std (Dr. GRPO: no difficulty re-weighting)."""
+    policy_loss: Literal["ppo", "decoupled"] = "ppo"
+    """ppo: clipped surrogate around the old log-probs. decoupled (AReaL): clip around the
+    proximal policy (the log-probs recomputed before the update) and weight each token by
+    exp(proximal - behaviour), the behaviour policy being the sampler's log-probs; needs
+    rollout.recompute_logprobs=true."""
+    behavior_weight_cap: float | None = None
+    """Decoupled loss: drop tokens whose behaviour importance weight exceeds this (AReaL
+    uses 5); None keeps every token."""
+    rollout_is_cap: float | None = None
+    """Rollout/training mismatch correction: weight each token's policy loss by the
+    truncated importance ratio min(p_train / p_rollout, cap) (truncated IS; ~2 is usual);
+    None disables. Needs rollout.recompute_logprobs=true."""
+    rollout_mask_low: float | None = None
+    """Mismatch correction: drop from the policy loss every sample whose per-token
+    geometric-mean ratio p_train / p_rollout is below this (e.g. 0.5); None: no lower bound."""
+    rollout_mask_high: float | None = None
+    """Mismatch correction: drop every sample whose geometric-mean ratio is above this
+    (e.g. 2); None: no upper bound."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal (no learning signal for group
+    baselines) and sample more prompts until rollout_batch_size groups are kept."""
+    max_sampling_rounds: int = 4
+    """Dynamic sampling: rollouts per iteration at most; a batch still short after them is
+    topped up with dropped groups (counted in rollout/dynamic_sampling_shortfall)."""
+    overlong_buffer: int = 0
+    """DAPO's overlong shaping: responses longer than max_new_tokens - overlong_buffer lose
+    up to overlong_penalty linearly, the full amount at max_new_tokens; 0 disables."""
+    overlong_penalty: float = 1.0
+    """The largest overlong penalty (DAPO: 1.0)."""
+    ptx_batch_size: int | None = None
+    """PPO-ptx: pretraining samples mixed into each actor mini-batch (global); None: as
+    many as mini_batch_size."""
+    sft_checkpoint: str | None = None
+    """Checkpoint the actor and the reference model start from (an SFT run's folder)."""
+    reward_checkpoint: str | None = None
+    """Reward-model checkpoint (also the critic's start); None needs rollout.reward_fn."""
+    critic_init: Literal["reward", "sft", "random"] = "reward"
+    """Critic trunk from the reward model (InstructGPT), the SFT model, or random."""
+    gold_reward_fn: str | None = None
+    """Evaluation-only reward 'module:function(prompt, response) -> float' on held-out
+    prompts (known gold reward of synthetic tasks)."""
+    eval_interval: int = 5
+    """Evaluate on held-out prompts every N iterations (and before the first and at the end)."""
+    num_eval_prompts: int = 64
+    """Held-out prompts per evaluation."""
+
+    def __post_init__(self):
+        for name in ("rollout_batch_size", "mini_batch_size", "micro_batch_size",
+                     "ppo_epochs", "num_iterations", "group_size", "kl_horizon"):
+            _require(getattr(self, name) >= 1, f"ppo.{name}", getattr(self, name), "must be >= 1")
+        # Batch divisibility counts samples (prompts x group_size) per trained role's
+        # data-parallel size: checked by algos.BatchSizes once the layouts are known.
+        _require(0 < self.clip_eps < 1, "ppo.clip_eps", self.clip_eps, "must be in (0, 1)")
+        if self.dual_clip is not None:
+            _require(self.dual_clip > 1, "ppo.dual_clip", self.dual_clip, "must be > 1 or null")
+        _require(0 <= self.gamma <= 1, "ppo.gamma", self.gamma, "must be in [0, 1]")
+        _require(0 <= self.lam <= 1, "ppo.lam", self.lam, "must be in [0, 1]")
+        _require(self.value_loss_coef > 0, "ppo.value_loss_coef", self.value_loss_coef,
+                 "must be > 0")
+        _require(self.init_kl_coef >= 0, "ppo.init_kl_coef", self.init_kl_coef, "must be >= 0")
+        _require(self.kl_target > 0, "ppo.kl_target", self.kl_target, "must be > 0")
+        if self.ema_decay is not None:
+            _require(0 < self.ema_decay < 1, "ppo.ema_decay", self.ema_decay,
+                     "must be in (0, 1) or null")
+        _require(self.kl_loss_coef >= 0, "ppo.kl_loss_coef", self.kl_loss_coef, "must be >= 0")
+        if self.cliprange_value is not None:
+            _require(self.cliprange_value > 0, "ppo.cliprange_value", self.cliprange_value,
+                     "must be > 0 or null (no value clipping)")
+        _require(self.entropy_coef >= 0, "ppo.entropy_coef", self.entropy_coef, "must be >= 0")
+        _require(self.clip_reward_value > 0, "ppo.clip_reward_value", self.clip_reward_value,
+                 "must be > 0 (scores are clipped to +-clip_reward_value)")
+        for name in ("critic_warmup_iterations",):
+            _require(getattr(self, name) >= 0, f"ppo.{name}", getattr(self, name), "must be >= 0")
+        for name in ("eval_interval", "num_eval_prompts"):
+            _require(getattr(self, name) >= 1, f"ppo.{name}", getattr(self, name), "must be >= 1")
+        _require(self.ptx_coef >= 0, "ppo.ptx_coef", self.ptx_coef, "must be >= 0")
+        if self.ptx_batch_size is not None:
+            _require(self.ptx_batch_size >= 1, "ppo.ptx_batch_size", self.ptx_batch_size,
+                     "must be >= 1 or null")
+        if self.behavior_weight_cap is not None:
+            _require(self.behavior_weight_cap > 1, "ppo.behavior_weight_cap",
+                     self.behavior_weight_cap, "must be > 1 or null")
+        if self.rollout_is_cap is not None:
+            _require(self.rollout_is_cap >= 1, "ppo.rollout_is_cap", self.rollout_is_cap,
+                     "must be >= 1 or null")
+        if self.rollout_mask_low is not None:
+            _require(0 < self.rollout_mask_low < 1, "ppo.rollout_mask_low",
+                     self.rollout_mask_low, "must be in (0, 1) or null")
+        if self.rollout_mask_high is not None:
+            _require(self.rollout_mask_high > 1, "ppo.rollout_mask_high",
+                     self.rollout_mask_high, "must be > 1 or null")
+        _require(self.max_sampling_rounds >= 1, "ppo.max_sampling_rounds",
+                 self.max_sampling_rounds, "must be >= 1")
+        _require(self.overlong_buffer >= 0, "ppo.overlong_buffer", self.overlong_buffer,
+                 "must be >= 0")
+        _require(self.overlong_penalty > 0, "ppo.overlong_penalty", self.overlong_penalty,
+                 "must be > 0")
+        if self.dynamic_sampling:
+            _require(self.group_size >= 2, "ppo.group_size", self.group_size,
+                     "must be >= 2 with ppo.dynamic_sampling (it filters groups)")
+        if not self.kl_reward_on and self.kl_controller == "adaptive":
+            raise ValueError(
+                "ppo.kl_controller=adaptive tunes the KL coefficient of the reward, but the "
+                f"KL is not in the reward (ppo.kl_in_reward={self.kl_in_reward}, estimator "
+                f"{self.advantage_estimator}): set ppo.kl_in_reward=true or "
+                "ppo.kl_controller=fixed")
+        if self.policy_loss == "decoupled":
+            _require(self.dual_clip is None and self.rollout_is_cap is None,
+                     "ppo.policy_loss", self.policy_loss,
+                     "the decoupled loss has its own importance weight and no dual clip: "
+                     "leave ppo.rollout_is_cap and ppo.dual_clip null")
+        if self.advantage_estimator in ("grpo", "rloo"):
+            _require(self.group_size >= 2, "ppo.group_size", self.group_size,
+                     f"must be >= 2 for ppo.advantage_estimator={self.advantage_estimator}")
+
+
+    @property
+    def kl_reward_on(self) -> bool:
+        """Whether beta x KL is taken off the reward (``kl_in_reward`` resolved)."""
+        if self.kl_in_reward is not None:
+            return self.kl_in_reward
+        return self.advantage_estimator != "grpo"
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    tensor_parallel_size: int = 1
+    """TP of the inference layout; data-parallel replicas follow from the world size."""
+    max_new_tokens: int = 32
+    """Longest response."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs are computed from logits / temperature."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 disables."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1 disables."""
+    greedy: bool = False
+    """Argmax decoding (evaluation)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a response (EOS always does)."""
+    stop_at_eos: bool = True
+    """Stop a sequence at EOS; false keeps sampling to max_new_tokens (OpenAI's first code)."""
+    min_response_tokens: int = 0
+    """Responses shorter than this get no trainable tokens (DeepSpeed-Chat drops <= 1)."""
+    recompute_logprobs: bool = True
+    """Recompute old log-probs with the training-layout actor instead of using the
+    sampler's."""
+    reward_fn: str | None = None
+    """Programmatic reward 'package.module:function(prompt_text, response_text) -> float'
+    (decoded text, the response without its stop token) used instead of a reward model;
+    None uses the reward model."""
+    offload_frozen_models: bool = True
+    """Offload reference and reward models between their scoring passes (the default of
+    roles.reference.offload / roles.reward.offload)."""
+    forward_micro_batch_size: int | None = None
+    """Rows per forward pass of the experience passes (reference and old log-probs,
+    reward, critic values); None: ppo.micro_batch_size. These passes keep nothing for a
+    backward pass, so larger micro-batches than training's usually fit (verl's
+    log_prob_micro_batch_size, TRL's local_rollout_forward_batch_size)."""
+    release_inference_weights: bool = True
+    """Free the inference model's weights (the actor at the rollout layout) after each
+    generation: the next reshard rewrites all of them, so nothing is copied; the actor's
+    size at rollout TP less per GPU in the experience, train and save phases."""
+    ref_cache_size: int = 4096
+    """Sequences whose reference log-probs are kept (the least recently used dropped first)
+    and saved with each checkpoint, so a sequence sampled again - twice in one batch, as in
+    GRPO groups with short answers, or in a later iteration - is not scored again. Memory
+    and checkpoint space: about 4 bytes per response token per sequence (16 MB at 4096
+    sequences of 1024 tokens). 0 turns the cache off."""
+
+    def __post_init__(self):
+        _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size",
+                 self.tensor_parallel_size, "must be >= 1")
+        _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens,
+                 "must be >= 1")
+        _require(self.temperature > 0, "rollout.temperature", self.temperature,
+                 "must be > 0 (use rollout.greedy=true for argmax)")
+        _require(self.top_k >= 0, "rollout.top_k", self.top_k, "must be >= 0")
+        _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
+        _require(self.min_response_tokens >= 0, "rollout.min_response_tokens",
+                 self.min_response_tokens, "must be >= 0")
+        _require(self.forward_micro_batch_size is None or self.forward_micro_batch_size >= 1,
+                 "rollout.forward_micro_batch_size", self.forward_micro_batch_size,
+                 "must be >= 1, or null for ppo.micro_batch_size")
+        _require(self.ref_cache_size >= 0, "rollout.ref_cache_size", self.ref_cache_size,
+                 "must be >= 0 (0 turns the reference log-prob cache off)")

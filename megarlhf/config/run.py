@@ -1,0 +1,67 @@
+"""Run identity, checkpoints and logging: ``run``, ``checkpoint``, ``logging``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megarlhf.config.fields import _require
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    name: str = "megarlhf"
+    """Run name; outputs go to ``{output_dir}/{name}``."""
+    output_dir: str = "runs"
+    """Parent folder of run directories (metrics, checkpoints, plots)."""
+    seed: int = 1234
+    """Seed for model initialisation, data order and sampling."""
+    deterministic: bool = False
+    """Use deterministic algorithms (bitwise-reproducible resumes on CPU)."""
+    num_threads: int = 0
+    """torch intra-op threads per process; 0 leaves torch's default."""
+
+    def __post_init__(self):
+        _require(bool(self.name) and "/" not in self.name, "run.name", self.name,
+                 "a non-empty name without '/'")
+        _require(self.num_threads >= 0, "run.num_threads", self.num_threads, "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    load: str | None = None
+    """Checkpoint to initialise weights from (a run's checkpoint folder or one step)."""
+    resume: bool = True
+    """Continue from the run's own latest checkpoint (weights, optimizer, data position,
+    RNG) when one exists."""
+    save_interval: int = 0
+    """Save every N steps; 0 saves only at the end."""
+    keep_last: int = 2
+    """How many checkpoints to keep."""
+
+    def __post_init__(self):
+        _require(self.save_interval >= 0, "checkpoint.save_interval", self.save_interval,
+                 "must be >= 0")
+        _require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    log_interval: int = 1
+    """Write metrics every N steps."""
+    tensorboard: bool = True
+    """Write TensorBoard event files."""
+    wandb_project: str | None = None
+    """Log to Weights & Biases under this project when wandb is installed."""
+    sample_table_interval: int = 10
+    """Print a table of sample prompts and responses every N iterations."""
+    progress_bar: bool = True
+    """Show a progress bar on rank 0."""
+    memory_metrics: bool = True
+    """PPO: per-phase memory accounting of every role (memory/* metrics in MiB and a table
+    at the end of the run); false skips the bookkeeping."""
+
+    def __post_init__(self):
+        _require(self.log_interval >= 1, "logging.log_interval", self.log_interval,
+                 "must be >= 1")
+        _require(self.sample_table_interval >= 0, "logging.sample_table_interval",
+                 self.sample_table_interval, "must be >= 0 (0: no sample tables)")
