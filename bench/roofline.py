@@ -64,9 +64,8 @@ def main() -> None:
         f"model.num_layers={s['layers']}", f"model.hidden_size={s['hidden']}",
         f"model.num_attention_heads={s['heads']}", f"model.num_query_groups={s['kv_heads']}",
         f"model.ffn_hidden_size={s['ffn']}", f"model.vocab_size={s['vocab']}",
-        f"model.max_position_embeddings={args.seq}"])
+        f"model.max_position_embeddings={args.seq}", "optimizer.lr=1e-4"])
     init_distributed(cfg)
-    cfg.optimizer.lr = 1e-4
     built = build_from_config(cfg, kind="lm", trained=True, total_steps=100)
     layout, chunks, role = built.layout, built.chunks, built.trained
     tokens = torch.randint(0, s["vocab"], (args.batch, args.seq))

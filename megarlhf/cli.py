@@ -25,21 +25,22 @@ import os
 import sys
 
 from megarlhf import quiet_known_warnings, speedups
-from megarlhf.config import Config, ConfigError, dump_config, load_config
+from megarlhf.config import Config, ConfigError, dump_config, read_config
 from megarlhf.parallel.rank import launcher_rank
 
 
 def _resolve(args) -> Config:
-    """Config file + overrides, with the vocabulary taken from the tokenizer when unset.
-    Each stage resolves its roles (model from checkpoint, layout) and validates them against
+    """Config file + overrides, with the vocabulary taken from the tokenizer when unset
+    (``args.written``: what they wrote; ``args.tokenizer``: the tokenizer or None). Each
+    stage resolves its roles (model from checkpoint, layout) and validates them against
     the launcher's world size before any process group exists."""
-    cfg = load_config(args.config, args.overrides)
+    cfg, args.written = read_config(args.config, args.overrides)
     tokenizer = None
     if cfg.tokenizer.path is not None:
         from megarlhf.data.tokenizer import load_tokenizer
         tokenizer = load_tokenizer(cfg.tokenizer)
         if cfg.model.vocab_size is None:
-            cfg.model.vocab_size = tokenizer.vocab_size
+            cfg = _with_vocab(cfg, tokenizer.vocab_size)
         elif cfg.model.vocab_size < tokenizer.vocab_size:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
                               f"tokenizer's vocabulary ({tokenizer.vocab_size}, "
@@ -48,17 +49,24 @@ def _resolve(args) -> Config:
     return cfg
 
 
+def _with_vocab(cfg: Config, vocab_size: int) -> Config:
+    """``cfg`` with ``model.vocab_size`` resolved (a new config; none is changed)."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+
+
 def cmd_config_show(args) -> int:
     if args.config is not None and "=" in args.config:  # no file, only overrides
         args.overrides, args.config = [args.config, *args.overrides], None
-    cfg = load_config(args.config, args.overrides)
+    cfg, written = read_config(args.config, args.overrides)
     print(dump_config(cfg, docs=args.docs), end="")
-    if cfg.ppo.sft_checkpoint or cfg.roles.actor.checkpoint:
-        print(_resolved_roles(cfg, args.world_size), end="")
+    if cfg.roles.actor.checkpoint:
+        print(_resolved_roles(cfg, written, args.world_size), end="")
     return 0
 
 
-def _resolved_roles(cfg: Config, world_size: int) -> str:
+def _resolved_roles(cfg: Config, written, world_size: int) -> str:
     """The PPO roles as a run would build them: checkpoint, model, layout, optimizer."""
     import dataclasses
 
@@ -68,9 +76,9 @@ def _resolved_roles(cfg: Config, world_size: int) -> str:
 
     if cfg.tokenizer.path is not None and cfg.model.vocab_size is None:
         from megarlhf.data.tokenizer import load_tokenizer
-        cfg.model.vocab_size = load_tokenizer(cfg.tokenizer).vocab_size
+        cfg = _with_vocab(cfg, load_tokenizer(cfg.tokenizer).vocab_size)
     view = {}
-    for name, spec in ppo_role_specs(cfg, world_size).items():
+    for name, spec in ppo_role_specs(cfg, world_size, written=written).items():
         entry = {"checkpoint": spec.checkpoint, "checkpoint_role": spec.checkpoint_role,
                  "kind": spec.kind + (" (trunk only: new scalar head)" if spec.trunk_only
                                       else ""),
@@ -95,7 +103,7 @@ def cmd_score(args) -> int:
         raise ConfigError("model.vocab_size is unset and no tokenizer.path is configured")
     run_score(cfg, args.input, args.output, role=args.role,
               micro_batch_size=args.micro_batch_size, temperature=args.temperature,
-              tokenizer=args.tokenizer, ckpt_role=args.ckpt_role)
+              tokenizer=args.tokenizer, ckpt_role=args.ckpt_role, written=args.written)
     return 0
 
 
@@ -108,14 +116,14 @@ def _needs_tokenizer(cfg: Config, args) -> None:
 
 def _stage(module: str, function: str):
     """The command of a training stage: resolve the config (tokenizer and data required),
-    then ``module.function(cfg, tokenizer)``."""
+    then ``module.function(cfg, tokenizer, written)``."""
 
     def command(args) -> int:
         import importlib
 
         cfg = _resolve(args)
         _needs_tokenizer(cfg, args)
-        getattr(importlib.import_module(module), function)(cfg, args.tokenizer)
+        getattr(importlib.import_module(module), function)(cfg, args.tokenizer, args.written)
         return 0
 
     return command
@@ -133,7 +141,7 @@ def cmd_cache_build(args) -> int:
 
     cfg = _resolve(args)
     _needs_tokenizer(cfg, args)
-    path = run_cache_build(cfg, args.tokenizer, args.stage)
+    path = run_cache_build(cfg, args.tokenizer, args.stage, args.written)
     import torch.distributed as dist
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"cache ready: {path}")
@@ -162,9 +170,9 @@ def cmd_plan(args) -> int:
     print(f"megarlhf plan: PPO of {args.config} on {nodes} node(s) x {gpus} GPU(s) = "
           f"{world} processes")
     if capacity is None:
-        print(format_plan(plan_ppo(cfg, world), None, args.headroom))
+        print(format_plan(plan_ppo(cfg, world, written=args.written), None, args.headroom))
         return 0
-    ok, text = explain(cfg, world, capacity, gpus, args.headroom)
+    ok, text = explain(cfg, world, capacity, gpus, args.headroom, written=args.written)
     print(text)
     return 0 if ok else 1
 
@@ -176,7 +184,7 @@ def cmd_generate(args) -> int:
     if args.tokenizer is None:
         raise ConfigError("generate needs tokenizer.path (the model's tokenizer)")
     return run_generate(cfg, args.tokenizer, input_path=args.input, output_path=args.output,
-                        role_name=args.role, batch_size=args.batch_size)
+                        role_name=args.role, batch_size=args.batch_size, written=args.written)
 
 
 def cmd_export(args) -> int:
@@ -189,7 +197,7 @@ def cmd_export(args) -> int:
         raise FileNotFoundError(f"no checkpoint at {ckpt} (the run's checkpoints folder): "
                                 "pass --ckpt, or the config and overrides the run used")
     info = export_checkpoint(cfg, args.out, ckpt, args.role, args.model_type,
-                             args.shard_layers, tokenizer=args.tokenizer)
+                             args.shard_layers, tokenizer=args.tokenizer, written=args.written)
     for key, value in info.items():
         print(f"{key}: {value}")
     return 0
@@ -200,8 +208,8 @@ def cmd_launch(args) -> int:
 
     if not args.slurm:
         raise ConfigError("only --slurm launching is implemented; use torchrun locally")
-    cfg = load_config(args.config, args.overrides)
-    script = render_sbatch(cfg, args.stage, args.config, list(args.overrides))
+    cfg, written = read_config(args.config, args.overrides)
+    script = render_sbatch(cfg, args.stage, args.config, list(args.overrides), written)
     if args.dry_run:
         print(script, end="")
         return 0

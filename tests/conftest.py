@@ -23,17 +23,23 @@ def free_port() -> int:
 
 def torchrun(script_or_args, nprocs: int, *args: str, timeout: int = 600,
              env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``script`` (a path) or a megarlhf CLI argv (a list) under torchrun."""
-    base = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}",
-            f"--master-port={free_port()}"]
-    if isinstance(script_or_args, list):
-        cmd = base + ["-m", "megarlhf.cli", *script_or_args, *args]
-    else:
-        cmd = base + [script_or_args, *args]
+    """Run ``script`` (a path) or a megarlhf CLI argv (a list) under torchrun. The free
+    port is chosen before torchrun binds it, so another process can take it in between
+    (seen with two pytest workers): a start that fails with EADDRINUSE is retried on a new
+    port, at most three times."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                 **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
-                          cwd=ROOT)
+    for _ in range(3):
+        base = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}",
+                f"--master-port={free_port()}"]
+        if isinstance(script_or_args, list):
+            cmd = base + ["-m", "megarlhf.cli", *script_or_args, *args]
+        else:
+            cmd = base + [script_or_args, *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=full_env, cwd=ROOT)
+        if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr:
+            break
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

@@ -4,7 +4,8 @@ import textwrap
 
 import pytest
 
-from megarlhf.config import ConfigError, load_config, padded_vocab_size, validate_layout
+from megarlhf.config import (
+    ConfigError, load_config, padded_vocab_size, read_config, validate_layout)
 
 
 def write(tmp_path, text):
@@ -162,7 +163,7 @@ def test_config_show_cli(tmp_path):
 def test_ppo_settings_without_effect_are_errors(overrides, message):
     from megarlhf.config import check_ppo
     with pytest.raises((ConfigError, ValueError)) as err:
-        check_ppo(load_config(None, overrides))
+        check_ppo(*read_config(None, overrides), planning=True)
     assert message in str(err.value)
 
 
@@ -180,8 +181,65 @@ def test_ppo_settings_that_do_something_pass():
             ["ppo.ptx_coef=0.5", "data.ptx_path=x.jsonl", "ppo.ptx_batch_size=8"],
             ["ppo.advantage_estimator=rloo", "ppo.group_size=2", "ppo.dynamic_sampling=true",
              "ppo.max_sampling_rounds=3", "ppo.overlong_buffer=8", "ppo.overlong_penalty=0.5"]):
-        cfg = load_config(None, overrides)
-        check_ppo(cfg)
+        check_ppo(*read_config(None, overrides), planning=True)
     assert not load_config(None, ["ppo.advantage_estimator=grpo",
                                   "ppo.group_size=2"]).ppo.kl_reward_on
     assert load_config(None, ["ppo.advantage_estimator=rloo", "ppo.group_size=2"]).ppo.kl_reward_on
+
+
+# ------------------------------------------------------------------ provenance and aliases
+
+def test_loader_returns_what_was_written_and_the_config_is_frozen(tmp_path):
+    import dataclasses
+    path = write(tmp_path, "model:\n  num_layers: 6\n  fp8:\n    enabled: false\n")
+    cfg, written = read_config(path, ["roles.reward.model.params_dtype=float32",
+                                      "optimizer.lr=3e-5"])
+    assert written.fields("model") == {"num_layers", "fp8"}
+    assert written.fields("model.fp8") == {"enabled"}
+    assert written.fields("roles.reward.model") == {"params_dtype"}
+    assert written.fields("roles.actor") == frozenset() and "roles.actor" not in written
+    # float32 is the default; written all the same (a role's model takes it over its
+    # checkpoint's bfloat16)
+    assert cfg.roles.reward.model.params_dtype == "float32" and "optimizer.lr" in written
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model.num_layers = 4
+    # a config built in code: what differs from the defaults counts as written
+    from megarlhf.config import Written
+    coded = Written.differing(cfg)
+    assert coded.fields("model") == {"num_layers"} and "roles.reward.model.params_dtype" \
+        not in coded and "optimizer.lr" in coded
+
+
+def test_aliases_are_resolved_once_into_the_role_field(tmp_path):
+    cfg, written = read_config(None, ["ppo.sft_checkpoint=a", "dpo.reference_checkpoint=r"])
+    assert cfg.roles.actor.checkpoint == "a" and cfg.roles.reference.checkpoint == "r"
+    assert written.spelling("roles.actor.checkpoint") == "ppo.sft_checkpoint"
+    assert not hasattr(cfg.ppo, "sft_checkpoint")
+    # the same value both ways is one setting; different values are refused
+    same = read_config(None, ["ppo.reward_checkpoint=b", "roles.reward.checkpoint=b"])
+    assert same.config.roles.reward.checkpoint == "b"
+    with pytest.raises(ConfigError, match="roles.actor.checkpoint='x' and ppo.sft_checkpoint="
+                                          "'y' disagree"):
+        read_config(write(tmp_path, "roles:\n  actor:\n    checkpoint: x\n"
+                                    "ppo:\n  sft_checkpoint: y\n"))
+    with pytest.raises(ConfigError, match="disagree"):
+        read_config(None, ["roles.teacher.checkpoint=x", "distill.teacher_checkpoint=y"])
+    # null unsets: an override clears what the file wrote, and nothing counts as written
+    path = write(tmp_path, "ppo:\n  reward_checkpoint: rm\n")
+    cfg, written = read_config(path, ["ppo.reward_checkpoint=null"])
+    assert cfg.roles.reward.checkpoint is None and not written.fields("roles.reward")
+    # a config dumped before the aliases (it holds them as null fields) still loads
+    old = write(tmp_path, "ppo:\n  sft_checkpoint: null\n  reward_checkpoint: null\n"
+                          "dpo:\n  reference_checkpoint: null\n")
+    assert load_config(old).roles.actor.checkpoint is None
+    with pytest.raises(ConfigError, match="expected a string"):
+        read_config(None, ["ppo.sft_checkpoint=3"])
+    with pytest.raises(ConfigError, match="did you mean 'ppo.sft_checkpoint'"):
+        read_config(None, ["ppo.sft_chekpoint=a"])
+
+
+def test_overlay_checks_the_merged_section():
+    from megarlhf.config import overlay
+    cfg, written = read_config(None, ["optimizer.lr=1e-6", "roles.actor.optimizer.min_lr=1e-5"])
+    with pytest.raises(ConfigError, match="optimizer.min_lr=1e-05 is invalid"):
+        overlay(cfg.optimizer, cfg.roles.actor.optimizer, written, "roles.actor.optimizer")

@@ -6,6 +6,7 @@ keys; DPO at TP=2, PP=2 and DP=2 against one process, with the cache built at TP
 PP=2 equal to recomputing the reference every step; and both stages learning on the
 synthetic task through the CLI."""
 
+import dataclasses
 import inspect
 import json
 import math
@@ -260,8 +261,8 @@ def test_bad_dpo_and_distill_settings_are_refused_before_any_work(tiny_checkpoin
 
     def cfg(*extra):
         c = load_config(None, [*base, *extra])
-        c.model.vocab_size = c.model.vocab_size or tok.vocab_size
-        return c
+        return dataclasses.replace(c, model=dataclasses.replace(
+            c.model, vocab_size=c.model.vocab_size or tok.vocab_size))
 
     with pytest.raises(ConfigError, match="DPO needs a reference"):
         dpo_specs(cfg(), tok)

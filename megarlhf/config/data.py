@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megarlhf.config.fields import _require
+from megarlhf.config.fields import require
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class TokenizerConfig:
     type: Literal["sentencepiece", "hf"] = "sentencepiece"
     """sentencepiece model file, or a Hugging Face ``tokenizer.json``."""
@@ -22,7 +22,7 @@ class TokenizerConfig:
     has none), none (conversations are refused), or the path of a jinja template file."""
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class DataConfig:
     train_path: str | None = None
     """Training data: a .jsonl/.json or .parquet file (or a folder of them)."""
@@ -55,9 +55,7 @@ class DataConfig:
     """Pack several SFT samples into one sequence (attention isolated per sample)."""
 
     def __post_init__(self):
-        _require(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", self.eval_fraction,
-                 "must be in [0, 1)")
-        _require(self.max_prompt_len >= 1, "data.max_prompt_len", self.max_prompt_len,
-                 "must be >= 1")
-        _require(self.max_seq_len > self.max_prompt_len, "data.max_seq_len", self.max_seq_len,
-                 f"must exceed data.max_prompt_len={self.max_prompt_len}")
+        require(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", self.eval_fraction,
+                "must be in [0, 1)")
+        require(self.max_prompt_len >= 1, "data.max_prompt_len", self.max_prompt_len,
+                "must be >= 1")

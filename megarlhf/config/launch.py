@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarlhf.config.fields import _require
+from megarlhf.config.fields import require
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class LaunchConfig:
     nodes: int = 1
     """Slurm nodes."""
@@ -36,12 +36,12 @@ class LaunchConfig:
 
     def __post_init__(self):
         for name in ("nodes", "tasks_per_node", "cpus_per_task"):
-            _require(getattr(self, name) >= 1, f"launch.{name}", getattr(self, name),
-                     "must be >= 1")
-        _require(self.gpus_per_node >= 0, "launch.gpus_per_node", self.gpus_per_node,
-                 "must be >= 0")
-        _require(self.preempt_signal_seconds >= 1, "launch.preempt_signal_seconds",
-                 self.preempt_signal_seconds, "must be >= 1")
+            require(getattr(self, name) >= 1, f"launch.{name}", getattr(self, name),
+                    "must be >= 1")
+        require(self.gpus_per_node >= 0, "launch.gpus_per_node", self.gpus_per_node,
+                "must be >= 0")
+        require(self.preempt_signal_seconds >= 1, "launch.preempt_signal_seconds",
+                self.preempt_signal_seconds, "must be >= 1")
         if self.gpu_memory_gib is not None:
-            _require(self.gpu_memory_gib > 0, "launch.gpu_memory_gib", self.gpu_memory_gib,
-                     "must be > 0 or null")
+            require(self.gpu_memory_gib > 0, "launch.gpu_memory_gib", self.gpu_memory_gib,
+                    "must be > 0 or null")

@@ -6,65 +6,61 @@ nearest valid key. Nothing here touches torch or process groups.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
 import re
 import types
 import typing
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import yaml
 
+from megarlhf.config.fields import ConfigError
+from megarlhf.config.rules import check_section
 from megarlhf.config.tree import Config
+from megarlhf.config.written import Written
+
+__all__ = ["ALIASES", "ConfigError", "Loaded", "config_from_dict", "dump_config", "load_config",
+           "overlay", "parse_overrides", "read_config", "section_from_dict"]
 
 
-class ConfigError(ValueError):
-    """A config file or override that cannot become a valid :class:`Config`."""
+# One name per setting: these shorter spellings of a role's checkpoint are read once, here,
+# into the role's field (a config dumped before they became aliases still loads).
+ALIASES = {"ppo.sft_checkpoint": "roles.actor.checkpoint",
+           "ppo.reward_checkpoint": "roles.reward.checkpoint",
+           "dpo.reference_checkpoint": "roles.reference.checkpoint",
+           "distill.teacher_checkpoint": "roles.teacher.checkpoint"}
 
 
-# The loader remembers which fields a file or an override wrote on each section, so that a
-# role's model can come from its checkpoint and take only what the user wrote on top.
-_EXPLICIT = "_megarlhf_explicit"
+class Loaded(NamedTuple):
+    """A loaded config and what its file and overrides wrote."""
+
+    config: Config
+    written: Written
 
 
-def explicit_fields(section) -> frozenset[str]:
-    """Field names a config file or override set on ``section`` (a dataclass built by this
-    loader); a section built in code counts every field as set."""
-    names = getattr(section, _EXPLICIT, None)
-    if names is None:
-        return frozenset(f.name for f in dataclasses.fields(section))
-    return names
-
-
-def written_fields(section) -> frozenset[str]:
-    """Like :func:`explicit_fields`, but a section built in code counts the fields that
-    differ from their defaults (what a user of the code "wrote")."""
-    names = getattr(section, _EXPLICIT, None)
-    if names is not None:
-        return names
-    defaults = type(section)()
-    return frozenset(f.name for f in dataclasses.fields(section)
-                     if getattr(section, f.name) != getattr(defaults, f.name))
-
-
-def overlay(base, override, only: tuple[str, ...] | None = None):
-    """``base`` with the fields written on ``override`` (a section of the same type; None
-    changes nothing) on top, nested sections overlaid field by field; ``only`` limits the
-    fields taken. The result is validated by the dataclass again."""
+def overlay(base, override, written: Written, where: str, only: tuple[str, ...] | None = None):
+    """``base`` with the fields written at ``where`` (the dotted path of ``override``, a
+    section of the same type; None changes nothing) on top, nested sections overlaid field
+    by field; ``only`` limits the fields taken. The result is checked again."""
     if override is None:
         return base
     changes = {}
-    for name in explicit_fields(override):
+    for name in written.fields(where):
         if only is not None and name not in only:
             continue
         value = getattr(override, name)
         current = getattr(base, name)
         if dataclasses.is_dataclass(value) and dataclasses.is_dataclass(current):
-            value = overlay(current, value)
+            value = overlay(current, value, written, f"{where}.{name}")
         changes[name] = value
-    merged = dataclasses.replace(base, **changes)
-    object.__setattr__(merged, _EXPLICIT, explicit_fields(base) | frozenset(changes))
+    try:
+        merged = dataclasses.replace(base, **changes)
+        check_section(merged)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}") from None
     return merged
 
 
@@ -75,7 +71,7 @@ def _field_types(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _coerce(value: Any, hint: Any, key: str) -> Any:
+def _coerce(value: Any, hint: Any, key: str, keys: set[str]) -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(hint)
@@ -86,7 +82,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             if option is type(None):
                 continue
             try:
-                return _coerce(value, option, key)
+                return _coerce(value, option, key, keys)
             except ConfigError as err:
                 errors.append(str(err))
         raise ConfigError(errors[0] if len(errors) == 1 else
@@ -101,9 +97,9 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         (item,) = typing.get_args(hint)
         if not isinstance(value, list):
             raise ConfigError(f"{key}={value!r} has the wrong type: expected a list")
-        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [_coerce(v, item, f"{key}[{i}]", keys) for i, v in enumerate(value)]
     if dataclasses.is_dataclass(hint):
-        return _build(hint, value, key)
+        return _build(hint, value, key, keys)
     if hint is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}={value!r} has the wrong type: expected true or false")
@@ -128,6 +124,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
 
 def _unknown_key(cls, name: str, prefix: str) -> ConfigError:
     valid = [f.name for f in dataclasses.fields(cls)]
+    valid += [alias[len(prefix):] for alias in ALIASES
+              if alias.startswith(prefix) and "." not in alias[len(prefix):]]
     near = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
     hint = f"; did you mean '{prefix}{near[0]}'?" if near else ""
     section = prefix.rstrip(".") or "<root>"
@@ -135,7 +133,9 @@ def _unknown_key(cls, name: str, prefix: str) -> ConfigError:
                        f"(valid keys under '{section}': {', '.join(valid)})")
 
 
-def _build(cls, data: Any, key: str = ""):
+def _build(cls, data: Any, key: str, keys: set[str]):
+    """``cls`` from ``data``, each value checked against its field's type and the section
+    against its rules; the dotted key of every value written goes into ``keys``."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -146,16 +146,16 @@ def _build(cls, data: Any, key: str = ""):
     for name, value in data.items():
         if name not in hints:
             raise _unknown_key(cls, str(name), prefix)
-        kwargs[name] = _coerce(value, hints[name], prefix + name)
-    written = frozenset(kwargs)
+        kwargs[name] = _coerce(value, hints[name], prefix + name, keys)
+        keys.add(prefix + name)
     for name, hint in hints.items():  # unwritten sections: built here, with nothing written
         if name not in kwargs and dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, {}, prefix + name)
+            kwargs[name] = _build(hint, {}, prefix + name, set())
     try:
         built = cls(**kwargs)
+        check_section(built)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    object.__setattr__(built, _EXPLICIT, written)
     return built
 
 
@@ -205,8 +205,9 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     return pairs
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
-    """Read ``path`` (YAML; None means all defaults), apply overrides, validate."""
+def read_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Loaded:
+    """Read ``path`` (YAML; None means all defaults), apply overrides, validate; with the
+    config, what the file and the overrides wrote."""
     tree: dict = {}
     if path is not None:
         if not os.path.exists(path):
@@ -218,20 +219,94 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
                 raise ConfigError(f"{path} is not valid YAML: {err}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"{path} must hold a mapping at the top level")
+    spelled = _resolve_aliases(tree)
+    through_alias: dict[str, tuple[str, Any]] = {}
+    direct: dict[str, Any] = {}
     for key, value in parse_overrides(list(overrides)):
-        _set_path(tree, key, value)
-    return _build(Config, tree)
+        if key in ALIASES:
+            through_alias[ALIASES[key]] = (key, value)
+        else:
+            _set_path(tree, key, value)
+            direct[key] = value
+            spelled.pop(key, None)
+    for canonical, (alias, value) in through_alias.items():
+        own = direct.get(canonical)
+        if own is not None and value is not None and own != value:
+            raise ConfigError(f"{canonical}={own!r} and {alias}={value!r} disagree: "
+                              "set one of them")
+        if own is None:
+            _set_alias(tree, canonical, alias, value, spelled)
+    return _load(tree, spelled)
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    """:func:`read_config` without the provenance."""
+    return read_config(path, overrides).config
 
 
 def config_from_dict(tree: dict) -> Config:
     """A validated :class:`Config` from a nested dict (same rules as YAML files)."""
-    return _build(Config, tree)
+    tree = copy.deepcopy(tree)
+    return _load(tree, _resolve_aliases(tree)).config
+
+
+def _load(tree: dict, spelled: dict[str, str]) -> Loaded:
+    keys: set[str] = set()
+    config = _build(Config, tree, "", keys)
+    return Loaded(config, Written(frozenset(keys), spelled))
+
+
+def _resolve_aliases(tree: dict) -> dict[str, str]:
+    """Move each alias a config file wrote into its role's field (in place). Returns, for
+    the fields written through an alias, the alias (for messages)."""
+    spelled: dict[str, str] = {}
+    for alias, canonical in ALIASES.items():
+        section_name, name = alias.split(".")
+        section = tree.get(section_name)
+        if not isinstance(section, dict) or name not in section:
+            continue
+        short = section.pop(name)
+        node, leaf = _leaf(tree, canonical, alias)
+        own = node.get(leaf)
+        if own is not None and short is not None and own != short:
+            raise ConfigError(f"{canonical}={own!r} and {alias}={short!r} disagree: "
+                              "set one of them")
+        if own is None:
+            _set_alias(tree, canonical, alias, short, spelled)
+    return spelled
+
+
+def _set_alias(tree: dict, canonical: str, alias: str, value: Any,
+               spelled: dict[str, str]) -> None:
+    """``alias=value`` written as ``canonical``; null unsets it (nothing written)."""
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(f"{alias}={value!r} has the wrong type: expected a string")
+    node, leaf = _leaf(tree, canonical, alias)
+    if value is None:
+        node.pop(leaf, None)
+        spelled.pop(canonical, None)
+    else:
+        node[leaf] = value
+        spelled[canonical] = alias
+
+
+def _leaf(tree: dict, dotted: str, alias: str) -> tuple[dict, str]:
+    """The mapping that holds ``dotted``'s last part, created on the way."""
+    *path, leaf = dotted.split(".")
+    node = tree
+    for part in path:
+        if node.get(part) is None:
+            node[part] = {}
+        node = node[part]
+        if not isinstance(node, dict):
+            raise ConfigError(f"'{part}' must be a mapping (it holds {alias})")
+    return node, leaf
 
 
 def section_from_dict(cls, tree: dict, key: str):
     """One validated section (e.g. a checkpoint's saved ``ModelConfig``) from a dict; keys
     are named ``key.field`` in errors."""
-    return _build(cls, tree, key)
+    return _build(cls, tree, key, set())
 
 
 def config_to_dict(cfg) -> dict:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megarlhf.config.fields import _require
+from megarlhf.config.fields import require
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class FP8Config:
     enabled: bool = False
     """Run linear layers in fp8 through TransformerEngine (GPU with TE only)."""
@@ -28,14 +28,14 @@ class FP8Config:
     """Keep this many last transformer layers in bf16."""
 
     def __post_init__(self):
-        _require(self.amax_history_len >= 1, "model.fp8.amax_history_len",
-                 self.amax_history_len, "must be >= 1")
+        require(self.amax_history_len >= 1, "model.fp8.amax_history_len",
+                self.amax_history_len, "must be >= 1")
         for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "margin"):
-            _require(getattr(self, name) >= 0, f"model.fp8.{name}", getattr(self, name),
-                     "must be >= 0")
+            require(getattr(self, name) >= 0, f"model.fp8.{name}", getattr(self, name),
+                    "must be >= 0")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class ModelConfig:
     arch: Literal["llama", "gpt2"] = "llama"
     """Llama-style (RMSNorm, SwiGLU, RoPE, untied) or GPT-2-style (LayerNorm, GELU,
@@ -82,27 +82,19 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads",
                      "max_position_embeddings"):
-            _require(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), "must be >= 1")
+            require(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), "must be >= 1")
         if self.ffn_hidden_size is not None:
-            _require(self.ffn_hidden_size >= 1, "model.ffn_hidden_size", self.ffn_hidden_size,
-                     "must be >= 1 or null")
-        _require(0 < self.norm_epsilon < 1, "model.norm_epsilon", self.norm_epsilon,
-                 "must be in (0, 1)")
-        _require(self.init_method_std > 0, "model.init_method_std", self.init_method_std,
-                 "must be > 0")
-        _require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
-                 self.hidden_size,
-                 f"must be divisible by model.num_attention_heads={self.num_attention_heads}")
-        if self.num_query_groups is not None:
-            _require(self.num_query_groups >= 1
-                     and self.num_attention_heads % self.num_query_groups == 0,
-                     "model.num_query_groups", self.num_query_groups,
-                     f"must divide model.num_attention_heads={self.num_attention_heads}")
+            require(self.ffn_hidden_size >= 1, "model.ffn_hidden_size", self.ffn_hidden_size,
+                    "must be >= 1 or null")
+        require(0 < self.norm_epsilon < 1, "model.norm_epsilon", self.norm_epsilon,
+                "must be in (0, 1)")
+        require(self.init_method_std > 0, "model.init_method_std", self.init_method_std,
+                "must be > 0")
         if self.vocab_size is not None:
-            _require(self.vocab_size >= 2, "model.vocab_size", self.vocab_size, "must be >= 2")
+            require(self.vocab_size >= 2, "model.vocab_size", self.vocab_size, "must be >= 2")
         for name in ("hidden_dropout", "attention_dropout"):
-            _require(0.0 <= getattr(self, name) < 1.0, f"model.{name}", getattr(self, name),
-                     "must be in [0, 1)")
+            require(0.0 <= getattr(self, name) < 1.0, f"model.{name}", getattr(self, name),
+                    "must be in [0, 1)")
 
     @property
     def query_groups(self) -> int:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megarlhf.config.fields import _require
+from megarlhf.config.fields import require
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class DPOConfig:
     """Direct preference optimisation (``megarlhf dpo``): the policy learns from chosen /
     rejected pairs against a frozen reference, whose log-probs come from the cache."""
@@ -19,8 +19,6 @@ class DPOConfig:
     """sigmoid: DPO's -log sigmoid(beta * margin); ipo: (margin - 1 / (2 beta))^2."""
     label_smoothing: float = 0.0
     """cDPO: the fraction of pairs assumed mislabelled (sigmoid loss only), in [0, 0.5)."""
-    reference_checkpoint: str | None = None
-    """The frozen reference; None: the policy's initial checkpoint (checkpoint.load)."""
     use_cache: bool = True
     """Reference log-probs from the cache (built once, the reference not resident while the
     policy learns); false: the reference stays built and scores every global batch."""
@@ -33,27 +31,19 @@ class DPOConfig:
     """How many of those prompts."""
 
     def __post_init__(self):
-        _require(self.beta > 0, "dpo.beta", self.beta, "must be > 0")
-        _require(0.0 <= self.label_smoothing < 0.5, "dpo.label_smoothing",
-                 self.label_smoothing, "must be in [0, 0.5)")
-        _require(self.loss == "sigmoid" or self.label_smoothing == 0.0,
-                 "dpo.label_smoothing", self.label_smoothing,
-                 "applies to the sigmoid loss only (dpo.loss=ipo)")
-        _require(self.num_gold_prompts >= 1, "dpo.num_gold_prompts", self.num_gold_prompts,
-                 "must be >= 1")
-        _require((self.gold_reward_fn is None) == (self.gold_eval_path is None),
-                 "dpo.gold_reward_fn", self.gold_reward_fn,
-                 "and dpo.gold_eval_path go together: set both or neither")
+        require(self.beta > 0, "dpo.beta", self.beta, "must be > 0")
+        require(0.0 <= self.label_smoothing < 0.5, "dpo.label_smoothing",
+                self.label_smoothing, "must be in [0, 0.5)")
+        require(self.num_gold_prompts >= 1, "dpo.num_gold_prompts", self.num_gold_prompts,
+                "must be >= 1")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class DistillConfig:
     """Knowledge distillation (``megarlhf distill``): a student learns the teacher's next-
     token distribution on the response tokens of SFT-format rows, from the teacher's
     cached top-k log-probs."""
 
-    teacher_checkpoint: str | None = None
-    """The teacher (any size; its layout: roles.teacher.parallel)."""
     top_k: int = 16
     """Teacher log-probs kept per position; the rest of its mass is one remaining bucket."""
     divergence: Literal["forward", "reverse"] = "forward"
@@ -65,12 +55,12 @@ class DistillConfig:
     """Weight of the ordinary next-token loss on the data's responses, added to the KL."""
 
     def __post_init__(self):
-        _require(self.top_k >= 1, "distill.top_k", self.top_k, "must be >= 1")
-        _require(self.temperature > 0, "distill.temperature", self.temperature, "must be > 0")
-        _require(self.nll_coef >= 0, "distill.nll_coef", self.nll_coef, "must be >= 0")
+        require(self.top_k >= 1, "distill.top_k", self.top_k, "must be >= 1")
+        require(self.temperature > 0, "distill.temperature", self.temperature, "must be > 0")
+        require(self.nll_coef >= 0, "distill.nll_coef", self.nll_coef, "must be >= 0")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class CacheConfig:
     """The frozen-model cache (reference log-probs for DPO, teacher top-k for distill)."""
 
@@ -83,5 +73,5 @@ class CacheConfig:
     """Rows per forward micro-batch while building."""
 
     def __post_init__(self):
-        _require(self.micro_batch_size >= 1, "cache.micro_batch_size", self.micro_batch_size,
-                 "must be >= 1")
+        require(self.micro_batch_size >= 1, "cache.micro_batch_size", self.micro_batch_size,
+                "must be >= 1")

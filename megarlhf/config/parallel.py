@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megarlhf.config.fields import _require
+from megarlhf.config.fields import require
 from megarlhf.config.layout import Layout
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     """Tensor-parallel size of the training layout."""
@@ -30,14 +30,8 @@ class ParallelConfig:
     def __post_init__(self):
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "make_vocab_size_divisible_by", "timeout_minutes"):
-            _require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
-                     "must be >= 1")
-        vpp = self.virtual_pipeline_model_parallel_size
-        if vpp is not None:
-            _require(vpp >= 2 and self.pipeline_model_parallel_size >= 2,
-                     "parallel.virtual_pipeline_model_parallel_size", vpp,
-                     "must be >= 2 and needs parallel.pipeline_model_parallel_size >= 2 "
-                     "(or null to disable)")
+            require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
+                    "must be >= 1")
 
     @property
     def layout(self) -> Layout:
@@ -47,7 +41,7 @@ class ParallelConfig:
                       vpp=self.virtual_pipeline_model_parallel_size)
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class RoleParallelConfig:
     tensor_model_parallel_size: int | None = None
     """Tensor-parallel size of this role; None: the actor's."""
@@ -62,7 +56,7 @@ class RoleParallelConfig:
                      "virtual_pipeline_model_parallel_size"):
             value = getattr(self, name)
             if value is not None:
-                _require(value >= 1, f"parallel.{name}", value, "must be >= 1 or null")
+                require(value >= 1, f"parallel.{name}", value, "must be >= 1 or null")
 
     def over(self, base: Layout) -> Layout:
         """``base`` (the actor's layout) with the sizes this role writes on top; VPP is

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megarlhf.config.fields import _require
+from megarlhf.config.fields import require
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class PPOConfig:
     rollout_batch_size: int = 64
     """Prompts per PPO iteration (global, all data-parallel ranks)."""
@@ -118,10 +118,6 @@ class PPOConfig:
     ptx_batch_size: int | None = None
     """PPO-ptx: pretraining samples mixed into each actor mini-batch (global); None: as
     many as mini_batch_size."""
-    sft_checkpoint: str | None = None
-    """Checkpoint the actor and the reference model start from (an SFT run's folder)."""
-    reward_checkpoint: str | None = None
-    """Reward-model checkpoint (also the critic's start); None needs rollout.reward_fn."""
     critic_init: Literal["reward", "sft", "random"] = "reward"
     """Critic trunk from the reward model (InstructGPT), the SFT model, or random."""
     gold_reward_fn: str | None = None
@@ -135,71 +131,54 @@ class PPOConfig:
     def __post_init__(self):
         for name in ("rollout_batch_size", "mini_batch_size", "micro_batch_size",
                      "ppo_epochs", "num_iterations", "group_size", "kl_horizon"):
-            _require(getattr(self, name) >= 1, f"ppo.{name}", getattr(self, name), "must be >= 1")
+            require(getattr(self, name) >= 1, f"ppo.{name}", getattr(self, name), "must be >= 1")
         # Batch divisibility counts samples (prompts x group_size) per trained role's
         # data-parallel size: checked by algos.BatchSizes once the layouts are known.
-        _require(0 < self.clip_eps < 1, "ppo.clip_eps", self.clip_eps, "must be in (0, 1)")
+        require(0 < self.clip_eps < 1, "ppo.clip_eps", self.clip_eps, "must be in (0, 1)")
         if self.dual_clip is not None:
-            _require(self.dual_clip > 1, "ppo.dual_clip", self.dual_clip, "must be > 1 or null")
-        _require(0 <= self.gamma <= 1, "ppo.gamma", self.gamma, "must be in [0, 1]")
-        _require(0 <= self.lam <= 1, "ppo.lam", self.lam, "must be in [0, 1]")
-        _require(self.value_loss_coef > 0, "ppo.value_loss_coef", self.value_loss_coef,
-                 "must be > 0")
-        _require(self.init_kl_coef >= 0, "ppo.init_kl_coef", self.init_kl_coef, "must be >= 0")
-        _require(self.kl_target > 0, "ppo.kl_target", self.kl_target, "must be > 0")
+            require(self.dual_clip > 1, "ppo.dual_clip", self.dual_clip, "must be > 1 or null")
+        require(0 <= self.gamma <= 1, "ppo.gamma", self.gamma, "must be in [0, 1]")
+        require(0 <= self.lam <= 1, "ppo.lam", self.lam, "must be in [0, 1]")
+        require(self.value_loss_coef > 0, "ppo.value_loss_coef", self.value_loss_coef,
+                "must be > 0")
+        require(self.init_kl_coef >= 0, "ppo.init_kl_coef", self.init_kl_coef, "must be >= 0")
+        require(self.kl_target > 0, "ppo.kl_target", self.kl_target, "must be > 0")
         if self.ema_decay is not None:
-            _require(0 < self.ema_decay < 1, "ppo.ema_decay", self.ema_decay,
-                     "must be in (0, 1) or null")
-        _require(self.kl_loss_coef >= 0, "ppo.kl_loss_coef", self.kl_loss_coef, "must be >= 0")
+            require(0 < self.ema_decay < 1, "ppo.ema_decay", self.ema_decay,
+                    "must be in (0, 1) or null")
+        require(self.kl_loss_coef >= 0, "ppo.kl_loss_coef", self.kl_loss_coef, "must be >= 0")
         if self.cliprange_value is not None:
-            _require(self.cliprange_value > 0, "ppo.cliprange_value", self.cliprange_value,
-                     "must be > 0 or null (no value clipping)")
-        _require(self.entropy_coef >= 0, "ppo.entropy_coef", self.entropy_coef, "must be >= 0")
-        _require(self.clip_reward_value > 0, "ppo.clip_reward_value", self.clip_reward_value,
-                 "must be > 0 (scores are clipped to +-clip_reward_value)")
+            require(self.cliprange_value > 0, "ppo.cliprange_value", self.cliprange_value,
+                    "must be > 0 or null (no value clipping)")
+        require(self.entropy_coef >= 0, "ppo.entropy_coef", self.entropy_coef, "must be >= 0")
+        require(self.clip_reward_value > 0, "ppo.clip_reward_value", self.clip_reward_value,
+                "must be > 0 (scores are clipped to +-clip_reward_value)")
         for name in ("critic_warmup_iterations",):
-            _require(getattr(self, name) >= 0, f"ppo.{name}", getattr(self, name), "must be >= 0")
+            require(getattr(self, name) >= 0, f"ppo.{name}", getattr(self, name), "must be >= 0")
         for name in ("eval_interval", "num_eval_prompts"):
-            _require(getattr(self, name) >= 1, f"ppo.{name}", getattr(self, name), "must be >= 1")
-        _require(self.ptx_coef >= 0, "ppo.ptx_coef", self.ptx_coef, "must be >= 0")
+            require(getattr(self, name) >= 1, f"ppo.{name}", getattr(self, name), "must be >= 1")
+        require(self.ptx_coef >= 0, "ppo.ptx_coef", self.ptx_coef, "must be >= 0")
         if self.ptx_batch_size is not None:
-            _require(self.ptx_batch_size >= 1, "ppo.ptx_batch_size", self.ptx_batch_size,
-                     "must be >= 1 or null")
+            require(self.ptx_batch_size >= 1, "ppo.ptx_batch_size", self.ptx_batch_size,
+                    "must be >= 1 or null")
         if self.behavior_weight_cap is not None:
-            _require(self.behavior_weight_cap > 1, "ppo.behavior_weight_cap",
-                     self.behavior_weight_cap, "must be > 1 or null")
+            require(self.behavior_weight_cap > 1, "ppo.behavior_weight_cap",
+                    self.behavior_weight_cap, "must be > 1 or null")
         if self.rollout_is_cap is not None:
-            _require(self.rollout_is_cap >= 1, "ppo.rollout_is_cap", self.rollout_is_cap,
-                     "must be >= 1 or null")
+            require(self.rollout_is_cap >= 1, "ppo.rollout_is_cap", self.rollout_is_cap,
+                    "must be >= 1 or null")
         if self.rollout_mask_low is not None:
-            _require(0 < self.rollout_mask_low < 1, "ppo.rollout_mask_low",
-                     self.rollout_mask_low, "must be in (0, 1) or null")
+            require(0 < self.rollout_mask_low < 1, "ppo.rollout_mask_low",
+                    self.rollout_mask_low, "must be in (0, 1) or null")
         if self.rollout_mask_high is not None:
-            _require(self.rollout_mask_high > 1, "ppo.rollout_mask_high",
-                     self.rollout_mask_high, "must be > 1 or null")
-        _require(self.max_sampling_rounds >= 1, "ppo.max_sampling_rounds",
-                 self.max_sampling_rounds, "must be >= 1")
-        _require(self.overlong_buffer >= 0, "ppo.overlong_buffer", self.overlong_buffer,
-                 "must be >= 0")
-        _require(self.overlong_penalty > 0, "ppo.overlong_penalty", self.overlong_penalty,
-                 "must be > 0")
-        if self.dynamic_sampling:
-            _require(self.group_size >= 2, "ppo.group_size", self.group_size,
-                     "must be >= 2 with ppo.dynamic_sampling (it filters groups)")
-        if not self.kl_reward_on and self.kl_controller == "adaptive":
-            raise ValueError(
-                "ppo.kl_controller=adaptive tunes the KL coefficient of the reward, but the "
-                f"KL is not in the reward (ppo.kl_in_reward={self.kl_in_reward}, estimator "
-                f"{self.advantage_estimator}): set ppo.kl_in_reward=true or "
-                "ppo.kl_controller=fixed")
-        if self.policy_loss == "decoupled":
-            _require(self.dual_clip is None and self.rollout_is_cap is None,
-                     "ppo.policy_loss", self.policy_loss,
-                     "the decoupled loss has its own importance weight and no dual clip: "
-                     "leave ppo.rollout_is_cap and ppo.dual_clip null")
-        if self.advantage_estimator in ("grpo", "rloo"):
-            _require(self.group_size >= 2, "ppo.group_size", self.group_size,
-                     f"must be >= 2 for ppo.advantage_estimator={self.advantage_estimator}")
+            require(self.rollout_mask_high > 1, "ppo.rollout_mask_high",
+                    self.rollout_mask_high, "must be > 1 or null")
+        require(self.max_sampling_rounds >= 1, "ppo.max_sampling_rounds",
+                self.max_sampling_rounds, "must be >= 1")
+        require(self.overlong_buffer >= 0, "ppo.overlong_buffer", self.overlong_buffer,
+                "must be >= 0")
+        require(self.overlong_penalty > 0, "ppo.overlong_penalty", self.overlong_penalty,
+                "must be > 0")
 
 
     @property
@@ -210,7 +189,7 @@ class PPOConfig:
         return self.advantage_estimator != "grpo"
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class RolloutConfig:
     tensor_parallel_size: int = 1
     """TP of the inference layout; data-parallel replicas follow from the world size."""
@@ -257,18 +236,18 @@ class RolloutConfig:
     sequences of 1024 tokens). 0 turns the cache off."""
 
     def __post_init__(self):
-        _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size",
-                 self.tensor_parallel_size, "must be >= 1")
-        _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens,
-                 "must be >= 1")
-        _require(self.temperature > 0, "rollout.temperature", self.temperature,
-                 "must be > 0 (use rollout.greedy=true for argmax)")
-        _require(self.top_k >= 0, "rollout.top_k", self.top_k, "must be >= 0")
-        _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
-        _require(self.min_response_tokens >= 0, "rollout.min_response_tokens",
-                 self.min_response_tokens, "must be >= 0")
-        _require(self.forward_micro_batch_size is None or self.forward_micro_batch_size >= 1,
-                 "rollout.forward_micro_batch_size", self.forward_micro_batch_size,
-                 "must be >= 1, or null for ppo.micro_batch_size")
-        _require(self.ref_cache_size >= 0, "rollout.ref_cache_size", self.ref_cache_size,
-                 "must be >= 0 (0 turns the reference log-prob cache off)")
+        require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size",
+                self.tensor_parallel_size, "must be >= 1")
+        require(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens,
+                "must be >= 1")
+        require(self.temperature > 0, "rollout.temperature", self.temperature,
+                "must be > 0 (use rollout.greedy=true for argmax)")
+        require(self.top_k >= 0, "rollout.top_k", self.top_k, "must be >= 0")
+        require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
+        require(self.min_response_tokens >= 0, "rollout.min_response_tokens",
+                self.min_response_tokens, "must be >= 0")
+        require(self.forward_micro_batch_size is None or self.forward_micro_batch_size >= 1,
+                "rollout.forward_micro_batch_size", self.forward_micro_batch_size,
+                "must be >= 1, or null for ppo.micro_batch_size")
+        require(self.ref_cache_size >= 0, "rollout.ref_cache_size", self.ref_cache_size,
+                "must be >= 0 (0 turns the reference log-prob cache off)")

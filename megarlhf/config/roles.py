@@ -10,11 +10,15 @@ from megarlhf.config.parallel import RoleParallelConfig
 from megarlhf.config.training import OptimizerConfig
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class RoleConfig:
     checkpoint: str | None = None
     """Checkpoint this role loads (a run's ``checkpoints`` folder, one checkpoint, or a
-    converter's output folder). None: the ``ppo.*_checkpoint`` shorthand, see ``roles``."""
+    converter's output folder). Aliases the loader turns into this field:
+    ``ppo.sft_checkpoint`` (the actor's: an SFT run), ``ppo.reward_checkpoint`` (the reward
+    model's; None needs rollout.reward_fn), ``dpo.reference_checkpoint`` (the DPO
+    reference; None: the policy's checkpoint.load), ``distill.teacher_checkpoint`` (the
+    teacher's, any size)."""
     model: ModelConfig | None = None
     """Model of this role. By default the checkpoint's saved model; the fields written here
     replace it (e.g. ``params_dtype``). Shape fields must agree with the checkpoint."""
@@ -33,16 +37,16 @@ class RoleConfig:
     follows rollout.offload_frozen_models. ``megarlhf plan`` shows what each saves."""
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class RolesConfig:
     """The four PPO roles, each with its own checkpoint, model and layout (all colocated
     on the same ranks, time-shared).
 
-    - actor: ``roles.actor.checkpoint`` or ``ppo.sft_checkpoint``; model = that checkpoint's,
-      with the fields written in the top-level ``model`` and ``roles.actor.model`` on top;
-      layout = ``parallel`` with ``roles.actor.parallel`` on top; optimizer = ``optimizer``.
+    - actor: ``roles.actor.checkpoint`` (alias ``ppo.sft_checkpoint``); model = that
+      checkpoint's, with the fields written in the top-level ``model`` and
+      ``roles.actor.model`` on top; layout = ``parallel`` with ``roles.actor.parallel`` on top; optimizer = ``optimizer``.
     - reference: ``roles.reference.checkpoint`` or the actor's checkpoint; model as the actor.
-    - reward: ``roles.reward.checkpoint`` or ``ppo.reward_checkpoint``; model = its
+    - reward: ``roles.reward.checkpoint`` (alias ``ppo.reward_checkpoint``); model = its
       checkpoint's (another size or architecture just works).
     - critic: ``roles.critic.checkpoint`` or, by ``ppo.critic_init``, the reward model's
       checkpoint, the actor's, or none (random, the actor's shape); optimizer = ``optimizer``
@@ -58,7 +62,7 @@ class RolesConfig:
     reference: RoleConfig = field(default_factory=RoleConfig)
     """The frozen reference policy of the KL penalty (PPO) or of DPO."""
     teacher: RoleConfig = field(default_factory=RoleConfig)
-    """The frozen teacher of ``megarlhf distill`` (its checkpoint: distill.teacher_checkpoint
-    or roles.teacher.checkpoint)."""
+    """The frozen teacher of ``megarlhf distill`` (its checkpoint: roles.teacher.checkpoint,
+    or its alias distill.teacher_checkpoint)."""
     reward: RoleConfig = field(default_factory=RoleConfig)
     """The frozen reward model (unless ``rollout.reward_fn`` is set)."""

@@ -1,15 +1,110 @@
-"""Checks that span settings: a model against its layout and the world size, the
-inference layout, precision, and the PPO settings that span sections or would silently
-do nothing."""
+"""Every refusal that involves more than one setting, in one module.
+
+- Within one section (``model.hidden_size`` against ``model.num_attention_heads``):
+  :func:`check_section`, which the loader applies to every section it builds and
+  :func:`~megarlhf.config.loader.overlay` to every section it merges, so no loaded config
+  has one of them broken.
+- Across sections, and against what a stage reads: a model against its layout and the
+  world size, the inference layout, precision (called for every role by
+  ``roles.spec``); PPO's settings (:func:`check_ppo`); the roles a stage does not read
+  (:func:`check_roles`); the Slurm job against the layouts (:func:`check_launch`). The
+  stages and commands call them before any work.
+
+A value that is wrong on its own (a negative learning rate) is refused beside its field,
+by its section's ``__post_init__``. Refusals that need a file (a checkpoint's shapes, the
+tokenizer's vocabulary) are made where the file is read.
+"""
 
 from __future__ import annotations
 
-from megarlhf.config.fields import _require
+from megarlhf.config.data import DataConfig
+from megarlhf.config.fields import ConfigError, require
 from megarlhf.config.layout import Layout
-from megarlhf.config.loader import written_fields
 from megarlhf.config.model import ModelConfig
+from megarlhf.config.offline import DPOConfig
+from megarlhf.config.parallel import ParallelConfig
+from megarlhf.config.ppo import PPOConfig
+from megarlhf.config.training import OptimizerConfig
 from megarlhf.config.tree import Config
+from megarlhf.config.written import Written
 
+PPO_ROLES = ("actor", "critic", "reference", "reward")
+ROLES = (*PPO_ROLES, "teacher")
+
+
+# ------------------------------------------------------------------ within one section
+
+def _model(model: ModelConfig) -> None:
+    require(model.hidden_size % model.num_attention_heads == 0, "model.hidden_size",
+           model.hidden_size,
+           f"must be divisible by model.num_attention_heads={model.num_attention_heads}")
+    if model.num_query_groups is not None:
+        require(model.num_query_groups >= 1
+               and model.num_attention_heads % model.num_query_groups == 0,
+               "model.num_query_groups", model.num_query_groups,
+               f"must divide model.num_attention_heads={model.num_attention_heads}")
+
+
+def _parallel(par: ParallelConfig) -> None:
+    vpp = par.virtual_pipeline_model_parallel_size
+    if vpp is not None:
+        require(vpp >= 2 and par.pipeline_model_parallel_size >= 2,
+               "parallel.virtual_pipeline_model_parallel_size", vpp,
+               "must be >= 2 and needs parallel.pipeline_model_parallel_size >= 2 "
+               "(or null to disable)")
+
+
+def _data(data: DataConfig) -> None:
+    require(data.max_seq_len > data.max_prompt_len, "data.max_seq_len", data.max_seq_len,
+           f"must exceed data.max_prompt_len={data.max_prompt_len}")
+
+
+def _optimizer(opt: OptimizerConfig) -> None:
+    require(0 <= opt.min_lr <= opt.lr, "optimizer.min_lr", opt.min_lr,
+           f"must be in [0, optimizer.lr={opt.lr}]")
+
+
+def _ppo(ppo: PPOConfig) -> None:
+    if ppo.dynamic_sampling:
+        require(ppo.group_size >= 2, "ppo.group_size", ppo.group_size,
+               "must be >= 2 with ppo.dynamic_sampling (it filters groups)")
+    if not ppo.kl_reward_on and ppo.kl_controller == "adaptive":
+        raise ValueError(
+            "ppo.kl_controller=adaptive tunes the KL coefficient of the reward, but the "
+            f"KL is not in the reward (ppo.kl_in_reward={ppo.kl_in_reward}, estimator "
+            f"{ppo.advantage_estimator}): set ppo.kl_in_reward=true or "
+            "ppo.kl_controller=fixed")
+    if ppo.policy_loss == "decoupled":
+        require(ppo.dual_clip is None and ppo.rollout_is_cap is None,
+               "ppo.policy_loss", ppo.policy_loss,
+               "the decoupled loss has its own importance weight and no dual clip: "
+               "leave ppo.rollout_is_cap and ppo.dual_clip null")
+    if ppo.advantage_estimator in ("grpo", "rloo"):
+        require(ppo.group_size >= 2, "ppo.group_size", ppo.group_size,
+               f"must be >= 2 for ppo.advantage_estimator={ppo.advantage_estimator}")
+
+
+def _dpo(dpo: DPOConfig) -> None:
+    require(dpo.loss == "sigmoid" or dpo.label_smoothing == 0.0,
+           "dpo.label_smoothing", dpo.label_smoothing,
+           "applies to the sigmoid loss only (dpo.loss=ipo)")
+    require((dpo.gold_reward_fn is None) == (dpo.gold_eval_path is None),
+           "dpo.gold_reward_fn", dpo.gold_reward_fn,
+           "and dpo.gold_eval_path go together: set both or neither")
+
+
+SECTION_RULES = {ModelConfig: _model, ParallelConfig: _parallel, DataConfig: _data,
+                 OptimizerConfig: _optimizer, PPOConfig: _ppo, DPOConfig: _dpo}
+
+
+def check_section(section) -> None:
+    """The rules between the fields of one section (raises ``ValueError``)."""
+    rule = SECTION_RULES.get(type(section))
+    if rule is not None:
+        rule(section)
+
+
+# ------------------------------------------------------------------ across sections
 
 def check_model_layout(where: str, model: ModelConfig, layout: Layout,
                        world_size: int | None = None, model_name: str = "model") -> None:
@@ -18,34 +113,34 @@ def check_model_layout(where: str, model: ModelConfig, layout: Layout,
     the layout's config section (``parallel``, ``roles.critic.parallel``) and
     ``model_name`` the model's (``model``, ``roles.reward.model``) in the messages."""
     tp, pp, vpp = layout.tp, layout.pp, layout.vpp
-    _require(model.num_attention_heads % tp == 0, f"{where}.tensor_model_parallel_size", tp,
-             f"must divide {model_name}.num_attention_heads={model.num_attention_heads}")
-    _require(model.query_groups % tp == 0, f"{where}.tensor_model_parallel_size", tp,
-             f"must divide the number of query groups ({model_name}.num_query_groups="
-             f"{model.query_groups})")
-    _require(model.ffn_size % tp == 0, f"{where}.tensor_model_parallel_size", tp,
-             f"must divide the MLP width {model.ffn_size} of {model_name}")
+    require(model.num_attention_heads % tp == 0, f"{where}.tensor_model_parallel_size", tp,
+            f"must divide {model_name}.num_attention_heads={model.num_attention_heads}")
+    require(model.query_groups % tp == 0, f"{where}.tensor_model_parallel_size", tp,
+            f"must divide the number of query groups ({model_name}.num_query_groups="
+            f"{model.query_groups})")
+    require(model.ffn_size % tp == 0, f"{where}.tensor_model_parallel_size", tp,
+            f"must divide the MLP width {model.ffn_size} of {model_name}")
     if vpp is not None:
-        _require(pp >= 2 and vpp >= 2, f"{where}.virtual_pipeline_model_parallel_size", vpp,
-                 f"needs pipeline_model_parallel_size >= 2 (it is {pp}) and a value >= 2")
+        require(pp >= 2 and vpp >= 2, f"{where}.virtual_pipeline_model_parallel_size", vpp,
+                f"needs pipeline_model_parallel_size >= 2 (it is {pp}) and a value >= 2")
     chunks = pp * (vpp or 1)
-    _require(model.num_layers % chunks == 0, f"{model_name}.num_layers", model.num_layers,
-             f"must be divisible by the number of pipeline chunks {chunks} "
-             f"({where}.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size)")
+    require(model.num_layers % chunks == 0, f"{model_name}.num_layers", model.num_layers,
+            f"must be divisible by the number of pipeline chunks {chunks} "
+            f"({where}.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size)")
     if world_size is not None:
-        _require(world_size % (tp * pp) == 0, "world size", world_size,
-                 f"must be a multiple of tensor x pipeline parallel size = {tp} x {pp} = "
-                 f"{tp * pp} ({where})")
+        require(world_size % (tp * pp) == 0, "world size", world_size,
+                f"must be a multiple of tensor x pipeline parallel size = {tp} x {pp} = "
+                f"{tp * pp} ({where})")
 
 
 def check_rollout_layout(model: ModelConfig, rollout_tp: int, world_size: int) -> None:
     """The inference layout: TP = rollout.tensor_parallel_size, no PP, DP replicas."""
-    _require(world_size % rollout_tp == 0, "rollout.tensor_parallel_size", rollout_tp,
-             f"must divide the world size {world_size}")
-    _require(model.num_attention_heads % rollout_tp == 0
-             and model.query_groups % rollout_tp == 0, "rollout.tensor_parallel_size",
-             rollout_tp, f"must divide the actor's num_attention_heads="
-             f"{model.num_attention_heads} and query groups {model.query_groups}")
+    require(world_size % rollout_tp == 0, "rollout.tensor_parallel_size", rollout_tp,
+            f"must divide the world size {world_size}")
+    require(model.num_attention_heads % rollout_tp == 0
+            and model.query_groups % rollout_tp == 0, "rollout.tensor_parallel_size",
+            rollout_tp, f"must divide the actor's num_attention_heads="
+            f"{model.num_attention_heads} and query groups {model.query_groups}")
 
 
 def validate_layout(cfg: Config, world_size: int) -> None:
@@ -64,46 +159,136 @@ def check_precision(model: ModelConfig, where: str = "model") -> None:
                          "float16 (fp8 training keeps master weights in the optimizer)")
 
 
-
-def check_ppo(cfg: Config) -> None:
-    """PPO settings that span sections, and settings that would silently do nothing (a
-    field counts as set when the config file or an override wrote it)."""
-    ppo, rollout, data = cfg.ppo, cfg.rollout, cfg.data
+def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
+    """PPO settings that span sections, the roles a PPO run has, and settings that would
+    silently do nothing (a field counts as set when the config file or an override wrote
+    it). ``planning`` (``megarlhf plan``): checkpoints may be missing."""
+    ppo, rollout, data, roles = cfg.ppo, cfg.rollout, cfg.data, cfg.roles
 
     def said(section: str, name: str) -> bool:
-        return name in written_fields(getattr(cfg, section))
+        return f"{section}.{name}" in written
 
     if not ppo.kl_reward_on and said("ppo", "init_kl_coef") and ppo.init_kl_coef > 0:
-        raise ValueError(
+        raise ConfigError(
             f"ppo.init_kl_coef={ppo.init_kl_coef} has no effect: the KL is not in the reward "
             f"(ppo.advantage_estimator={ppo.advantage_estimator}, ppo.kl_in_reward="
             f"{ppo.kl_in_reward}). Regularise with ppo.kl_loss_coef, or set "
             "ppo.kl_in_reward=true")
     if not ppo.kl_loss_coef and said("ppo", "kl_loss_estimator"):
-        raise ValueError("ppo.kl_loss_estimator has no effect with ppo.kl_loss_coef=0")
+        raise ConfigError("ppo.kl_loss_estimator has no effect with ppo.kl_loss_coef=0")
     if ppo.advantage_estimator != "grpo" and said("ppo", "grpo_normalization"):
-        raise ValueError(f"ppo.grpo_normalization has no effect with "
+        raise ConfigError(f"ppo.grpo_normalization has no effect with "
                          f"ppo.advantage_estimator={ppo.advantage_estimator}")
     if ppo.policy_loss != "decoupled" and ppo.behavior_weight_cap is not None:
-        raise ValueError("ppo.behavior_weight_cap applies to ppo.policy_loss=decoupled only")
+        raise ConfigError("ppo.behavior_weight_cap applies to ppo.policy_loss=decoupled only")
     correction = [name for name in ("rollout_is_cap", "rollout_mask_low", "rollout_mask_high")
                   if getattr(ppo, name) is not None]
     if ppo.policy_loss == "decoupled":
         correction.append("policy_loss=decoupled")
     if correction and not rollout.recompute_logprobs:
-        raise ValueError(
+        raise ConfigError(
             f"ppo.{correction[0]} compares the trainer's log-probs with the sampler's, but "
             "rollout.recompute_logprobs=false uses the sampler's as the old log-probs (the "
             "ratio is 1): set rollout.recompute_logprobs=true")
     if (ppo.ptx_coef > 0) != bool(data.ptx_path):
-        raise ValueError("PPO-ptx needs both ppo.ptx_coef > 0 and data.ptx_path "
+        raise ConfigError("PPO-ptx needs both ppo.ptx_coef > 0 and data.ptx_path "
                          f"(got ppo.ptx_coef={ppo.ptx_coef}, data.ptx_path={data.ptx_path!r})")
     if ppo.ptx_batch_size is not None and ppo.ptx_coef == 0:
-        raise ValueError("ppo.ptx_batch_size has no effect with ppo.ptx_coef=0")
+        raise ConfigError("ppo.ptx_batch_size has no effect with ppo.ptx_coef=0")
     if ppo.overlong_buffer >= rollout.max_new_tokens:
-        raise ValueError(f"ppo.overlong_buffer={ppo.overlong_buffer} must be below "
+        raise ConfigError(f"ppo.overlong_buffer={ppo.overlong_buffer} must be below "
                          f"rollout.max_new_tokens={rollout.max_new_tokens}")
     if said("ppo", "max_sampling_rounds") and not ppo.dynamic_sampling:
-        raise ValueError("ppo.max_sampling_rounds has no effect without ppo.dynamic_sampling")
+        raise ConfigError("ppo.max_sampling_rounds has no effect without ppo.dynamic_sampling")
     if said("ppo", "overlong_penalty") and not ppo.overlong_buffer:
-        raise ValueError("ppo.overlong_penalty has no effect with ppo.overlong_buffer=0")
+        raise ConfigError("ppo.overlong_penalty has no effect with ppo.overlong_buffer=0")
+    if roles.actor.checkpoint is None and not planning:
+        raise ConfigError("the actor needs a checkpoint: set ppo.sft_checkpoint (or "
+                          "roles.actor.checkpoint) to an SFT run's checkpoints")
+    reward_model = roles.reward.checkpoint is not None
+    if not reward_model and rollout.reward_fn is None and not planning:
+        raise ConfigError("set ppo.reward_checkpoint (or roles.reward.checkpoint) or "
+                          "rollout.reward_fn")
+    if reward_model and rollout.reward_fn is not None:
+        raise ConfigError("both a reward-model checkpoint and rollout.reward_fn are set: "
+                          "choose one reward source")
+    gae = ppo.advantage_estimator == "gae"
+    if gae and roles.critic.checkpoint is None and ppo.critic_init == "reward" \
+            and rollout.reward_fn is not None:
+        raise ConfigError("ppo.critic_init=reward needs a reward-model checkpoint; "
+                          "with rollout.reward_fn use ppo.critic_init=sft or random")
+    absent = {"critic": None if gae else "ppo.advantage_estimator is not gae",
+              "reward": None if rollout.reward_fn is None
+              else "rollout.reward_fn replaces the reward model"}
+    for name, why in absent.items():
+        if why is not None and written.fields(f"roles.{name}"):
+            raise ConfigError(f"{_role_block(name, written)} is configured but this run has "
+                              f"no {name} ({why}): remove roles.{name}")
+    check_roles(cfg, written, PPO_ROLES, "ppo")
+    for name in ("reference", "reward"):
+        level = getattr(roles, name).offload
+        if level not in (None, "none", "all"):
+            raise ConfigError(f"roles.{name}.offload={level!r}: the {name} role is frozen "
+                              "and has only parameters to move; use none or all")
+
+
+def check_roles(cfg: Config, written: Written, used: tuple[str, ...], stage: str) -> None:
+    """A ``roles.<name>`` block that ``stage`` does not read is an error (it would do
+    nothing), as is an optimizer on a frozen role or, for the roles that only fill the
+    cache of dpo and distill (reference, teacher), an offload level."""
+    for name in ROLES:
+        if name not in used and written.fields(f"roles.{name}"):
+            raise ConfigError(f"{_role_block(name, written)} is configured but {stage} has "
+                              f"no {name} role: remove roles.{name}")
+    for name in used:
+        if name in ("actor", "critic"):
+            continue
+        own = getattr(cfg.roles, name)
+        if own.optimizer is not None:
+            raise ConfigError(f"roles.{name}.optimizer is set, but the {name} role is frozen")
+        if stage in ("dpo", "distill") and own.offload is not None:
+            raise ConfigError(f"roles.{name}.offload is set, but the {name} role only fills "
+                              "the cache and is released before training: remove it")
+
+
+def _role_block(name: str, written: Written) -> str:
+    """``roles.<name>``, or the alias that wrote it (``ppo.reward_checkpoint``)."""
+    keys = [f"roles.{name}.{field}" for field in sorted(written.fields(f"roles.{name}"))]
+    aliases = [written.spelling(key) for key in keys if written.spelling(key) != key]
+    return aliases[0] if aliases and len(aliases) == len(keys) else f"roles.{name}"
+
+
+def check_launch(cfg: Config) -> int:
+    """The Slurm job (``launch``) holds whole copies of every role's layout and of the
+    rollout layout, TP within a node; returns the job's number of processes."""
+    launch = cfg.launch
+    world = launch.nodes * launch.tasks_per_node
+    for where, layout in _role_layouts(cfg).items():
+        tp, pp, ranks = layout.tp, layout.pp, layout.model_parallel
+        if world % ranks:
+            raise ConfigError(
+                f"the layout {where}: TP x PP = {tp} x {pp} = {ranks} processes does not fit "
+                f"{launch.nodes} node(s) x {launch.tasks_per_node} task(s) = {world}: use a "
+                f"multiple of {ranks} processes (launch.nodes / launch.tasks_per_node)")
+        if tp > launch.tasks_per_node:
+            raise ConfigError(f"{where}: TP={tp} spans nodes (launch.tasks_per_node="
+                              f"{launch.tasks_per_node}); keep TP within a node")
+    if world % cfg.rollout.tensor_parallel_size:
+        raise ConfigError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} "
+                          f"does not divide the {world} processes of the job")
+    if launch.gpus_per_node and launch.tasks_per_node > launch.gpus_per_node:
+        raise ConfigError(f"launch.tasks_per_node={launch.tasks_per_node} exceeds "
+                          f"launch.gpus_per_node={launch.gpus_per_node} (one task per GPU)")
+    return world
+
+
+def _role_layouts(cfg: Config) -> dict[str, Layout]:
+    """The training layout and that of every role block that sets its own."""
+    actor = cfg.roles.actor.parallel
+    base = actor.over(cfg.parallel.layout)
+    out = {"parallel" if actor == type(actor)() else "roles.actor.parallel": base}
+    for name in ("critic", "reference", "reward"):
+        own = getattr(cfg.roles, name).parallel
+        if own != type(own)():
+            out[f"roles.{name}.parallel"] = own.over(base)
+    return out

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarlhf.config.fields import _require
+from megarlhf.config.fields import require
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class RunConfig:
     name: str = "megarlhf"
     """Run name; outputs go to ``{output_dir}/{name}``."""
@@ -21,12 +21,12 @@ class RunConfig:
     """torch intra-op threads per process; 0 leaves torch's default."""
 
     def __post_init__(self):
-        _require(bool(self.name) and "/" not in self.name, "run.name", self.name,
-                 "a non-empty name without '/'")
-        _require(self.num_threads >= 0, "run.num_threads", self.num_threads, "must be >= 0")
+        require(bool(self.name) and "/" not in self.name, "run.name", self.name,
+                "a non-empty name without '/'")
+        require(self.num_threads >= 0, "run.num_threads", self.num_threads, "must be >= 0")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
     load: str | None = None
     """Checkpoint to initialise weights from (a run's checkpoint folder or one step)."""
@@ -39,12 +39,12 @@ class CheckpointConfig:
     """How many checkpoints to keep."""
 
     def __post_init__(self):
-        _require(self.save_interval >= 0, "checkpoint.save_interval", self.save_interval,
-                 "must be >= 0")
-        _require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "must be >= 1")
+        require(self.save_interval >= 0, "checkpoint.save_interval", self.save_interval,
+                "must be >= 0")
+        require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "must be >= 1")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class LoggingConfig:
     log_interval: int = 1
     """Write metrics every N steps."""
@@ -61,7 +61,7 @@ class LoggingConfig:
     at the end of the run); false skips the bookkeeping."""
 
     def __post_init__(self):
-        _require(self.log_interval >= 1, "logging.log_interval", self.log_interval,
-                 "must be >= 1")
-        _require(self.sample_table_interval >= 0, "logging.sample_table_interval",
-                 self.sample_table_interval, "must be >= 0 (0: no sample tables)")
+        require(self.log_interval >= 1, "logging.log_interval", self.log_interval,
+                "must be >= 1")
+        require(self.sample_table_interval >= 0, "logging.sample_table_interval",
+                self.sample_table_interval, "must be >= 0 (0: no sample tables)")

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megarlhf.config.fields import _require
+from megarlhf.config.fields import require
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class OptimizerConfig:
     optimizer: Literal["adam", "adamw"] = "adamw"
     """Adam with L2 or decoupled weight decay."""
@@ -49,26 +49,24 @@ class OptimizerConfig:
 
     def __post_init__(self):
         for name in ("lr", "critic_lr"):
-            _require(getattr(self, name) > 0, f"optimizer.{name}", getattr(self, name),
-                     "must be > 0")
-        _require(0 <= self.min_lr <= self.lr, "optimizer.min_lr", self.min_lr,
-                 f"must be in [0, optimizer.lr={self.lr}]")
+            require(getattr(self, name) > 0, f"optimizer.{name}", getattr(self, name),
+                    "must be > 0")
         for name in ("adam_beta1", "adam_beta2"):
-            _require(0 <= getattr(self, name) < 1, f"optimizer.{name}", getattr(self, name),
-                     "must be in [0, 1)")
-        _require(self.adam_eps > 0, "optimizer.adam_eps", self.adam_eps, "must be > 0")
-        _require(self.clip_grad >= 0, "optimizer.clip_grad", self.clip_grad, "must be >= 0")
-        _require(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay,
-                 "must be >= 0")
-        _require(self.warmup_steps >= 0, "optimizer.warmup_steps", self.warmup_steps,
-                 "must be >= 0")
-        _require(self.max_consecutive_skipped_steps >= 0, "optimizer.max_consecutive_skipped_steps",
-                 self.max_consecutive_skipped_steps, "must be >= 0 (0: never stop)")
-        _require(0 < self.max_skipped_fraction <= 1, "optimizer.max_skipped_fraction",
-                 self.max_skipped_fraction, "must be in (0, 1] (1: never stop)")
+            require(0 <= getattr(self, name) < 1, f"optimizer.{name}", getattr(self, name),
+                    "must be in [0, 1)")
+        require(self.adam_eps > 0, "optimizer.adam_eps", self.adam_eps, "must be > 0")
+        require(self.clip_grad >= 0, "optimizer.clip_grad", self.clip_grad, "must be >= 0")
+        require(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay,
+                "must be >= 0")
+        require(self.warmup_steps >= 0, "optimizer.warmup_steps", self.warmup_steps,
+                "must be >= 0")
+        require(self.max_consecutive_skipped_steps >= 0, "optimizer.max_consecutive_skipped_steps",
+                self.max_consecutive_skipped_steps, "must be >= 0 (0: never stop)")
+        require(0 < self.max_skipped_fraction <= 1, "optimizer.max_skipped_fraction",
+                self.max_skipped_fraction, "must be in (0, 1] (1: never stop)")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class TrainConfig:
     global_batch_size: int = 32
     """Samples per optimizer step, all data-parallel ranks (SFT: sequences; RM: pairs)."""
@@ -86,10 +84,10 @@ class TrainConfig:
 
     def __post_init__(self):
         for name in ("global_batch_size", "micro_batch_size", "num_epochs"):
-            _require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name),
+            require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name),
                      "must be >= 1")
         if self.max_steps is not None:
-            _require(self.max_steps >= 1, "train.max_steps", self.max_steps,
+            require(self.max_steps >= 1, "train.max_steps", self.max_steps,
                      "must be >= 1 or null")
-        _require(self.eval_interval >= 0, "train.eval_interval", self.eval_interval,
-                 "must be >= 0")
+        require(self.eval_interval >= 0, "train.eval_interval", self.eval_interval,
+                "must be >= 0")

@@ -22,7 +22,7 @@ from megarlhf.config.run import CheckpointConfig, LoggingConfig, RunConfig
 from megarlhf.config.training import OptimizerConfig, TrainConfig
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     """Run identity and reproducibility."""

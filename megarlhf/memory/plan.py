@@ -20,7 +20,8 @@ import math
 from dataclasses import dataclass, field
 
 from megarlhf import speedups
-from megarlhf.config import Config, ConfigError, Layout, check_model_layout, padded_vocab_size
+from megarlhf.config import (
+    Config, ConfigError, Layout, Written, check_model_layout, padded_vocab_size)
 from megarlhf.roles.offload import LEVEL_PARTS, OFFLOAD_LEVELS
 from megarlhf.roles.spec import RoleSpec, ppo_role_specs
 from megarlhf.models.shapes import ParamShape, rank_chunks
@@ -273,11 +274,12 @@ def _resident(spec: RoleSpec, phase: str, part: str) -> bool:
 
 def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = None,
              rollout_tp: int | None = None, prompt_len: int | None = None,
-             response_len: int | None = None) -> Plan:
+             response_len: int | None = None, written: Written | None = None) -> Plan:
     """Predict every rank's memory in every PPO phase. ``prompt_len`` / ``response_len``
     default to the longest the config allows (data.max_prompt_len, rollout.max_new_tokens);
-    a measured run passes its batch's own to compare."""
-    specs = specs or ppo_role_specs(cfg, world, planning=True)
+    a measured run passes its batch's own to compare. ``written`` as in
+    ``roles.spec.ppo_role_specs``."""
+    specs = specs or ppo_role_specs(cfg, world, written=written, planning=True)
     ppo, r = cfg.ppo, cfg.rollout
     P = prompt_len if prompt_len is not None else cfg.data.max_prompt_len
     T = response_len if response_len is not None else r.max_new_tokens
@@ -379,10 +381,8 @@ def missing_checkpoints(cfg: Config) -> list[str]:
     those roles from the config's model instead."""
     import os
 
-    named = {"roles.actor.checkpoint": cfg.roles.actor.checkpoint or cfg.ppo.sft_checkpoint,
-             "roles.reference.checkpoint": cfg.roles.reference.checkpoint,
-             "roles.reward.checkpoint": cfg.roles.reward.checkpoint or cfg.ppo.reward_checkpoint,
-             "roles.critic.checkpoint": cfg.roles.critic.checkpoint}
+    named = {f"roles.{name}.checkpoint": getattr(cfg.roles, name).checkpoint
+             for name in ("actor", "reference", "reward", "critic")}
     return [f"{k}={v}" for k, v in named.items() if v and not os.path.exists(v)]
 
 
@@ -488,9 +488,9 @@ def layouts_that_fit(cfg: Config, specs: dict[str, RoleSpec], world: int, gpus_p
 
 
 def explain(cfg: Config, world: int, capacity: float, gpus_per_node: int,
-            headroom: float = 0.1) -> tuple[bool, str]:
+            headroom: float = 0.1, written: Written | None = None) -> tuple[bool, str]:
     """(fits, the plan's report with the layouts that would fit when it does not)."""
-    plan = plan_ppo(cfg, world)
+    plan = plan_ppo(cfg, world, written=written)
     ok = fits(plan, capacity, headroom)
     text = format_plan(plan, capacity, headroom)
     missing = missing_checkpoints(cfg)

@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass
 
 from megarlhf.config import (
-    Config, ConfigError, Layout, ModelConfig, OptimizerConfig, check_model_layout, check_ppo,
-    check_precision, check_rollout_layout, explicit_fields, overlay, padded_vocab_size,
+    Config, ConfigError, Layout, ModelConfig, OptimizerConfig, Written, check_model_layout,
+    check_ppo, check_precision, check_rollout_layout, overlay, padded_vocab_size,
     section_from_dict)
 from megarlhf.engine.checkpoint import read_meta, resolve_checkpoint
 
@@ -24,7 +24,6 @@ SHAPE_FIELDS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "num
                 "ffn_hidden_size", "vocab_size", "tie_word_embeddings", "add_qkv_bias")
 # Fields of the top-level ``model`` that apply to every role when written.
 PRECISION_FIELDS = ("params_dtype", "transformer_impl", "fp8")
-PPO_ROLES = ("actor", "critic", "reference", "reward")
 
 
 @dataclass(frozen=True)
@@ -101,16 +100,17 @@ def read_saved_role(path: str, preferred: tuple[str, ...], where: str) -> SavedR
 
 
 def _model_of(where: str, saved: SavedRole | None, base: ModelConfig,
-              overrides: list[tuple[str, ModelConfig | None, tuple[str, ...] | None]]
-              ) -> ModelConfig:
+              overrides: list[tuple[str, ModelConfig | None, tuple[str, ...] | None]],
+              written: Written) -> ModelConfig:
     """``base`` (the checkpoint's saved model, or a config model for random init) with the
-    written fields of each override on top; shape fields may not contradict a checkpoint."""
+    written fields of each override (named by its dotted path) on top; shape fields may
+    not contradict a checkpoint."""
     model = saved.model if saved is not None and saved.model is not None else base
     for name, override, only in overrides:
         if override is None:
             continue
         if saved is not None and saved.model is not None:
-            for key in explicit_fields(override) & set(SHAPE_FIELDS):
+            for key in sorted(written.fields(name) & set(SHAPE_FIELDS)):
                 if only is not None and key not in only:
                     continue
                 want, have = getattr(override, key), getattr(saved.model, key)
@@ -119,7 +119,7 @@ def _model_of(where: str, saved: SavedRole | None, base: ModelConfig,
                         f"{where}: {name}.{key}={want!r} but the checkpoint {saved.path} "
                         f"(role '{saved.role}') has {key}={have!r}; remove the override or "
                         "load a checkpoint of that shape")
-        model = overlay(model, override, only)
+        model = overlay(model, override, written, name, only)
     if model.vocab_size is None:
         model = dataclasses.replace(model, vocab_size=base.vocab_size)
     return model
@@ -162,15 +162,6 @@ def _spec(cfg: Config, *, name: str, kind: str, where: str, saved: SavedRole | N
                     saved_tokenizer=saved.tokenizer if saved else None)
 
 
-def _checkpoint_of(cfg: Config, role: str, shorthand: str | None, shorthand_name: str
-                   ) -> str | None:
-    own = getattr(cfg.roles, role).checkpoint
-    if own and shorthand and own != shorthand:
-        raise ConfigError(f"roles.{role}.checkpoint={own!r} and {shorthand_name}="
-                          f"{shorthand!r} disagree: set one of them")
-    return own or shorthand
-
-
 def _check_vocab(specs: dict[str, RoleSpec], tokenizer: dict | None) -> None:
     """Every role reads the same token ids: its vocabulary holds the configured tokenizer's
     and equals the actor's, and a checkpoint that recorded its tokenizer was trained with
@@ -200,13 +191,17 @@ def _check_vocab(specs: dict[str, RoleSpec], tokenizer: dict | None) -> None:
 
 
 def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, *,
-                   planning: bool = False) -> dict[str, RoleSpec]:
+                   written: Written | None = None, planning: bool = False
+                   ) -> dict[str, RoleSpec]:
     """The PPO roles (critic only for GAE; reward model unless ``rollout.reward_fn``). The
-    PPO settings are checked first (``config.check_ppo``). ``planning`` (``megarlhf
-    plan``): a checkpoint that is not set or not there yet is a role of the config's
-    model (``model`` with ``roles.<name>.model`` on top), so a run can be sized before
-    its checkpoints exist."""
-    check_ppo(cfg)
+    PPO settings are checked first (``config.check_ppo``). ``written``: what the config
+    file and overrides wrote (``config.read_config``); for a config built in code, the
+    fields that differ from their defaults. ``planning`` (``megarlhf plan``): a
+    checkpoint that is not set or not there yet is a role of the config's model (``model``
+    with ``roles.<name>.model`` on top), so a run can be sized before its checkpoints
+    exist."""
+    written = written or Written.differing(cfg)
+    check_ppo(cfg, written, planning=planning)
     ppo, roles = cfg.ppo, cfg.roles
 
     def read(path, preferred, where):
@@ -214,19 +209,10 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
             return None
         return read_saved_role(path, preferred, where)
 
-    actor_ckpt = _checkpoint_of(cfg, "actor", ppo.sft_checkpoint, "ppo.sft_checkpoint")
-    if actor_ckpt is None and not planning:
-        raise ConfigError("the actor needs a checkpoint: set ppo.sft_checkpoint (or "
-                          "roles.actor.checkpoint) to an SFT run's checkpoints")
-    reward_ckpt = _checkpoint_of(cfg, "reward", ppo.reward_checkpoint, "ppo.reward_checkpoint")
+    actor_ckpt = roles.actor.checkpoint
+    reward_ckpt = roles.reward.checkpoint
     if planning and reward_ckpt is None and cfg.rollout.reward_fn is None:
         reward_ckpt = ""  # a reward model of the config's model
-    if reward_ckpt is None and cfg.rollout.reward_fn is None:
-        raise ConfigError("set ppo.reward_checkpoint (or roles.reward.checkpoint) or "
-                          "rollout.reward_fn")
-    if reward_ckpt is not None and cfg.rollout.reward_fn is not None:
-        raise ConfigError("both a reward-model checkpoint and rollout.reward_fn are set: "
-                          "choose one reward source")
     actor_layout = roles.actor.parallel.over(cfg.parallel.layout)
     precision = ("model", cfg.model, PRECISION_FIELDS)
     policy_overrides = [("model", cfg.model, None)]
@@ -235,10 +221,12 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
 
     saved = read(actor_ckpt, ("policy", "actor"), "roles.actor.checkpoint")
     model = _model_of("roles.actor", saved, cfg.model,
-                      policy_overrides + [("roles.actor.model", roles.actor.model, None)])
+                      policy_overrides + [("roles.actor.model", roles.actor.model, None)],
+                      written)
     specs["actor"] = _spec(cfg, name="actor", kind="lm", where="roles.actor", saved=saved,
                            model=model, layout=actor_layout, world_size=world_size,
-                           optimizer=overlay(cfg.optimizer, roles.actor.optimizer),
+                           optimizer=overlay(cfg.optimizer, roles.actor.optimizer, written,
+                                             "roles.actor.optimizer"),
                            vocab_tps=(rollout_tp,))
     check_rollout_layout(model, rollout_tp, world_size)
 
@@ -246,7 +234,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
     saved = read(ref_ckpt, ("policy", "actor", "reference"), "roles.reference.checkpoint")
     model = _model_of("roles.reference", saved, cfg.model,
                       policy_overrides + [("roles.reference.model", roles.reference.model,
-                                           None)])
+                                           None)], written)
     specs["reference"] = _spec(cfg, name="reference", kind="lm", where="roles.reference",
                                saved=saved, model=model,
                                layout=roles.reference.parallel.over(actor_layout),
@@ -256,7 +244,8 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
     if reward_ckpt is not None:
         reward_saved = read(reward_ckpt, ("reward",), "roles.reward.checkpoint")
         model = _model_of("roles.reward", reward_saved, cfg.model,
-                          [precision, ("roles.reward.model", roles.reward.model, None)])
+                          [precision, ("roles.reward.model", roles.reward.model, None)],
+                          written)
         specs["reward"] = _spec(cfg, name="reward", kind="value", where="roles.reward",
                                 saved=reward_saved, model=model,
                                 layout=roles.reward.parallel.over(actor_layout),
@@ -265,16 +254,14 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
     if ppo.advantage_estimator == "gae":
         critic_ckpt = roles.critic.checkpoint
         if critic_ckpt is None:
-            if ppo.critic_init == "reward" and reward_ckpt is None:
-                raise ConfigError("ppo.critic_init=reward needs a reward-model checkpoint; "
-                                  "with rollout.reward_fn use ppo.critic_init=sft or random")
             critic_ckpt = {"reward": reward_ckpt, "sft": actor_ckpt, "random": None}[
                 ppo.critic_init]
         saved = read(critic_ckpt, ("critic", "reward", "policy", "actor"),
                      "roles.critic.checkpoint") if critic_ckpt else None
         base = specs["actor"].model
         model = _model_of("roles.critic", saved, base,
-                          [precision, ("roles.critic.model", roles.critic.model, None)])
+                          [precision, ("roles.critic.model", roles.critic.model, None)],
+                          written)
         critic_opt = dataclasses.replace(cfg.optimizer, lr=cfg.optimizer.critic_lr,
                                          min_lr=min(cfg.optimizer.min_lr,
                                                     cfg.optimizer.critic_lr))
@@ -282,7 +269,8 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
                                 saved=saved, model=model,
                                 layout=roles.critic.parallel.over(actor_layout),
                                 world_size=world_size,
-                                optimizer=overlay(critic_opt, roles.critic.optimizer),
+                                optimizer=overlay(critic_opt, roles.critic.optimizer, written,
+                                                  "roles.critic.optimizer"),
                                 allow_trunk=True)
         if saved is not None and saved.role == "reward":
             # Returns are built from the normalised score gain * raw + bias: a critic that
@@ -290,16 +278,6 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
             entry = read_meta(saved.path)["roles"]["reward"]
             specs["critic"] = dataclasses.replace(specs["critic"], head_affine=(
                 float(entry.get("score_gain", 1.0)), float(entry.get("score_bias", 0.0))))
-    for name in ("critic", "reward"):
-        if name not in specs and _role_is_set(getattr(roles, name)):
-            why = "ppo.advantage_estimator is not gae" if name == "critic" \
-                else "rollout.reward_fn replaces the reward model"
-            raise ConfigError(f"roles.{name} is configured but this run has no {name} "
-                              f"({why}): remove roles.{name}")
-    check_unused_roles(cfg, PPO_ROLES, "ppo")
-    for name in ("reference", "reward"):
-        if getattr(roles, name).optimizer is not None:
-            raise ConfigError(f"roles.{name}.optimizer is set, but the {name} role is frozen")
     specs = {name: dataclasses.replace(spec, offload=_offload_of(cfg, name, spec.trained))
              for name, spec in specs.items()}
     _check_vocab(specs, tokenizer)
@@ -314,15 +292,12 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
 
 def _offload_of(cfg: Config, name: str, trained: bool) -> str:
     """``roles.<name>.offload`` resolved: trained roles default to none, frozen ones to
-    ``rollout.offload_frozen_models``; a frozen role has only parameters to move."""
+    ``rollout.offload_frozen_models`` (``config.check_ppo`` allows them none or all)."""
     level = getattr(cfg.roles, name).offload
     if trained:
         return level or "none"
     if level is None:
         return "all" if cfg.rollout.offload_frozen_models else "none"
-    if level not in ("none", "all"):
-        raise ConfigError(f"roles.{name}.offload={level!r}: the {name} role is frozen and "
-                          "has only parameters to move; use none or all")
     return level
 
 
@@ -334,16 +309,13 @@ def check_positions(spec: RoleSpec, longest: int, what: str) -> None:
                           f"max_position_embeddings={spec.model.max_position_embeddings}")
 
 
-def _role_is_set(role) -> bool:
-    """Whether a config file or override wrote anything under this role's block."""
-    return bool(getattr(role, "_megarlhf_explicit", frozenset()))
-
-
 def single_role_spec(cfg: Config, *, name: str, kind: str, world_size: int, trained: bool,
-                     checkpoint_role: str | None = None, tokenizer: dict | None = None
-                     ) -> RoleSpec:
+                     checkpoint_role: str | None = None, tokenizer: dict | None = None,
+                     written: Written | None = None) -> RoleSpec:
     """The one role of ``sft`` (policy), ``rm`` (reward) and ``score``: the top-level
-    ``model`` and ``parallel``, initialised from ``checkpoint.load`` when set."""
+    ``model`` and ``parallel``, initialised from ``checkpoint.load`` when set, the fields
+    written in ``model`` on top (``written`` as in :func:`ppo_role_specs`)."""
+    written = written or Written.differing(cfg)
     saved = None
     if cfg.checkpoint.load:
         preferred = (checkpoint_role,) if checkpoint_role else (name,)
@@ -351,7 +323,7 @@ def single_role_spec(cfg: Config, *, name: str, kind: str, world_size: int, trai
         if checkpoint_role and saved.role != checkpoint_role:
             raise ConfigError(f"checkpoint.load={cfg.checkpoint.load!r} has no role "
                               f"'{checkpoint_role}' (it holds '{saved.role}')")
-    model = _model_of("model", saved, cfg.model, [("model", cfg.model, None)])
+    model = _model_of("model", saved, cfg.model, [("model", cfg.model, None)], written)
     spec = _spec(cfg, name=name, kind=kind, where="model", saved=saved, model=model,
                  layout=cfg.parallel.layout,
                  world_size=world_size, optimizer=cfg.optimizer if trained else None,
@@ -361,32 +333,21 @@ def single_role_spec(cfg: Config, *, name: str, kind: str, world_size: int, trai
 
 
 def frozen_role_spec(cfg: Config, *, name: str, checkpoint: str, where: str, base: RoleSpec,
-                     world_size: int, tokenizer: dict | None = None) -> RoleSpec:
+                     world_size: int, tokenizer: dict | None = None,
+                     written: Written | None = None) -> RoleSpec:
     """A frozen LM of ``dpo`` (the reference) or ``distill`` (the teacher): its checkpoint's
     model with ``roles.<name>.model`` on top and the precision fields of ``model``; its
     layout ``roles.<name>.parallel`` on top of ``parallel``. ``where`` names the field that
-    gave the checkpoint. Its vocabulary must be the trained role's (``base``)."""
+    gave the checkpoint. Its vocabulary must be the trained role's (``base``). The stage
+    refuses the settings a frozen role does not read first (``config.check_roles``)."""
+    written = written or Written.differing(cfg)
     own = getattr(cfg.roles, name)
-    if own.optimizer is not None:
-        raise ConfigError(f"roles.{name}.optimizer is set, but the {name} role is frozen")
-    if own.offload is not None:
-        raise ConfigError(f"roles.{name}.offload is set, but the {name} role only fills the "
-                          "cache and is released before training: remove it")
     saved = read_saved_role(checkpoint, ("policy", "actor", name), where)
     model = _model_of(f"roles.{name}", saved, cfg.model,
                       [("model", cfg.model, PRECISION_FIELDS),
-                       (f"roles.{name}.model", own.model, None)])
+                       (f"roles.{name}.model", own.model, None)], written)
     layout = own.parallel.over(cfg.parallel.layout)
     spec = _spec(cfg, name=name, kind="lm", where=f"roles.{name}", saved=saved, model=model,
                  layout=layout, world_size=world_size)
     _check_vocab({"actor": base, name: spec}, tokenizer)
     return spec
-
-
-def check_unused_roles(cfg: Config, used: tuple[str, ...], stage: str) -> None:
-    """A ``roles.<name>`` block that ``stage`` does not read is an error (it would do
-    nothing)."""
-    for name in ("actor", "critic", "reference", "reward", "teacher"):
-        if name not in used and _role_is_set(getattr(cfg.roles, name)):
-            raise ConfigError(f"roles.{name} is configured but {stage} has no {name} role: "
-                              f"remove roles.{name}")

@@ -15,7 +15,7 @@ import shutil
 
 import torch
 
-from megarlhf.config import Config
+from megarlhf.config import Config, Written
 from megarlhf.models.hf_mapping import TOKENIZER_FILES
 
 def hf_config(model_type: str, m: dict, role: str) -> dict:
@@ -77,7 +77,8 @@ def tokenizer_files(cfg: Config, fallback_dir: str | None) -> list[str]:
 
 def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = None,
                       model_type: str | None = None, shard_layers: int = 0,
-                      tokenizer=None, tokenizer_dir: str | None = None) -> dict:
+                      tokenizer=None, tokenizer_dir: str | None = None,
+                      written: Written | None = None) -> dict:
     """Write ``ckpt``'s role ``role_name`` (default: its actor/policy, else its only role)
     to ``out``. ``tokenizer`` (when given) fills generation_config.json."""
     from safetensors.torch import save_file
@@ -88,17 +89,19 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
     from megarlhf.models.hf_mapping import ConversionError, megatron_to_hf
     from megarlhf.parallel.launch import init_distributed, shutdown
 
-    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        setattr(cfg.parallel, key, 1)
-    cfg.parallel.virtual_pipeline_model_parallel_size = None
     ckpt = resolve_checkpoint(ckpt)
     meta = read_meta(ckpt)
     role = policy_role(meta, role_name, ckpt)
     kind = meta["roles"][role].get("kind", "lm")
-    cfg.checkpoint.load = ckpt
+    written = written or Written.differing(cfg)  # before the changes below
+    cfg = dataclasses.replace(
+        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, load=ckpt),
+        parallel=dataclasses.replace(cfg.parallel, tensor_model_parallel_size=1,
+                                     pipeline_model_parallel_size=1,
+                                     virtual_pipeline_model_parallel_size=None))
     # The model is the checkpoint's own (the config's written fields must agree with it).
     spec = single_role_spec(cfg, name=role, kind=kind, world_size=1, trained=False,
-                            checkpoint_role=role)
+                            checkpoint_role=role, written=written)
     model_cfg = spec.model
     m = dataclasses.asdict(model_cfg)
     m["num_query_groups"] = model_cfg.query_groups

@@ -15,11 +15,11 @@ import os
 
 import torch
 
-from megarlhf.config import Config, ConfigError
+from megarlhf.config import Config, ConfigError, Written, check_roles
 from megarlhf.data.batching import batch_length, pad_batch, sft_example
 from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.logit_cache import (LogitCache, build_cache, ensure_cache, make_key)
-from megarlhf.roles.spec import check_unused_roles, frozen_role_spec
+from megarlhf.roles.spec import frozen_role_spec
 from megarlhf.roles.build import build_role
 from megarlhf.engine.steps import make_distill_step, make_dpo_step, ratio
 from megarlhf.parallel.launch import init_distributed, read_dist_env
@@ -55,21 +55,22 @@ def frozen_cache(cfg: Config, spec, rows: list[list[int]], *, top_k: int,
 
 # ------------------------------------------------------------------ DPO
 
-def dpo_specs(cfg: Config, tokenizer):
+def dpo_specs(cfg: Config, tokenizer, written: Written | None = None):
     """The trained policy (``checkpoint.load``, ``model``, ``parallel``) and the frozen
-    reference (``dpo.reference_checkpoint`` or the policy's checkpoint)."""
-    check_unused_roles(cfg, ("reference",), "dpo")
-    policy = supervised_spec(cfg, "policy", "lm", tokenizer)
-    ref_ckpt = cfg.roles.reference.checkpoint or cfg.dpo.reference_checkpoint \
-        or cfg.checkpoint.load
-    where = "roles.reference.checkpoint" if cfg.roles.reference.checkpoint else \
-        "dpo.reference_checkpoint" if cfg.dpo.reference_checkpoint else "checkpoint.load"
+    reference (``roles.reference.checkpoint``, alias ``dpo.reference_checkpoint``, or the
+    policy's checkpoint)."""
+    written = written or Written.differing(cfg)
+    check_roles(cfg, written, ("reference",), "dpo")
+    policy = supervised_spec(cfg, "policy", "lm", tokenizer, written)
+    ref_ckpt = cfg.roles.reference.checkpoint or cfg.checkpoint.load
+    where = written.spelling("roles.reference.checkpoint") \
+        if cfg.roles.reference.checkpoint else "checkpoint.load"
     if ref_ckpt is None:
         raise ConfigError("DPO needs a reference: set checkpoint.load (the SFT policy, also "
                           "the reference) or dpo.reference_checkpoint")
     reference = frozen_role_spec(cfg, name="reference", checkpoint=ref_ckpt, where=where,
                                  base=policy, world_size=read_dist_env().world_size,
-                                 tokenizer=fingerprint(tokenizer))
+                                 tokenizer=fingerprint(tokenizer), written=written)
     return policy, reference
 
 
@@ -163,12 +164,12 @@ def gold_evaluator(cfg: Config, tokenizer):
     return evaluate
 
 
-def run_dpo(cfg: Config, tokenizer) -> dict:
+def run_dpo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
     from megarlhf.engine.forward import forward_rows
     from megarlhf.stages.rm import load_pairs
     from megarlhf.stages.score import right_padded_batch
 
-    policy, reference = dpo_specs(cfg, tokenizer)
+    policy, reference = dpo_specs(cfg, tokenizer, written)
     train_pairs, eval_pairs = load_pairs(cfg, tokenizer)
     max_len = min(cfg.data.max_seq_len, policy.model.max_position_embeddings)
     pairs = train_pairs + eval_pairs
@@ -240,20 +241,19 @@ def run_dpo(cfg: Config, tokenizer) -> dict:
 
 # ------------------------------------------------------------------ distillation
 
-def distill_specs(cfg: Config, tokenizer):
-    check_unused_roles(cfg, ("teacher",), "distill")
-    student = supervised_spec(cfg, "policy", "lm", tokenizer)
-    own = cfg.roles.teacher.checkpoint
-    if own and cfg.distill.teacher_checkpoint and own != cfg.distill.teacher_checkpoint:
-        raise ConfigError("roles.teacher.checkpoint and distill.teacher_checkpoint disagree: "
-                          "set one of them")
-    ckpt = own or cfg.distill.teacher_checkpoint
+def distill_specs(cfg: Config, tokenizer, written: Written | None = None):
+    """The trained student (as DPO's policy) and the frozen teacher
+    (``roles.teacher.checkpoint``, alias ``distill.teacher_checkpoint``)."""
+    written = written or Written.differing(cfg)
+    check_roles(cfg, written, ("teacher",), "distill")
+    student = supervised_spec(cfg, "policy", "lm", tokenizer, written)
+    ckpt = cfg.roles.teacher.checkpoint
     if ckpt is None:
         raise ConfigError("distill needs a teacher: set distill.teacher_checkpoint")
-    where = "roles.teacher.checkpoint" if own else "distill.teacher_checkpoint"
-    teacher = frozen_role_spec(cfg, name="teacher", checkpoint=ckpt, where=where,
+    teacher = frozen_role_spec(cfg, name="teacher", checkpoint=ckpt,
+                               where=written.spelling("roles.teacher.checkpoint"),
                                base=student, world_size=read_dist_env().world_size,
-                               tokenizer=fingerprint(tokenizer))
+                               tokenizer=fingerprint(tokenizer), written=written)
     return student, teacher
 
 
@@ -282,10 +282,10 @@ def distill_microbatches(items: list, micro: int, max_len: int, pad_id: int,
     return out, length
 
 
-def run_distill(cfg: Config, tokenizer) -> dict:
+def run_distill(cfg: Config, tokenizer, written: Written | None = None) -> dict:
     from megarlhf.stages.sft import load_sft_data
 
-    student, teacher = distill_specs(cfg, tokenizer)
+    student, teacher = distill_specs(cfg, tokenizer, written)
     train, held = load_sft_data(cfg, tokenizer)
     max_len = min(cfg.data.max_seq_len, student.model.max_position_embeddings)
     examples = train + held
@@ -320,16 +320,16 @@ def run_distill(cfg: Config, tokenizer) -> dict:
 
 # ------------------------------------------------------------------ megarlhf cache build
 
-def run_cache_build(cfg: Config, tokenizer, stage: str) -> str:
+def run_cache_build(cfg: Config, tokenizer, stage: str, written: Written | None = None) -> str:
     """Build (or check) the cache a ``dpo`` or ``distill`` run with this config reads."""
     if stage == "dpo":
         from megarlhf.stages.rm import load_pairs
-        policy, spec = dpo_specs(cfg, tokenizer)
+        policy, spec = dpo_specs(cfg, tokenizer, written)
         train_pairs, eval_pairs = load_pairs(cfg, tokenizer)
         rows, top_k, temperature = pair_rows(train_pairs + eval_pairs), 0, 1.0
     else:
         from megarlhf.stages.sft import load_sft_data
-        policy, spec = distill_specs(cfg, tokenizer)
+        policy, spec = distill_specs(cfg, tokenizer, written)
         train, held = load_sft_data(cfg, tokenizer)
         rows = [t for t, _ in train + held]
         top_k, temperature = cfg.distill.top_k, cfg.distill.temperature

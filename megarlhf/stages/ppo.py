@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megarlhf import algos
-from megarlhf.config import Config
+from megarlhf.config import Config, Written
 from megarlhf.data.batching import pad_batch, prompt_response_batch
 from megarlhf.data.datasets import tokenize_dataset
 from megarlhf.data.tokenizer import fingerprint
@@ -176,11 +176,12 @@ class PPOSession:
     stages 1-3 plus the KL update. ``run_ppo`` adds evaluation, logging and checkpoints;
     benchmarks step it directly."""
 
-    def __init__(self, cfg: Config, tokenizer):
+    def __init__(self, cfg: Config, tokenizer, written: Written | None = None):
         ppo, r = cfg.ppo, cfg.rollout
         world = read_dist_env().world_size
         self.tokenizer_fingerprint = fingerprint(tokenizer)
-        self.specs = specs = ppo_role_specs(cfg, world, self.tokenizer_fingerprint)
+        self.specs = specs = ppo_role_specs(cfg, world, self.tokenizer_fingerprint,
+                                            written=written)
         # Batch arithmetic per trained role (each splits mini-batches over its own DP).
         self.sizes = {name: algos.BatchSizes(ppo.rollout_batch_size, ppo.mini_batch_size,
                                              ppo.micro_batch_size, s.layout.dp(world),
@@ -319,11 +320,11 @@ class PPOSession:
         self.scorer.restore_frozen_models()
 
 
-def run_ppo(cfg: Config, tokenizer) -> dict:
+def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
     ppo = cfg.ppo
     gold_fn = load_reward_fn(ppo.gold_reward_fn) if ppo.gold_reward_fn else None
     check_writable(cfg)
-    session = PPOSession(cfg, tokenizer)
+    session = PPOSession(cfg, tokenizer, written)
     kl_ctl, cache = session.kl_ctl, session.scorer.ref_cache
     ckpt_dir = os.path.join(run_dir(cfg), "checkpoints")
     start = 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from megarlhf.algos.rewards import fit_score_normalization
-from megarlhf.config import Config
+from megarlhf.config import Config, Written
 from megarlhf.data.batching import batch_length, pad_batch, preference_batch
 from megarlhf.data.datasets import tokenize_dataset
 from megarlhf.engine.forward import forward_rows, stack_results
@@ -77,8 +77,8 @@ def score_last_tokens(role, seqs: list[list[int]], micro_batch_size: int, max_le
     return stack_results(results, "last").double()
 
 
-def run_rm(cfg: Config, tokenizer) -> dict:
-    spec = supervised_spec(cfg, "reward", "value", tokenizer)
+def run_rm(cfg: Config, tokenizer, written: Written | None = None) -> dict:
+    spec = supervised_spec(cfg, "reward", "value", tokenizer, written)
     pairs, eval_pairs = load_pairs(cfg, tokenizer)
     max_len = min(cfg.data.max_seq_len, spec.model.max_position_embeddings)
     mbs, pad = cfg.train.micro_batch_size, tokenizer.pad_id

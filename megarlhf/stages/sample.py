@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megarlhf.config import Config, ConfigError
+from megarlhf.config import Config, ConfigError, Written
 from megarlhf.parallel.rank import is_first
 from megarlhf.stages.common import progress
 
@@ -72,7 +72,8 @@ def read_prompts(path: str, tokenizer) -> list[tuple[str, list[int]]]:
 
 
 def run_generate(cfg: Config, tokenizer, *, input_path: str, output_path: str,
-                 role_name: str | None, batch_size: int) -> int:
+                 role_name: str | None, batch_size: int, written: Written | None = None
+                 ) -> int:
     from megarlhf.engine.checkpoint import policy_role, read_meta, resolve_checkpoint
     from megarlhf.roles.spec import single_role_spec
     from megarlhf.roles.build import build_role
@@ -93,7 +94,7 @@ def run_generate(cfg: Config, tokenizer, *, input_path: str, output_path: str,
                           "generate samples from a language model")
     world = read_dist_env().world_size
     spec = single_role_spec(cfg, name=role, kind="lm", world_size=world, trained=False,
-                            checkpoint_role=role)
+                            checkpoint_role=role, written=written)
     prompts = read_prompts(input_path, tokenizer)
     longest = max(len(ids) for _, ids in prompts) + cfg.rollout.max_new_tokens
     if longest > spec.model.max_position_embeddings:

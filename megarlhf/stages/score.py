@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megarlhf.config import Config
+from megarlhf.config import Config, Written
 from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.forward import forward_rows
 from megarlhf.roles.spec import single_role_spec
@@ -88,12 +88,13 @@ def score_sequences(role, seqs: list[list[int]], *, micro_batch_size: int,
 
 def run_score(cfg: Config, input_path: str, output_path: str, *, role: str,
               micro_batch_size: int, temperature: float, tokenizer=None,
-              ckpt_role: str | None = None) -> None:
+              ckpt_role: str | None = None, written: Written | None = None) -> None:
     """``megarlhf score``: the model of ``checkpoint.load`` (or the seeded random init) at
     the configured layout; rank 0 writes the rows."""
     spec = single_role_spec(cfg, name="model", kind=role, world_size=read_dist_env().world_size,
                             trained=False, checkpoint_role=ckpt_role,
-                            tokenizer=fingerprint(tokenizer) if tokenizer else None)
+                            tokenizer=fingerprint(tokenizer) if tokenizer else None,
+                            written=written)
     seqs = read_sequences(input_path, tokenizer, spec.model.vocab_size)
     longest = max(range(len(seqs)), key=lambda i: len(seqs[i]))
     if len(seqs[longest]) > spec.model.max_position_embeddings:

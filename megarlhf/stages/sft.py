@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megarlhf.config import Config
+from megarlhf.config import Config, Written
 from megarlhf.data.batching import batch_length, pack_examples, pad_batch, stack_batches
 from megarlhf.data.datasets import TokenizedDataset, tokenize_dataset
 from megarlhf.engine.steps import make_lm_loss_step, ratio
@@ -58,8 +58,8 @@ def make_microbatches(examples: list, micro_batch_size: int, *, packing: bool,
             for i in range(0, len(rows), micro_batch_size)], length
 
 
-def run_sft(cfg: Config, tokenizer) -> dict:
-    spec = supervised_spec(cfg, "policy", "lm", tokenizer)
+def run_sft(cfg: Config, tokenizer, written: Written | None = None) -> dict:
+    spec = supervised_spec(cfg, "policy", "lm", tokenizer, written)
     examples, eval_examples = load_sft_data(cfg, tokenizer)
     max_len = min(cfg.data.max_seq_len, spec.model.max_position_embeddings)
     mbs, pad = cfg.train.micro_batch_size, tokenizer.pad_id

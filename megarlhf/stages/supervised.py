@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import torch
 
 from megarlhf.algos.experience import exact_div
-from megarlhf.config import Config
+from megarlhf.config import Config, Written
 from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, save_checkpoint
 from megarlhf.engine.metrics import MetricsLogger
@@ -121,11 +121,12 @@ class SupervisedTask:
     extra_eval: Callable[[Role], dict] | None = None  # more eval/* metrics (gold score)
 
 
-def supervised_spec(cfg: Config, name: str, kind: str, tokenizer) -> RoleSpec:
+def supervised_spec(cfg: Config, name: str, kind: str, tokenizer,
+                    written: Written | None = None) -> RoleSpec:
     """The trained role of ``sft`` / ``rm`` (``name``: its name in checkpoints), resolved
     and checked against the launcher's world size before any process group exists."""
     spec = single_role_spec(cfg, name=name, kind=kind, world_size=read_dist_env().world_size,
-                            trained=True, tokenizer=fingerprint(tokenizer))
+                            trained=True, tokenizer=fingerprint(tokenizer), written=written)
     check_positions(spec, cfg.data.max_seq_len, "data.max_seq_len")  # its longest sequence
     return spec
 
