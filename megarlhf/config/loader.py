@@ -230,12 +230,7 @@ def read_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Lo
             direct[key] = value
             spelled.pop(key, None)
     for canonical, (alias, value) in through_alias.items():
-        own = direct.get(canonical)
-        if own is not None and value is not None and own != value:
-            raise ConfigError(f"{canonical}={own!r} and {alias}={value!r} disagree: "
-                              "set one of them")
-        if own is None:
-            _set_alias(tree, canonical, alias, value, spelled)
+        _set_alias(tree, canonical, direct.get(canonical), alias, value, spelled)
     return _load(tree, spelled)
 
 
@@ -267,18 +262,19 @@ def _resolve_aliases(tree: dict) -> dict[str, str]:
             continue
         short = section.pop(name)
         node, leaf = _leaf(tree, canonical, alias)
-        own = node.get(leaf)
-        if own is not None and short is not None and own != short:
-            raise ConfigError(f"{canonical}={own!r} and {alias}={short!r} disagree: "
-                              "set one of them")
-        if own is None:
-            _set_alias(tree, canonical, alias, short, spelled)
+        _set_alias(tree, canonical, node.get(leaf), alias, short, spelled)
     return spelled
 
 
-def _set_alias(tree: dict, canonical: str, alias: str, value: Any,
+def _set_alias(tree: dict, canonical: str, own: Any, alias: str, value: Any,
                spelled: dict[str, str]) -> None:
-    """``alias=value`` written as ``canonical``; null unsets it (nothing written)."""
+    """``alias=value`` written as ``canonical``, whose own value is ``own`` (None: unset);
+    null unsets it (nothing written). Two different values are an error."""
+    if own is not None:
+        if value is not None and own != value:
+            raise ConfigError(f"{canonical}={own!r} and {alias}={value!r} disagree: "
+                              "set one of them")
+        return
     if value is not None and not isinstance(value, str):
         raise ConfigError(f"{alias}={value!r} has the wrong type: expected a string")
     node, leaf = _leaf(tree, canonical, alias)
