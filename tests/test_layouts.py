@@ -1,5 +1,6 @@
 """Per-token log-probs and values are the same at every parallel layout (fp32, 1e-5):
-both architectures with grouped-query attention, LM and value heads, temperature
+both architectures with grouped-query attention and a Qwen3-shaped llama (head size of its
+own, q/k norms, llama3 RoPE scaling), LM and value heads, temperature
 scaling; and the `megarlhf score` CLI at TP=1/PP=1, TP=2 and PP=2."""
 
 import json
@@ -26,7 +27,7 @@ def layout_results(tmp_path_factory):
 
 
 LAYOUT_CASES = [(arch, role, tp, pp, vpp, temp)
-                for arch in ("llama", "gpt2") for role in ("lm", "value")
+                for arch in ("llama", "gpt2", "qwen3") for role in ("lm", "value")
                 for tp, pp, vpp in [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 2, 2)]
                 for temp in ((1.0, 0.7) if role == "lm" else (1.0,))]
 
@@ -58,7 +59,7 @@ def test_response_only_outputs_equal_the_full_forwards(layout_results):
     sequence runs and the output is sliced)."""
     gaps = [{key: value[0] for key, value in results.items() if key[0] == "response_only"}
             for results in layout_results]
-    assert [len(g) for g in gaps] == [2 * 2, 2 * 2 * 4]  # archs x roles; world 1, world 2
+    assert [len(g) for g in gaps] == [3 * 2, 3 * 2 * 4]  # archs x roles; world 1, world 2
     assert max(max(g.values()) for g in gaps) < 1e-6, gaps
     # the last MLP saw (positions kept) x (rows per micro-batch) rows, on the last stage
     length = max(len(s) for s in fixed_sequences(8))
@@ -77,7 +78,7 @@ def test_head_only_cut_equals_the_full_forwards(layout_results):
     """Where a model does not allow the MLP cut, the head (LM or scalar) cuts instead: the
     same outputs, and the last MLP sees every position."""
     cases = {key: value for key, value in layout_results[0].items() if key[0] == "head_only"}
-    assert len(cases) == 2 * 2  # archs x roles, world 1
+    assert len(cases) == 3 * 2  # archs x roles, world 1
     length = max(len(s) for s in fixed_sequences(8))
     for key, (gap, rows) in cases.items():
         assert gap < 1e-6, key

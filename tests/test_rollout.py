@@ -21,7 +21,7 @@ def rollout_results(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3"])
 def test_kv_cache_greedy_equals_full_recompute(rollout_results, arch):
     gen = rollout_results[0][f"gen_{arch}"]
     cached, full = gen["cached"], gen["full"]
@@ -98,7 +98,7 @@ def test_responses_are_as_wide_as_the_longest(rollout_results, arch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3"])
 def test_sampled_logprobs_equal_teacher_forced_scoring(rollout_results, arch):
     """Left padding and position ids do not change anything: the sampler's log-probs of a
     batch of unequal prompts equal the log-probs of each sequence scored alone."""
@@ -115,7 +115,7 @@ def test_sampled_logprobs_equal_teacher_forced_scoring(rollout_results, arch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["tp2_to_tp1x2", "pp2_to_tp2", "tp1pp2_to_tp1x2",
-                                  "pp2vpp2_to_tp2"])
+                                  "pp2vpp2_to_tp2", "qwen3_pp2vpp2_to_tp2"])
 def test_reshard_reproduces_training_logprobs(rollout_results, case):
     phases = rollout_results[1][case]
     for phase in ("initial", "after_step"):
@@ -131,11 +131,14 @@ def test_reshard_reproduces_training_logprobs(rollout_results, case):
 
 
 @pytest.mark.slow
-def test_reshard_from_vpp_samples_as_tp1(rollout_results):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_reshard_from_vpp_samples_as_tp1(rollout_results, arch):
     """Resharding from an interleaved actor (PP=2 x VPP=2) into rollout TP=2 samples the
-    same tokens, with the same log-probs, as TP=1 (same seeded weights, same row seeds)."""
-    ref = rollout_results[0]["sample_tp1"]
-    got = rollout_results[1]["sample_pp2vpp2_to_tp2"]
+    same tokens, with the same log-probs, as TP=1 (same seeded weights, same row seeds);
+    qwen3: q/k norms and a head size of its own split over the rollout's TP."""
+    prefix = "sample_" if arch == "llama" else f"sample_{arch}_"
+    ref = rollout_results[0][f"{prefix}tp1"]
+    got = rollout_results[1][f"{prefix}pp2vpp2_to_tp2"]
     assert torch.equal(ref.response_tokens_BT, got.response_tokens_BT)
     assert torch.equal(ref.response_mask_BT, got.response_mask_BT)
     assert (ref.logprobs_BT - got.logprobs_BT).abs().max() < 1e-5

@@ -1,5 +1,5 @@
-"""Convert a Hugging Face checkpoint (LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM, GPT2LMHeadModel, or their *ForSequenceClassification heads) into a
+"""Convert a Hugging Face checkpoint (Llama 2 / 3.x, Mistral, Qwen2 / 2.5, Qwen3 dense,
+GPT-2: *ForCausalLM / GPT2LMHeadModel, or their *ForSequenceClassification heads) into a
 megarlhf checkpoint.
 
     python tools/convert_hf_to_megatron.py --hf-dir HF --out OUT [--tp N --pp M]
@@ -59,6 +59,7 @@ class ShardReader:
                 raise FileNotFoundError(f"{hf_dir}: shard {shard} listed in the index is missing")
         self.dir, self.weight_map, self.used = hf_dir, weight_map, set()
         self._open = {}
+        self.last_file = None  # the file of the tensor read last (named in shape errors)
 
     def has(self, key: str) -> bool:
         return key in self.weight_map
@@ -68,6 +69,7 @@ class ShardReader:
             raise KeyError(f"HF checkpoint has no tensor '{key}'")
         shard = self.weight_map[key]
         path = os.path.join(self.dir, shard)
+        self.last_file = path
         if shard not in self._open:
             self._open = {shard: _opened(path)}  # one open
         self.used.add(key)
@@ -107,6 +109,24 @@ def copy_into(model_sd: dict, name: str, tensor: torch.Tensor, done: set) -> Non
 
 
 def convert(hf_dir: str, out: str, tp: int, pp: int, role: str) -> dict:
+    """Convert into ``out``, built in a sibling folder and renamed at the end: a conversion
+    that fails leaves no output folder behind."""
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise FileExistsError(f"--out {out} exists and is not an empty folder: choose a "
+                              "new one (nothing was converted)")
+    partial = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        info = _convert(hf_dir, partial, out, tp, pp, role)
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty, checked above
+        os.replace(partial, out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return info
+
+
+def _convert(hf_dir: str, out: str, final: str, tp: int, pp: int, role: str) -> dict:
     from megarlhf.config import Layout, config_from_dict, padded_vocab_size, validate_layout
     from megarlhf.engine.checkpoint import RoleState, save_checkpoint
     from megarlhf.roles.spec import RoleSpec
@@ -120,8 +140,15 @@ def convert(hf_dir: str, out: str, tp: int, pp: int, role: str) -> dict:
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{hf_dir}: no config.json")
-    hf = json.load(open(config_path))
-    model = model_overrides(hf)
+    try:
+        with open(config_path) as f:
+            hf = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ConversionError(f"{config_path} is not valid JSON: {err}") from None
+    try:
+        model = model_overrides(hf)
+    except ConversionError as err:
+        raise ConversionError(f"{config_path}: {err}") from None
     kind = "lm" if role == "actor" else "value"
     reader = ShardReader(hf_dir)
     model_tree = {**model, "value_head_init": "normal"}
@@ -142,13 +169,16 @@ def convert(hf_dir: str, out: str, tp: int, pp: int, role: str) -> dict:
         sd = chunk.state_dict()
         done: set = set()
         with torch.no_grad():
-            for i in range(model["num_layers"]):
-                for name, tensor in hf_to_megatron_layer(hf["model_type"], i, reader.get,
-                                                         model).items():
+            try:
+                for i in range(model["num_layers"]):
+                    for name, tensor in hf_to_megatron_layer(hf["model_type"], i, reader.get,
+                                                             model).items():
+                        copy_into(sd, name, tensor, done)
+                for name, tensor in hf_to_megatron_outer(hf["model_type"], reader.get, model,
+                                                         reader.has, kind).items():
                     copy_into(sd, name, tensor, done)
-            for name, tensor in hf_to_megatron_outer(hf["model_type"], reader.get, model,
-                                                     reader.has, kind).items():
-                copy_into(sd, name, tensor, done)
+            except ConversionError as err:  # a tensor's shape: name its file
+                raise ConversionError(f"{reader.last_file}: {err}") from None
         unused = reader.unused()
         if unused:
             raise ConversionError(f"unknown HF keys (not converted): {', '.join(unused[:8])}"
@@ -174,15 +204,16 @@ def convert(hf_dir: str, out: str, tp: int, pp: int, role: str) -> dict:
         run_cfg = {"model": {**model, "value_head_init": "normal"},
                    "parallel": {"tensor_model_parallel_size": tp,
                                 "pipeline_model_parallel_size": pp},
-                   "checkpoint": {"load": os.path.join(out, "checkpoints")}}
+                   "checkpoint": {"load": os.path.join(final, "checkpoints")}}
         if "tokenizer.json" in tokenizer_files:
-            run_cfg["tokenizer"] = {"type": "hf", "path": out}
+            run_cfg["tokenizer"] = {"type": "hf", "path": final}
         with open(os.path.join(out, "config.yaml"), "w") as f:
             yaml.safe_dump(run_cfg, f, sort_keys=False)
         params = sum(p.numel() for p in chunk.parameters())
         return {"architecture": hf.get("architectures", [hf["model_type"]])[0],
                 "role": f"{role} ({kind}{', new scalar head' if fresh_head else ''})",
-                "parameters": params, "layout": f"TP={tp} PP={pp}", "checkpoint": path,
+                "parameters": params, "layout": f"TP={tp} PP={pp}",
+                "checkpoint": os.path.join(final, os.path.relpath(path, out)),
                 "files": ["config.yaml", *tokenizer_files],
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     finally:
@@ -205,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     from megarlhf.models.hf_mapping import ConversionError
     try:
         info = convert(args.hf_dir, args.out, args.tp, args.pp, args.role)
-    except (ConversionError, FileNotFoundError, KeyError, ValueError) as err:
+    except (ConversionError, FileNotFoundError, FileExistsError, KeyError, ValueError) as err:
         print(f"convert_hf_to_megatron: error: {err}", file=sys.stderr)
         return 2
     for key, value in info.items():

@@ -2,7 +2,7 @@
 ``transformers`` loads with ``from_pretrained`` (no remote code).
 
     python tools/convert_megatron_to_hf.py --config CONFIG.yaml --out HF_DIR
-        [--ckpt CHECKPOINT] [--role NAME] [--model-type llama|mistral|qwen2|gpt2]
+        [--ckpt CHECKPOINT] [--role NAME] [--model-type llama|mistral|qwen2|qwen3|gpt2]
 
 The checkpoint (default: the config's ``checkpoint.load``) may have been saved at any
 TP/PP; it is loaded into one process. Writes config.json, model.safetensors (one file per
@@ -36,13 +36,15 @@ def main(argv: list[str] | None = None) -> int:
 
     speedups.install()
     quiet_known_warnings()
+    from megarlhf.models.hf_mapping import SUPPORTED
+
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="megarlhf YAML config of the model")
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--role", default=None, help="checkpoint role (default: its only one)")
-    parser.add_argument("--model-type", choices=["llama", "mistral", "qwen2", "gpt2"],
+    parser.add_argument("--model-type", choices=SUPPORTED,
                         default=None)
     parser.add_argument("--shard-layers", type=int, default=0,
                         help="layers per safetensors shard (0: one file)")

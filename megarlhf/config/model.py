@@ -36,6 +36,33 @@ class FP8Config:
 
 
 @dataclass(kw_only=True, frozen=True)
+class RopeScalingConfig:
+    type: Literal["none", "linear", "llama3"] = "none"
+    """How RoPE's frequencies are stretched for a context longer than pretraining: none;
+    linear (positions divided by ``factor``); llama3 (Llama 3.1 and later: wavelengths
+    longer than original_max_position_embeddings / low_freq_factor divided by ``factor``,
+    those shorter than original_max_position_embeddings / high_freq_factor kept, a smooth
+    ramp between). The converter reads it from config.json's rope_scaling."""
+    factor: float = 1.0
+    """Scaling factor (linear, llama3)."""
+    low_freq_factor: float = 1.0
+    """llama3: where the ramp starts (Llama 3.1: 1)."""
+    high_freq_factor: float = 4.0
+    """llama3: where the ramp ends (Llama 3.1: 4)."""
+    original_max_position_embeddings: int = 8192
+    """llama3: the context the model was pretrained at (Llama 3.1: 8192)."""
+
+    def __post_init__(self):
+        require(self.factor > 0, "model.rope_scaling.factor", self.factor, "must be > 0")
+        for name in ("low_freq_factor", "high_freq_factor"):
+            require(getattr(self, name) > 0, f"model.rope_scaling.{name}",
+                    getattr(self, name), "must be > 0")
+        require(self.original_max_position_embeddings >= 1,
+                "model.rope_scaling.original_max_position_embeddings",
+                self.original_max_position_embeddings, "must be >= 1")
+
+
+@dataclass(kw_only=True, frozen=True)
 class ModelConfig:
     arch: Literal["llama", "gpt2"] = "llama"
     """Llama-style (RMSNorm, SwiGLU, RoPE, untied) or GPT-2-style (LayerNorm, GELU,
@@ -48,12 +75,21 @@ class ModelConfig:
     """Query heads."""
     num_query_groups: int | None = None
     """Key/value heads for grouped-query attention; None means one per query head."""
+    head_dim: int | None = None
+    """Size of one attention head; None means hidden_size / num_attention_heads. Qwen3 and
+    Mistral-Nemo-style models set their own (the attention width heads x head_dim then
+    differs from hidden_size)."""
+    qk_layernorm: bool = False
+    """Normalise each query and key head (RMSNorm for llama, LayerNorm for gpt2) before
+    RoPE, as Qwen3 does."""
     ffn_hidden_size: int | None = None
     """MLP width; None means 4 x hidden (gpt2) or the Llama 8/3 x hidden rounded to 64."""
     max_position_embeddings: int = 512
     """Longest sequence the model handles (size of learned position table)."""
     rotary_base: float = 10000.0
     """RoPE theta (llama)."""
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    """RoPE frequency scaling for long context (llama)."""
     vocab_size: int | None = None
     """Vocabulary size before TP padding; None takes it from the tokenizer."""
     tie_word_embeddings: bool | None = None
@@ -83,6 +119,9 @@ class ModelConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads",
                      "max_position_embeddings"):
             require(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), "must be >= 1")
+        if self.head_dim is not None:
+            require(self.head_dim >= 2 and self.head_dim % 2 == 0, "model.head_dim",
+                    self.head_dim, "must be an even number >= 2 or null")
         if self.ffn_hidden_size is not None:
             require(self.ffn_hidden_size >= 1, "model.ffn_hidden_size", self.ffn_hidden_size,
                     "must be >= 1 or null")
@@ -95,6 +134,11 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             require(0.0 <= getattr(self, name) < 1.0, f"model.{name}", getattr(self, name),
                     "must be in [0, 1)")
+
+    @property
+    def head_size(self) -> int:
+        """One attention head's width (``head_dim``, or hidden / heads)."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def query_groups(self) -> int:

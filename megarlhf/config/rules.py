@@ -35,9 +35,19 @@ ROLES = (*PPO_ROLES, "teacher")
 # ------------------------------------------------------------------ within one section
 
 def _model(model: ModelConfig) -> None:
-    require(model.hidden_size % model.num_attention_heads == 0, "model.hidden_size",
-           model.hidden_size,
-           f"must be divisible by model.num_attention_heads={model.num_attention_heads}")
+    if model.head_dim is None:
+        require(model.hidden_size % model.num_attention_heads == 0, "model.hidden_size",
+                model.hidden_size,
+                f"must be divisible by model.num_attention_heads={model.num_attention_heads} "
+                "(or set model.head_dim)")
+    scaling = model.rope_scaling
+    if scaling.type != "none":
+        require(model.arch == "llama", "model.rope_scaling.type", scaling.type,
+                "applies to RoPE models (model.arch=llama); gpt2 has learned positions")
+    if scaling.type == "llama3":
+        require(scaling.high_freq_factor > scaling.low_freq_factor,
+                "model.rope_scaling.high_freq_factor", scaling.high_freq_factor,
+                f"must exceed model.rope_scaling.low_freq_factor={scaling.low_freq_factor}")
     if model.num_query_groups is not None:
         require(model.num_query_groups >= 1
                and model.num_attention_heads % model.num_query_groups == 0,

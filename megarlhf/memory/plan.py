@@ -121,7 +121,7 @@ def static_bytes(spec: RoleSpec, dp: int, pp_rank: int, dp_rank: int) -> dict[st
 def kv_cache_bytes(model, *, tp: int, batch: int, seq: int) -> int:
     """megatron's static KV cache: key and value, (seq, batch, groups / TP, head dim) per
     layer, in the model's dtype."""
-    head_dim = model.hidden_size // model.num_attention_heads
+    head_dim = model.head_size
     return (2 * model.num_layers * seq * batch * (model.query_groups // tp) * head_dim
             * DTYPE_BYTES[model.params_dtype])
 
@@ -132,18 +132,21 @@ def layer_activation_floats(model, tp: int, batch: int, seq: int) -> float:
     """Values one transformer layer of this implementation keeps for backward per token
     (local layers, SDPA): norms and residuals whole, attention and MLP split over TP,
     SDPA's float mask (seq per token), RoPE tables (llama). The attention half here, the
-    MLP half in :func:`mlp_activation_floats`."""
+    MLP half in :func:`mlp_activation_floats`. Query-sized values are heads x head size
+    (hidden, unless ``model.head_dim`` is set)."""
     h, heads = model.hidden_size, model.num_attention_heads
-    kv = h // heads
-    gkv = model.query_groups * kv
+    kv = model.head_size
+    q, gkv = heads * kv, model.query_groups * kv
     if model.arch == "llama":
         whole = 3 * h + 1
-        split = 4 * h + 3 * gkv + heads
+        split = 4 * q + 3 * gkv + heads
         rope = 4 * kv / batch
     else:
         whole = h + 2
-        split = 3 * h + 2 * gkv + heads
+        split = 3 * q + 2 * gkv + heads
         rope = 0.0
+    if model.qk_layernorm:  # the normalised queries and keys
+        split += q + gkv
     return whole + split / tp + seq + rope + mlp_activation_floats(model, tp)
 
 

@@ -17,7 +17,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarlhf import speedups
-from megarlhf.config import Layout, ModelConfig
+from megarlhf.config import Layout, ModelConfig, RopeScalingConfig
 from megarlhf.models.spec import activation, layer_spec, resolve_impl
 from megarlhf.speedups import linears, positions as cuts
 
@@ -45,7 +45,8 @@ def transformer_config(model: ModelConfig, layout: Layout) -> TransformerConfig:
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.query_groups,
         ffn_hidden_size=model.ffn_size,
-        kv_channels=model.hidden_size // model.num_attention_heads,
+        kv_channels=model.head_size,
+        qk_layernorm=model.qk_layernorm,
         normalization="RMSNorm" if model.arch == "llama" else "LayerNorm",
         layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=model.arch == "llama",
@@ -226,9 +227,13 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, layout:
         share_embeddings_and_output_weights=model_cfg.tied and kind == "lm",
         position_embedding_type="rope" if model_cfg.arch == "llama" else "learned_absolute",
         rotary_base=int(model_cfg.rotary_base),
+        seq_len_interpolation_factor=(model_cfg.rope_scaling.factor
+                                      if model_cfg.rope_scaling.type == "linear" else None),
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
+    if model_cfg.rope_scaling.type == "llama3":
+        _scale_llama3(model.rotary_pos_emb, model_cfg.rope_scaling)
     if tcfg.params_dtype != torch.float32:
         # Without apex, megatron's local norms (torch.nn.RMSNorm / LayerNorm) are built in
         # fp32 whatever params_dtype says; megatron's own training loop casts the whole
@@ -236,6 +241,18 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, layout:
         # fp32 main copies assume (a mixed model breaks its state-dict mapping).
         model.to(tcfg.params_dtype)
     return model
+
+
+def _scale_llama3(rope, scaling: RopeScalingConfig) -> None:
+    """Llama 3.1's frequency scaling with the config's own values. megatron-core's
+    ``rope_scaling=True`` applies the same formula (its ``_apply_scaling``) but passes only
+    the factor, keeping low/high frequency factors 1 and 4 and an original context of 8192;
+    a model with other values would be silently changed, so the frequencies are scaled here,
+    once, before the first forward pass, by that same function."""
+    rope.inv_freq = rope._apply_scaling(
+        rope.inv_freq, factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
+        high_freq_factor=scaling.high_freq_factor,
+        original_max_position_embeddings=scaling.original_max_position_embeddings)
 
 
 def _param_seed(seed: int, key: str, layer_offsets: tuple) -> int:

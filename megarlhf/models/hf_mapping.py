@@ -1,5 +1,6 @@
 """Hugging Face <-> megarlhf (megatron-core GPTModel, TP=1/PP=1 names) weight mappings for
-Llama-family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) and GPT-2.
+the Llama family (Llama 2 and 3.x, Mistral and Mistral-Nemo head sizes, Qwen2/2.5, Qwen3
+dense) and GPT-2, causal LM and ``*ForSequenceClassification`` heads.
 
 Pure tensor code, one layer at a time, so conversion streams: a converter never needs more
 than one layer's tensors in flight. Every HF key must be consumed and every megatron key
@@ -22,7 +23,7 @@ import torch
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "chat_template.jinja")
 LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 SUPPORTED = sorted(list(LLAMA_FAMILY) + ["gpt2"])
 
 
@@ -44,37 +45,101 @@ def model_overrides(hf: dict) -> dict:
         if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
             raise ConversionError("GPT-2 options scale_attn_by_inverse_layer_idx / "
                                   "reorder_and_upcast_attn are not supported")
-        hidden = hf["n_embd"]
-        return dict(arch="gpt2", num_layers=hf["n_layer"], hidden_size=hidden,
-                    num_attention_heads=hf["n_head"], num_query_groups=None,
+        hidden = need(hf, "n_embd")
+        return dict(arch="gpt2", num_layers=need(hf, "n_layer"), hidden_size=hidden,
+                    num_attention_heads=need(hf, "n_head"), num_query_groups=None,
                     ffn_hidden_size=hf.get("n_inner") or 4 * hidden,
-                    max_position_embeddings=hf["n_positions"], vocab_size=hf["vocab_size"],
+                    max_position_embeddings=need(hf, "n_positions"),
+                    vocab_size=need(hf, "vocab_size"),
                     norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
                     tie_word_embeddings=True, add_qkv_bias=True)
-    rope = hf.get("rope_parameters") or {}
-    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default"
-                                         else rope)
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise ConversionError(f"rope scaling {scaling} is not supported by megarlhf yet")
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConversionError(f"hidden_act {act!r} is not supported (silu only)")
-    heads = hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
-        raise ConversionError(f"head_dim={hf['head_dim']} != hidden_size / num_attention_heads "
-                              "is not supported")
-    if model_type == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
-        raise ConversionError("Llama attention_bias / mlp_bias are not supported")
-    return dict(arch="llama", num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+    refuse_unsupported(hf)
+    heads = need(hf, "num_attention_heads")
+    hidden = need(hf, "hidden_size")
+    head_dim = hf.get("head_dim")
+    return dict(arch="llama", num_layers=need(hf, "num_hidden_layers"), hidden_size=hidden,
                 num_attention_heads=heads,
                 num_query_groups=hf.get("num_key_value_heads") or heads,
-                ffn_hidden_size=hf["intermediate_size"],
+                head_dim=None if head_dim in (None, hidden // heads) else head_dim,
+                qk_layernorm=model_type == "qwen3",
+                ffn_hidden_size=need(hf, "intermediate_size"),
                 max_position_embeddings=hf.get("max_position_embeddings", 4096),
-                rotary_base=float(theta), vocab_size=hf["vocab_size"],
+                **rope_overrides(hf), vocab_size=need(hf, "vocab_size"),
                 norm_epsilon=hf.get("rms_norm_eps", 1e-6),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 add_qkv_bias=model_type == "qwen2")
+
+
+def need(hf: dict, key: str):
+    """A config.json value the model cannot be built without."""
+    if hf.get(key) is None:
+        raise ConversionError(f"config.json has no '{key}' (model_type "
+                              f"{hf.get('model_type')!r} needs it)")
+    return hf[key]
+
+
+def rope_overrides(hf: dict) -> dict:
+    """RoPE theta and scaling from ``rope_scaling`` (config.json as the hub ships it) or
+    ``rope_parameters`` (transformers 5), with the model's own values; a scaling megarlhf
+    does not implement is refused naming the key."""
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = hf.get(key) or {}
+    theta = hf.get("rope_theta") or params.get("rope_theta") or 10000.0
+    kind = params.get("rope_type", params.get("type", "default"))
+
+    def value(name: str):
+        if params.get(name) is None:
+            raise ConversionError(f"config.json {key}.rope_type={kind!r} has no '{name}'")
+        return params[name]
+
+    if kind == "default":
+        scaling = {}
+    elif kind == "linear":
+        scaling = {"type": "linear", "factor": float(value("factor"))}
+    elif kind == "llama3":
+        scaling = {"type": "llama3", "factor": float(value("factor")),
+                   "low_freq_factor": float(value("low_freq_factor")),
+                   "high_freq_factor": float(value("high_freq_factor")),
+                   "original_max_position_embeddings":
+                       int(value("original_max_position_embeddings"))}
+    else:
+        raise ConversionError(f"config.json {key}.rope_type={kind!r} is not supported "
+                              "(default, linear, llama3)")
+    return {"rotary_base": float(theta), **({"rope_scaling": scaling} if scaling else {})}
+
+
+def refuse_unsupported(hf: dict) -> None:
+    """Options a Llama-family config.json may carry that megarlhf's model does not
+    implement: refused naming the key, before anything is written."""
+    model_type = hf.get("model_type")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConversionError(f"config.json hidden_act={act!r} is not supported (silu only)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise ConversionError(f"config.json {key}=true is not supported for "
+                                  f"model_type {model_type!r}")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise ConversionError(f"config.json {key}={hf[key]} is not supported "
+                                  "(no logit softcapping)")
+    if hf.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise ConversionError(f"config.json partial_rotary_factor="
+                              f"{hf['partial_rotary_factor']} is not supported (1 only)")
+    if hf.get("use_sliding_window"):
+        raise ConversionError("config.json use_sliding_window=true is not supported "
+                              "(full attention only)")
+    window = hf.get("sliding_window")
+    if model_type == "mistral" and window is not None \
+            and window < hf.get("max_position_embeddings", 4096):
+        raise ConversionError(
+            f"config.json sliding_window={window} is not supported: it is shorter than "
+            f"max_position_embeddings={hf.get('max_position_embeddings')} (full attention "
+            "only; a window at least the context long never applies)")
+    other = sorted({t for t in hf.get("layer_types") or () if t != "full_attention"})
+    if other:
+        raise ConversionError(f"config.json layer_types holds {other}: only full_attention "
+                              "layers are supported")
 
 
 def _hf_prefix(model_type: str) -> str:
@@ -97,6 +162,13 @@ def _split_qkv(qkv, heads: int, groups: int, head_dim: int):
             v.reshape(-1, *qkv.shape[1:]))
 
 
+def _heads(m: dict) -> tuple[int, int, int]:
+    """(query heads, key/value groups, head size) of a ``model.*`` dict."""
+    heads = m["num_attention_heads"]
+    return (heads, m["num_query_groups"] or heads,
+            m.get("head_dim") or m["hidden_size"] // heads)
+
+
 def _checked(get: Callable[[str], torch.Tensor], name: str, shape: tuple) -> torch.Tensor:
     tensor = get(name)
     if tuple(tensor.shape) != shape:
@@ -109,8 +181,7 @@ def hf_to_megatron_layer(model_type: str, i: int, get: Callable[[str], torch.Ten
                          m: dict) -> dict[str, torch.Tensor]:
     """Megatron tensors of transformer layer ``i``; ``get(name)`` returns an HF tensor and
     records it as consumed. Attention projections are shape-checked before reshaping."""
-    heads, groups = m["num_attention_heads"], m["num_query_groups"] or m["num_attention_heads"]
-    hd = m["hidden_size"] // heads
+    heads, groups, hd = _heads(m)
     h = m["hidden_size"]
     out = f"decoder.layers.{i}."
     if model_type == "gpt2":
@@ -135,18 +206,27 @@ def hf_to_megatron_layer(model_type: str, i: int, get: Callable[[str], torch.Ten
         }
     p = f"model.layers.{i}."
     a = p + "self_attn."
+    ffn = m["ffn_hidden_size"]
     tensors = {
-        out + "input_layernorm.weight": get(p + "input_layernorm.weight"),
+        out + "input_layernorm.weight": _checked(get, p + "input_layernorm.weight", (h,)),
         out + "self_attention.linear_qkv.weight": _interleave_qkv(
             _checked(get, a + "q_proj.weight", (heads * hd, h)),
             _checked(get, a + "k_proj.weight", (groups * hd, h)),
             _checked(get, a + "v_proj.weight", (groups * hd, h)), heads, groups, hd),
-        out + "self_attention.linear_proj.weight": get(a + "o_proj.weight"),
-        out + "pre_mlp_layernorm.weight": get(p + "post_attention_layernorm.weight"),
-        out + "mlp.linear_fc1.weight": torch.cat([get(p + "mlp.gate_proj.weight"),
-                                                  get(p + "mlp.up_proj.weight")], dim=0),
-        out + "mlp.linear_fc2.weight": get(p + "mlp.down_proj.weight"),
+        out + "self_attention.linear_proj.weight": _checked(get, a + "o_proj.weight",
+                                                            (h, heads * hd)),
+        out + "pre_mlp_layernorm.weight": _checked(get, p + "post_attention_layernorm.weight",
+                                                   (h,)),
+        out + "mlp.linear_fc1.weight": torch.cat([
+            _checked(get, p + "mlp.gate_proj.weight", (ffn, h)),
+            _checked(get, p + "mlp.up_proj.weight", (ffn, h))], dim=0),
+        out + "mlp.linear_fc2.weight": _checked(get, p + "mlp.down_proj.weight", (h, ffn)),
     }
+    if m.get("qk_layernorm"):  # Qwen3: one RMSNorm over each head's width
+        tensors[out + "self_attention.q_layernorm.weight"] = _checked(
+            get, a + "q_norm.weight", (hd,))
+        tensors[out + "self_attention.k_layernorm.weight"] = _checked(
+            get, a + "k_norm.weight", (hd,))
     if model_type == "qwen2":
         tensors[out + "self_attention.linear_qkv.bias"] = _interleave_qkv(
             _checked(get, a + "q_proj.bias", (heads * hd,)),
@@ -186,8 +266,7 @@ def hf_to_megatron_outer(model_type: str, get: Callable[[str], torch.Tensor], m:
 def megatron_to_hf(model_type: str, m: dict, sd: dict[str, torch.Tensor], vocab: int,
                    role: str = "lm") -> dict[str, torch.Tensor]:
     """TP=1 megatron state dict -> HF tensors (padded vocabulary rows dropped)."""
-    heads, groups = m["num_attention_heads"], m["num_query_groups"] or m["num_attention_heads"]
-    hd = m["hidden_size"] // heads
+    heads, groups, hd = _heads(m)
     out: dict[str, torch.Tensor] = {}
     for i in range(m["num_layers"]):
         s = f"decoder.layers.{i}."
@@ -222,6 +301,9 @@ def megatron_to_hf(model_type: str, m: dict, sd: dict[str, torch.Tensor], vocab:
             p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
             p + "mlp.down_proj.weight": sd[s + "mlp.linear_fc2.weight"],
         })
+        if m.get("qk_layernorm"):
+            out.update({a + "q_norm.weight": sd[s + "self_attention.q_layernorm.weight"],
+                        a + "k_norm.weight": sd[s + "self_attention.k_layernorm.weight"]})
         if model_type == "qwen2":
             qb, kb, vb = _split_qkv(sd[s + "self_attention.linear_qkv.bias"], heads, groups, hd)
             out.update({a + "q_proj.bias": qb, a + "k_proj.bias": kb, a + "v_proj.bias": vb})

@@ -27,8 +27,9 @@ class ParamShape:
 
 def _layer(model: ModelConfig, tp: int, prefix: str) -> list[ParamShape]:
     """One transformer layer with tensor parallelism ``tp`` (local spec order)."""
-    h, kv = model.hidden_size, model.hidden_size // model.num_attention_heads
+    h, kv = model.hidden_size, model.head_size
     qkv = (model.num_attention_heads + 2 * model.query_groups) * kv // tp
+    attn = model.num_attention_heads * kv  # the attention's width (hidden unless head_dim)
     gated = model.arch == "llama"
     fc1 = (2 if gated else 1) * model.ffn_size // tp
     bias = model.arch == "gpt2"  # add_bias_linear; LayerNorm has a bias too
@@ -40,12 +41,17 @@ def _layer(model: ModelConfig, tp: int, prefix: str) -> list[ParamShape]:
             out.append(ParamShape(f"{prefix}{name}.bias", (h,)))
 
     norm("input_layernorm")
-    out.append(ParamShape(f"{prefix}self_attention.linear_proj.weight", (h, h // tp)))
+    out.append(ParamShape(f"{prefix}self_attention.linear_proj.weight", (h, attn // tp)))
     if bias:  # a row-parallel layer's bias is whole on every TP rank
         out.append(ParamShape(f"{prefix}self_attention.linear_proj.bias", (h,)))
     out.append(ParamShape(f"{prefix}self_attention.linear_qkv.weight", (qkv, h)))
     if model.qkv_bias:
         out.append(ParamShape(f"{prefix}self_attention.linear_qkv.bias", (qkv,)))
+    if model.qk_layernorm:  # one norm per head size, shared by the heads
+        for name in ("q_layernorm", "k_layernorm"):
+            out.append(ParamShape(f"{prefix}self_attention.{name}.weight", (kv,)))
+            if bias:
+                out.append(ParamShape(f"{prefix}self_attention.{name}.bias", (kv,)))
     norm("pre_mlp_layernorm")
     out.append(ParamShape(f"{prefix}mlp.linear_fc1.weight", (fc1, h)))
     if bias:

@@ -139,8 +139,8 @@ def layer_spec(model: ModelConfig) -> ModuleSpec:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization=norm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization=norm, qk_layernorm=model.qk_layernorm)
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     if speedups.enabled("linears"):
         linears.use_in_spec(spec)

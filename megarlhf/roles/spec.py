@@ -21,6 +21,7 @@ from megarlhf.engine.checkpoint import read_meta, resolve_checkpoint
 
 # Fields that decide the shapes of the weights: a config may not contradict the checkpoint.
 SHAPE_FIELDS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                "head_dim", "qk_layernorm",
                 "ffn_hidden_size", "vocab_size", "tie_word_embeddings", "add_qkv_bias")
 # Fields of the top-level ``model`` that apply to every role when written.
 PRECISION_FIELDS = ("params_dtype", "transformer_impl", "fp8")

@@ -44,6 +44,17 @@ def hf_config(model_type: str, m: dict, role: str) -> dict:
                "vocab_size": m["vocab_size"], "hidden_act": "silu",
                "tie_word_embeddings": bool(m["tie_word_embeddings"]),
                "attention_dropout": 0.0}
+        if m.get("head_dim"):
+            cfg["head_dim"] = m["head_dim"]
+        scaling = m.get("rope_scaling") or {}
+        if scaling.get("type", "none") == "linear":
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": scaling["factor"]}
+        elif scaling.get("type") == "llama3":
+            cfg["rope_scaling"] = {"rope_type": "llama3", **{
+                k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                        "original_max_position_embeddings")}}
+        if model_type == "mistral":
+            cfg["sliding_window"] = None  # megarlhf attends to the whole context
     if role == "value":
         cfg["num_labels"] = 1
     cfg["torch_dtype"] = "float32"
@@ -108,7 +119,8 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
     m["ffn_hidden_size"] = model_cfg.ffn_size
     m["tie_word_embeddings"] = model_cfg.tied
     model_type = model_type or meta["trainer"].get("hf_model_type") or (
-        "gpt2" if model_cfg.arch == "gpt2" else ("qwen2" if model_cfg.qkv_bias else "llama"))
+        "gpt2" if model_cfg.arch == "gpt2" else "qwen3" if model_cfg.qk_layernorm
+        else "qwen2" if model_cfg.qkv_bias else "llama")
     init_distributed(cfg)
     try:
         (chunk,) = build_role(spec, seed=cfg.run.seed).chunks

@@ -10,8 +10,19 @@ from megarlhf.roles.build import build_from_config
 from megarlhf.parallel.launch import init_distributed
 
 
+# A Qwen3-shaped llama: a head size of its own (32 where hidden / heads is 16), q/k RMSNorm,
+# llama3 RoPE scaling from an original context of 8 (the test sequences are longer).
+QWEN3_FIELDS = ("model.head_dim=32", "model.qk_layernorm=true", "model.rope_scaling.type=llama3",
+                "model.rope_scaling.factor=4",
+                "model.rope_scaling.original_max_position_embeddings=8")
+FAMILIES = {"llama": ("llama", ()), "gpt2": ("gpt2", ()), "qwen3": ("llama", QWEN3_FIELDS)}
+
+
 def make_config(arch: str, tp: int, pp: int, *, vocab: int = 300, layers: int = 4,
                 hidden: int = 64, extra: tuple = ()):
+    """A tiny model config; ``arch`` is a key of FAMILIES (llama, gpt2, qwen3)."""
+    arch, fields = FAMILIES[arch]
+    extra = (*fields, *extra)
     return load_config(None, [
         f"model.arch={arch}", f"model.vocab_size={vocab}", f"model.num_layers={layers}",
         f"model.hidden_size={hidden}", "model.num_attention_heads=4", "model.num_query_groups=2",

@@ -1,5 +1,6 @@
 """Converted HF checkpoints at several layouts: per-token log-probs of fixed sequences and
-20-token greedy generations. argv: OUT CONV_DIR ARCH... Results -> OUT/converted_world{N}.pt"""
+32-token greedy generations through the KV-cached rollout (value models, named ``*_rm``:
+per-token values). argv: OUT CONV_DIR ARCH... Results -> OUT/converted_world{N}.pt"""
 
 from __future__ import annotations
 
@@ -17,11 +18,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import build  # noqa: E402
 
 from megarlhf.config import load_config  # noqa: E402
+from megarlhf.models.shapes import chunk_params  # noqa: E402
 from megarlhf.rollout.generate import SamplingParams, generate  # noqa: E402
 from megarlhf.stages.score import score_sequences  # noqa: E402
 
+# The last is longer than the scaled-RoPE families' original context (16 in the tests).
 SEQS = [[5, 17, 42, 8, 99, 250, 3, 77], [9, 3, 120, 121], [100, 101, 102, 103, 104, 105, 7, 8,
-                                                             9, 10, 11, 12, 13, 14, 15, 16]]
+                                                             9, 10, 11, 12, 13, 14, 15, 16],
+        [(37 * i + 11) % 299 + 1 for i in range(48)]]
 PROMPTS = [[5, 17, 42, 8], [9, 3, 120]]
 
 
@@ -30,19 +34,35 @@ def main():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layouts = [(1, 1)] if world == 1 else [(2, 1), (1, 2)]
     results = {}
+    shapes_wrong: list[str] = []
     for arch in archs:
         for tp, pp in layouts:
             cfg = load_config(os.path.join(conv_dir, arch, "config.yaml"), [
                 f"parallel.tensor_model_parallel_size={tp}",
                 f"parallel.pipeline_model_parallel_size={pp}"])
-            scorer = build(cfg, "lm")
+            value = arch.endswith("_rm")
+            scorer = build(cfg, "value" if value else "lm")
             chunks = scorer.chunks
+            spec = scorer.spec  # the planner's parameter shapes against the built chunks
+            for v, chunk in enumerate(chunks):
+                want = [(p.name, p.shape) for p in chunk_params(
+                    spec.model, kind=spec.kind, padded_vocab=spec.padded_vocab, tp=tp, pp=pp,
+                    pp_rank=scorer.layout.pp_rank, vpp=spec.layout.vpp, vp_stage=v)]
+                have = [(n, tuple(p.shape)) for n, p in chunk.named_parameters()]
+                if want != have:
+                    shapes_wrong.append(f"{arch} TP={tp} PP={pp}: plan {want} built {have}")
             rows = score_sequences(scorer, SEQS, micro_batch_size=1)
+            if value:
+                results[(arch, tp, pp)] = {"values": [r["values"] for r in rows]}
+                continue
             results[(arch, tp, pp)] = {"logprobs": [r["logprobs"] for r in rows]}
             if world == 1:
-                gen = generate(chunks[0], PROMPTS, SamplingParams(max_new_tokens=20, greedy=True),
+                gen = generate(chunks[0], PROMPTS, SamplingParams(max_new_tokens=32, greedy=True),
                                eos_id=-1, pad_id=0, true_vocab=cfg.model.vocab_size)
                 results[(arch, tp, pp)]["greedy"] = gen.response_tokens_BT.tolist()
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, shapes_wrong)
+    results[("shapes_wrong", world)] = [line for rank in seen for line in rank]
     if dist.get_rank() == 0:
         torch.save(results, os.path.join(out_dir, f"converted_world{world}.pt"))
     dist.destroy_process_group()

@@ -127,11 +127,11 @@ def short_linears_case(arch, results):
         "short_calls": short[3], "megatron_calls": theirs[3], "linears": len(short_forwards)}
 
 
-def reshard_case(name, tp, pp, rollout_tp, results, vpp=None):
+def reshard_case(name, tp, pp, rollout_tp, results, vpp=None, arch="llama"):
     extra = [f"rollout.tensor_parallel_size={rollout_tp}", "optimizer.lr=0.01"]
     if vpp:
         extra.append(f"parallel.virtual_pipeline_model_parallel_size={vpp}")
-    cfg = make_config("llama", tp, pp, extra=tuple(extra))
+    cfg = make_config(arch, tp, pp, extra=tuple(extra))
     actor = build(cfg, "lm", trained=True, total_steps=5)
     inf_layout = inference_layout(rollout_tp)
     inf_model = build_inference_model(actor.spec, inf_layout)
@@ -155,13 +155,13 @@ def reshard_case(name, tp, pp, rollout_tp, results, vpp=None):
     results[name] = out
 
 
-def sampling_case(name, tp, pp, vpp, rollout_tp, results):
+def sampling_case(name, tp, pp, vpp, rollout_tp, results, arch="llama"):
     """Sampled tokens and their log-probs after resharding from a training layout (the
     same seeded weights at every layout): equal to the TP=1 run's."""
     extra = [f"rollout.tensor_parallel_size={rollout_tp}"]
     if vpp:
         extra.append(f"parallel.virtual_pipeline_model_parallel_size={vpp}")
-    cfg = make_config("llama", tp, pp, extra=tuple(extra))
+    cfg = make_config(arch, tp, pp, extra=tuple(extra))
     actor = build(cfg, "lm", trained=True)
     inf_layout = inference_layout(rollout_tp)
     inf_model = build_inference_model(actor.spec, inf_layout)
@@ -182,12 +182,16 @@ def main():
     if world == 1:
         generation_case("llama", results)
         generation_case("gpt2", results)
+        generation_case("qwen3", results)
         if speedups.enabled("linears"):
             short_linears_case("llama", results)
             short_linears_case("gpt2", results)
         sampling_case("sample_tp1", 1, 1, None, 1, results)
+        sampling_case("sample_qwen3_tp1", 1, 1, None, 1, results, arch="qwen3")
     else:
         sampling_case("sample_pp2vpp2_to_tp2", 1, 2, 2, 2, results)
+        sampling_case("sample_qwen3_pp2vpp2_to_tp2", 1, 2, 2, 2, results, arch="qwen3")
+        reshard_case("qwen3_pp2vpp2_to_tp2", 1, 2, 2, results, vpp=2, arch="qwen3")
         reshard_case("pp2vpp2_to_tp2", 1, 2, 2, results, vpp=2)
         reshard_case("tp2_to_tp1x2", 2, 1, 1, results)
         reshard_case("pp2_to_tp2", 1, 2, 2, results)

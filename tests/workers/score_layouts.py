@@ -1,5 +1,6 @@
-"""Scores fixed sequences with both architectures (GQA), LM and value heads, at every
-layout that fits the world size. World 1 gives the single-process reference.
+"""Scores fixed sequences with both architectures (GQA) and a Qwen3-shaped llama (a head
+size of its own, q/k norms, llama3 RoPE scaling), LM and value heads, at every layout that
+fits the world size. World 1 gives the single-process reference.
 Results -> OUT/layouts_world{N}.pt on rank 0."""
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def main():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     seqs = fixed_sequences(8)
     results = {}
-    for arch in ("llama", "gpt2"):
+    for arch in ("llama", "gpt2", "qwen3"):  # common.FAMILIES
         for role in ("lm", "value"):
             for tp, pp, vpp in LAYOUTS[world]:
                 extra = ["model.value_head_init=normal"]
