@@ -61,6 +61,20 @@ def test_hf_tokenizer_round_trip(corpus, tmp_path):
     # special tokens named in tokenizer_config.json win over the guessed names
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<s>"}))
     assert load_tokenizer(TokenizerConfig(type="hf", path=str(tmp_path))).eos_id == 2
+    assert load_tokenizer(TokenizerConfig(type="hf", path=str(tmp_path))).end_ids == ()
+    # Llama 3's generation_config.json lists several end tokens: all end a response
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9, 7]}))
+    assert load_tokenizer(TokenizerConfig(type="hf", path=str(tmp_path))).end_ids == (7, 9)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert load_tokenizer(TokenizerConfig(type="hf", path=str(tmp_path))).end_ids == (5,)
+    for bad in ({"eos_token_id": [2, 100000]}, {"eos_token_id": "x"}):
+        (tmp_path / "generation_config.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="generation_config.json: eos_token_id .* is not a "
+                                             "token id"):
+            load_tokenizer(TokenizerConfig(type="hf", path=str(tmp_path)))
+    (tmp_path / "generation_config.json").write_text("[1, 2")
+    with pytest.raises(ValueError, match="generation_config.json is not a JSON object"):
+        load_tokenizer(TokenizerConfig(type="hf", path=str(tmp_path)))
 
 
 def test_tokenizer_errors(tmp_path):

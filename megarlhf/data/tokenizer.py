@@ -15,6 +15,10 @@ class Tokenizer(Protocol):
     bos_id: int | None
     eos_id: int
     pad_id: int
+    # Tokens besides EOS that end a response as the model ships (Llama 3's
+    # generation_config.json lists <|eot_id|> and <|eom_id|>); rollouts stop at them and
+    # the missing-stop rule counts them, beside rollout.stop_token_ids.
+    end_ids: tuple[int, ...]
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]: ...
 
@@ -41,6 +45,7 @@ class SentencePieceTokenizer:
                              "eos_id set; tools/train_tokenizer.py does)")
         self.eos_id = self.sp.eos_id()
         self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else self.eos_id
+        self.end_ids = ()
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         ids = self.sp.encode(text)
@@ -93,6 +98,27 @@ class HFTokenizer:
         self.bos_id = self._find(named.get("bos_token"), self._BOS)
         pad = self._find(named.get("pad_token"), self._PAD)
         self.pad_id = self.eos_id if pad is None else pad
+        self.end_ids = self._generation_end_ids(self.folder)
+
+    def _generation_end_ids(self, folder: str) -> tuple[int, ...]:
+        """The end tokens ``generation_config.json`` beside the tokenizer lists
+        (``eos_token_id``: one id or a list), other than EOS; checked against the
+        vocabulary."""
+        path = os.path.join(folder, "generation_config.json")
+        if not os.path.exists(path):
+            return ()
+        try:
+            with open(path) as f:
+                ids = json.load(f).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError) as err:
+            raise ValueError(f"{path} is not a JSON object: {err}") from None
+        ids = [ids] if isinstance(ids, int) else (ids or [])
+        for token in ids:
+            if not isinstance(token, int) or isinstance(token, bool) \
+                    or not 0 <= token < self.vocab_size:
+                raise ValueError(f"{path}: eos_token_id {token!r} is not a token id of this "
+                                 f"tokenizer (0 .. {self.vocab_size - 1})")
+        return tuple(dict.fromkeys(t for t in ids if t != self.eos_id))
 
     def special_tokens(self) -> dict[str, str]:
         """The special tokens' texts, as a chat template reads them (``bos_token``...)."""

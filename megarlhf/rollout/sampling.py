@@ -38,6 +38,14 @@ class Sampler:
     # free the inference model's weights after each generation (the next reshard
     # rewrites them all): rollout.release_inference_weights
     release_inference: bool = False
+    # the model's own end tokens besides EOS (data.tokenizer.Tokenizer.end_ids)
+    end_ids: tuple[int, ...] = ()
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Every token that ends a response besides EOS: rollout.stop_token_ids and the
+        model's end tokens."""
+        return tuple(dict.fromkeys((*self.cfg.rollout.stop_token_ids, *self.end_ids)))
 
     def __post_init__(self):
         self.resharder = Resharder(self.actor.chunks, self.inference_model)
@@ -51,7 +59,7 @@ class Sampler:
         r = self.cfg.rollout
         params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                 top_k=r.top_k, top_p=r.top_p, greedy=r.greedy,
-                                stop_token_ids=tuple(r.stop_token_ids))
+                                stop_token_ids=self.stop_token_ids)
         # One seed per (iteration, prompt): samples do not depend on the layout, and TP
         # peers of a replica (same gathered logits) draw the same tokens.
         if self.hooks is not None:
@@ -76,7 +84,7 @@ class Sampler:
         ``rollout.stop_at_eos=false`` the sampler runs past EOS to the fixed length, and the
         truncated response is what is scored, trained and shown. Returns (the truncated
         generation, ``has_stop`` (B,): a stop token occurred)."""
-        stops = sorted(set(self.cfg.rollout.stop_token_ids) | {self.eos_id})
+        stops = sorted(set(self.stop_token_ids) | {self.eos_id})
         tokens, mask, has_stop = algos.truncate_after_stop(
             gen.response_tokens_BT, gen.response_mask_BT, stops, self.pad_id)
         return Generation(prompt_tokens_BP=gen.prompt_tokens_BP,

@@ -64,7 +64,7 @@ def hf_config(model_type: str, m: dict, role: str) -> dict:
 def generation_config(cfg: Config, tokenizer) -> dict:
     """transformers' generation_config.json from the run's rollout settings."""
     r = cfg.rollout
-    eos = [tokenizer.eos_id] + [t for t in r.stop_token_ids if t != tokenizer.eos_id]
+    eos = list(dict.fromkeys([tokenizer.eos_id, *r.stop_token_ids, *tokenizer.end_ids]))
     out = {"bos_token_id": tokenizer.bos_id, "eos_token_id": eos[0] if len(eos) == 1 else eos,
            "pad_token_id": tokenizer.pad_id, "max_new_tokens": r.max_new_tokens,
            "do_sample": not r.greedy}

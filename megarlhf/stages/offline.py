@@ -134,7 +134,8 @@ def gold_evaluator(cfg: Config, tokenizer):
                                tokenizer).prompts[:cfg.dpo.num_gold_prompts]
     r = cfg.rollout
     params = SamplingParams(max_new_tokens=r.max_new_tokens, greedy=True,
-                            temperature=r.temperature, stop_token_ids=tuple(r.stop_token_ids))
+                            temperature=r.temperature,
+                            stop_token_ids=(*r.stop_token_ids, *tokenizer.end_ids))
     built: dict = {}
 
     def evaluate(role) -> dict:

@@ -215,7 +215,8 @@ class PPOSession:
         self.sampler = Sampler(cfg, self.actor, inf_layout,
                                build_inference_model(specs["actor"], inf_layout),
                                eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                               release_inference=r.release_inference_weights)
+                               release_inference=r.release_inference_weights,
+                               end_ids=tokenizer.end_ids)
         self.scorer = Scorer(cfg, self.actor, self.reference, reward, self.critic,
                              pad_id=tokenizer.pad_id, offload=r.offload_frozen_models,
                              micro_batch_size=r.forward_micro_batch_size
@@ -501,7 +502,7 @@ def _evaluator(cfg, sampler, eval_ds, tokenizer, gold_fn):
         mine_idx = list(range(inf.dp_rank, len(prompts), inf.dp))
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, greedy=True,
                                 temperature=cfg.rollout.temperature,
-                                stop_token_ids=tuple(cfg.rollout.stop_token_ids))
+                                stop_token_ids=sampler.stop_token_ids)
         gen = generate(sampler.inference_model, [prompts[i] for i in mine_idx], params,
                        eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                        true_vocab=sampler.actor.spec.model.vocab_size,

@@ -108,7 +108,7 @@ def run_generate(cfg: Config, tokenizer, *, input_path: str, output_path: str,
     r = cfg.rollout
     params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                             top_k=r.top_k, top_p=r.top_p, greedy=r.greedy,
-                            stop_token_ids=tuple(r.stop_token_ids))
+                            stop_token_ids=(*r.stop_token_ids, *tokenizer.end_ids))
     _log(f"[generate] {spec.describe()}; rollout TP={inf.tp} x {inf.dp} "
            f"replica(s); {len(prompts)} prompts")
     rows = []
