@@ -186,3 +186,63 @@ def test_fixtures_read_the_same_from_every_file_format(tok, tmp_path, fmt):
         src = f"{FIXTURES}/{name}.jsonl"
         assert _read_fixture(tok, _converted(src, fmt, tmp_path / name), kind) == \
             _read_fixture(tok, src, kind), name
+
+
+# ------------------------------------------------------------------ the families' own shapes
+
+LONG = DataConfig(max_prompt_len=256, max_seq_len=512)  # Llama 3's dated system header
+
+@pytest.fixture(scope="module", params=["llama3", "qwen3"])
+def family(request, tmp_path_factory):
+    return request.param, make_chat_model(str(tmp_path_factory.mktemp(request.param)),
+                                          family=request.param)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
+def test_family_templates_render_as_transformers_does(family, kwargs):
+    """Llama 3's header template (dated system turn) and Qwen3's (think blocks, the
+    enable_thinking switch through tokenizer.chat_template_kwargs) render like
+    ``apply_chat_template(**kwargs)``; the tokens they ship as end tokens are read."""
+    name, model = family
+    hf = model["tokenizer"]
+    tok = load_tokenizer(TokenizerConfig(type="hf", path=model["hf"],
+                                         chat_template_kwargs=kwargs))
+    assert tok.eos_id == hf.eos_token_id and set(tok.end_ids) | {tok.eos_id} == set(model["ends"])
+    thinking = [*CONVERSATION[:2], {"role": "assistant",
+                                    "content": "<think>\nsort them\n</think>\n\ncat red"}]
+    for messages, gen in ((CONVERSATION, False), (CONVERSATION[:4], True),
+                          (CONVERSATION[1:2], True), (thinking, False)):
+        ours = tok.chat_template.render(messages, add_generation_prompt=gen)
+        assert ours == hf.apply_chat_template(messages, tokenize=False,
+                                              add_generation_prompt=gen, **kwargs)
+    prompt = tok.chat_template.render(CONVERSATION[1:2], add_generation_prompt=True)
+    if name == "qwen3":
+        assert prompt.endswith("<think>\n\n</think>\n\n") == (kwargs == {"enable_thinking": False})
+    else:
+        assert "Today Date: " in prompt and prompt.startswith("<|begin_of_text|>")
+
+
+def test_prompts_and_single_turn_sft_in_the_families_templates(family, tmp_path):
+    """RL prompts end with the family's generation prompt; single-turn SFT trains exactly
+    the assistant's text and end token; Qwen3's template drops earlier turns' think blocks,
+    so multi-turn SFT through it is refused naming the turn."""
+    name, model = family
+    hf = model["tokenizer"]
+    tok = load_tokenizer(TokenizerConfig(type="hf", path=model["hf"]))
+    rows = tmp_path / "rows.jsonl"
+    write_jsonl(str(rows), [{"messages": CONVERSATION[1:3]}])
+    ds = tokenize_dataset(str(rows), "sft", LONG, tok)
+    tokens, weights = ds.examples()[0]
+    trained = [t for t, w in zip(tokens, weights, strict=True) if w]
+    assert tok.decode(tokens) == hf.apply_chat_template(CONVERSATION[1:3], tokenize=False)
+    assert "cat red" in tok.decode(trained) and "words" not in tok.decode(trained)
+    write_jsonl(str(rows), [{"messages": CONVERSATION[1:2]}])
+    prompts = tokenize_dataset(str(rows), "prompt", LONG, tok).prompts
+    assert tok.decode(prompts[0]) == hf.apply_chat_template(CONVERSATION[1:2], tokenize=False,
+                                                            add_generation_prompt=True)
+    write_jsonl(str(rows), [{"messages": CONVERSATION[1:]}])
+    if name == "qwen3":
+        with pytest.raises(ValueError, match="does not render turn 1 as an extension"):
+            tokenize_dataset(str(rows), "sft", LONG, tok)
+    else:
+        assert len(tokenize_dataset(str(rows), "sft", LONG, tok).examples()) == 1

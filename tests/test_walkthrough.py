@@ -154,3 +154,49 @@ def test_generate_reads_stdin_and_refuses_what_it_cannot_do(tiny_checkpoints, tm
     assert bad.returncode == 2 and "the prompt is empty" in bad.stderr
     bad = run(stdin="words: " + "red " * 80 + "\n", check=False)
     assert bad.returncode == 2 and "beyond the model's 64" in bad.stderr
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_a_family_directory_generates_as_transformers_and_stops_at_its_end_tokens(name, tmp_path):
+    """docs/your-own-model.md's first steps with a Llama-3-shaped and a Qwen3-shaped model
+    directory: convert, then ``megarlhf generate`` on chat prompts gives transformers'
+    greedy tokens, stopping where it stops - at every end token generation_config.json
+    lists, not only the tokenizer's EOS (one is made the greedy choice often)."""
+    from collections import Counter
+
+    import torch
+
+    model = make_chat_model(str(tmp_path / "my"), family=name)
+    hf_model, tok, ends = model["model"], model["tokenizer"], model["ends"]
+    rows = [json.loads(line) for line in open(model["eval_prompts"])][:6]
+    prompts = []
+    for row in rows:
+        ids = tok.apply_chat_template(row["messages"], add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    with torch.no_grad():
+        free = [hf_model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=16,
+                                  min_new_tokens=16, pad_token_id=tok.pad_token_id
+                                  )[0, len(p):].tolist() for p in prompts]
+        top = Counter(t for seq in free for t in seq[2:] if t not in ends).most_common(1)[0][0]
+        end = ends[0] if ends[0] != tok.eos_token_id else ends[1]  # not the tokenizer's EOS
+        hf_model.lm_head.weight[end] = 1.5 * hf_model.lm_head.weight[top]
+    hf_model.save_pretrained(model["hf"])
+    conv = str(tmp_path / "my-model")
+    subprocess.run([sys.executable, "tools/convert_hf_to_megatron.py", "--hf-dir",
+                    model["hf"], "--out", conv], check=True, cwd=ROOT, capture_output=True)
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "generated.jsonl"
+    run_cli("generate", "configs/chat/sft.yaml", f"checkpoint.load={conv}/checkpoints",
+            f"tokenizer.path={conv}", "rollout.greedy=true", "rollout.max_new_tokens=16",
+            "logging.progress_bar=false", "-i", str(src), "-o", str(out))
+    ours = [json.loads(line)["response_tokens"] for line in open(out)]
+    stopped_at = Counter()
+    with torch.no_grad():
+        for prompt, mine in zip(prompts, ours, strict=True):
+            theirs = hf_model.generate(torch.tensor([prompt]), do_sample=False,
+                                       max_new_tokens=16, pad_token_id=tok.pad_token_id
+                                       )[0, len(prompt):].tolist()
+            assert mine == theirs, (mine, theirs)
+            stopped_at[theirs[-1] if theirs[-1] in ends else None] += 1
+    assert stopped_at[end] >= 1, stopped_at

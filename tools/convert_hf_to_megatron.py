@@ -198,7 +198,9 @@ def _convert(hf_dir: str, out: str, final: str, tp: int, pp: int, role: str) -> 
                                trainer_state={"step": 0, "converted_from": hf_dir,
                                               "hf_model_type": hf["model_type"]},
                                config=cfg_dict, layout=layout.describe())
-        tokenizer_files = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(hf_dir, f))]
+        # generation_config.json travels with the tokenizer: its end tokens stop rollouts
+        tokenizer_files = [f for f in (*TOKENIZER_FILES, "generation_config.json")
+                           if os.path.exists(os.path.join(hf_dir, f))]
         for f in tokenizer_files:
             shutil.copy(os.path.join(hf_dir, f), os.path.join(out, f))
         run_cfg = {"model": {**model, "value_head_init": "normal"},

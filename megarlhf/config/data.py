@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from megarlhf.config.fields import require
@@ -20,6 +20,16 @@ class TokenizerConfig:
     """How conversations (``messages`` rows) become text: auto (the model directory's
     template: ``chat_template`` in tokenizer_config.json or chat_template.jinja; none if it
     has none), none (conversations are refused), or the path of a jinja template file."""
+    chat_template_kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
+    """Extra variables every render of the chat template gets, as transformers'
+    ``apply_chat_template(**kwargs)`` passes them: e.g. ``{enable_thinking: false}`` for
+    Qwen3's template (an empty think block after the generation prompt)."""
+
+    def __post_init__(self):
+        taken = {"messages", "add_generation_prompt", "bos_token", "eos_token", "pad_token"}
+        for key in self.chat_template_kwargs:
+            require(key not in taken, "tokenizer.chat_template_kwargs", key,
+                    f"names a variable the renderer sets itself ({', '.join(sorted(taken))})")
 
 
 @dataclass(kw_only=True, frozen=True)

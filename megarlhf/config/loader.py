@@ -93,6 +93,12 @@ def _coerce(value: Any, hint: Any, key: str, keys: set[str]) -> Any:
             raise ConfigError(f"{key}={value!r} is invalid: choose one of "
                               f"{', '.join(map(repr, allowed))}")
         return value
+    if origin is dict:
+        key_hint, item = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r} has the wrong type: expected a mapping")
+        return {_coerce(k, key_hint, f"{key} key", keys): _coerce(v, item, f"{key}.{k}", keys)
+                for k, v in value.items()}
     if origin is list:
         (item,) = typing.get_args(hint)
         if not isinstance(value, list):

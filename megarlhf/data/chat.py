@@ -23,7 +23,8 @@ ROLES = ("system", "user", "assistant", "tool")
 class ChatTemplate:
     """A compiled jinja chat template with the tokenizer's special tokens as variables."""
 
-    def __init__(self, source: str, special_tokens: dict[str, str], origin: str):
+    def __init__(self, source: str, special_tokens: dict[str, str], origin: str,
+                 kwargs: dict | None = None):
         from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -45,6 +46,7 @@ class ChatTemplate:
         except TemplateError as err:
             raise ValueError(f"chat template {origin}: {err}") from None
         self.special_tokens = special_tokens
+        self.kwargs = dict(kwargs or {})  # tokenizer.chat_template_kwargs, every render
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         from jinja2.exceptions import TemplateError
@@ -52,7 +54,7 @@ class ChatTemplate:
         try:
             return self.template.render(messages=messages,
                                         add_generation_prompt=add_generation_prompt,
-                                        **self.special_tokens)
+                                        **self.special_tokens, **self.kwargs)
         except TemplateError as err:
             raise ValueError(f"chat template {self.origin}: {err}") from None
 

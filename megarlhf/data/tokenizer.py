@@ -215,12 +215,14 @@ def _chat_template(cfg: TokenizerConfig, tokenizer):
         return None
     if choice == "auto":
         found = tokenizer.default_chat_template()
-        return ChatTemplate(found[0], tokenizer.special_tokens(), found[1]) if found else None
+        return ChatTemplate(found[0], tokenizer.special_tokens(), found[1],
+                            cfg.chat_template_kwargs) if found else None
     if not os.path.isfile(choice):
         raise FileNotFoundError(f"tokenizer.chat_template={choice!r}: not 'auto', 'none' or "
                                 "an existing jinja file")
     with open(choice) as f:
-        return ChatTemplate(f.read(), tokenizer.special_tokens(), choice)
+        return ChatTemplate(f.read(), tokenizer.special_tokens(), choice,
+                            cfg.chat_template_kwargs)
 
 
 def train_sentencepiece(text_files: list[str], model_prefix: str, vocab_size: int,
