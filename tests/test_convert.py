@@ -281,3 +281,35 @@ def test_a_failed_conversion_leaves_no_output_and_a_full_folder_is_refused(conve
     proc = convert_here("--hf-dir", str(hf), "--out", str(full))
     assert proc.returncode == 2 and "exists and is not an empty folder" in proc.stderr
     assert os.listdir(full) == ["notes.txt"]
+
+
+def test_the_checkpoint_keeps_the_models_dtype(converted, tmp_path):
+    """bf16 in, bf16 out (--dtype auto reads config.json's); --dtype float32 on request, with
+    the same values."""
+    import copy
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root, models, _ = converted
+    hf = tmp_path / "bf16"
+    copy.deepcopy(models["llama3"]).to(torch.bfloat16).save_pretrained(hf)
+    outs = {}
+    for dtype in ("auto", "float32"):
+        outs[dtype] = tmp_path / dtype
+        tool("convert_hf_to_megatron.py", "--hf-dir", str(hf), "--out", str(outs[dtype]),
+             "--dtype", dtype)
+    assert "params_dtype: bfloat16" in (outs["auto"] / "config.yaml").read_text()
+    assert "params_dtype: float32" in (outs["float32"] / "config.yaml").read_text()
+    tensors = {}
+    for dtype, out in outs.items():
+        path = out / "checkpoints" / "step_0000000"
+        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+                 for k, v in meta.items() if hasattr(v, "chunks")}
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        tensors[dtype] = state
+    assert set(tensors["auto"]) == set(tensors["float32"])
+    for key, value in tensors["auto"].items():
+        assert value.dtype == torch.bfloat16, key
+        assert torch.equal(value.float(), tensors["float32"][key]), key

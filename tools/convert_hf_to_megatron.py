@@ -3,12 +3,15 @@ GPT-2: *ForCausalLM / GPT2LMHeadModel, or their *ForSequenceClassification heads
 megarlhf checkpoint.
 
     python tools/convert_hf_to_megatron.py --hf-dir HF --out OUT [--tp N --pp M]
-        [--role actor|critic|reward]
+        [--role actor|critic|reward] [--dtype auto|float32|bfloat16|float16]
 
-Writes OUT/checkpoints/ (megatron dist_checkpointing, loadable at any TP/PP) and
-OUT/config.yaml (model, tokenizer and the requested --tp/--pp layout), copies the tokenizer
-files, and prints what it did. Tensors are read one safetensors tensor at a time and
-converted one layer at a time.
+Writes OUT/checkpoints/ (megatron dist_checkpointing, loadable at any TP/PP) in the
+checkpoint's own dtype (--dtype auto) and OUT/config.yaml (model, tokenizer and the
+requested --tp/--pp layout), copies the tokenizer files and generation_config.json, and
+prints what it did. Tensors are read one safetensors tensor at a time and converted one
+layer at a time into a model built whole in this process (peak memory grows with the model:
+bench/convert.py). An option the model's config.json carries that megarlhf does not
+implement is refused naming the key; a failed conversion leaves no OUT behind.
 """
 
 from __future__ import annotations
@@ -108,7 +111,7 @@ def copy_into(model_sd: dict, name: str, tensor: torch.Tensor, done: set) -> Non
     done.add(name)
 
 
-def convert(hf_dir: str, out: str, tp: int, pp: int, role: str) -> dict:
+def convert(hf_dir: str, out: str, tp: int, pp: int, role: str, dtype: str = "auto") -> dict:
     """Convert into ``out``, built in a sibling folder and renamed at the end: a conversion
     that fails leaves no output folder behind."""
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
@@ -117,7 +120,7 @@ def convert(hf_dir: str, out: str, tp: int, pp: int, role: str) -> dict:
     partial = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        info = _convert(hf_dir, partial, out, tp, pp, role)
+        info = _convert(hf_dir, partial, out, tp, pp, role, dtype)
         if os.path.isdir(out):
             os.rmdir(out)  # empty, checked above
         os.replace(partial, out)
@@ -126,7 +129,8 @@ def convert(hf_dir: str, out: str, tp: int, pp: int, role: str) -> dict:
     return info
 
 
-def _convert(hf_dir: str, out: str, final: str, tp: int, pp: int, role: str) -> dict:
+def _convert(hf_dir: str, out: str, final: str, tp: int, pp: int, role: str,
+             dtype: str) -> dict:
     from megarlhf.config import Layout, config_from_dict, padded_vocab_size, validate_layout
     from megarlhf.engine.checkpoint import RoleState, save_checkpoint
     from megarlhf.roles.spec import RoleSpec
@@ -151,6 +155,12 @@ def _convert(hf_dir: str, out: str, final: str, tp: int, pp: int, role: str) -> 
         raise ConversionError(f"{config_path}: {err}") from None
     kind = "lm" if role == "actor" else "value"
     reader = ShardReader(hf_dir)
+    if dtype == "auto":  # the checkpoint's own: bf16 in, bf16 out
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ConversionError(f"{config_path}: dtype {dtype!r} is not float32, bfloat16 "
+                                  "or float16: pass --dtype")
+    model = {**model, "params_dtype": dtype}
     model_tree = {**model, "value_head_init": "normal"}
     target_cfg = config_from_dict({"model": model_tree, "parallel": {
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}})
@@ -234,10 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--role", choices=["actor", "critic", "reward"], default="actor")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                        default="auto", help="the checkpoint's dtype (auto: config.json's, "
+                        "so bf16 in is bf16 out; float32 for CPU runs)")
     args = parser.parse_args(argv)
     from megarlhf.models.hf_mapping import ConversionError
     try:
-        info = convert(args.hf_dir, args.out, args.tp, args.pp, args.role)
+        info = convert(args.hf_dir, args.out, args.tp, args.pp, args.role, args.dtype)
     except (ConversionError, FileNotFoundError, FileExistsError, KeyError, ValueError) as err:
         print(f"convert_hf_to_megatron: error: {err}", file=sys.stderr)
         return 2

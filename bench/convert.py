@@ -1,0 +1,90 @@
+"""What converting a Hugging Face checkpoint costs: peak resident memory and time of
+``tools/convert_hf_to_megatron.py`` against the safetensors' size, at several depths of one
+Llama-3 shape (random weights saved by transformers in bf16, llama3 RoPE scaling, GQA).
+
+The converter builds the whole model in one process, so its peak grows with the depth;
+the table says by how much. Each conversion runs in its own process (its peak is that
+process's ``ru_maxrss``).
+
+    .venv/bin/python bench/convert.py [--hidden 1024] [--layers 6,12] [--dtype auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_model(folder: str, hidden: int, layers: int) -> int:
+    """A random Llama-3-shaped model saved in bf16: (its safetensors bytes, the bytes of one
+    transformer layer)."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers, num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256), max_position_embeddings=131072,
+        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 8192})
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    largest_layer = sum(p.numel() * p.element_size()
+                        for p in model.model.layers[0].parameters())
+    del model
+    size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)
+               if f.endswith(".safetensors"))
+    return size, largest_layer
+
+
+def convert(hf: str, out: str, dtype: str) -> tuple[float, float, int]:
+    """(seconds, peak resident bytes, output bytes) of one conversion."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    start = time.perf_counter()
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_hf_to_megatron.py"),
+                    "--hf-dir", hf, "--out", out, "--dtype", dtype], check=True, cwd=ROOT,
+                   capture_output=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if peak <= before:
+        raise RuntimeError("the conversion's peak is below an earlier one's: run one depth "
+                           "per process (ru_maxrss of children is a maximum)")
+    written = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in
+                  os.walk(os.path.join(out, "checkpoints")) for f in files)
+    return seconds, peak * 1024.0, written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", default="6,12", help="depths, shallowest first")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    args = parser.parse_args()
+    depths = [int(x) for x in args.layers.split(",")]
+    print("| layers | safetensors | one layer | peak resident | peak / files | time | "
+          "written |")
+    print("|---|---|---|---|---|---|---|")
+    mib = 2.0 ** 20
+    with tempfile.TemporaryDirectory() as tmp:
+        for layers in depths:
+            hf = os.path.join(tmp, f"hf{layers}")
+            size, layer = make_model(hf, args.hidden, layers)
+            seconds, peak, written = convert(hf, os.path.join(tmp, f"out{layers}"), args.dtype)
+            print(f"| {layers} | {size / mib:.0f} MiB | {layer / mib:.1f} MiB | "
+                  f"{peak / mib:.0f} MiB | {peak / size:.2f}x | {seconds:.1f} s | "
+                  f"{written / mib:.0f} MiB ({args.dtype}) |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
