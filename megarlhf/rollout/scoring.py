@@ -135,7 +135,6 @@ class Scorer:
     reward: RewardSource
     critic: Role | None
     pad_id: int
-    offload: bool = True  # frozen roles whose spec does not say (spec.offload None)
     micro_batch_size: int = 4
     ref_cache: SequenceCache | None = field(default_factory=SequenceCache)  # None: off
     hooks: object | None = None  # during_pass() - see stages.ppo.PhaseHooks
@@ -147,10 +146,12 @@ class Scorer:
         self.ref_offloader.offload()
         self.rm_offloader.offload()
 
-    def _offloads(self, role: Role | None) -> bool:
-        if role is None or role.spec.offload is None:
-            return self.offload
-        return role.spec.offload == "all"
+    @staticmethod
+    def _offloads(role: Role | None) -> bool:
+        """A frozen role is offloaded between its passes when its spec says ``all``
+        (``roles.spec`` resolves ``roles.<name>.offload`` and its default,
+        ``rollout.offload_frozen_models``)."""
+        return role is not None and role.spec.offload == "all"
 
     def restore_frozen_models(self) -> None:
         """Bring the reference and reward models back (e.g. before handing them elsewhere)."""

@@ -218,7 +218,7 @@ class PPOSession:
                                release_inference=r.release_inference_weights,
                                end_ids=tokenizer.end_ids)
         self.scorer = Scorer(cfg, self.actor, self.reference, reward, self.critic,
-                             pad_id=tokenizer.pad_id, offload=r.offload_frozen_models,
+                             pad_id=tokenizer.pad_id,
                              micro_batch_size=r.forward_micro_batch_size
                              or ppo.micro_batch_size,
                              ref_cache=SequenceCache(r.ref_cache_size)

@@ -46,8 +46,10 @@ def case(name, tp, pp, rollout_tp, results, offload_variants=(True,)):
     out = {}
     for variant in offload_variants:
         offload = bool(variant)
+        for frozen in (reference, reward):  # as roles.spec resolves roles.<name>.offload
+            frozen.spec = dataclasses.replace(frozen.spec, offload="all" if offload else "none")
         scorer = Scorer(cfg, actor, reference, RewardSource(role=reward), critic, pad_id=0,
-                        offload=offload, micro_batch_size=8 if variant == "mb8" else 2,
+                        micro_batch_size=8 if variant == "mb8" else 2,
                         ref_cache=SequenceCache())
         maker = ExperienceMaker(cfg, Sampler(cfg, actor, inf_layout, inf_model, eos_id=2,
                                              pad_id=0), scorer)
