@@ -177,90 +177,128 @@ def _checked(get: Callable[[str], torch.Tensor], name: str, shape: tuple) -> tor
     return tensor
 
 
-def hf_to_megatron_layer(model_type: str, i: int, get: Callable[[str], torch.Tensor],
-                         m: dict) -> dict[str, torch.Tensor]:
-    """Megatron tensors of transformer layer ``i``; ``get(name)`` returns an HF tensor and
-    records it as consumed. Attention projections are shape-checked before reshaping."""
+Source = Callable[[Callable[[str], torch.Tensor]], torch.Tensor]
+
+
+def layer_sources(model_type: str, i: int, m: dict) -> dict[str, Source]:
+    """How each megatron tensor of transformer layer ``i`` is made: name -> a function of
+    ``get`` (HF name -> tensor, recording it as consumed) that reads only the HF tensors
+    it needs. Attention projections are shape-checked before reshaping."""
     heads, groups, hd = _heads(m)
     h = m["hidden_size"]
     out = f"decoder.layers.{i}."
     if model_type == "gpt2":
         p = f"transformer.h.{i}."
-        w = _checked(get, p + "attn.c_attn.weight", (h, 3 * h)).t()
-        b = _checked(get, p + "attn.c_attn.bias", (3 * h,))
-        q, k, v = w.chunk(3, dim=0)
-        qb, kb, vb = b.chunk(3, dim=0)
+
+        def qkv(part: str):
+            def make(get):
+                w = _checked(get, p + f"attn.c_attn.{part}",
+                             (h, 3 * h) if part == "weight" else (3 * h,))
+                w = w.t() if part == "weight" else w
+                return _interleave_qkv(*w.chunk(3, dim=0), heads, heads, hd)
+            return make
+
+        def plain(name: str, transpose: bool = False):
+            return (lambda get: get(p + name).t()) if transpose else (lambda get: get(p + name))
+
         return {
-            out + "input_layernorm.weight": get(p + "ln_1.weight"),
-            out + "input_layernorm.bias": get(p + "ln_1.bias"),
-            out + "self_attention.linear_qkv.weight": _interleave_qkv(q, k, v, heads, heads, hd),
-            out + "self_attention.linear_qkv.bias": _interleave_qkv(qb, kb, vb, heads, heads, hd),
-            out + "self_attention.linear_proj.weight": get(p + "attn.c_proj.weight").t(),
-            out + "self_attention.linear_proj.bias": get(p + "attn.c_proj.bias"),
-            out + "pre_mlp_layernorm.weight": get(p + "ln_2.weight"),
-            out + "pre_mlp_layernorm.bias": get(p + "ln_2.bias"),
-            out + "mlp.linear_fc1.weight": get(p + "mlp.c_fc.weight").t(),
-            out + "mlp.linear_fc1.bias": get(p + "mlp.c_fc.bias"),
-            out + "mlp.linear_fc2.weight": get(p + "mlp.c_proj.weight").t(),
-            out + "mlp.linear_fc2.bias": get(p + "mlp.c_proj.bias"),
+            out + "input_layernorm.weight": plain("ln_1.weight"),
+            out + "input_layernorm.bias": plain("ln_1.bias"),
+            out + "self_attention.linear_qkv.weight": qkv("weight"),
+            out + "self_attention.linear_qkv.bias": qkv("bias"),
+            out + "self_attention.linear_proj.weight": plain("attn.c_proj.weight", True),
+            out + "self_attention.linear_proj.bias": plain("attn.c_proj.bias"),
+            out + "pre_mlp_layernorm.weight": plain("ln_2.weight"),
+            out + "pre_mlp_layernorm.bias": plain("ln_2.bias"),
+            out + "mlp.linear_fc1.weight": plain("mlp.c_fc.weight", True),
+            out + "mlp.linear_fc1.bias": plain("mlp.c_fc.bias"),
+            out + "mlp.linear_fc2.weight": plain("mlp.c_proj.weight", True),
+            out + "mlp.linear_fc2.bias": plain("mlp.c_proj.bias"),
         }
     p = f"model.layers.{i}."
     a = p + "self_attn."
     ffn = m["ffn_hidden_size"]
-    tensors = {
-        out + "input_layernorm.weight": _checked(get, p + "input_layernorm.weight", (h,)),
-        out + "self_attention.linear_qkv.weight": _interleave_qkv(
-            _checked(get, a + "q_proj.weight", (heads * hd, h)),
-            _checked(get, a + "k_proj.weight", (groups * hd, h)),
-            _checked(get, a + "v_proj.weight", (groups * hd, h)), heads, groups, hd),
-        out + "self_attention.linear_proj.weight": _checked(get, a + "o_proj.weight",
-                                                            (h, heads * hd)),
-        out + "pre_mlp_layernorm.weight": _checked(get, p + "post_attention_layernorm.weight",
-                                                   (h,)),
-        out + "mlp.linear_fc1.weight": torch.cat([
+
+    def checked(name: str, shape: tuple) -> Source:
+        return lambda get: _checked(get, name, shape)
+
+    def qkv(part: str) -> Source:
+        def make(get):
+            tail = (h,) if part == "weight" else ()
+            return _interleave_qkv(
+                _checked(get, a + f"q_proj.{part}", (heads * hd, *tail)),
+                _checked(get, a + f"k_proj.{part}", (groups * hd, *tail)),
+                _checked(get, a + f"v_proj.{part}", (groups * hd, *tail)), heads, groups, hd)
+        return make
+
+    sources = {
+        out + "input_layernorm.weight": checked(p + "input_layernorm.weight", (h,)),
+        out + "self_attention.linear_qkv.weight": qkv("weight"),
+        out + "self_attention.linear_proj.weight": checked(a + "o_proj.weight", (h, heads * hd)),
+        out + "pre_mlp_layernorm.weight": checked(p + "post_attention_layernorm.weight", (h,)),
+        out + "mlp.linear_fc1.weight": lambda get: torch.cat([
             _checked(get, p + "mlp.gate_proj.weight", (ffn, h)),
             _checked(get, p + "mlp.up_proj.weight", (ffn, h))], dim=0),
-        out + "mlp.linear_fc2.weight": _checked(get, p + "mlp.down_proj.weight", (h, ffn)),
+        out + "mlp.linear_fc2.weight": checked(p + "mlp.down_proj.weight", (h, ffn)),
     }
     if m.get("qk_layernorm"):  # Qwen3: one RMSNorm over each head's width
-        tensors[out + "self_attention.q_layernorm.weight"] = _checked(
-            get, a + "q_norm.weight", (hd,))
-        tensors[out + "self_attention.k_layernorm.weight"] = _checked(
-            get, a + "k_norm.weight", (hd,))
+        sources[out + "self_attention.q_layernorm.weight"] = checked(a + "q_norm.weight", (hd,))
+        sources[out + "self_attention.k_layernorm.weight"] = checked(a + "k_norm.weight", (hd,))
     if model_type == "qwen2":
-        tensors[out + "self_attention.linear_qkv.bias"] = _interleave_qkv(
-            _checked(get, a + "q_proj.bias", (heads * hd,)),
-            _checked(get, a + "k_proj.bias", (groups * hd,)),
-            _checked(get, a + "v_proj.bias", (groups * hd,)), heads, groups, hd)
-    return tensors
+        sources[out + "self_attention.linear_qkv.bias"] = qkv("bias")
+    return sources
+
+
+def outer_sources(model_type: str, m: dict, has: Callable[[str], bool], role: str
+                  ) -> dict[str, Source]:
+    """Embeddings, final norm and the head (LM head, or ``score`` for value models), as
+    :func:`layer_sources` gives a layer's. An HF head that megarlhf does not keep (GPT-2's
+    ``lm_head`` tied to ``wte``, a tied Llama's) is read with the embedding, so it counts as
+    consumed."""
+    def with_ignored(name: str, ignored: tuple[str, ...]) -> Source:
+        def make(get):
+            for extra in ignored:
+                get(extra)
+            return get(name)
+        return make
+
+    if model_type == "gpt2":
+        ignored = ("lm_head.weight",) if has("lm_head.weight") else ()
+        out = {"embedding.word_embeddings.weight": with_ignored("transformer.wte.weight", ignored),
+               "embedding.position_embeddings.weight": lambda get: get("transformer.wpe.weight"),
+               "decoder.final_layernorm.weight": lambda get: get("transformer.ln_f.weight"),
+               "decoder.final_layernorm.bias": lambda get: get("transformer.ln_f.bias")}
+    else:
+        keep_head = role == "lm" and not m["tie_word_embeddings"]
+        ignored = ("lm_head.weight",) if not keep_head and has("lm_head.weight") else ()
+        out = {"embedding.word_embeddings.weight": with_ignored("model.embed_tokens.weight",
+                                                                ignored),
+               "decoder.final_layernorm.weight": lambda get: get("model.norm.weight")}
+        if keep_head:
+            out["output_layer.weight"] = lambda get: get("lm_head.weight")
+    if role == "value" and has("score.weight"):
+        def score(get):
+            weight = get("score.weight")
+            if weight.shape[0] != 1:
+                raise ConversionError(f"score.weight has {weight.shape[0]} labels; a "
+                                      "reward/value head needs exactly 1")
+            return weight
+        out["output_layer.weight"] = score
+        if has("score.bias"):
+            out["output_layer.bias"] = lambda get: get("score.bias")
+    return out
+
+
+def hf_to_megatron_layer(model_type: str, i: int, get: Callable[[str], torch.Tensor],
+                         m: dict) -> dict[str, torch.Tensor]:
+    """Megatron tensors of transformer layer ``i`` (:func:`layer_sources`, all made)."""
+    return {name: make(get) for name, make in layer_sources(model_type, i, m).items()}
 
 
 def hf_to_megatron_outer(model_type: str, get: Callable[[str], torch.Tensor], m: dict,
                          has: Callable[[str], bool], role: str) -> dict[str, torch.Tensor]:
-    """Embeddings, final norm and the head (LM head, or ``score`` for value models)."""
-    if model_type == "gpt2":
-        out = {"embedding.word_embeddings.weight": get("transformer.wte.weight"),
-               "embedding.position_embeddings.weight": get("transformer.wpe.weight"),
-               "decoder.final_layernorm.weight": get("transformer.ln_f.weight"),
-               "decoder.final_layernorm.bias": get("transformer.ln_f.bias")}
-        if has("lm_head.weight"):
-            get("lm_head.weight")  # tied to wte in GPT-2
-    else:
-        out = {"embedding.word_embeddings.weight": get("model.embed_tokens.weight"),
-               "decoder.final_layernorm.weight": get("model.norm.weight")}
-        if role == "lm" and not m["tie_word_embeddings"]:
-            out["output_layer.weight"] = get("lm_head.weight")
-        elif has("lm_head.weight"):
-            get("lm_head.weight")
-    if role == "value" and has("score.weight"):
-        score = get("score.weight")
-        if score.shape[0] != 1:
-            raise ConversionError(f"score.weight has {score.shape[0]} labels; a reward/value "
-                                  "head needs exactly 1")
-        out["output_layer.weight"] = score
-        if has("score.bias"):
-            out["output_layer.bias"] = get("score.bias")
-    return out
+    """Embeddings, final norm and the head (:func:`outer_sources`, all made)."""
+    return {name: make(get) for name, make in outer_sources(model_type, m, has, role).items()}
 
 
 def megatron_to_hf(model_type: str, m: dict, sd: dict[str, torch.Tensor], vocab: int,
