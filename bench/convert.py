@@ -2,18 +2,20 @@
 ``tools/convert_hf_to_megatron.py`` against the safetensors' size, at several depths of one
 Llama-3 shape (random weights saved by transformers in bf16, llama3 RoPE scaling, GQA).
 
-The converter builds the whole model in one process, so its peak grows with the depth;
-the table says by how much. Each conversion runs in its own process (its peak is that
-process's ``ru_maxrss``).
+By default the converter writes each tensor as it makes it (a meta-device model, megatron's
+format); ``--in-memory`` builds the model whole first (the reference it is tested against).
+Each conversion runs in its own process (its peak is that process's ``ru_maxrss``), and
+so does each model's creation: a child forked from a large parent would count the parent's
+pages in its peak.
 
     .venv/bin/python bench/convert.py [--hidden 1024] [--layers 6,12] [--dtype auto]
+        [--in-memory]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -47,30 +49,47 @@ def make_model(folder: str, hidden: int, layers: int) -> int:
     return size, largest_layer
 
 
-def convert(hf: str, out: str, dtype: str) -> tuple[float, float, int]:
-    """(seconds, peak resident bytes, output bytes) of one conversion."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+def convert(hf: str, out: str, dtype: str, in_memory: bool) -> tuple[float, float, int]:
+    """(seconds, peak resident bytes, output bytes) of one conversion: the child's own
+    ``ru_maxrss`` (``os.wait4``)."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_hf_to_megatron.py"),
-                    "--hf-dir", hf, "--out", out, "--dtype", dtype], check=True, cwd=ROOT,
-                   capture_output=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "convert_hf_to_megatron.py"),
+                             "--hf-dir", hf, "--out", out, "--dtype", dtype,
+                             *(["--in-memory"] if in_memory else [])], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    if peak <= before:
-        raise RuntimeError("the conversion's peak is below an earlier one's: run one depth "
-                           "per process (ru_maxrss of children is a maximum)")
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"the conversion failed:\n{proc.stderr.read().decode()[-3000:]}")
     written = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in
                   os.walk(os.path.join(out, "checkpoints")) for f in files)
-    return seconds, peak * 1024.0, written
+    return seconds, usage.ru_maxrss * 1024.0, written
+
+
+def make_model_apart(folder: str, hidden: int, layers: int) -> tuple[int, int]:
+    """:func:`make_model` in a child process (this one stays small)."""
+    import json
+
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--make", folder,
+                          str(hidden), str(layers)], check=True, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "--make":
+        import json
+        print(json.dumps(make_model(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
+        return
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", default="6,12", help="depths, shallowest first")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--in-memory", action="store_true")
     args = parser.parse_args()
+    way = "in memory" if args.in_memory else "streamed"
     depths = [int(x) for x in args.layers.split(",")]
     print("| layers | safetensors | one layer | peak resident | peak / files | time | "
           "written |")
@@ -79,11 +98,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for layers in depths:
             hf = os.path.join(tmp, f"hf{layers}")
-            size, layer = make_model(hf, args.hidden, layers)
-            seconds, peak, written = convert(hf, os.path.join(tmp, f"out{layers}"), args.dtype)
+            size, layer = make_model_apart(hf, args.hidden, layers)
+            seconds, peak, written = convert(hf, os.path.join(tmp, f"out{layers}"), args.dtype,
+                                             args.in_memory)
             print(f"| {layers} | {size / mib:.0f} MiB | {layer / mib:.1f} MiB | "
                   f"{peak / mib:.0f} MiB | {peak / size:.2f}x | {seconds:.1f} s | "
-                  f"{written / mib:.0f} MiB ({args.dtype}) |", flush=True)
+                  f"{written / mib:.0f} MiB ({args.dtype}, {way}) |", flush=True)
 
 
 if __name__ == "__main__":

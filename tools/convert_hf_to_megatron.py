@@ -8,9 +8,12 @@ megarlhf checkpoint.
 Writes OUT/checkpoints/ (megatron dist_checkpointing, loadable at any TP/PP) in the
 checkpoint's own dtype (--dtype auto) and OUT/config.yaml (model, tokenizer and the
 requested --tp/--pp layout), copies the tokenizer files and generation_config.json, and
-prints what it did. Tensors are read one safetensors tensor at a time and converted one
-layer at a time into a model built whole in this process (peak memory grows with the model:
-bench/convert.py). An option the model's config.json carries that megarlhf does not
+prints what it did. The checkpoint is written one tensor at a time, each made from the HF
+tensors it needs when megatron's writer asks for it (a meta-device model gives the layout;
+megarlhf/engine/streaming.py), so peak memory does not grow with the depth
+(bench/convert.py); --in-memory builds the model whole first (the reference the streamed
+write is tested against). Shapes and keys are checked from the safetensors headers before
+anything is read. An option the model's config.json carries that megarlhf does not
 implement is refused naming the key; a failed conversion leaves no OUT behind.
 """
 
@@ -28,6 +31,9 @@ import yaml
 
 from megarlhf.models.hf_mapping import TOKENIZER_FILES
 
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+           "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "BOOL": torch.bool,
+           "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16}
 # Buffers some HF checkpoints carry that are not weights.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
@@ -73,11 +79,12 @@ class ShardReader:
         shard = self.weight_map[key]
         path = os.path.join(self.dir, shard)
         self.last_file = path
-        if shard not in self._open:
-            self._open = {shard: _opened(path)}  # one open
         self.used.add(key)
         try:
-            tensor = self._open[shard].get_tensor(key)
+            # Opened for this tensor alone: the file is memory-mapped while open, and every
+            # page read stays resident until it is closed (a whole shard, otherwise).
+            with _opened(path) as f:
+                tensor = f.get_tensor(key)
         except Exception as err:  # safetensors raises its own error types
             raise ValueError(f"{path}: tensor '{key}' cannot be read ({err}); the file is "
                              "truncated or damaged") from None
@@ -87,31 +94,56 @@ class ShardReader:
                              f"of {tensor.numel()}; the file is damaged")
         return tensor
 
+    def meta(self, key: str) -> torch.Tensor:
+        """A storage-less tensor of ``key``'s shape and dtype, from the file's header (no
+        data read); recorded as consumed, as :meth:`get` does."""
+        if key not in self.weight_map:
+            raise KeyError(f"HF checkpoint has no tensor '{key}'")
+        shard = self.weight_map[key]
+        path = os.path.join(self.dir, shard)
+        self.last_file = path
+        if shard not in self._open:
+            self._open = {shard: _opened(path)}
+        part = self._open[shard].get_slice(key)
+        self.used.add(key)
+        return torch.empty(part.get_shape(), dtype=_DTYPES[part.get_dtype()], device="meta")
+
     def unused(self) -> list[str]:
         return sorted(k for k in self.weight_map
                       if k not in self.used and not k.endswith(IGNORED_SUFFIXES))
 
 
-def copy_into(model_sd: dict, name: str, tensor: torch.Tensor, done: set) -> None:
+def check_sources(sources: dict, params: dict, reader: "ShardReader", kind: str) -> None:
+    """Before anything is read or written: every source made from the HF tensors' headers
+    (shapes checked, on the meta device), every HF key consumed, every parameter of the
+    model filled (a value model may start a fresh head), no source without a parameter."""
     from megarlhf.models.hf_mapping import ConversionError
 
-    if name not in model_sd:
-        raise ConversionError(f"megarlhf model has no parameter '{name}'")
-    target = model_sd[name]
-    padded = name in ("embedding.word_embeddings.weight", "output_layer.weight") \
-        and target.shape[1:] == tensor.shape[1:] and target.shape[0] >= tensor.shape[0]
-    if padded:
-        target.zero_()
-        target[:tensor.shape[0]].copy_(tensor)  # vocabulary padding rows stay zero
-    elif tuple(tensor.shape) == tuple(target.shape):
-        target.copy_(tensor)
-    else:
-        raise ConversionError(f"shape mismatch for '{name}': HF {tuple(tensor.shape)} vs "
-                              f"megarlhf {tuple(target.shape)}")
-    done.add(name)
+    for name, make in sources.items():
+        if name not in params:
+            raise ConversionError(f"megarlhf model has no parameter '{name}'")
+        try:
+            made = make(reader.meta)
+        except ConversionError as err:  # a tensor's shape: name its file
+            raise ConversionError(f"{reader.last_file}: {err}") from None
+        target = params[name]
+        padded = name in ("embedding.word_embeddings.weight", "output_layer.weight") \
+            and made.shape[1:] == target.shape[1:] and target.shape[0] >= made.shape[0]
+        if not padded and tuple(made.shape) != tuple(target.shape):
+            raise ConversionError(f"shape mismatch for '{name}': HF {tuple(made.shape)} vs "
+                                  f"megarlhf {tuple(target.shape)}")
+    unused = reader.unused()
+    if unused:
+        raise ConversionError(f"unknown HF keys (not converted): {', '.join(unused[:8])}"
+                              + (" ..." if len(unused) > 8 else ""))
+    fresh = {"output_layer.weight", "output_layer.bias"} if kind == "value" else set()
+    missing = sorted(set(params) - set(sources) - fresh)
+    if missing:
+        raise ConversionError(f"megarlhf parameters not filled from HF: {', '.join(missing)}")
 
 
-def convert(hf_dir: str, out: str, tp: int, pp: int, role: str, dtype: str = "auto") -> dict:
+def convert(hf_dir: str, out: str, tp: int, pp: int, role: str, dtype: str = "auto",
+            stream: bool = True) -> dict:
     """Convert into ``out``, built in a sibling folder and renamed at the end: a conversion
     that fails leaves no output folder behind."""
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
@@ -120,7 +152,7 @@ def convert(hf_dir: str, out: str, tp: int, pp: int, role: str, dtype: str = "au
     partial = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        info = _convert(hf_dir, partial, out, tp, pp, role, dtype)
+        info = _convert(hf_dir, partial, out, tp, pp, role, dtype, stream)
         if os.path.isdir(out):
             os.rmdir(out)  # empty, checked above
         os.replace(partial, out)
@@ -130,15 +162,16 @@ def convert(hf_dir: str, out: str, tp: int, pp: int, role: str, dtype: str = "au
 
 
 def _convert(hf_dir: str, out: str, final: str, tp: int, pp: int, role: str,
-             dtype: str) -> dict:
+             dtype: str, stream: bool) -> dict:
     from megarlhf.config import Layout, config_from_dict, padded_vocab_size, validate_layout
     from megarlhf.engine.checkpoint import RoleState, save_checkpoint
+    from megarlhf.engine.streaming import StreamingSave
     from megarlhf.roles.spec import RoleSpec
     from megarlhf.roles.build import build_chunks
-    from megarlhf.models.gpt import init_weights
+    from megarlhf.models.gpt import build_model, initial_value
     from megarlhf.parallel.layout import build_layout
     from megarlhf.models.hf_mapping import (
-        ConversionError, hf_to_megatron_layer, hf_to_megatron_outer, model_overrides)
+        ConversionError, layer_sources, model_overrides, outer_sources)
     from megarlhf.parallel.launch import init_distributed, shutdown
 
     config_path = os.path.join(hf_dir, "config.json")
@@ -168,46 +201,70 @@ def _convert(hf_dir: str, out: str, final: str, tp: int, pp: int, role: str,
     cfg = config_from_dict({"model": model_tree})
     init_distributed(cfg)
     try:
-        # Built in one process, but with the vocabulary padded for the requested TP.
+        # One process (the checkpoint loads at any layout), the vocabulary padded for TP.
         layout = build_layout(Layout())
         spec = RoleSpec(name=role, kind=kind, model=target_cfg.model, layout=Layout(),
                         padded_vocab=padded_vocab_size(
                             target_cfg.model.vocab_size,
                             target_cfg.parallel.make_vocab_size_divisible_by, tp))
-        (chunk,) = build_chunks(spec, layout)
-        init_weights(chunk, target_cfg.model, target_cfg.run.seed)
-        sd = chunk.state_dict()
-        done: set = set()
-        with torch.no_grad():
+        if stream:  # megatron's modules with no storage: the layout and names only
+            with torch.device("meta"):
+                chunk = build_model(spec.model, kind=kind, padded_vocab=spec.padded_vocab,
+                                    layout=layout.layout, pg_collection=layout.pg_collection,
+                                    pre_process=True, post_process=True)
+        else:
+            (chunk,) = build_chunks(spec, layout)
+        params = {k: v for k, v in chunk.state_dict(keep_vars=True).items()
+                  if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+        sources = {}
+        for i in range(model["num_layers"]):
+            sources.update(layer_sources(hf["model_type"], i, model))
+        sources.update(outer_sources(hf["model_type"], model, reader.has, kind))
+        check_sources(sources, params, reader, kind)  # shapes and keys, no tensor read
+        fresh_head = kind == "value" and "output_layer.weight" not in sources
+
+        failed: list[Exception] = []  # what a tensor made during the save raised
+
+        def produce(name: str) -> torch.Tensor:
+            """The parameter ``name`` at TP=1: converted from the HF tensors it needs (the
+            padded vocabulary rows zero), or a fresh value head's seeded initial value."""
+            target = params[name]
+            if name not in sources:
+                return initial_value(name, tuple(target.shape), spec.model, kind,
+                                     target_cfg.run.seed).to(target.dtype)
             try:
-                for i in range(model["num_layers"]):
-                    for name, tensor in hf_to_megatron_layer(hf["model_type"], i, reader.get,
-                                                             model).items():
-                        copy_into(sd, name, tensor, done)
-                for name, tensor in hf_to_megatron_outer(hf["model_type"], reader.get, model,
-                                                         reader.has, kind).items():
-                    copy_into(sd, name, tensor, done)
-            except ConversionError as err:  # a tensor's shape: name its file
-                raise ConversionError(f"{reader.last_file}: {err}") from None
-        unused = reader.unused()
-        if unused:
-            raise ConversionError(f"unknown HF keys (not converted): {', '.join(unused[:8])}"
-                                  + (" ..." if len(unused) > 8 else ""))
-        expected = {k for k, v in sd.items() if isinstance(v, torch.Tensor)
-                    and not k.endswith("_extra_state")}
-        fresh_head = kind == "value" and "output_layer.weight" not in done
-        missing = sorted(expected - done - ({"output_layer.weight", "output_layer.bias"}
-                                            if kind == "value" else set()))
-        if missing:
-            raise ConversionError(f"megarlhf parameters not filled from HF: {', '.join(missing)}")
+                tensor = sources[name](reader.get)
+            except ConversionError as err:
+                failed.append(ConversionError(f"{reader.last_file}: {err}"))
+                raise failed[-1] from None
+            except ValueError as err:  # a damaged file (NaN, truncated): read only now
+                failed.append(err)
+                raise
+            if tensor.shape[0] < target.shape[0]:  # the vocabulary's padding rows
+                tensor = torch.cat([tensor, tensor.new_zeros(
+                    target.shape[0] - tensor.shape[0], *tensor.shape[1:])])
+            return tensor.to(target.dtype).contiguous()
+
+        strategy = None
+        if stream:
+            strategy = StreamingSave(params, produce)
+        else:
+            with torch.no_grad():
+                for name_, target in params.items():
+                    target.copy_(produce(name_))
         name = {"actor": "policy", "critic": "critic", "reward": "reward"}[role]
         cfg_dict = __import__("dataclasses").asdict(target_cfg)
-        path = save_checkpoint(os.path.join(out, "checkpoints"), "step_0000000",
-                               {name: RoleState([chunk], extra={
-                                   "kind": kind, "model": cfg_dict["model"]})},
-                               trainer_state={"step": 0, "converted_from": hf_dir,
-                                              "hf_model_type": hf["model_type"]},
-                               config=cfg_dict, layout=layout.describe())
+        try:
+            path = save_checkpoint(
+                os.path.join(out, "checkpoints"), "step_0000000",
+                {name: RoleState([chunk], extra={"kind": kind, "model": cfg_dict["model"]})},
+                trainer_state={"step": 0, "converted_from": hf_dir,
+                               "hf_model_type": hf["model_type"]},
+                config=cfg_dict, layout=layout.describe(), sharded_strategy=strategy)
+        except RuntimeError:
+            if failed:  # the save wraps it: say what was wrong with the input
+                raise failed[0] from None
+            raise
         # generation_config.json travels with the tokenizer: its end tokens stop rollouts
         tokenizer_files = [f for f in (*TOKENIZER_FILES, "generation_config.json")
                            if os.path.exists(os.path.join(hf_dir, f))]
@@ -221,10 +278,10 @@ def _convert(hf_dir: str, out: str, final: str, tp: int, pp: int, role: str,
             run_cfg["tokenizer"] = {"type": "hf", "path": final}
         with open(os.path.join(out, "config.yaml"), "w") as f:
             yaml.safe_dump(run_cfg, f, sort_keys=False)
-        params = sum(p.numel() for p in chunk.parameters())
+        count = sum(p.numel() for p in params.values())
         return {"architecture": hf.get("architectures", [hf["model_type"]])[0],
                 "role": f"{role} ({kind}{', new scalar head' if fresh_head else ''})",
-                "parameters": params, "layout": f"TP={tp} PP={pp}",
+                "parameters": count, "layout": f"TP={tp} PP={pp}",
                 "checkpoint": os.path.join(final, os.path.relpath(path, out)),
                 "files": ["config.yaml", *tokenizer_files],
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -244,13 +301,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--role", choices=["actor", "critic", "reward"], default="actor")
+    parser.add_argument("--in-memory", action="store_true",
+                        help="build the model whole and save it as a run does (the reference "
+                        "the streaming write is tested against); default: stream")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                         default="auto", help="the checkpoint's dtype (auto: config.json's, "
                         "so bf16 in is bf16 out; float32 for CPU runs)")
     args = parser.parse_args(argv)
     from megarlhf.models.hf_mapping import ConversionError
     try:
-        info = convert(args.hf_dir, args.out, args.tp, args.pp, args.role, args.dtype)
+        info = convert(args.hf_dir, args.out, args.tp, args.pp, args.role, args.dtype,
+                       stream=not args.in_memory)
     except (ConversionError, FileNotFoundError, FileExistsError, KeyError, ValueError) as err:
         print(f"convert_hf_to_megatron: error: {err}", file=sys.stderr)
         return 2

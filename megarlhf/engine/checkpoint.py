@@ -142,10 +142,11 @@ def read_meta(path: str) -> dict:
 def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
                     trainer_state: dict | None = None, config: dict | None = None,
                     layout: str = "", keep_last: int | None = None,
-                    objects: dict[str, Any] | None = None) -> str:
+                    objects: dict[str, Any] | None = None, sharded_strategy=None) -> str:
     """Write ``roles`` and ``trainer_state`` as ``save_dir/tag``; returns its path.
     ``objects`` (name -> picklable tensors/dicts, the same on every rank) are written by
-    rank 0 as ``<name>.pt`` inside the checkpoint, committed with it."""
+    rank 0 as ``<name>.pt`` inside the checkpoint, committed with it. ``sharded_strategy``:
+    megatron's default (``torch_dist``) unless given (``engine.streaming.StreamingSave``)."""
     final = os.path.join(save_dir, tag)
     tmp = os.path.join(save_dir, f".tmp-{tag}")
     if _rank() == 0:
@@ -160,7 +161,7 @@ def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
         if role.scheduler is not None:
             state[name]["scheduler"] = role.scheduler.state_dict()
     try:
-        dist_checkpointing.save(state, tmp)
+        dist_checkpointing.save(state, tmp, sharded_strategy=sharded_strategy)
     except (Exception, CheckpointException) as err:  # the latter is a BaseException
         error = save_error(err, save_dir, tmp)  # measures the free space before cleanup
         if _rank() == 0:

@@ -309,20 +309,26 @@ def init_weights(model, model_cfg: ModelConfig, seed: int) -> None:
         if st.data is None or not torch.is_floating_point(st.data):
             continue
         prepend = st.prepend_axis_num
-        layer_offsets = tuple(st.global_offset[:prepend])
-        full_shape = st.global_shape[prepend:]
-        kind, std = _init_rule(st.key, model_cfg, role)
-        if kind == "ones":
-            full = torch.ones(full_shape)
-        elif kind == "zeros":
-            full = torch.zeros(full_shape)
-        else:
-            gen = torch.Generator().manual_seed(_param_seed(seed, st.key, layer_offsets))
-            full = torch.empty(full_shape).normal_(0.0, std, generator=gen)
+        full = initial_value(st.key, st.global_shape[prepend:], model_cfg, role, seed,
+                             tuple(st.global_offset[:prepend]))
         index = tuple(slice(off, off + size)
                       for off, size in zip(st.global_offset[prepend:], st.data.shape))
         st.data.copy_(full[index].to(st.data.dtype))
     _zero_vocab_padding(model)
+
+
+def initial_value(key: str, full_shape, model_cfg: ModelConfig, role: str, seed: int,
+                  layer_offsets: tuple = ()) -> torch.Tensor:
+    """The seeded initial value of the global tensor ``key`` (megatron's sharded name;
+    ``layer_offsets``: its layer's index in the stacked layers) of an ``lm`` / ``value``
+    model."""
+    kind, std = _init_rule(key, model_cfg, role)
+    if kind == "ones":
+        return torch.ones(full_shape)
+    if kind == "zeros":
+        return torch.zeros(full_shape)
+    gen = torch.Generator().manual_seed(_param_seed(seed, key, layer_offsets))
+    return torch.empty(full_shape).normal_(0.0, std, generator=gen)
 
 
 def _zero_vocab_padding(model) -> None:
