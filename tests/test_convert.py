@@ -284,8 +284,8 @@ def test_a_failed_conversion_leaves_no_output_and_a_full_folder_is_refused(conve
 
 
 def test_the_checkpoint_keeps_the_models_dtype(converted, tmp_path):
-    """bf16 in, bf16 out (--dtype auto reads config.json's); --dtype float32 on request, with
-    the same values."""
+    """bf16 in, bf16 out (--dtype auto reads config.json's), and bf16 back out of the
+    export; --dtype float32 on request, with the same values."""
     import copy
 
     import torch.distributed.checkpoint as dcp
@@ -313,6 +313,17 @@ def test_the_checkpoint_keeps_the_models_dtype(converted, tmp_path):
     for key, value in tensors["auto"].items():
         assert value.dtype == torch.bfloat16, key
         assert torch.equal(value.float(), tensors["float32"][key]), key
+    # and back: bf16 out again, bitwise the bf16 files it came from
+    from safetensors.torch import load_file
+    back = tmp_path / "back"
+    tool("convert_megatron_to_hf.py", "--config", str(outs["auto"] / "config.yaml"),
+         "--out", str(back))
+    original, restored = load_file(hf / "model.safetensors"), load_file(back / "model.safetensors")
+    assert set(original) == set(restored)
+    for key in original:
+        assert restored[key].dtype == torch.bfloat16 and torch.equal(original[key],
+                                                                    restored[key]), key
+    assert json.load(open(back / "config.json"))["torch_dtype"] == "bfloat16"
 
 
 def _checkpoint_tensors(path) -> dict:

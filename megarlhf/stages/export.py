@@ -57,7 +57,7 @@ def hf_config(model_type: str, m: dict, role: str) -> dict:
             cfg["sliding_window"] = None  # megarlhf attends to the whole context
     if role == "value":
         cfg["num_labels"] = 1
-    cfg["torch_dtype"] = "float32"
+    cfg["torch_dtype"] = m["params_dtype"]  # the checkpoint's own: bf16 in, bf16 out
     return cfg
 
 
@@ -124,7 +124,7 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
     init_distributed(cfg)
     try:
         (chunk,) = build_role(spec, seed=cfg.run.seed).chunks
-        sd = {k: v.detach().float() for k, v in chunk.state_dict().items()
+        sd = {k: v.detach() for k, v in chunk.state_dict().items()
               if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
         if kind == "value" and sd.get("output_layer.bias", torch.zeros(1)).abs().max() > 0:
             raise ConversionError("the value head has a non-zero bias, which HF's "
