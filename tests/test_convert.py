@@ -16,10 +16,12 @@ pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
 # name -> the model_type its config.json has. The scaled-RoPE families pretrained at a context
 # of 16 (the test's longest sequence is 48 tokens); qwen3 and mistral_nemo have a head size
-# of their own (32, where hidden / heads is 16); *_rm are sequence-classification heads.
+# of their own (32, where hidden / heads is 16); qwen3_yarn is Qwen's long-context YaRN
+# (factor 4 over an original context of 16); *_rm are sequence-classification heads.
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gpt2": "gpt2",
             "llama3": "llama", "llama_linear": "llama", "qwen3": "qwen3",
-            "mistral_nemo": "mistral", "llama3_rm": "llama", "qwen3_rm": "qwen3"}
+            "mistral_nemo": "mistral", "qwen3_yarn": "qwen3", "llama3_rm": "llama",
+            "qwen3_rm": "qwen3"}
 ARCHS = list(FAMILIES)
 LM_ARCHS = [a for a in ARCHS if not a.endswith("_rm")]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -82,6 +84,10 @@ def make_hf(arch, path):
         config = transformers.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
         model = (transformers.Qwen3ForSequenceClassification if arch.endswith("_rm")
                  else transformers.Qwen3ForCausalLM)(config)
+    elif arch == "qwen3_yarn":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            **common, head_dim=32, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                 "original_max_position_embeddings": 16}))
     else:  # Mistral-Nemo's head size of its own, no sliding window
         model = transformers.MistralForCausalLM(transformers.MistralConfig(
             **common, head_dim=32, sliding_window=None))
@@ -227,8 +233,11 @@ def test_bad_inputs(converted, tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-     "rope_parameters.rope_type='yarn' is not supported"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}},
+     "rope_parameters.rope_type='longrope' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                       "original_max_position_embeddings": 16, "attention_factor": 1.2}},
+     "rope_scaling.attention_factor=1.2 is not supported for yarn"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
      "rope_scaling.rope_type='llama3' has no 'low_freq_factor'"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}},

@@ -37,12 +37,15 @@ class FP8Config:
 
 @dataclass(kw_only=True, frozen=True)
 class RopeScalingConfig:
-    type: Literal["none", "linear", "llama3"] = "none"
+    type: Literal["none", "linear", "llama3", "yarn"] = "none"
     """How RoPE's frequencies are stretched for a context longer than pretraining: none;
     linear (positions divided by ``factor``); llama3 (Llama 3.1 and later: wavelengths
     longer than original_max_position_embeddings / low_freq_factor divided by ``factor``,
     those shorter than original_max_position_embeddings / high_freq_factor kept, a smooth
-    ramp between). The converter reads it from config.json's rope_scaling."""
+    ramp between); yarn (YaRN, as Qwen's long-context configs: frequencies blended between
+    the original and the divided ones by a ramp from beta_fast to beta_slow rotations, and
+    cos / sin scaled by 0.1 ln(factor) + 1, or by the mscale ratio). The converter reads
+    it from config.json's rope_scaling."""
     factor: float = 1.0
     """Scaling factor (linear, llama3)."""
     low_freq_factor: float = 1.0
@@ -50,13 +53,26 @@ class RopeScalingConfig:
     high_freq_factor: float = 4.0
     """llama3: where the ramp ends (Llama 3.1: 4)."""
     original_max_position_embeddings: int = 8192
-    """llama3: the context the model was pretrained at (Llama 3.1: 8192)."""
+    """llama3, yarn: the context the model was pretrained at (Llama 3.1: 8192)."""
+    beta_fast: float = 32.0
+    """yarn: rotations where the ramp starts (dimensions kept as they were)."""
+    beta_slow: float = 1.0
+    """yarn: rotations where the ramp ends (dimensions fully divided by factor)."""
+    mscale: float | None = None
+    """yarn: with mscale_all_dim, the attention factor is their ratio of 0.1 m ln(factor) + 1
+    (DeepSeek's form); null: 0.1 ln(factor) + 1."""
+    mscale_all_dim: float | None = None
+    """yarn: see mscale."""
 
     def __post_init__(self):
         require(self.factor > 0, "model.rope_scaling.factor", self.factor, "must be > 0")
-        for name in ("low_freq_factor", "high_freq_factor"):
+        for name in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"):
             require(getattr(self, name) > 0, f"model.rope_scaling.{name}",
                     getattr(self, name), "must be > 0")
+        for name in ("mscale", "mscale_all_dim"):
+            value = getattr(self, name)
+            if value is not None:
+                require(value >= 0, f"model.rope_scaling.{name}", value, "must be >= 0 or null")
         require(self.original_max_position_embeddings >= 1,
                 "model.rope_scaling.original_max_position_embeddings",
                 self.original_max_position_embeddings, "must be >= 1")

@@ -25,7 +25,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def transformer_config(model: ModelConfig, layout: Layout) -> TransformerConfig:
-    """Megatron's ``TransformerConfig`` for ``model`` at ``layout``."""
+    """Megatron's ``TransformerConfig`` for ``model`` at ``layout`` (with YaRN's settings
+    under the names megatron's GPTModel and attention read, see :func:`_yarn`)."""
     dtype = _DTYPES[model.params_dtype]
     impl = resolve_impl(model)
     fp8 = {}
@@ -39,7 +40,7 @@ def transformer_config(model: ModelConfig, layout: Layout) -> TransformerConfig:
             num_layers_at_start_in_bf16=model.fp8.num_layers_at_start_in_bf16,
             num_layers_at_end_in_bf16=model.fp8.num_layers_at_end_in_bf16,
         )
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -78,6 +79,26 @@ def transformer_config(model: ModelConfig, layout: Layout) -> TransformerConfig:
         transformer_impl="transformer_engine" if impl == "transformer_engine" else "local",
         **fp8,
     )
+    if model.rope_scaling.type == "yarn":
+        _yarn(config, model.rope_scaling)
+    return config
+
+
+def _yarn(config: TransformerConfig, scaling: RopeScalingConfig) -> None:
+    """YaRN for a dense model: megatron-core's ``GPTModel(position_embedding_type='yarn')``
+    builds its ``YarnRotaryEmbedding`` from ``config.yarn_*`` and its attention scales the
+    rotated queries and keys by the concentration factor read from the same fields - fields
+    only its multi-latent-attention config declares, so they are set on this config here.
+    mscale and mscale_all_dim are passed when both are set (transformers' rule; otherwise
+    the factor 0.1 ln(factor) + 1)."""
+    both = bool(scaling.mscale) and bool(scaling.mscale_all_dim)
+    config.yarn_rotary_scaling_factor = scaling.factor
+    config.yarn_original_max_position_embeddings = scaling.original_max_position_embeddings
+    config.yarn_beta_fast = scaling.beta_fast
+    config.yarn_beta_slow = scaling.beta_slow
+    config.yarn_mscale = scaling.mscale if both else None
+    config.yarn_mscale_all_dim = scaling.mscale_all_dim if both else None
+    config.yarn_correction_range_round_to_int = True  # transformers' truncate=true
 
 
 def _backend_is_nccl() -> bool:
@@ -225,7 +246,8 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, layout:
         post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=model_cfg.tied and kind == "lm",
-        position_embedding_type="rope" if model_cfg.arch == "llama" else "learned_absolute",
+        position_embedding_type=("yarn" if model_cfg.rope_scaling.type == "yarn" else "rope")
+        if model_cfg.arch == "llama" else "learned_absolute",
         rotary_base=int(model_cfg.rotary_base),
         seq_len_interpolation_factor=(model_cfg.rope_scaling.factor
                                       if model_cfg.rope_scaling.type == "linear" else None),

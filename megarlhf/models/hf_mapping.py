@@ -102,9 +102,20 @@ def rope_overrides(hf: dict) -> dict:
                    "high_freq_factor": float(value("high_freq_factor")),
                    "original_max_position_embeddings":
                        int(value("original_max_position_embeddings"))}
+    elif kind == "yarn":
+        for name, wanted in (("attention_factor", None), ("truncate", True)):
+            if params.get(name, wanted) != wanted:
+                raise ConversionError(f"config.json {key}.{name}={params[name]!r} is not "
+                                      "supported for yarn")
+        scaling = {"type": "yarn", "factor": float(value("factor")),
+                   "original_max_position_embeddings":
+                       int(value("original_max_position_embeddings")),
+                   "beta_fast": float(params.get("beta_fast") or 32.0),
+                   "beta_slow": float(params.get("beta_slow") or 1.0),
+                   "mscale": params.get("mscale"), "mscale_all_dim": params.get("mscale_all_dim")}
     else:
         raise ConversionError(f"config.json {key}.rope_type={kind!r} is not supported "
-                              "(default, linear, llama3)")
+                              "(default, linear, llama3, yarn)")
     return {"rotary_base": float(theta), **({"rope_scaling": scaling} if scaling else {})}
 
 

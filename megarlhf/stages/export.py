@@ -49,6 +49,11 @@ def hf_config(model_type: str, m: dict, role: str) -> dict:
         scaling = m.get("rope_scaling") or {}
         if scaling.get("type", "none") == "linear":
             cfg["rope_scaling"] = {"rope_type": "linear", "factor": scaling["factor"]}
+        elif scaling.get("type") == "yarn":
+            cfg["rope_scaling"] = {"rope_type": "yarn", **{
+                k: scaling[k] for k in ("factor", "original_max_position_embeddings",
+                                        "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+                if scaling.get(k) is not None}}
         elif scaling.get("type") == "llama3":
             cfg["rope_scaling"] = {"rope_type": "llama3", **{
                 k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
