@@ -224,8 +224,9 @@ def test_family_templates_render_as_transformers_does(family, kwargs):
 
 def test_prompts_and_single_turn_sft_in_the_families_templates(family, tmp_path):
     """RL prompts end with the family's generation prompt; single-turn SFT trains exactly
-    the assistant's text and end token; Qwen3's template drops earlier turns' think blocks,
-    so multi-turn SFT through it is refused naming the turn."""
+    the assistant's text; Qwen3's template drops earlier turns' think blocks, so a multi-turn
+    conversation becomes one row per assistant turn, each rendered as the model sees it
+    when it writes that turn (Llama 3's: one row, every turn trained)."""
     name, model = family
     hf = model["tokenizer"]
     tok = load_tokenizer(TokenizerConfig(type="hf", path=model["hf"]))
@@ -240,9 +241,19 @@ def test_prompts_and_single_turn_sft_in_the_families_templates(family, tmp_path)
     prompts = tokenize_dataset(str(rows), "prompt", LONG, tok).prompts
     assert tok.decode(prompts[0]) == hf.apply_chat_template(CONVERSATION[1:2], tokenize=False,
                                                             add_generation_prompt=True)
-    write_jsonl(str(rows), [{"messages": CONVERSATION[1:]}])
+    thinking = [*CONVERSATION[1:3], CONVERSATION[3],
+                {"role": "assistant", "content": "<think>\nswap\n</think>\n\nsky blue"}]
+    thinking[1] = {"role": "assistant", "content": "<think>\nsort\n</think>\n\ncat red"}
+    write_jsonl(str(rows), [{"messages": thinking}])
+    examples = tokenize_dataset(str(rows), "sft", LONG, tok).examples()
     if name == "qwen3":
-        with pytest.raises(ValueError, match="does not render turn 1 as an extension"):
-            tokenize_dataset(str(rows), "sft", LONG, tok)
+        assert len(examples) == 2
+        for turn, (tokens, weights) in zip((2, 4), examples, strict=True):
+            text = hf.apply_chat_template(thinking[:turn], tokenize=False)
+            assert tok.decode(tokens) == text  # the conversation up to the turn, as rendered
+            # weight t is the loss of predicting token t + 1
+            trained = tok.decode([tokens[t + 1] for t, w in enumerate(weights) if w])
+            assert trained.startswith("<think>\nswap" if turn == 4 else "<think>\nsort")
+            assert "words" not in trained
     else:
-        assert len(tokenize_dataset(str(rows), "sft", LONG, tok).examples()) == 1
+        assert len(examples) == 1

@@ -106,6 +106,32 @@ def assistant_spans(template: ChatTemplate, messages: list[dict], where: str
     return full, spans
 
 
+def assistant_rows(template: ChatTemplate, messages: list[dict], where: str
+                   ) -> list[tuple[str, list[tuple[int, int]]]]:
+    """The training rows of a conversation: one (text, assistant spans) row when the template
+    renders each turn as an extension of the turns before it; otherwise (Qwen3's template
+    drops the think blocks of earlier assistant turns) one row per assistant turn - the
+    conversation up to that turn, rendered as the model sees it when it writes that turn,
+    with that turn trained."""
+    try:
+        return [assistant_spans(template, messages, where)]
+    except ValueError:
+        pass
+    rows = []
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        before = template.render(messages[:i], add_generation_prompt=True) if i else ""
+        upto = template.render(messages[:i + 1], add_generation_prompt=False)
+        if not upto.startswith(before):
+            raise ValueError(f"{where}: the chat template {template.origin} does not render "
+                             f"turn {i} as an extension of the prompt before it, so the "
+                             "assistant's tokens cannot be told apart")
+        if len(upto) > len(before):
+            rows.append((upto, [(len(before), len(upto))]))
+    return rows
+
+
 def tokenize_pieces(text: str, spans: list[tuple[int, int]], encode
                     ) -> tuple[list[int], list[int]]:
     """(token ids, 1 on tokens inside ``spans``) with each piece encoded on its own."""

@@ -195,7 +195,7 @@ def _tokenize_texts(path, table, kind, data_cfg: DataConfig, tokenizer) -> Token
 
 
 def _tokenize_chats(path, table, kind, data_cfg: DataConfig, tokenizer) -> TokenizedDataset:
-    from megarlhf.data.chat import assistant_spans, check_messages, tokenize_pieces
+    from megarlhf.data.chat import assistant_rows, check_messages, tokenize_pieces
 
     template = getattr(tokenizer, "chat_template", None)
     if template is None:
@@ -230,13 +230,13 @@ def _tokenize_chats(path, table, kind, data_cfg: DataConfig, tokenizer) -> Token
             if _keep(out, data_cfg, prompt, []):
                 _add(out, kind, prompt, [], text)
             continue
-        text, spans = assistant_spans(template, messages, f"{where} column '{column}'")
-        tokens, trained = tokenize_pieces(text, spans, encode)
-        first = trained.index(1)
-        weights = trained[1:] + [0]  # weight t: the loss of predicting token t + 1
-        prompt, response = tokens[:first], tokens[first:]
-        if _keep(out, data_cfg, prompt, [response]):
-            _add(out, kind, prompt, [response], text[:spans[0][0]], weights)
+        for text, spans in assistant_rows(template, messages, f"{where} column '{column}'"):
+            tokens, trained = tokenize_pieces(text, spans, encode)
+            first = trained.index(1)
+            weights = trained[1:] + [0]  # weight t: the loss of predicting token t + 1
+            prompt, response = tokens[:first], tokens[first:]
+            if _keep(out, data_cfg, prompt, [response]):
+                _add(out, kind, prompt, [response], text[:spans[0][0]], weights)
     return _finish(path, out)
 
 
