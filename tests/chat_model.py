@@ -123,8 +123,11 @@ def make_chat_model(folder: str, seed: int = 0, family: str = "chatml") -> dict:
     hf = os.path.join(folder, "hf")
     fast.save_pretrained(hf)
     vocab = tok.get_vocab_size()
+    # Llama 3's dated system header alone is about 80 tokens of this small vocabulary
+    positions = 128 if family == "chatml" else 512
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=positions,
                   bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
                   pad_token_id=fast.pad_token_id, tie_word_embeddings=False)
     torch.manual_seed(seed)

@@ -200,3 +200,39 @@ def test_a_family_directory_generates_as_transformers_and_stops_at_its_end_token
             assert mine == theirs, (mine, theirs)
             stopped_at[theirs[-1] if theirs[-1] in ends else None] += 1
     assert stopped_at[end] >= 1, stopped_at
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_the_walkthrough_with_a_llama3_and_a_qwen3_directory(name, tmp_path):
+    """docs/your-own-model.md's commands, shortened, on a Llama-3-shaped and a Qwen3-shaped
+    model directory (their templates, end tokens, q/k norms, head sizes, RoPE scaling):
+    convert, SFT on messages (Qwen3's multi-turn rows one per turn), a reward model on
+    preference conversations, PPO, export; transformers loads the export with its family's
+    config and the end tokens generation_config.json listed."""
+    model = make_chat_model(str(tmp_path / "my"), family=name)
+    conv = str(tmp_path / "my-model")
+    subprocess.run([sys.executable, "tools/convert_hf_to_megatron.py", "--hf-dir",
+                    model["hf"], "--out", conv], check=True, cwd=ROOT, capture_output=True)
+    common = [f"tokenizer.path={conv}", f"run.output_dir={tmp_path}",
+              "logging.progress_bar=false", "logging.tensorboard=false",
+              "data.max_prompt_len=160", "data.max_seq_len=200"]
+    run_cli("sft", "configs/chat/sft.yaml", f"checkpoint.load={conv}/checkpoints",
+            f"data.train_path={model['sft']}", "train.max_steps=6", *common)
+    run_cli("rm", "configs/chat/rm.yaml", f"checkpoint.load={conv}/checkpoints",
+            f"data.train_path={model['prefs']}", "train.max_steps=6", *common)
+    ppo_args = ["configs/chat/ppo.yaml", f"ppo.sft_checkpoint={tmp_path}/chat-sft/checkpoints",
+                f"ppo.reward_checkpoint={tmp_path}/chat-rm/checkpoints",
+                f"data.train_path={model['prompts']}", "ppo.num_iterations=1", *common]
+    ppo = run_cli("ppo", *ppo_args)
+    assert "of 256 prompt rows kept" in ppo.stdout
+    rows = [json.loads(line) for line in open(tmp_path / "chat-ppo" / "metrics.jsonl")]
+    assert rows and rows[-1]["objective/score"] == rows[-1]["objective/score"]
+    out = tmp_path / "exported"
+    run_cli("export", *ppo_args, "--out", str(out))
+    config = json.load(open(out / "config.json"))
+    assert config["model_type"] == {"llama3": "llama", "qwen3": "qwen3"}[name]
+    assert ("rope_scaling" in config) == (name == "llama3") and \
+        ("head_dim" in config) == (name == "qwen3")
+    ends = json.load(open(out / "generation_config.json"))["eos_token_id"]
+    assert set(ends) == set(model["ends"])
+    transformers.AutoModelForCausalLM.from_pretrained(out)
