@@ -87,20 +87,33 @@ def check_messages(messages, where: str, *, needs_assistant: bool,
     return out
 
 
-def assistant_spans(template: ChatTemplate, messages: list[dict], where: str
-                    ) -> tuple[str, list[tuple[int, int]]]:
-    """(the whole conversation's text, the character spans of its assistant turns)."""
-    full = template.render(messages, add_generation_prompt=False)
-    spans = []
+def _assistant_turns(template: ChatTemplate, messages: list[dict], where: str):
+    """For each assistant turn i: (i, the render of the turns before it with the generation
+    prompt, the render of the conversation up to it); the second must extend the first."""
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
         before = template.render(messages[:i], add_generation_prompt=True) if i else ""
         upto = template.render(messages[:i + 1], add_generation_prompt=False)
-        if not (upto.startswith(before) and full.startswith(upto)):
-            raise ValueError(f"{where}: the chat template {template.origin} does not render "
-                             f"turn {i} as an extension of the turns before it, so the "
-                             "assistant's tokens cannot be told apart")
+        if not upto.startswith(before):
+            raise _not_an_extension(template, i, where)
+        yield i, before, upto
+
+
+def _not_an_extension(template: ChatTemplate, turn: int, where: str) -> ValueError:
+    return ValueError(f"{where}: the chat template {template.origin} does not render turn "
+                      f"{turn} as an extension of the turns before it, so the assistant's "
+                      "tokens cannot be told apart")
+
+
+def assistant_spans(template: ChatTemplate, messages: list[dict], where: str
+                    ) -> tuple[str, list[tuple[int, int]]]:
+    """(the whole conversation's text, the character spans of its assistant turns)."""
+    full = template.render(messages, add_generation_prompt=False)
+    spans = []
+    for i, before, upto in _assistant_turns(template, messages, where):
+        if not full.startswith(upto):
+            raise _not_an_extension(template, i, where)
         if len(upto) > len(before):
             spans.append((len(before), len(upto)))
     return full, spans
@@ -112,24 +125,14 @@ def assistant_rows(template: ChatTemplate, messages: list[dict], where: str
     renders each turn as an extension of the turns before it; otherwise (Qwen3's template
     drops the think blocks of earlier assistant turns) one row per assistant turn - the
     conversation up to that turn, rendered as the model sees it when it writes that turn,
-    with that turn trained."""
+    with that turn trained. A turn that does not even extend its own prompt is refused."""
     try:
         return [assistant_spans(template, messages, where)]
     except ValueError:
         pass
-    rows = []
-    for i, msg in enumerate(messages):
-        if msg["role"] != "assistant":
-            continue
-        before = template.render(messages[:i], add_generation_prompt=True) if i else ""
-        upto = template.render(messages[:i + 1], add_generation_prompt=False)
-        if not upto.startswith(before):
-            raise ValueError(f"{where}: the chat template {template.origin} does not render "
-                             f"turn {i} as an extension of the prompt before it, so the "
-                             "assistant's tokens cannot be told apart")
-        if len(upto) > len(before):
-            rows.append((upto, [(len(before), len(upto))]))
-    return rows
+    return [(upto, [(len(before), len(upto))])
+            for _, before, upto in _assistant_turns(template, messages, where)
+            if len(upto) > len(before)]
 
 
 def tokenize_pieces(text: str, spans: list[tuple[int, int]], encode
