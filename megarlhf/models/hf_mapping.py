@@ -2,9 +2,11 @@
 the Llama family (Llama 2 and 3.x, Mistral and Mistral-Nemo head sizes, Qwen2/2.5, Qwen3
 dense) and GPT-2, causal LM and ``*ForSequenceClassification`` heads.
 
-Pure tensor code, one layer at a time, so conversion streams: a converter never needs more
-than one layer's tensors in flight. Every HF key must be consumed and every megatron key
-produced, or the conversion fails naming the key.
+Pure tensor code. HF -> megatron is a table of sources (:func:`layer_sources`,
+:func:`outer_sources`): each megatron tensor made from only the HF tensors it needs, so the
+converter makes one at a time (and, given storage-less tensors, checks every shape before
+reading anything). Every HF key must be consumed and every megatron key produced, or the
+conversion fails naming the key.
 
 Layout facts (megatron-core):
 - ``linear_qkv`` rows are grouped per query group g: [q heads of g, k_g, v_g], each head
@@ -298,18 +300,6 @@ def outer_sources(model_type: str, m: dict, has: Callable[[str], bool], role: st
         if has("score.bias"):
             out["output_layer.bias"] = lambda get: get("score.bias")
     return out
-
-
-def hf_to_megatron_layer(model_type: str, i: int, get: Callable[[str], torch.Tensor],
-                         m: dict) -> dict[str, torch.Tensor]:
-    """Megatron tensors of transformer layer ``i`` (:func:`layer_sources`, all made)."""
-    return {name: make(get) for name, make in layer_sources(model_type, i, m).items()}
-
-
-def hf_to_megatron_outer(model_type: str, get: Callable[[str], torch.Tensor], m: dict,
-                         has: Callable[[str], bool], role: str) -> dict[str, torch.Tensor]:
-    """Embeddings, final norm and the head (:func:`outer_sources`, all made)."""
-    return {name: make(get) for name, make in outer_sources(model_type, m, has, role).items()}
 
 
 def megatron_to_hf(model_type: str, m: dict, sd: dict[str, torch.Tensor], vocab: int,
