@@ -305,58 +305,88 @@ def outer_sources(model_type: str, m: dict, has: Callable[[str], bool], role: st
 def megatron_to_hf(model_type: str, m: dict, sd: dict[str, torch.Tensor], vocab: int,
                    role: str = "lm") -> dict[str, torch.Tensor]:
     """TP=1 megatron state dict -> HF tensors (padded vocabulary rows dropped)."""
-    heads, groups, hd = _heads(m)
     out: dict[str, torch.Tensor] = {}
     for i in range(m["num_layers"]):
-        s = f"decoder.layers.{i}."
-        if model_type == "gpt2":
-            p = f"transformer.h.{i}."
-            q, k, v = _split_qkv(sd[s + "self_attention.linear_qkv.weight"], heads, heads, hd)
-            qb, kb, vb = _split_qkv(sd[s + "self_attention.linear_qkv.bias"], heads, heads, hd)
-            out.update({
-                p + "ln_1.weight": sd[s + "input_layernorm.weight"],
-                p + "ln_1.bias": sd[s + "input_layernorm.bias"],
-                p + "attn.c_attn.weight": torch.cat([q, k, v]).t().contiguous(),
-                p + "attn.c_attn.bias": torch.cat([qb, kb, vb]),
-                p + "attn.c_proj.weight": sd[s + "self_attention.linear_proj.weight"].t().contiguous(),
-                p + "attn.c_proj.bias": sd[s + "self_attention.linear_proj.bias"],
-                p + "ln_2.weight": sd[s + "pre_mlp_layernorm.weight"],
-                p + "ln_2.bias": sd[s + "pre_mlp_layernorm.bias"],
-                p + "mlp.c_fc.weight": sd[s + "mlp.linear_fc1.weight"].t().contiguous(),
-                p + "mlp.c_fc.bias": sd[s + "mlp.linear_fc1.bias"],
-                p + "mlp.c_proj.weight": sd[s + "mlp.linear_fc2.weight"].t().contiguous(),
-                p + "mlp.c_proj.bias": sd[s + "mlp.linear_fc2.bias"],
-            })
-            continue
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        q, k, v = _split_qkv(sd[s + "self_attention.linear_qkv.weight"], heads, groups, hd)
-        gate, up = sd[s + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out.update({
-            p + "input_layernorm.weight": sd[s + "input_layernorm.weight"],
-            a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v,
-            a + "o_proj.weight": sd[s + "self_attention.linear_proj.weight"],
-            p + "post_attention_layernorm.weight": sd[s + "pre_mlp_layernorm.weight"],
-            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-            p + "mlp.down_proj.weight": sd[s + "mlp.linear_fc2.weight"],
-        })
-        if m.get("qk_layernorm"):
-            out.update({a + "q_norm.weight": sd[s + "self_attention.q_layernorm.weight"],
-                        a + "k_norm.weight": sd[s + "self_attention.k_layernorm.weight"]})
-        if model_type == "qwen2":
-            qb, kb, vb = _split_qkv(sd[s + "self_attention.linear_qkv.bias"], heads, groups, hd)
-            out.update({a + "q_proj.bias": qb, a + "k_proj.bias": kb, a + "v_proj.bias": vb})
-    embed = sd["embedding.word_embeddings.weight"][:vocab]
+        out.update(hf_layer_tensors(model_type, m, i, sd))
+    out.update(hf_outer_tensors(model_type, m, sd, vocab, role))
+    return out
+
+
+def hf_layer_tensors(model_type: str, m: dict, i: int, sd: dict[str, torch.Tensor]
+                     ) -> dict[str, torch.Tensor]:
+    """The HF tensors of transformer layer ``i``, from the TP=1 megatron tensors of that
+    layer in ``sd`` (``decoder.layers.{i}.*``; other entries are not read)."""
+    heads, groups, hd = _heads(m)
+    out: dict[str, torch.Tensor] = {}
+    s = f"decoder.layers.{i}."
     if model_type == "gpt2":
-        out.update({"transformer.wte.weight": embed,
-                    "transformer.wpe.weight": sd["embedding.position_embeddings.weight"],
-                    "transformer.ln_f.weight": sd["decoder.final_layernorm.weight"],
-                    "transformer.ln_f.bias": sd["decoder.final_layernorm.bias"]})
-    else:
-        out.update({"model.embed_tokens.weight": embed,
-                    "model.norm.weight": sd["decoder.final_layernorm.weight"]})
-        if role == "lm" and not m["tie_word_embeddings"]:
-            out["lm_head.weight"] = sd["output_layer.weight"][:vocab]
-    if role == "value":
-        out["score.weight"] = sd["output_layer.weight"]
+        p = f"transformer.h.{i}."
+        q, k, v = _split_qkv(sd[s + "self_attention.linear_qkv.weight"], heads, heads, hd)
+        qb, kb, vb = _split_qkv(sd[s + "self_attention.linear_qkv.bias"], heads, heads, hd)
+        out.update({
+            p + "ln_1.weight": sd[s + "input_layernorm.weight"],
+            p + "ln_1.bias": sd[s + "input_layernorm.bias"],
+            p + "attn.c_attn.weight": torch.cat([q, k, v]).t().contiguous(),
+            p + "attn.c_attn.bias": torch.cat([qb, kb, vb]),
+            p + "attn.c_proj.weight": sd[s + "self_attention.linear_proj.weight"].t().contiguous(),
+            p + "attn.c_proj.bias": sd[s + "self_attention.linear_proj.bias"],
+            p + "ln_2.weight": sd[s + "pre_mlp_layernorm.weight"],
+            p + "ln_2.bias": sd[s + "pre_mlp_layernorm.bias"],
+            p + "mlp.c_fc.weight": sd[s + "mlp.linear_fc1.weight"].t().contiguous(),
+            p + "mlp.c_fc.bias": sd[s + "mlp.linear_fc1.bias"],
+            p + "mlp.c_proj.weight": sd[s + "mlp.linear_fc2.weight"].t().contiguous(),
+            p + "mlp.c_proj.bias": sd[s + "mlp.linear_fc2.bias"],
+        })
+        return {k: v.contiguous() for k, v in out.items()}
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    q, k, v = _split_qkv(sd[s + "self_attention.linear_qkv.weight"], heads, groups, hd)
+    gate, up = sd[s + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+    out.update({
+        p + "input_layernorm.weight": sd[s + "input_layernorm.weight"],
+        a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v,
+        a + "o_proj.weight": sd[s + "self_attention.linear_proj.weight"],
+        p + "post_attention_layernorm.weight": sd[s + "pre_mlp_layernorm.weight"],
+        p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+        p + "mlp.down_proj.weight": sd[s + "mlp.linear_fc2.weight"],
+    })
+    if m.get("qk_layernorm"):
+        out.update({a + "q_norm.weight": sd[s + "self_attention.q_layernorm.weight"],
+                    a + "k_norm.weight": sd[s + "self_attention.k_layernorm.weight"]})
+    if model_type == "qwen2":
+        qb, kb, vb = _split_qkv(sd[s + "self_attention.linear_qkv.bias"], heads, groups, hd)
+        out.update({a + "q_proj.bias": qb, a + "k_proj.bias": kb, a + "v_proj.bias": vb})
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def hf_outer_tensors(model_type: str, m: dict, sd: dict[str, torch.Tensor], vocab: int,
+                     role: str = "lm") -> dict[str, torch.Tensor]:
+    """The HF embeddings, final norm and head, from the megatron tensors outside the
+    layers (padded vocabulary rows dropped)."""
+    return {name: make(sd[source]).contiguous() for name, (source, make) in
+            hf_outer_sources(model_type, m, vocab, role).items()}
+
+
+def hf_outer_sources(model_type: str, m: dict, vocab: int, role: str = "lm"
+                     ) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+    """HF name -> (the megatron tensor it is made from, how) for the tensors outside the
+    layers: each from one megatron tensor, so they can be made one at a time."""
+    def rows(t):
+        return t[:vocab]  # the vocabulary's padding rows dropped
+
+    def same(t):
+        return t
+
+    if model_type == "gpt2":
+        out = {"transformer.wte.weight": ("embedding.word_embeddings.weight", rows),
+               "transformer.wpe.weight": ("embedding.position_embeddings.weight", same),
+               "transformer.ln_f.weight": ("decoder.final_layernorm.weight", same),
+               "transformer.ln_f.bias": ("decoder.final_layernorm.bias", same)}
+    else:
+        out = {"model.embed_tokens.weight": ("embedding.word_embeddings.weight", rows),
+               "model.norm.weight": ("decoder.final_layernorm.weight", same)}
+        if role == "lm" and not m["tie_word_embeddings"]:
+            out["lm_head.weight"] = ("output_layer.weight", rows)
+    if role == "value":
+        out["score.weight"] = ("output_layer.weight", same)
+    return out
