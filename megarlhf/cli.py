@@ -188,6 +188,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from megarlhf.engine.streaming import return_freed_memory
     from megarlhf.stages.common import run_dir
     from megarlhf.stages.export import export_checkpoint
 
@@ -196,6 +197,7 @@ def cmd_export(args) -> int:
     if not os.path.exists(ckpt):
         raise FileNotFoundError(f"no checkpoint at {ckpt} (the run's checkpoints folder): "
                                 "pass --ckpt, or the config and overrides the run used")
+    return_freed_memory()  # a layer at a time: what each frees goes back to the system
     info = export_checkpoint(cfg, args.out, ckpt, args.role, args.model_type,
                              args.shard_layers, tokenizer=args.tokenizer, written=args.written)
     for key, value in info.items():
@@ -393,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
         "overrides it ran with) as a directory transformers loads with from_pretrained: "
         "config.json, safetensors, the run's tokenizer files with its chat template, and "
         "generation_config.json with the run's stop tokens and sampling settings. The "
-        "checkpoint may be at any layout; one process.\n\nexamples:\n  megarlhf export "
+        "checkpoint may be at any layout; it is read in one process, a layer at a time.\n\nexamples:\n  megarlhf export "
         "configs/demo/ppo.yaml run.output_dir=runs/demo --out runs/demo/ppo-tiny/hf   # the "
         "actor\n  megarlhf export configs/sft_tiny.yaml --out runs/demo/sft-tiny/hf --ckpt "
         "runs/demo/sft-tiny/checkpoints\n(--role ema: the EMA actor of a run with "

@@ -367,3 +367,81 @@ def test_streaming_conversion_equals_the_model_built_whole(converted, tmp_path, 
     assert set(a) == set(b) and len(a) >= 8
     for key in a:
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+def _export(config, out, *args):
+    return tool("convert_megatron_to_hf.py", "--config", str(config), "--out", str(out), *args)
+
+
+def _same_files(a, b):
+    names = sorted(os.listdir(a))
+    assert names == sorted(os.listdir(b))
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    return names
+
+
+@pytest.mark.parametrize("arch, args", [
+    ("llama3", []), ("mistral_nemo", ["--shard-layers", "1"]), ("gpt2", ["--shard-layers", "3"]),
+    ("qwen2", []), ("qwen3_rm", ["--role", "reward"])], ids=lambda x: str(x))
+def test_streamed_export_writes_the_bytes_of_the_in_memory_export(converted, tmp_path, arch, args):
+    """The default export (a meta-device model; each layer read from the checkpoint,
+    converted and written to its place in the safetensors files) writes the same bytes as
+    the model loaded whole and saved by the safetensors library (--in-memory): tied and
+    untied heads, GPT-2's biases and Qwen2's, a value head, one file and sharded with an
+    index."""
+    root, _, _ = converted
+    config = root / "conv" / arch / "config.yaml"
+    _export(config, tmp_path / "stream", *args)
+    _export(config, tmp_path / "whole", "--in-memory", *args)
+    names = _same_files(tmp_path / "stream", tmp_path / "whole")
+    assert ("model.safetensors.index.json" in names) == bool(args and args[0] == "--shard-layers")
+
+
+def test_streamed_export_reads_a_checkpoint_saved_at_tp2(tmp_path):
+    """A policy trained at TP=2 is stored in halves of each layer's tensors (the gated MLP's
+    halves interleaved by rank): the layer-at-a-time reads put them together as the whole
+    load does, byte for byte."""
+    from conftest import tiny_common
+    from megarlhf.data.synthetic import write_task
+
+    task = write_task(str(tmp_path / "task"), seed=0)
+    torchrun(["sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
+              "train.max_steps=1", "checkpoint.save_interval=1",
+              "parallel.tensor_model_parallel_size=2", *tiny_common(tmp_path, task)], 2)
+    ckpt = next(tmp_path.glob("*/checkpoints"))
+    for way in ("stream", "whole"):
+        tool("convert_megatron_to_hf.py", "--config", os.path.join(ROOT, "configs/sft_tiny.yaml"),
+             "--ckpt", str(ckpt), "--out", str(tmp_path / way), "--shard-layers", "1",
+             *(["--in-memory"] if way == "whole" else []))
+    _same_files(tmp_path / "stream", tmp_path / "whole")
+
+
+def test_safetensors_files_are_the_librarys_bytes(tmp_path):
+    """The header-first writer lays a file out as safetensors' save_file does (mixed dtypes
+    sorted as it sorts them), whatever order the tensors come in; a tensor of the wrong
+    shape, one not planned or one missing is an error."""
+    from safetensors.torch import save_file
+
+    from megarlhf.engine.streaming import SafetensorsFiles
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"b.w": torch.randn(3, 5, generator=g).bfloat16(), "a.x": torch.randn(7, generator=g),
+               "z": torch.randn(2, 2, generator=g).half(), "m": torch.arange(5),
+               "flag": torch.tensor([True, False]), "s": torch.tensor(2.5)}
+    save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    plan = {"mine.safetensors": {k: v.to("meta") for k, v in tensors.items()}}
+    writer = SafetensorsFiles(str(tmp_path), plan, {"format": "pt"})
+    for key in ["z", "s", "a.x", "flag", "b.w", "m"]:
+        writer.write(key, tensors[key])
+    writer.finish()
+    assert (tmp_path / "mine.safetensors").read_bytes() == \
+        (tmp_path / "ref.safetensors").read_bytes()
+    writer = SafetensorsFiles(str(tmp_path), plan)
+    with pytest.raises(ValueError, match="planned"):
+        writer.write("b.w", tensors["b.w"].float())
+    with pytest.raises(KeyError, match="not in the planned"):
+        writer.write("other", tensors["m"])
+    writer.write("m", tensors["m"])
+    with pytest.raises(RuntimeError, match="5 of 6 tensors never written"):
+        writer.finish()

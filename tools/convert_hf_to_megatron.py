@@ -88,8 +88,8 @@ class ShardReader:
         except Exception as err:  # safetensors raises its own error types
             raise ValueError(f"{path}: tensor '{key}' cannot be read ({err}); the file is "
                              "truncated or damaged") from None
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            bad = int((~torch.isfinite(tensor)).sum())
+        bad = non_finite(tensor)
+        if bad:
             raise ValueError(f"{path}: tensor '{key}' holds {bad} non-finite values (NaN/inf) "
                              f"of {tensor.numel()}; the file is damaged")
         return tensor
@@ -111,6 +111,17 @@ class ShardReader:
     def unused(self) -> list[str]:
         return sorted(k for k in self.weight_map
                       if k not in self.used and not k.endswith(IGNORED_SUFFIXES))
+
+
+def non_finite(tensor: torch.Tensor, chunk: int = 1 << 22) -> int:
+    """How many of ``tensor``'s values are NaN or infinite, counted a slice at a time: a
+    check of the whole tensor at once would hold a mask (and for bf16 a float32 copy) as
+    large as a 70B model's embedding."""
+    if not tensor.is_floating_point():
+        return 0
+    flat = tensor.reshape(-1)
+    return sum(int((~torch.isfinite(flat[i:i + chunk])).sum())
+               for i in range(0, flat.numel(), chunk))
 
 
 def check_sources(sources: dict, params: dict, reader: "ShardReader", kind: str) -> None:
@@ -291,8 +302,10 @@ def _convert(hf_dir: str, out: str, final: str, tp: int, pp: int, role: str,
 
 def main(argv: list[str] | None = None) -> int:
     from megarlhf import quiet_known_warnings, speedups
+    from megarlhf.engine.streaming import return_freed_memory
 
     speedups.install()
+    return_freed_memory()
     quiet_known_warnings()
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

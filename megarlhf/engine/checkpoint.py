@@ -16,10 +16,11 @@ pointing at a complete checkpoint; stale ``.tmp-*`` folders are removed by the n
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megarlhf.engine.optimizer_state import (
@@ -323,6 +325,94 @@ def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: b
         set_rng_state(loaded["rng"])
     meta["rng_restored"] = "rng" in loaded
     return meta
+
+
+def load_parameters(path: str, role: str, chunk, names: list[str]) -> dict[str, torch.Tensor]:
+    """Read only the parameters ``names`` of ``role`` from the checkpoint ``path`` into new
+    host tensors, whatever layout saved it. ``chunk`` (a TP=1, PP=1 model built on the
+    meta device: no weights) gives each parameter's stored tensor and its region there
+    (for a layer, its slice of the tensor stacked over the layers); torch's reader
+    fetches those regions' bytes only, so a model can be read a layer at a time (the
+    streamed export). (megatron's loader reads whole stored tensors in one process.)"""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    regions = _stored_regions(unwrap(chunk), f"{role}.", names)
+    state = {key: torch.empty(r.extent, dtype=r.dtype) for key, r in regions.items()}
+    dcp_load(state, storage_reader=FileSystemReader(path), no_dist=True,
+             planner=_RegionLoadPlanner({key: r.offsets for key, r in regions.items()}))
+    return {r.name: state[key].view(r.shape) for key, r in regions.items()}
+
+
+@dataclass(frozen=True)
+class _Region:
+    """Where a parameter lives in a stored (global) tensor."""
+
+    name: str  # the parameter's state-dict name
+    offsets: tuple[int, ...]  # its first element in the stored tensor
+    extent: tuple[int, ...]  # its size there (a stacked layer's leading 1 included)
+    shape: tuple[int, ...]  # its own shape
+    dtype: torch.dtype
+
+
+def _stored_regions(model, prefix: str, names: list[str]) -> dict[str, _Region]:
+    """stored tensor name -> the region of it that parameter ``names[i]`` is, from
+    megatron's sharded state dict of the TP=1 ``model`` (the gated MLP's factory gives its
+    two halves, which together are the parameter)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    wanted = {prefix + n: n for n in names}
+    regions = {}
+    for key, item in sharded_state_dict(model, prefix=prefix).items():
+        if key not in wanted:
+            continue
+        parts = item.build() if isinstance(item, ShardedTensorFactory) else [item]
+        parts = list(parts.values() if isinstance(parts, dict) else parts)
+        starts = [p.global_offset for p in parts]
+        ends = [tuple(o + n for o, n in zip(p.global_offset, (1,) * p.prepend_axis_num
+                                             + tuple(p.local_shape))) for p in parts]
+        lo, hi = tuple(map(min, zip(*starts))), tuple(map(max, zip(*ends)))
+        extent = tuple(b - a for a, b in zip(lo, hi))
+        if math.prod(extent) != item.data.numel() or len({p.key for p in parts}) != 1:
+            raise ValueError(f"{key}: its stored parts do not tile one region")
+        regions[parts[0].key] = _Region(wanted.pop(key), lo, extent, tuple(item.data.shape),
+                                        item.data.dtype)
+    if wanted:
+        raise KeyError(f"the model has no parameters {sorted(wanted.values())[:4]}")
+    return regions
+
+
+class _RegionLoadPlanner(DefaultLoadPlanner):
+    """torch's load planner for plain tensors that are regions of the stored ones
+    (``offsets``: where each starts); a region the checkpoint does not wholly hold is an
+    error, not uninitialised memory."""
+
+    def __init__(self, offsets: dict[str, tuple[int, ...]]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.offsets = offsets
+
+    def create_local_plan(self) -> LoadPlan:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        items = []
+        for key, tensor in self.state_dict.items():
+            stored = self.metadata.state_dict_metadata.get(key)
+            if stored is None or not hasattr(stored, "chunks"):
+                raise KeyError(f"the checkpoint holds no tensor '{key}'")
+            region = ChunkStorageMetadata(offsets=torch.Size(self.offsets[key]),
+                                          sizes=tensor.shape)
+            reads = create_read_items_for_chunk_list(key, stored, [region])
+            held = sum(math.prod(r.lengths) for r in reads)
+            if held != tensor.numel():
+                raise ValueError(f"the checkpoint holds {held} of the {tensor.numel()} values "
+                                 f"of '{key}' at {tuple(self.offsets[key])} "
+                                 f"(stored {tuple(stored.size)})")
+            items.extend(reads)
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index):
+        return self.state_dict[index.fqn]  # the region itself: reads are placed within it
 
 
 def _legacy_plain(meta: dict, role: str) -> bool:

@@ -3,7 +3,12 @@
 weights, the tokenizer files of the run's tokenizer (with its chat template) and a
 ``generation_config.json`` with the run's stop tokens and sampling settings.
 
-The checkpoint may have been saved at any TP/PP; it is loaded into one process.
+The checkpoint may have been saved at any TP/PP; it is read in one process, by default a
+layer at a time: the model is built on the meta device (its layout, no weights), the
+safetensors headers are written from the converted tensors' shapes, and each layer is read
+from the checkpoint (megatron's loader, only that layer's bytes), converted and written to
+its place (:class:`~megarlhf.engine.streaming.SafetensorsFiles`). ``stream=False`` builds
+the model whole first; the files are the same bytes.
 """
 
 from __future__ import annotations
@@ -94,15 +99,12 @@ def tokenizer_files(cfg: Config, fallback_dir: str | None) -> list[str]:
 def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = None,
                       model_type: str | None = None, shard_layers: int = 0,
                       tokenizer=None, tokenizer_dir: str | None = None,
-                      written: Written | None = None) -> dict:
+                      written: Written | None = None, stream: bool = True) -> dict:
     """Write ``ckpt``'s role ``role_name`` (default: its actor/policy, else its only role)
-    to ``out``. ``tokenizer`` (when given) fills generation_config.json."""
-    from safetensors.torch import save_file
-
+    to ``out``. ``tokenizer`` (when given) fills generation_config.json. ``stream``: read
+    and write a layer at a time (else load the model whole first)."""
     from megarlhf.engine.checkpoint import policy_role, read_meta, resolve_checkpoint
     from megarlhf.roles.spec import single_role_spec
-    from megarlhf.roles.build import build_role
-    from megarlhf.models.hf_mapping import ConversionError, megatron_to_hf
     from megarlhf.parallel.launch import init_distributed, shutdown
 
     ckpt = resolve_checkpoint(ckpt)
@@ -128,15 +130,9 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
         else "qwen2" if model_cfg.qkv_bias else "llama")
     init_distributed(cfg)
     try:
-        (chunk,) = build_role(spec, seed=cfg.run.seed).chunks
-        sd = {k: v.detach() for k, v in chunk.state_dict().items()
-              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
-        if kind == "value" and sd.get("output_layer.bias", torch.zeros(1)).abs().max() > 0:
-            raise ConversionError("the value head has a non-zero bias, which HF's "
-                                  "*ForSequenceClassification 'score' layer cannot hold")
-        tensors = megatron_to_hf(model_type, m, sd, model_cfg.vocab_size, kind)
         os.makedirs(out, exist_ok=True)
-        files = save_sharded(tensors, out, m["num_layers"], shard_layers, save_file)
+        write = _write_streamed if stream else _write_whole
+        files, count = write(spec, role, kind, model_type, m, out, shard_layers, cfg.run.seed)
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(hf_config(model_type, m, kind), f, indent=1)
         copied = []
@@ -151,29 +147,102 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
                 json.dump(generation_config(cfg, tokenizer), f, indent=1)
             copied.append("generation_config.json")
         return {"model_type": model_type, "role": f"{role} ({kind})", "checkpoint": ckpt,
-                "parameters": sum(t.numel() for t in tensors.values()),
-                "files": ["config.json", *files, *copied]}
+                "parameters": count, "files": ["config.json", *files, *copied]}
     finally:
         shutdown()
 
 
-def save_sharded(tensors: dict, out: str, num_layers: int, shard_layers: int, save_file):
+def _check_value_bias(kind: str, sd: dict) -> None:
+    from megarlhf.models.hf_mapping import ConversionError
+
+    if kind == "value" and sd.get("output_layer.bias", torch.zeros(1)).abs().max() > 0:
+        raise ConversionError("the value head has a non-zero bias, which HF's "
+                              "*ForSequenceClassification 'score' layer cannot hold")
+
+
+def _write_whole(spec, role: str, kind: str, model_type: str, m: dict, out: str,
+                 shard_layers: int, seed: int) -> tuple[list[str], int]:
+    """The model loaded whole, converted and saved by safetensors (the reference)."""
+    from safetensors.torch import save_file
+
+    from megarlhf.models.hf_mapping import megatron_to_hf
+    from megarlhf.roles.build import build_role
+
+    (chunk,) = build_role(spec, seed=seed).chunks
+    sd = {k: v.detach() for k, v in chunk.state_dict().items()
+          if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    _check_value_bias(kind, sd)
+    tensors = megatron_to_hf(model_type, m, sd, spec.model.vocab_size, kind)
+    plan = shard_files(list(tensors), m["num_layers"], shard_layers)
+    for fname, names in plan.items():
+        save_file({n: tensors[n] for n in names}, os.path.join(out, fname),
+                  metadata={"format": "pt"})
+    return _index(out, plan), sum(t.numel() for t in tensors.values())
+
+
+def _write_streamed(spec, role: str, kind: str, model_type: str, m: dict, out: str,
+                    shard_layers: int, seed: int) -> tuple[list[str], int]:
+    """The model read, converted and written a layer at a time (module docstring)."""
+    from megarlhf.engine.checkpoint import load_parameters
+    from megarlhf.engine.streaming import SafetensorsFiles
+    from megarlhf.models.gpt import build_model
+    from megarlhf.models.hf_mapping import hf_layer_tensors, hf_outer_sources, megatron_to_hf
+    from megarlhf.parallel.layout import build_layout
+
+    layout = build_layout(spec.layout)
+    with torch.device("meta"):  # megatron's modules, no storage: the names and shapes
+        chunk = build_model(spec.model, kind=kind, padded_vocab=spec.padded_vocab,
+                            layout=layout.layout, pg_collection=layout.pg_collection,
+                            pre_process=True, post_process=True)
+    params = {k: v for k, v in chunk.state_dict(keep_vars=True).items()
+              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    vocab = spec.model.vocab_size
+    shapes = megatron_to_hf(model_type, m, params, vocab, kind)  # meta: shapes only
+    plan = shard_files(list(shapes), m["num_layers"], shard_layers)
+    writer = SafetensorsFiles(out, {f: {n: shapes[n] for n in names}
+                                    for f, names in plan.items()}, {"format": "pt"})
+    try:
+        if kind == "value" and "output_layer.bias" in params:
+            _check_value_bias(kind, load_parameters(spec.checkpoint, role, chunk,
+                                                    ["output_layer.bias"]))
+        # one outer tensor at a time (the embedding and the LM head are the largest)
+        for name, (source, make) in hf_outer_sources(model_type, m, vocab, kind).items():
+            loaded = load_parameters(spec.checkpoint, role, chunk, [source])
+            writer.write(name, make(loaded.pop(source)))
+        for i in range(m["num_layers"]):
+            names = [n for n in params if n.startswith(f"decoder.layers.{i}.")]
+            sd = load_parameters(spec.checkpoint, role, chunk, names)
+            for name, tensor in hf_layer_tensors(model_type, m, i, sd).items():
+                writer.write(name, tensor)
+            del sd
+        writer.finish()
+    finally:
+        writer.close()
+    return _index(out, plan), sum(t.numel() for t in shapes.values())
+
+
+def shard_files(names: list[str], num_layers: int, shard_layers: int) -> dict[str, list[str]]:
+    """The safetensors files of an export and the HF tensors in each: one file, or one per
+    ``shard_layers`` layers (embeddings, final norm and head with the first)."""
     if shard_layers <= 0 or shard_layers >= num_layers:
-        save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-        return ["model.safetensors"]
-    groups: dict[int, dict] = {}
-    for name, t in tensors.items():
+        return {"model.safetensors": list(names)}
+    groups: dict[int, list[str]] = {}
+    for name in names:
         parts = name.split(".")
         layer = int(parts[parts.index("layers") + 1]) if "layers" in parts else \
             int(parts[parts.index("h") + 1]) if ".h." in name else -1
-        groups.setdefault(max(layer, 0) // shard_layers, {})[name] = t
+        groups.setdefault(max(layer, 0) // shard_layers, []).append(name)
     total = len(groups)
-    weight_map, files = {}, []
-    for i, (_, group) in enumerate(sorted(groups.items())):
-        fname = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
-        save_file(group, os.path.join(out, fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in group})
-        files.append(fname)
-    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
-    return files + ["model.safetensors.index.json"]
+    return {f"model-{i + 1:05d}-of-{total:05d}.safetensors": group
+            for i, (_, group) in enumerate(sorted(groups.items()))}
+
+
+def _index(out: str, plan: dict[str, list[str]]) -> list[str]:
+    """Write the index of a sharded export; the files written."""
+    files = list(plan)
+    if len(plan) > 1:
+        weight_map = {n: fname for fname, names in plan.items() for n in names}
+        with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+        files.append("model.safetensors.index.json")
+    return files
