@@ -1,15 +1,21 @@
-"""What converting a Hugging Face checkpoint costs: peak resident memory and time of
-``tools/convert_hf_to_megatron.py`` against the safetensors' size, at several depths of one
-Llama-3 shape (random weights saved by transformers in bf16, llama3 RoPE scaling, GQA).
+"""What converting a Hugging Face checkpoint costs, both ways: peak resident memory and time
+of ``tools/convert_hf_to_megatron.py`` (HF -> megatron) and of
+``tools/convert_megatron_to_hf.py`` on its output (megatron -> HF, the export) against the
+safetensors' size, at several depths of one Llama-3 shape (random weights saved by
+transformers in bf16, llama3 RoPE scaling, GQA).
 
-By default the converter writes each tensor as it makes it (a meta-device model, megatron's
-format); ``--in-memory`` builds the model whole first (the reference it is tested against).
+By default both stream: the converter writes each tensor as it makes it (a meta-device
+model, megatron's format), the export reads, converts and writes a layer at a time;
+``--in-memory`` builds the model whole first in both (the references they are tested
+against).
 Each conversion runs in its own process (its peak is that process's ``ru_maxrss``), and
 so does each model's creation: a child forked from a large parent would count the parent's
 pages in its peak.
 
     .venv/bin/python bench/convert.py [--hidden 1024] [--layers 6,12] [--dtype auto]
         [--in-memory]
+
+The export direction reads the checkpoint in its own dtype (bf16 when --dtype auto).
 """
 
 from __future__ import annotations
@@ -49,22 +55,34 @@ def make_model(folder: str, hidden: int, layers: int) -> int:
     return size, largest_layer
 
 
-def convert(hf: str, out: str, dtype: str, in_memory: bool) -> tuple[float, float, int]:
-    """(seconds, peak resident bytes, output bytes) of one conversion: the child's own
-    ``ru_maxrss`` (``os.wait4``)."""
+def run_tool(args: list[str], out: str) -> tuple[float, float, int]:
+    """(seconds, peak resident bytes, bytes written under ``out``) of one tool run: the
+    child's own ``ru_maxrss`` (``os.wait4``)."""
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "convert_hf_to_megatron.py"),
-                             "--hf-dir", hf, "--out", out, "--dtype", dtype,
-                             *(["--in-memory"] if in_memory else [])], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE,
                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"the conversion failed:\n{proc.stderr.read().decode()[-3000:]}")
-    written = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in
-                  os.walk(os.path.join(out, "checkpoints")) for f in files)
+        raise RuntimeError(f"{args[0]} failed:\n{proc.stderr.read().decode()[-3000:]}")
+    written = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(out)
+                  for f in files if f.endswith((".distcp", ".safetensors")))
     return seconds, usage.ru_maxrss * 1024.0, written
+
+
+def convert(hf: str, out: str, dtype: str, in_memory: bool) -> tuple[float, float, int]:
+    """HF -> megatron (tools/convert_hf_to_megatron.py)."""
+    return run_tool([os.path.join(ROOT, "tools", "convert_hf_to_megatron.py"), "--hf-dir", hf,
+                     "--out", out, "--dtype", dtype, *(["--in-memory"] if in_memory else [])],
+                    out)
+
+
+def export(converted: str, out: str, in_memory: bool) -> tuple[float, float, int]:
+    """megatron -> HF (tools/convert_megatron_to_hf.py) of a conversion's output."""
+    return run_tool([os.path.join(ROOT, "tools", "convert_megatron_to_hf.py"), "--config",
+                     os.path.join(converted, "config.yaml"), "--out", out,
+                     *(["--in-memory"] if in_memory else [])], out)
 
 
 def make_model_apart(folder: str, hidden: int, layers: int) -> tuple[int, int]:
@@ -91,19 +109,23 @@ def main() -> None:
     args = parser.parse_args()
     way = "in memory" if args.in_memory else "streamed"
     depths = [int(x) for x in args.layers.split(",")]
-    print("| layers | safetensors | one layer | peak resident | peak / files | time | "
-          "written |")
-    print("|---|---|---|---|---|---|---|")
+    print("| direction | layers | safetensors | one layer | peak resident | peak / files | "
+          "time | written |")
+    print("|---|---|---|---|---|---|---|---|")
     mib = 2.0 ** 20
     with tempfile.TemporaryDirectory() as tmp:
         for layers in depths:
             hf = os.path.join(tmp, f"hf{layers}")
             size, layer = make_model_apart(hf, args.hidden, layers)
-            seconds, peak, written = convert(hf, os.path.join(tmp, f"out{layers}"), args.dtype,
-                                             args.in_memory)
-            print(f"| {layers} | {size / mib:.0f} MiB | {layer / mib:.1f} MiB | "
-                  f"{peak / mib:.0f} MiB | {peak / size:.2f}x | {seconds:.1f} s | "
-                  f"{written / mib:.0f} MiB ({args.dtype}, {way}) |", flush=True)
+            out = os.path.join(tmp, f"out{layers}")
+            runs = {"HF -> megatron": lambda: convert(hf, out, args.dtype, args.in_memory),
+                    "megatron -> HF": lambda: export(out, os.path.join(tmp, f"back{layers}"),
+                                                     args.in_memory)}
+            for direction, run in runs.items():
+                seconds, peak, written = run()
+                print(f"| {direction} | {layers} | {size / mib:.0f} MiB | {layer / mib:.1f} MiB "
+                      f"| {peak / mib:.0f} MiB | {peak / size:.2f}x | {seconds:.1f} s | "
+                      f"{written / mib:.0f} MiB ({args.dtype}, {way}) |", flush=True)
 
 
 if __name__ == "__main__":

@@ -333,6 +333,8 @@ def test_the_checkpoint_keeps_the_models_dtype(converted, tmp_path):
         assert restored[key].dtype == torch.bfloat16 and torch.equal(original[key],
                                                                     restored[key]), key
     assert json.load(open(back / "config.json"))["torch_dtype"] == "bfloat16"
+    # the streamed export lays the file out as the safetensors library does: the same bytes
+    assert (back / "model.safetensors").read_bytes() == (hf / "model.safetensors").read_bytes()
 
 
 def _checkpoint_tensors(path) -> dict:

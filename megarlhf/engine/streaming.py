@@ -86,6 +86,9 @@ class StreamingSave(TorchDistSaveShardedStrategy):
         planner = _ProducingPlanner(self.params, self.produce,
                                     dedup_replicated_tensors=not self.keep_only_main_replica,
                                     flatten_state_dict=False)
+        # One file per tensor: torch's writer keeps every tensor of a file referenced until
+        # the file is done (for its safetensors format), so one file per rank would hold
+        # one tensor of each name - the embedding, the head, one of each layer's - to the end.
         dcp_save(state, storage_writer=FileSystemWriter(str(checkpoint_dir), thread_count=1,
                                                         single_file_per_rank=False),
                  planner=planner)
