@@ -20,7 +20,7 @@ import math
 import os
 import random
 import shutil
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
