@@ -407,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "run's checkpoints, latest)")
     export.add_argument("--role", help="role in the checkpoint: actor (ppo), policy (sft, "
                         "dpo), ema, critic, reward (default: actor or policy)")
-    export.add_argument("--model-type", choices=["llama", "mistral", "qwen2", "qwen3", "gpt2"],
+    export.add_argument("--model-type", choices=["llama", "mistral", "qwen2", "qwen3",
+                                                 "qwen3_moe", "mixtral", "gpt2"],
                         help="HF architecture (default: from the checkpoint)")
     export.add_argument("--shard-layers", type=int, default=0,
                         help="layers per safetensors shard (0: one file)")

@@ -105,6 +105,53 @@ def test_layout_errors(overrides, world, message):
     assert message in str(err.value)
 
 
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=48"]
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (MOE + ["parallel.expert_model_parallel_size=3"], 3,
+     "parallel.expert_model_parallel_size=3 is invalid: must divide model.moe.num_experts=4"),
+    (MOE + ["parallel.expert_model_parallel_size=4"], 2,
+     "world size=2 is invalid: must be a multiple of expert tensor x expert x pipeline "
+     "parallel size = 1 x 4 x 1"),
+    (MOE + ["parallel.expert_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"],
+     2, "must be a multiple of expert tensor x expert x pipeline parallel size = 1 x 2 x 2"),
+    (MOE + ["parallel.expert_tensor_parallel_size=5"], 5,
+     "parallel.expert_tensor_parallel_size=5 is invalid: must divide the expert MLP width 48"),
+    (["parallel.expert_model_parallel_size=2"], 2,
+     "parallel.expert_model_parallel_size=2 is invalid: must be 1: model is dense"),
+])
+def test_expert_layout_errors(overrides, world, message):
+    """Expert parallelism is checked before any process group exists, naming the field."""
+    cfg = load_config(None, overrides)
+    with pytest.raises(ValueError) as err:
+        validate_layout(cfg, world)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.moe.num_experts=4", "model.moe.top_k=5"],
+     "model.moe.top_k=5 is invalid: must be between 1 and model.moe.num_experts=4"),
+    (["model.moe.num_experts=4", "model.num_layers=2", "model.moe.first_k_dense=2"],
+     "model.moe.first_k_dense=2 is invalid: must be below model.num_layers=2"),
+    (["model.moe.num_experts=4", "model.arch=gpt2"], "model.arch='gpt2' is invalid: must be "
+     "llama for a mixture-of-experts model"),
+    (["model.moe.num_experts=-1"], "model.moe.num_experts=-1 is invalid"),
+])
+def test_moe_field_errors(overrides, message):
+    with pytest.raises(ValueError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value)
+
+
+def test_a_mixture_of_experts_layout_passes():
+    cfg = load_config(None, MOE + ["parallel.expert_model_parallel_size=2",
+                                   "parallel.tensor_model_parallel_size=2"])
+    assert cfg.parallel.layout.expert_tp == 2 and cfg.parallel.layout.expert_dp(4) == 1
+    validate_layout(cfg, 4)
+    validate_layout(cfg, 8)
+
+
 def test_valid_layouts_pass():
     cfg = load_config(None, ["model.num_layers=4", "parallel.pipeline_model_parallel_size=2",
                              "parallel.tensor_model_parallel_size=2"])

@@ -21,7 +21,10 @@ transformers = pytest.importorskip("transformers")
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gpt2": "gpt2",
             "llama3": "llama", "llama_linear": "llama", "qwen3": "qwen3",
             "mistral_nemo": "mistral", "qwen3_yarn": "qwen3", "llama3_rm": "llama",
-            "qwen3_rm": "qwen3"}
+            "qwen3_rm": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
+            "qwen3_moe_rm": "qwen3_moe"}
+# Mixtures of experts (4 experts, top 2): also at EP=2 (tests/workers/converted_models.py).
+MOE_ARCHS = [a for a, t in FAMILIES.items() if t in ("qwen3_moe", "mixtral")]
 ARCHS = list(FAMILIES)
 LM_ARCHS = [a for a in ARCHS if not a.endswith("_rm")]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -88,6 +91,16 @@ def make_hf(arch, path):
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
             **common, head_dim=32, rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                  "original_max_position_embeddings": 16}))
+    elif arch in ("qwen3_moe", "qwen3_moe_rm"):  # a dense first layer, then 4 experts, top 2
+        config = transformers.Qwen3MoeConfig(
+            **common, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+            norm_topk_prob=True, mlp_only_layers=[0], rope_theta=1000000.0)
+        model = (transformers.Qwen3MoeForSequenceClassification if arch.endswith("_rm")
+                 else transformers.Qwen3MoeForCausalLM)(config)
+    elif arch == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **{**common, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=None))
     else:  # Mistral-Nemo's head size of its own, no sliding window
         model = transformers.MistralForCausalLM(transformers.MistralConfig(
             **common, head_dim=32, sliding_window=None))
@@ -124,6 +137,24 @@ def test_logprobs_match_transformers(converted, arch, layout):
             logits = models[arch](torch.tensor([seq])).logits[0].float()
         ref = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(seq[1:])[:, None])
         assert (ref.squeeze(-1) - torch.tensor(lp)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_experts_split_over_two_ranks_match_transformers(converted, arch):
+    """A mixture of experts at EP=2 (two experts on each rank; tokens gathered over the
+    expert-parallel group and their outputs reduced back): transformers' log-probs within
+    1e-5, or its score for a sequence-classification head."""
+    from workers.converted_models import SEQS
+    _, models, results = converted
+    ours = results[(arch, 1, 1, 2)]
+    for i, seq in enumerate(SEQS):
+        with torch.no_grad():
+            logits = models[arch](torch.tensor([seq])).logits[0].float()
+        if "values" in ours:
+            assert abs(float(logits[0]) - ours["values"][i][-1]) < 1e-5
+            continue
+        ref = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(seq[1:])[:, None])
+        assert (ref.squeeze(-1) - torch.tensor(ours["logprobs"][i])).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("arch", LM_ARCHS)
@@ -252,12 +283,22 @@ def test_bad_inputs(converted, tmp_path):
     ({"layer_types": ["full_attention", "sliding_attention"] * 2},
      "layer_types holds ['sliding_attention']"),
     ({"hidden_size": None}, "config.json has no 'hidden_size'"),
+    ({"model_type": "qwen3_moe", "mlp_only_layers": [1]},
+     "mlp_only_layers=[1] is not supported: dense layers must be the first ones"),
+    ({"model_type": "qwen3_moe", "mlp_only_layers": [], "decoder_sparse_step": 2},
+     "decoder_sparse_step=2 is not supported"),
+    ({"model_type": "qwen3_moe", "num_local_experts": None}, "config.json has no "
+     "'num_local_experts'"),
+    ({"model_type": "mixtral", "router_jitter_noise": 0.1},
+     "router_jitter_noise=0.1 is not supported"),
+    ({"model_type": "mixtral", "sliding_window": 64}, "sliding_window=64 is not supported"),
 ])
 def test_unsupported_options_are_refused_naming_the_key(converted, tmp_path, change, message):
     """Every option a family may carry that megarlhf does not implement: exit 2 before any
     work, the file and the key named, no output folder."""
     root, _, _ = converted
-    hf = root / "hf" / "llama"
+    moe = change.get("model_type") in ("qwen3_moe", "mixtral")
+    hf = root / "hf" / (change["model_type"] if moe else "llama")
     bad = tmp_path / "bad"
     bad.mkdir()
     cfg = {**json.load(open(hf / "config.json")), **change}
@@ -385,7 +426,8 @@ def _same_files(a, b):
 
 @pytest.mark.parametrize("arch, args", [
     ("llama3", []), ("mistral_nemo", ["--shard-layers", "1"]), ("gpt2", ["--shard-layers", "3"]),
-    ("qwen2", []), ("qwen3_rm", ["--role", "reward"])], ids=lambda x: str(x))
+    ("qwen2", []), ("qwen3_rm", ["--role", "reward"]), ("qwen3_moe", ["--shard-layers", "1"]),
+    ("mixtral", [])], ids=lambda x: str(x))
 def test_streamed_export_writes_the_bytes_of_the_in_memory_export(converted, tmp_path, arch, args):
     """The default export (a meta-device model; each layer read from the checkpoint,
     converted and written to its place in the safetensors files) writes the same bytes as

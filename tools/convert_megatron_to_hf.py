@@ -2,7 +2,7 @@
 ``transformers`` loads with ``from_pretrained`` (no remote code).
 
     python tools/convert_megatron_to_hf.py --config CONFIG.yaml --out HF_DIR
-        [--ckpt CHECKPOINT] [--role NAME] [--model-type llama|mistral|qwen2|qwen3|gpt2]
+        [--ckpt CHECKPOINT] [--role NAME] [--model-type llama|mistral|qwen2|qwen3|qwen3_moe|mixtral|gpt2]
 
 The checkpoint (default: the config's ``checkpoint.load``) may have been saved at any
 TP/PP; it is read in one process a layer at a time, each layer converted and written to its

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 class Layout:
     """Tensor (``tp``), pipeline (``pp``, with ``vpp`` virtual stages per rank for the
     interleaved schedule) and expert parallelism (``ep`` expert-parallel ranks, ``etp``
-    tensor-parallel ranks per expert; room for mixture-of-experts models, 1 for dense
+    tensor-parallel ranks per expert, None for TP; room for mixture-of-experts models, 1 for dense
     ones). The rest of the world forms data-parallel replicas. Ranks are ordered TP
     fastest, then DP, then PP (megatron's ``tp-cp-ep-dp-pp``), so a TP group stays within
     a node."""
@@ -25,7 +25,12 @@ class Layout:
     pp: int = 1
     vpp: int | None = None
     ep: int = 1
-    etp: int = 1
+    etp: int | None = None
+
+    @property
+    def expert_tp(self) -> int:
+        """Tensor-parallel ranks per expert (``etp``; None: the layout's TP)."""
+        return self.etp or self.tp
 
     @property
     def model_parallel(self) -> int:
@@ -40,6 +45,14 @@ class Layout:
                              f"processes (TP x PP = {self.model_parallel})")
         return world_size // self.model_parallel
 
+    def expert_dp(self, world_size: int) -> int:
+        """Data-parallel replicas of each expert: the world over ETP x EP x PP (megatron's
+        expert grid ``tp-ep-dp-pp`` over the same ranks as the dense one)."""
+        if world_size % (self.expert_tp * self.ep * self.pp):
+            raise ValueError(f"{self.describe()} does not divide the world of {world_size} "
+                             f"processes (ETP x EP x PP = {self.expert_tp * self.ep * self.pp})")
+        return world_size // (self.expert_tp * self.ep * self.pp)
+
     def coordinates(self, rank: int, world_size: int) -> tuple[int, int, int]:
         """``rank``'s (tp_rank, dp_rank, pp_rank): rank = tp + TP * (dp + DP * pp)."""
         dp = self.dp(world_size)
@@ -53,6 +66,6 @@ class Layout:
             text += f" DP={self.dp(world_size)}"
         if self.vpp:
             text += f" VPP={self.vpp}"
-        if self.ep > 1 or self.etp > 1:
-            text += f" EP={self.ep} ETP={self.etp}"
+        if self.ep > 1 or self.expert_tp != self.tp:
+            text += f" EP={self.ep} ETP={self.expert_tp}"
         return text

@@ -79,6 +79,69 @@ class RopeScalingConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class MoEConfig:
+    num_experts: int = 0
+    """Routed experts per mixture-of-experts layer; 0: a dense model (every other field is
+    then unused)."""
+    top_k: int = 2
+    """Experts each token is sent to."""
+    ffn_hidden_size: int | None = None
+    """One expert's MLP width; None: model.ffn_hidden_size."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Width of the shared expert MLP every token also passes through (DeepSeek, Qwen2-MoE:
+    the shared experts together); 0: none."""
+    score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3)."""
+    normalize_top_k: bool = True
+    """Renormalise the chosen experts' scores to sum to 1 (Mixtral; Qwen3-MoE's
+    norm_topk_prob). With softmax and false, the weights are the softmax over all experts."""
+    top_k_scaling_factor: float | None = None
+    """Multiply the chosen experts' weights by this (DeepSeek-V3's routed_scaling_factor)."""
+    expert_bias: bool = False
+    """A per-expert bias added to the scores for choosing experts only, moved towards
+    balanced load after each step (DeepSeek-V3's aux-loss-free balancing)."""
+    expert_bias_update_rate: float = 1e-3
+    """How far the expert bias moves per step (with expert_bias)."""
+    first_k_dense: int = 0
+    """The first layers keep a dense MLP of model.ffn_hidden_size (DeepSeek-V3: 3)."""
+    aux_loss_coeff: float = 0.0
+    """Load-balancing loss coefficient (Switch / GShard form, megatron's aux_loss); added
+    to every training loss and logged as moe/aux_loss."""
+    z_loss_coeff: float = 0.0
+    """Router z-loss coefficient (logged as moe/z_loss)."""
+    capacity_factor: float | None = None
+    """Tokens an expert takes per step, as a multiple of an even share; None: no limit
+    (no token is dropped)."""
+    drop_policy: Literal["probs", "position"] = "probs"
+    """Which tokens an over-full expert drops: the lowest scores, or the latest."""
+
+    def __post_init__(self):
+        require(self.num_experts >= 0, "model.moe.num_experts", self.num_experts,
+                "must be >= 0 (0: a dense model)")
+        if not self.num_experts:
+            return
+        require(1 <= self.top_k <= self.num_experts, "model.moe.top_k", self.top_k,
+                f"must be between 1 and model.moe.num_experts={self.num_experts}")
+        if self.ffn_hidden_size is not None:
+            require(self.ffn_hidden_size >= 1, "model.moe.ffn_hidden_size",
+                    self.ffn_hidden_size, "must be >= 1 or null")
+        for name in ("shared_expert_ffn_hidden_size", "first_k_dense", "aux_loss_coeff",
+                     "z_loss_coeff", "expert_bias_update_rate"):
+            require(getattr(self, name) >= 0, f"model.moe.{name}", getattr(self, name),
+                    "must be >= 0")
+        if self.top_k_scaling_factor is not None:
+            require(self.top_k_scaling_factor > 0, "model.moe.top_k_scaling_factor",
+                    self.top_k_scaling_factor, "must be > 0 or null")
+        if self.capacity_factor is not None:
+            require(self.capacity_factor > 0, "model.moe.capacity_factor",
+                    self.capacity_factor, "must be > 0 or null")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+
+@dataclass(kw_only=True, frozen=True)
 class ModelConfig:
     arch: Literal["llama", "gpt2"] = "llama"
     """Llama-style (RMSNorm, SwiGLU, RoPE, untied) or GPT-2-style (LayerNorm, GELU,
@@ -130,6 +193,8 @@ class ModelConfig:
     N(0, 1/sqrt(hidden+1)) (reward model)."""
     fp8: FP8Config = field(default_factory=FP8Config)
     """fp8 settings (GPU with TransformerEngine only)."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture of experts (llama only): routed experts in place of the dense MLP."""
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads",
@@ -150,6 +215,17 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             require(0.0 <= getattr(self, name) < 1.0, f"model.{name}", getattr(self, name),
                     "must be in [0, 1)")
+        if self.moe.enabled:
+            require(self.arch == "llama", "model.arch", self.arch,
+                    "must be llama for a mixture-of-experts model (model.moe.num_experts > 0)")
+            require(self.moe.first_k_dense < self.num_layers, "model.moe.first_k_dense",
+                    self.moe.first_k_dense,
+                    f"must be below model.num_layers={self.num_layers} (some layer must be MoE)")
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """One routed expert's MLP width."""
+        return self.moe.ffn_hidden_size or self.ffn_size
 
     @property
     def head_size(self) -> int:

@@ -18,6 +18,12 @@ class ParallelConfig:
     """Pipeline-parallel size of the training layout."""
     virtual_pipeline_model_parallel_size: int | None = None
     """Model chunks per pipeline stage (interleaved 1F1B schedule); None disables."""
+    expert_model_parallel_size: int = 1
+    """Expert-parallel size: a mixture-of-experts model's experts are split over this many
+    ranks (each holds num_experts / EP); the world must be a multiple of it x
+    expert_tensor_parallel_size x pipeline_model_parallel_size."""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor-parallel size inside each expert; None: tensor_model_parallel_size."""
     make_vocab_size_divisible_by: int = 128
     """The vocabulary is padded to a multiple of this times the TP size."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -29,16 +35,19 @@ class ParallelConfig:
 
     def __post_init__(self):
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "make_vocab_size_divisible_by", "timeout_minutes"):
+                     "make_vocab_size_divisible_by", "timeout_minutes",
+                     "expert_model_parallel_size"):
             require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
                     "must be >= 1")
 
     @property
     def layout(self) -> Layout:
         """The training layout this section writes."""
-        return Layout(tp=self.tensor_model_parallel_size,
-                      pp=self.pipeline_model_parallel_size,
-                      vpp=self.virtual_pipeline_model_parallel_size)
+        tp = self.tensor_model_parallel_size
+        return Layout(tp=tp, pp=self.pipeline_model_parallel_size,
+                      vpp=self.virtual_pipeline_model_parallel_size,
+                      ep=self.expert_model_parallel_size,
+                      etp=self.expert_tensor_parallel_size)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -50,17 +59,24 @@ class RoleParallelConfig:
     virtual_pipeline_model_parallel_size: int | None = None
     """Model chunks per pipeline stage; None: the actor's when this role keeps the actor's
     pipeline size, otherwise off; 1: off."""
+    expert_model_parallel_size: int | None = None
+    """Expert-parallel size of this role (a mixture-of-experts model); None: the actor's
+    when this role's model has experts, else 1."""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor-parallel size inside this role's experts; None: its tensor-parallel size."""
 
     def __post_init__(self):
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "virtual_pipeline_model_parallel_size"):
+                     "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+                     "expert_tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None:
                 require(value >= 1, f"parallel.{name}", value, "must be >= 1 or null")
 
-    def over(self, base: Layout) -> Layout:
+    def over(self, base: Layout, experts: bool = True) -> Layout:
         """``base`` (the actor's layout) with the sizes this role writes on top; VPP is
-        kept only while PP is (``vpp: 1`` turns it off)."""
+        kept only while PP is (``vpp: 1`` turns it off). ``experts``: the role's model has
+        experts (otherwise EP is 1 unless written)."""
         tp = self.tensor_model_parallel_size or base.tp
         pp = self.pipeline_model_parallel_size or base.pp
         if self.virtual_pipeline_model_parallel_size is not None:
@@ -68,4 +84,6 @@ class RoleParallelConfig:
             vpp = None if vpp == 1 else vpp
         else:
             vpp = base.vpp if pp == base.pp else None
-        return Layout(tp=tp, pp=pp, vpp=vpp, ep=base.ep, etp=base.etp)
+        ep = self.expert_model_parallel_size or (base.ep if experts else 1)
+        etp = self.expert_tensor_parallel_size or base.etp
+        return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)

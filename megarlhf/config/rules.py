@@ -141,6 +141,33 @@ def check_model_layout(where: str, model: ModelConfig, layout: Layout,
         require(world_size % (tp * pp) == 0, "world size", world_size,
                 f"must be a multiple of tensor x pipeline parallel size = {tp} x {pp} = "
                 f"{tp * pp} ({where})")
+    check_expert_layout(where, model, layout, world_size, model_name)
+
+
+def check_expert_layout(where: str, model: ModelConfig, layout: Layout,
+                        world_size: int | None, model_name: str) -> None:
+    """A mixture-of-experts model's experts split over EP ranks, each expert over ETP; the
+    world a multiple of ETP x EP x PP. A dense model with EP > 1 is refused (it would do
+    nothing)."""
+    ep, etp, pp = layout.ep, layout.expert_tp, layout.pp
+    if not model.moe.enabled:
+        require(ep == 1, f"{where}.expert_model_parallel_size", ep,
+                f"must be 1: {model_name} is dense ({model_name}.moe.num_experts=0)")
+        return
+    experts = model.moe.num_experts
+    require(experts % ep == 0, f"{where}.expert_model_parallel_size", ep,
+            f"must divide {model_name}.moe.num_experts={experts}")
+    require(model.expert_ffn_size % etp == 0, f"{where}.expert_tensor_parallel_size", etp,
+            f"must divide the expert MLP width {model.expert_ffn_size} of {model_name}")
+    if model.moe.shared_expert_ffn_hidden_size:
+        require(model.moe.shared_expert_ffn_hidden_size % layout.tp == 0,
+                f"{where}.tensor_model_parallel_size", layout.tp,
+                f"must divide {model_name}.moe.shared_expert_ffn_hidden_size="
+                f"{model.moe.shared_expert_ffn_hidden_size}")
+    if world_size is not None:
+        require(world_size % (etp * ep * pp) == 0, "world size", world_size,
+                f"must be a multiple of expert tensor x expert x pipeline parallel size = "
+                f"{etp} x {ep} x {pp} = {etp * ep * pp} ({where})")
 
 
 def check_rollout_layout(model: ModelConfig, rollout_tp: int, world_size: int) -> None:

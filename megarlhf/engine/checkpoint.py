@@ -329,19 +329,34 @@ def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: b
 
 def load_parameters(path: str, role: str, chunk, names: list[str]) -> dict[str, torch.Tensor]:
     """Read only the parameters ``names`` of ``role`` from the checkpoint ``path`` into new
-    host tensors, whatever layout saved it. ``chunk`` (a TP=1, PP=1 model built on the
-    meta device: no weights) gives each parameter's stored tensor and its region there
-    (for a layer, its slice of the tensor stacked over the layers); torch's reader
-    fetches those regions' bytes only, so a model can be read a layer at a time (the
-    streamed export). (megatron's loader reads whole stored tensors in one process.)"""
+    host tensors, whatever layout saved it. ``chunk`` (a TP=1, PP=1, EP=1 model built on
+    the meta device: no weights) gives each parameter's stored tensor and its region there
+    (a layer's slice of a tensor stacked over the layers, an expert's of one stacked over
+    the experts); torch's reader fetches those regions' bytes only, so a model can be read
+    a layer at a time (the streamed export). (megatron's loader reads whole stored tensors
+    in one process.)"""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
 
-    regions = _stored_regions(unwrap(chunk), f"{role}.", names)
-    state = {key: torch.empty(r.extent, dtype=r.dtype) for key, r in regions.items()}
+    stored = _stored_regions(unwrap(chunk), f"{role}.", names)
+    state, origin = {}, {}
+    for key, regions in stored.items():  # one region per stored tensor: the regions' box
+        lo = tuple(map(min, zip(*(r.offsets for r in regions))))
+        hi = tuple(map(max, zip(*(tuple(o + e for o, e in zip(r.offsets, r.extent))
+                                  for r in regions))))
+        box = tuple(b - a for a, b in zip(lo, hi))
+        if math.prod(box) != sum(math.prod(r.extent) for r in regions):
+            raise ValueError(f"{key}: the parameters asked for are not one block of it")
+        state[key], origin[key] = torch.empty(box, dtype=regions[0].dtype), lo
     dcp_load(state, storage_reader=FileSystemReader(path), no_dist=True,
-             planner=_RegionLoadPlanner({key: r.offsets for key, r in regions.items()}))
-    return {r.name: state[key].view(r.shape) for key, r in regions.items()}
+             planner=_RegionLoadPlanner(origin))
+    out = {}
+    for key, regions in stored.items():
+        for r in regions:
+            part = state[key][tuple(slice(o - a, o - a + e) for o, a, e in
+                                    zip(r.offsets, origin[key], r.extent))]
+            out[r.name] = part.reshape(r.shape)
+    return out
 
 
 @dataclass(frozen=True)
@@ -355,14 +370,14 @@ class _Region:
     dtype: torch.dtype
 
 
-def _stored_regions(model, prefix: str, names: list[str]) -> dict[str, _Region]:
-    """stored tensor name -> the region of it that parameter ``names[i]`` is, from
+def _stored_regions(model, prefix: str, names: list[str]) -> dict[str, list[_Region]]:
+    """stored tensor name -> the regions of it that parameters in ``names`` are, from
     megatron's sharded state dict of the TP=1 ``model`` (the gated MLP's factory gives its
     two halves, which together are the parameter)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     wanted = {prefix + n: n for n in names}
-    regions = {}
+    regions: dict[str, list[_Region]] = {}
     for key, item in sharded_state_dict(model, prefix=prefix).items():
         if key not in wanted:
             continue
@@ -375,8 +390,8 @@ def _stored_regions(model, prefix: str, names: list[str]) -> dict[str, _Region]:
         extent = tuple(b - a for a, b in zip(lo, hi))
         if math.prod(extent) != item.data.numel() or len({p.key for p in parts}) != 1:
             raise ValueError(f"{key}: its stored parts do not tile one region")
-        regions[parts[0].key] = _Region(wanted.pop(key), lo, extent, tuple(item.data.shape),
-                                        item.data.dtype)
+        regions.setdefault(parts[0].key, []).append(
+            _Region(wanted.pop(key), lo, extent, tuple(item.data.shape), item.data.dtype))
     if wanted:
         raise KeyError(f"the model has no parameters {sorted(wanted.values())[:4]}")
     return regions

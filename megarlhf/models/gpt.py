@@ -18,7 +18,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarlhf import speedups
 from megarlhf.config import Layout, ModelConfig, RopeScalingConfig
-from megarlhf.models.spec import activation, layer_spec, resolve_impl
+from megarlhf.models import moe
+from megarlhf.models.spec import activation, block_spec, layer_spec, resolve_impl
 from megarlhf.speedups import linears, positions as cuts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,6 +79,7 @@ def transformer_config(model: ModelConfig, layout: Layout) -> TransformerConfig:
         batch_p2p_comm=_backend_is_nccl(),
         transformer_impl="transformer_engine" if impl == "transformer_engine" else "local",
         **fp8,
+        **moe.transformer_fields(model, layout),
     )
     if model.rope_scaling.type == "yarn":
         _yarn(config, model.rope_scaling)
@@ -232,8 +234,13 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, layout:
     if model_cfg.vocab_size is None:
         raise ValueError("model.vocab_size is unset: set it or configure a tokenizer")
     tcfg = transformer_config(model_cfg, layout)
-    spec = layer_spec(model_cfg)
-    if post_process and speedups.enabled("positions") and cuts.mlp_cut_allowed(tcfg, spec):
+    if model_cfg.moe.enabled:
+        moe.prepare_megatron()
+        spec = block_spec(model_cfg, tcfg, vp_stage=vp_stage, pp_rank=pg_collection.pp.rank())
+    else:
+        spec = layer_spec(model_cfg)
+    if post_process and speedups.enabled("positions") and not model_cfg.moe.enabled \
+            and cuts.mlp_cut_allowed(tcfg, spec):
         spec = cuts.block_spec(spec, tcfg, vp_stage=vp_stage, pp_rank=pg_collection.pp.rank())
     model = RoleModel(
         kind=kind,

@@ -1,6 +1,7 @@
-"""Hugging Face <-> megarlhf (megatron-core GPTModel, TP=1/PP=1 names) weight mappings for
-the Llama family (Llama 2 and 3.x, Mistral and Mistral-Nemo head sizes, Qwen2/2.5, Qwen3
-dense) and GPT-2, causal LM and ``*ForSequenceClassification`` heads.
+"""Hugging Face <-> megarlhf (megatron-core GPTModel, TP=1/PP=1/EP=1 names) weight mappings
+for the Llama family (Llama 2 and 3.x, Mistral and Mistral-Nemo head sizes, Qwen2/2.5, Qwen3
+dense), its mixtures of experts (Qwen3-MoE, Mixtral) and GPT-2, causal LM and
+``*ForSequenceClassification`` heads.
 
 Pure tensor code. HF -> megatron is a table of sources (:func:`layer_sources`,
 :func:`outer_sources`): each megatron tensor made from only the HF tensors it needs, so the
@@ -11,7 +12,8 @@ conversion fails naming the key.
 Layout facts (megatron-core):
 - ``linear_qkv`` rows are grouped per query group g: [q heads of g, k_g, v_g], each head
   ``head_dim`` rows.
-- ``linear_fc1`` of a gated MLP is [gate; up] (megatron applies act(first) * second).
+- ``linear_fc1`` of a gated MLP is [gate; up] (megatron applies act(first) * second); so is
+  each expert's (``mlp.experts.local_experts.<j>``); the router is ``mlp.router.weight``.
 - HF GPT-2 stores Conv1D weights as (in, out): transposed relative to nn.Linear.
 """
 
@@ -25,7 +27,14 @@ import torch
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "chat_template.jinja")
 LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+# Where a mixture-of-experts family keeps its router and experts in a layer: (the MLP's
+# prefix, the router, an expert's gate, up and down projections).
+MOE_NAMES = {"qwen3_moe": ("mlp.", "gate.weight", "gate_proj.weight", "up_proj.weight",
+                           "down_proj.weight"),
+             "mixtral": ("block_sparse_moe.", "gate.weight", "w1.weight", "w3.weight",
+                         "w2.weight")}
 SUPPORTED = sorted(list(LLAMA_FAMILY) + ["gpt2"])
 
 
@@ -63,13 +72,59 @@ def model_overrides(hf: dict) -> dict:
                 num_attention_heads=heads,
                 num_query_groups=hf.get("num_key_value_heads") or heads,
                 head_dim=None if head_dim in (None, hidden // heads) else head_dim,
-                qk_layernorm=model_type == "qwen3",
-                ffn_hidden_size=need(hf, "intermediate_size"),
+                qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+                ffn_hidden_size=need(hf, "intermediate_size"), **moe_overrides(hf),
                 max_position_embeddings=hf.get("max_position_embeddings", 4096),
                 **rope_overrides(hf), vocab_size=need(hf, "vocab_size"),
                 norm_epsilon=hf.get("rms_norm_eps", 1e-6),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 add_qkv_bias=model_type == "qwen2")
+
+
+def moe_overrides(hf: dict) -> dict:
+    """``model.moe`` from a mixture-of-experts config.json (Qwen3-MoE, Mixtral); nothing for
+    a dense family. What megarlhf's MoE layer does not do is refused naming the key."""
+    model_type = hf.get("model_type")
+    if model_type not in MOE_NAMES:
+        return {}
+    layers = need(hf, "num_hidden_layers")
+    if model_type == "mixtral":
+        if hf.get("router_jitter_noise"):
+            raise ConversionError(f"config.json router_jitter_noise="
+                                  f"{hf['router_jitter_noise']} is not supported (0 only)")
+        return {"moe": {"num_experts": need(hf, "num_local_experts"),
+                        "top_k": need(hf, "num_experts_per_tok"),
+                        "aux_loss_coeff": float(hf.get("router_aux_loss_coef") or 0.0)}}
+    dense = sorted(hf.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))):
+        raise ConversionError(f"config.json mlp_only_layers={dense} is not supported: dense "
+                              "layers must be the first ones (0, 1, ...)")
+    step = hf.get("decoder_sparse_step", 1)
+    if step != 1 and len(dense) < layers:
+        raise ConversionError(f"config.json decoder_sparse_step={step} is not supported (1 "
+                              "only: every layer after the dense first ones is MoE)")
+    if len(dense) >= layers:
+        raise ConversionError(f"config.json mlp_only_layers={dense} leaves no "
+                              "mixture-of-experts layer")
+    # the hub's Qwen3-MoE configs say num_experts; transformers 5 saves num_local_experts
+    experts = hf.get("num_experts") or need(hf, "num_local_experts")
+    return {"moe": {"num_experts": experts,
+                    "top_k": need(hf, "num_experts_per_tok"),
+                    "ffn_hidden_size": need(hf, "moe_intermediate_size"),
+                    "normalize_top_k": bool(hf.get("norm_topk_prob", False)),
+                    "first_k_dense": len(dense),
+                    "aux_loss_coeff": float(hf.get("router_aux_loss_coef") or 0.0)}}
+
+
+def _moe(m: dict) -> dict:
+    """``m``'s ``moe`` section (empty for a dense model)."""
+    moe = m.get("moe") or {}
+    return moe if moe.get("num_experts") else {}
+
+
+def _is_moe_layer(m: dict, i: int) -> bool:
+    moe = _moe(m)
+    return bool(moe) and i >= moe.get("first_k_dense", 0)
 
 
 def need(hf: dict, key: str):
@@ -143,7 +198,7 @@ def refuse_unsupported(hf: dict) -> None:
         raise ConversionError("config.json use_sliding_window=true is not supported "
                               "(full attention only)")
     window = hf.get("sliding_window")
-    if model_type == "mistral" and window is not None \
+    if model_type in ("mistral", "mixtral") and window is not None \
             and window < hf.get("max_position_embeddings", 4096):
         raise ConversionError(
             f"config.json sliding_window={window} is not supported: it is shorter than "
@@ -244,16 +299,29 @@ def layer_sources(model_type: str, i: int, m: dict) -> dict[str, Source]:
                 _checked(get, a + f"v_proj.{part}", (groups * hd, *tail)), heads, groups, hd)
         return make
 
+    def gated(gate: str, up: str, width: int) -> Source:
+        return lambda get: torch.cat([_checked(get, gate, (width, h)),
+                                      _checked(get, up, (width, h))], dim=0)
+
     sources = {
         out + "input_layernorm.weight": checked(p + "input_layernorm.weight", (h,)),
         out + "self_attention.linear_qkv.weight": qkv("weight"),
         out + "self_attention.linear_proj.weight": checked(a + "o_proj.weight", (h, heads * hd)),
         out + "pre_mlp_layernorm.weight": checked(p + "post_attention_layernorm.weight", (h,)),
-        out + "mlp.linear_fc1.weight": lambda get: torch.cat([
-            _checked(get, p + "mlp.gate_proj.weight", (ffn, h)),
-            _checked(get, p + "mlp.up_proj.weight", (ffn, h))], dim=0),
-        out + "mlp.linear_fc2.weight": checked(p + "mlp.down_proj.weight", (h, ffn)),
     }
+    if _is_moe_layer(m, i):
+        moe = _moe(m)
+        width = moe.get("ffn_hidden_size") or ffn
+        mlp, router, gate, up, down = MOE_NAMES[model_type]
+        sources[out + "mlp.router.weight"] = checked(p + mlp + router, (moe["num_experts"], h))
+        for j in range(moe["num_experts"]):
+            e, x = f"{p}{mlp}experts.{j}.", f"{out}mlp.experts.local_experts.{j}."
+            sources[x + "linear_fc1.weight"] = gated(e + gate, e + up, width)
+            sources[x + "linear_fc2.weight"] = checked(e + down, (h, width))
+    else:
+        sources[out + "mlp.linear_fc1.weight"] = gated(p + "mlp.gate_proj.weight",
+                                                       p + "mlp.up_proj.weight", ffn)
+        sources[out + "mlp.linear_fc2.weight"] = checked(p + "mlp.down_proj.weight", (h, ffn))
     if m.get("qk_layernorm"):  # Qwen3: one RMSNorm over each head's width
         sources[out + "self_attention.q_layernorm.weight"] = checked(a + "q_norm.weight", (hd,))
         sources[out + "self_attention.k_layernorm.weight"] = checked(a + "k_norm.weight", (hd,))
@@ -341,15 +409,24 @@ def hf_layer_tensors(model_type: str, m: dict, i: int, sd: dict[str, torch.Tenso
     p = f"model.layers.{i}."
     a = p + "self_attn."
     q, k, v = _split_qkv(sd[s + "self_attention.linear_qkv.weight"], heads, groups, hd)
-    gate, up = sd[s + "mlp.linear_fc1.weight"].chunk(2, dim=0)
     out.update({
         p + "input_layernorm.weight": sd[s + "input_layernorm.weight"],
         a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v,
         a + "o_proj.weight": sd[s + "self_attention.linear_proj.weight"],
         p + "post_attention_layernorm.weight": sd[s + "pre_mlp_layernorm.weight"],
-        p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-        p + "mlp.down_proj.weight": sd[s + "mlp.linear_fc2.weight"],
     })
+    if _is_moe_layer(m, i):
+        mlp, router, gate_name, up_name, down_name = MOE_NAMES[model_type]
+        out[p + mlp + router] = sd[s + "mlp.router.weight"]
+        for j in range(_moe(m)["num_experts"]):
+            e, x = f"{p}{mlp}experts.{j}.", f"{s}mlp.experts.local_experts.{j}."
+            gate, up = sd[x + "linear_fc1.weight"].chunk(2, dim=0)
+            out.update({e + gate_name: gate, e + up_name: up,
+                        e + down_name: sd[x + "linear_fc2.weight"]})
+    else:
+        gate, up = sd[s + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+        out.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                    p + "mlp.down_proj.weight": sd[s + "mlp.linear_fc2.weight"]})
     if m.get("qk_layernorm"):
         out.update({a + "q_norm.weight": sd[s + "self_attention.q_layernorm.weight"],
                     a + "k_norm.weight": sd[s + "self_attention.k_layernorm.weight"]})

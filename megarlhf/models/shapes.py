@@ -25,8 +25,11 @@ class ParamShape:
         return n
 
 
-def _layer(model: ModelConfig, tp: int, prefix: str) -> list[ParamShape]:
-    """One transformer layer with tensor parallelism ``tp`` (local spec order)."""
+def _layer(model: ModelConfig, tp: int, prefix: str, moe_layer: bool = False, ep: int = 1,
+           etp: int = 1) -> list[ParamShape]:
+    """One transformer layer with tensor parallelism ``tp`` (local spec order); a
+    mixture-of-experts layer (``moe_layer``) with its experts split over ``ep`` ranks and
+    each over ``etp``."""
     h, kv = model.hidden_size, model.head_size
     qkv = (model.num_attention_heads + 2 * model.query_groups) * kv // tp
     attn = model.num_attention_heads * kv  # the attention's width (hidden unless head_dim)
@@ -53,6 +56,18 @@ def _layer(model: ModelConfig, tp: int, prefix: str) -> list[ParamShape]:
             if bias:
                 out.append(ParamShape(f"{prefix}self_attention.{name}.bias", (kv,)))
     norm("pre_mlp_layernorm")
+    if moe_layer:  # the router (whole on every rank), this rank's experts, shared experts
+        moe, width = model.moe, model.expert_ffn_size // etp
+        out.append(ParamShape(f"{prefix}mlp.router.weight", (moe.num_experts, h)))
+        for j in range(moe.num_experts // ep):
+            e = f"{prefix}mlp.experts.local_experts.{j}."
+            out += [ParamShape(e + "linear_fc1.weight", (2 * width, h)),
+                    ParamShape(e + "linear_fc2.weight", (h, width))]
+        if moe.shared_expert_ffn_hidden_size:
+            shared = moe.shared_expert_ffn_hidden_size // tp
+            out += [ParamShape(f"{prefix}mlp.shared_experts.linear_fc1.weight", (2 * shared, h)),
+                    ParamShape(f"{prefix}mlp.shared_experts.linear_fc2.weight", (h, shared))]
+        return out
     out.append(ParamShape(f"{prefix}mlp.linear_fc1.weight", (fc1, h)))
     if bias:
         out.append(ParamShape(f"{prefix}mlp.linear_fc1.bias", (fc1,)))
@@ -63,11 +78,15 @@ def _layer(model: ModelConfig, tp: int, prefix: str) -> list[ParamShape]:
 
 
 def chunk_params(model: ModelConfig, *, kind: str, padded_vocab: int, tp: int, pp: int,
-                 pp_rank: int, vpp: int | None = None, vp_stage: int = 0) -> list[ParamShape]:
+                 pp_rank: int, vpp: int | None = None, vp_stage: int = 0, ep: int = 1,
+                 etp: int | None = None) -> list[ParamShape]:
     """The parameters of pipeline rank ``pp_rank``'s chunk ``vp_stage`` (layers
-    ``num_layers / (pp x vpp)`` of them), for an ``"lm"`` or ``"value"`` model."""
+    ``num_layers / (pp x vpp)`` of them), for an ``"lm"`` or ``"value"`` model; a
+    mixture-of-experts model's experts over ``ep`` ranks, each over ``etp`` (default TP)."""
     chunks = pp * (vpp or 1)
     per_chunk = model.num_layers // chunks
+    first = vp_stage * (model.num_layers // (vpp or 1)) + pp_rank * per_chunk  # megatron's
+    etp = etp or tp
     pre = pp_rank == 0 and vp_stage == 0
     post = pp_rank == pp - 1 and vp_stage == (vpp or 1) - 1
     tied = model.tied and kind == "lm"
@@ -80,7 +99,8 @@ def chunk_params(model: ModelConfig, *, kind: str, padded_vocab: int, tp: int, p
             out.append(ParamShape("embedding.position_embeddings.weight",
                                   (model.max_position_embeddings, h)))
     for i in range(per_chunk):
-        out += _layer(model, tp, f"decoder.layers.{i}.")
+        moe_layer = model.moe.enabled and first + i >= model.moe.first_k_dense
+        out += _layer(model, tp, f"decoder.layers.{i}.", moe_layer, ep, etp)
     if post:
         out.append(ParamShape("decoder.final_layernorm.weight", (h,)))
         if model.arch == "gpt2":
@@ -98,5 +118,6 @@ def rank_chunks(model: ModelConfig, *, kind: str, padded_vocab: int, layout: Lay
                 pp_rank: int) -> list[list[ParamShape]]:
     """Every chunk pipeline rank ``pp_rank`` holds (one, or ``vpp``)."""
     return [chunk_params(model, kind=kind, padded_vocab=padded_vocab, tp=layout.tp,
-                         pp=layout.pp, pp_rank=pp_rank, vpp=layout.vpp, vp_stage=v)
+                         pp=layout.pp, pp_rank=pp_rank, vpp=layout.vpp, vp_stage=v,
+                         ep=layout.ep, etp=layout.expert_tp)
             for v in range(layout.vpp or 1)]

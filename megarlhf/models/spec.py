@@ -147,6 +147,24 @@ def layer_spec(model: ModelConfig) -> ModuleSpec:
     return spec
 
 
+def block_spec(model: ModelConfig, config, *, vp_stage: int | None, pp_rank: int):
+    """The transformer block of a mixture-of-experts model on this pipeline stage:
+    megatron's per-layer specs (``model.moe.first_k_dense`` dense layers, then MoE layers
+    whose experts are ``SequentialMLP``), with SDPA attention in the local layers."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    te = resolve_impl(model) == "transformer_engine"
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
+                                       normalization="RMSNorm", vp_stage=vp_stage,
+                                       pp_rank=pp_rank)
+    if not te:
+        for spec in block.layer_specs:
+            spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+            if speedups.enabled("linears"):
+                linears.use_in_spec(spec)
+    return block
+
+
 def activation(model: ModelConfig):
     if model.arch == "llama":
         return F.silu

@@ -77,14 +77,17 @@ class RankLayout:
         return self.layout.describe(self.world_size)
 
 
-_GROUPS: dict[tuple[int, int, int], object] = {}
+_GROUPS: dict[tuple[int, ...], object] = {}
 
 
 def _groups(layout: Layout, world: int):
-    """The ``ProcessGroupCollection`` of a TP x PP layout; created once per shape. Every
-    rank must ask for the same shapes in the same order (group creation is collective)."""
-    tp, pp = layout.tp, layout.pp
-    key = (tp, pp, world)
+    """The ``ProcessGroupCollection`` of a TP x PP (x EP x ETP) layout; created once per
+    shape. Every rank must ask for the same shapes in the same order (group creation is
+    collective). Experts have a grid of their own over the same ranks, megatron's
+    ``tp-ep-dp-pp`` with ETP and EP: its groups are the collection's ``ep``, ``expt_tp``,
+    ``expt_dp``, ``tp_ep`` and ``tp_ep_pp`` (for a dense layout, the dense grid's)."""
+    tp, pp, ep, etp = layout.tp, layout.pp, layout.ep, layout.expert_tp
+    key = (tp, pp, ep, etp, world)
     if key in _GROUPS:
         return _GROUPS[key]
     from megatron.core.hyper_comm_grid import HyperCommGrid
@@ -113,13 +116,23 @@ def _groups(layout: Layout, world: int):
     assert pp_ranks == next(r for r in _all_pp_groups(tp, dp, pp) if rank in r), \
         "HyperCommGrid's rank order is not tp-cp-ep-dp-pp"
     dp_cp = grid.create_pg(["cp", "dp"])
+    if ep == 1 and etp == tp:
+        experts = {"ep": g["ep"], "expt_tp": g["tp"], "expt_dp": g["dp"],
+                   "tp_ep": grid.create_pg(["tp", "ep"]),
+                   "tp_ep_pp": grid.create_pg(["tp", "ep", "pp"])}
+    else:
+        egrid = HyperCommGrid([etp, ep, layout.expert_dp(world), pp], ["tp", "ep", "dp", "pp"])
+        e = {name: egrid.create_pg(name) for name in ("tp", "ep", "dp")}
+        experts = {"ep": e["ep"], "expt_tp": e["tp"], "expt_dp": e["dp"],
+                   "tp_ep": egrid.create_pg(["tp", "ep"]),
+                   "tp_ep_pp": egrid.create_pg(["tp", "ep", "pp"])}
     pgc = ProcessGroupCollection(
-        tp=g["tp"], cp=g["cp"], pp=g["pp"], ep=g["ep"], dp=g["dp"], embd=embd,
+        tp=g["tp"], cp=g["cp"], pp=g["pp"], dp=g["dp"], embd=embd,
         pos_embd=pos_embd, tp_cp=grid.create_pg(["tp", "cp"]),
-        mp=grid.create_pg(["tp", "cp", "ep", "pp"]), expt_tp=g["tp"], expt_dp=g["dp"],
-        tp_ep=grid.create_pg(["tp", "ep"]), tp_ep_pp=grid.create_pg(["tp", "ep", "pp"]),
+        mp=grid.create_pg(["tp", "cp", "ep", "pp"]), **experts,
         dp_cp=dp_cp, tp_dp_cp=grid.create_pg(["tp", "cp", "dp"]), intra_dp_cp=dp_cp,
-        intra_expt_dp=g["dp"], intra_dist_opt=grid.create_pg(["tp", "cp", "ep", "dp", "pp"]))
+        intra_expt_dp=experts["expt_dp"],
+        intra_dist_opt=grid.create_pg(["tp", "cp", "ep", "dp", "pp"]))
     _GROUPS[key] = pgc
     return pgc
 

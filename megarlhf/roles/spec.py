@@ -23,6 +23,10 @@ from megarlhf.engine.checkpoint import read_meta, resolve_checkpoint
 SHAPE_FIELDS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                 "head_dim", "qk_layernorm",
                 "ffn_hidden_size", "vocab_size", "tie_word_embeddings", "add_qkv_bias")
+# ``model.moe`` fields that define the network (the rest are training settings).
+MOE_SHAPE_FIELDS = ("num_experts", "top_k", "ffn_hidden_size", "shared_expert_ffn_hidden_size",
+                    "score_function", "normalize_top_k", "top_k_scaling_factor", "expert_bias",
+                    "first_k_dense")
 # Fields of the top-level ``model`` that apply to every role when written.
 PRECISION_FIELDS = ("params_dtype", "transformer_impl", "fp8")
 
@@ -120,6 +124,15 @@ def _model_of(where: str, saved: SavedRole | None, base: ModelConfig,
                         f"{where}: {name}.{key}={want!r} but the checkpoint {saved.path} "
                         f"(role '{saved.role}') has {key}={have!r}; remove the override or "
                         "load a checkpoint of that shape")
+            for key in sorted(written.fields(f"{name}.moe") & set(MOE_SHAPE_FIELDS)):
+                want, have = getattr(override.moe, key), getattr(saved.model.moe, key)
+                if want != have:
+                    what = ("a dense model" if not saved.model.moe.enabled else
+                            f"a mixture of {saved.model.moe.num_experts} experts")
+                    raise ConfigError(
+                        f"{where}: {name}.moe.{key}={want!r} but the checkpoint {saved.path} "
+                        f"(role '{saved.role}') is {what} with moe.{key}={have!r}; remove the "
+                        "override or load a checkpoint of that shape")
         model = overlay(model, override, written, name, only)
     if model.vocab_size is None:
         model = dataclasses.replace(model, vocab_size=base.vocab_size)
@@ -238,7 +251,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
                                            None)], written)
     specs["reference"] = _spec(cfg, name="reference", kind="lm", where="roles.reference",
                                saved=saved, model=model,
-                               layout=roles.reference.parallel.over(actor_layout),
+                               layout=roles.reference.parallel.over(actor_layout, model.moe.enabled),
                                world_size=world_size)
 
     reward_saved = None
@@ -249,7 +262,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
                           written)
         specs["reward"] = _spec(cfg, name="reward", kind="value", where="roles.reward",
                                 saved=reward_saved, model=model,
-                                layout=roles.reward.parallel.over(actor_layout),
+                                layout=roles.reward.parallel.over(actor_layout, model.moe.enabled),
                                 world_size=world_size)
 
     if ppo.advantage_estimator == "gae":
@@ -268,7 +281,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
                                                     cfg.optimizer.critic_lr))
         specs["critic"] = _spec(cfg, name="critic", kind="value", where="roles.critic",
                                 saved=saved, model=model,
-                                layout=roles.critic.parallel.over(actor_layout),
+                                layout=roles.critic.parallel.over(actor_layout, model.moe.enabled),
                                 world_size=world_size,
                                 optimizer=overlay(critic_opt, roles.critic.optimizer, written,
                                                   "roles.critic.optimizer"),
@@ -347,7 +360,7 @@ def frozen_role_spec(cfg: Config, *, name: str, checkpoint: str, where: str, bas
     model = _model_of(f"roles.{name}", saved, cfg.model,
                       [("model", cfg.model, PRECISION_FIELDS),
                        (f"roles.{name}.model", own.model, None)], written)
-    layout = own.parallel.over(cfg.parallel.layout)
+    layout = own.parallel.over(cfg.parallel.layout, model.moe.enabled)
     spec = _spec(cfg, name=name, kind="lm", where=f"roles.{name}", saved=saved, model=model,
                  layout=layout, world_size=world_size)
     _check_vocab({"actor": base, name: spec}, tokenizer)

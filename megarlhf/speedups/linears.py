@@ -94,13 +94,13 @@ class RowLinear(RowParallelLinear):
 
 def use_in_spec(spec) -> None:
     """Put the fast classes in a local GPT layer spec's linear slots (attention's QKV and
-    output projection, the MLP's two layers) where megatron's own classes sit."""
+    output projection, a dense MLP's two layers) where megatron's own classes sit."""
     slots = [(spec.submodules.self_attention.submodules, "linear_qkv"),
              (spec.submodules.self_attention.submodules, "linear_proj"),
              (spec.submodules.mlp.submodules, "linear_fc1"),
              (spec.submodules.mlp.submodules, "linear_fc2")]
     for holder, name in slots:
-        current = getattr(holder, name)
+        current = getattr(holder, name, None)  # a mixture-of-experts MLP has other slots
         if current is ColumnParallelLinear:
             setattr(holder, name, ColumnLinear)
         elif current is RowParallelLinear:

@@ -63,12 +63,28 @@ def hf_config(model_type: str, m: dict, role: str) -> dict:
             cfg["rope_scaling"] = {"rope_type": "llama3", **{
                 k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
                                         "original_max_position_embeddings")}}
-        if model_type == "mistral":
+        if model_type in ("mistral", "mixtral"):
             cfg["sliding_window"] = None  # megarlhf attends to the whole context
+        cfg.update(hf_moe_config(model_type, m))
     if role == "value":
         cfg["num_labels"] = 1
     cfg["torch_dtype"] = m["params_dtype"]  # the checkpoint's own: bf16 in, bf16 out
     return cfg
+
+
+def hf_moe_config(model_type: str, m: dict) -> dict:
+    """config.json's mixture-of-experts fields (Qwen3-MoE, Mixtral) of ``m['moe']``."""
+    moe = m.get("moe") or {}
+    if not moe.get("num_experts"):
+        return {}
+    common = {"num_experts_per_tok": moe["top_k"],
+              "router_aux_loss_coef": moe["aux_loss_coeff"], "output_router_logits": False}
+    if model_type == "mixtral":
+        return {**common, "num_local_experts": moe["num_experts"], "router_jitter_noise": 0.0}
+    return {**common, "num_experts": moe["num_experts"],
+            "moe_intermediate_size": moe["ffn_hidden_size"] or m["ffn_hidden_size"],
+            "norm_topk_prob": moe["normalize_top_k"], "decoder_sparse_step": 1,
+            "mlp_only_layers": list(range(moe["first_k_dense"]))}
 
 
 def generation_config(cfg: Config, tokenizer) -> dict:
@@ -104,6 +120,7 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
     to ``out``. ``tokenizer`` (when given) fills generation_config.json. ``stream``: read
     and write a layer at a time (else load the model whole first)."""
     from megarlhf.engine.checkpoint import policy_role, read_meta, resolve_checkpoint
+    from megarlhf.models.hf_mapping import MOE_NAMES, ConversionError
     from megarlhf.roles.spec import single_role_spec
     from megarlhf.parallel.launch import init_distributed, shutdown
 
@@ -125,9 +142,14 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
     m["num_query_groups"] = model_cfg.query_groups
     m["ffn_hidden_size"] = model_cfg.ffn_size
     m["tie_word_embeddings"] = model_cfg.tied
+    moe = model_cfg.moe.enabled
     model_type = model_type or meta["trainer"].get("hf_model_type") or (
-        "gpt2" if model_cfg.arch == "gpt2" else "qwen3" if model_cfg.qk_layernorm
-        else "qwen2" if model_cfg.qkv_bias else "llama")
+        "gpt2" if model_cfg.arch == "gpt2" else
+        ("qwen3_moe" if model_cfg.qk_layernorm else "mixtral") if moe else
+        "qwen3" if model_cfg.qk_layernorm else "qwen2" if model_cfg.qkv_bias else "llama")
+    if moe != (model_type in MOE_NAMES):
+        raise ConversionError(f"--model-type {model_type} does not fit the checkpoint's "
+                              f"{'mixture-of-experts' if moe else 'dense'} model")
     init_distributed(cfg)
     try:
         os.makedirs(out, exist_ok=True)

@@ -32,14 +32,18 @@ PROMPTS = [[5, 17, 42, 8], [9, 3, 120]]
 def main():
     out_dir, conv_dir, archs = sys.argv[1], sys.argv[2], sys.argv[3:]
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    layouts = [(1, 1)] if world == 1 else [(2, 1), (1, 2)]
     results = {}
     shapes_wrong: list[str] = []
     for arch in archs:
-        for tp, pp in layouts:
+        moe = "moe" in arch or "mixtral" in arch
+        layouts = [(1, 1)] if world == 1 else [(2, 1), (1, 2)] + ([(1, 1, 2)] if moe else [])
+        for tp, pp, *ep in layouts:
+            ep = ep[0] if ep else 1
             cfg = load_config(os.path.join(conv_dir, arch, "config.yaml"), [
                 f"parallel.tensor_model_parallel_size={tp}",
-                f"parallel.pipeline_model_parallel_size={pp}"])
+                f"parallel.pipeline_model_parallel_size={pp}",
+                f"parallel.expert_model_parallel_size={ep}"])
+            key = (arch, tp, pp) if ep == 1 else (arch, tp, pp, ep)
             value = arch.endswith("_rm")
             scorer = build(cfg, "value" if value else "lm")
             chunks = scorer.chunks
@@ -47,19 +51,21 @@ def main():
             for v, chunk in enumerate(chunks):
                 want = [(p.name, p.shape) for p in chunk_params(
                     spec.model, kind=spec.kind, padded_vocab=spec.padded_vocab, tp=tp, pp=pp,
-                    pp_rank=scorer.layout.pp_rank, vpp=spec.layout.vpp, vp_stage=v)]
+                    pp_rank=scorer.layout.pp_rank, vpp=spec.layout.vpp, vp_stage=v,
+                    ep=spec.layout.ep, etp=spec.layout.expert_tp)]
                 have = [(n, tuple(p.shape)) for n, p in chunk.named_parameters()]
                 if want != have:
-                    shapes_wrong.append(f"{arch} TP={tp} PP={pp}: plan {want} built {have}")
+                    shapes_wrong.append(f"{arch} TP={tp} PP={pp} EP={ep}: plan {want} built "
+                                        f"{have}")
             rows = score_sequences(scorer, SEQS, micro_batch_size=1)
             if value:
-                results[(arch, tp, pp)] = {"values": [r["values"] for r in rows]}
+                results[key] = {"values": [r["values"] for r in rows]}
                 continue
-            results[(arch, tp, pp)] = {"logprobs": [r["logprobs"] for r in rows]}
+            results[key] = {"logprobs": [r["logprobs"] for r in rows]}
             if world == 1:
                 gen = generate(chunks[0], PROMPTS, SamplingParams(max_new_tokens=32, greedy=True),
                                eos_id=-1, pad_id=0, true_vocab=cfg.model.vocab_size)
-                results[(arch, tp, pp)]["greedy"] = gen.response_tokens_BT.tolist()
+                results[key]["greedy"] = gen.response_tokens_BT.tolist()
     seen = [None] * dist.get_world_size()
     dist.all_gather_object(seen, shapes_wrong)
     results[("shapes_wrong", world)] = [line for rank in seen for line in rank]

@@ -1,0 +1,104 @@
+"""Mixture-of-experts models on megatron-core's MoE layer: ``model.moe`` mapped onto
+``TransformerConfig``, and what megatron-core 0.16.1 needs to run that layer without
+TransformerEngine or CUDA.
+
+The layer is megatron's own (``MoELayer``: ``TopKRouter``, a token dispatcher, the experts
+as ``SequentialMLP`` or, on a GPU with grouped GEMM, ``TEGroupedMLP``), chosen per layer by
+megatron's block spec (``first_k_dense`` dense layers, then MoE). Expert parallelism uses
+the role's expert groups (``parallel.layout``). On CPU the dispatcher is the all-gather
+one: the all-to-all dispatcher creates a CUDA stream in its constructor. Tokens are
+gathered over the expert-parallel group with gloo, each rank runs its own experts, and the
+outputs are reduce-scattered back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarlhf.config import Layout, ModelConfig
+
+
+def transformer_fields(model: ModelConfig, layout: Layout) -> dict:
+    """``TransformerConfig`` keyword arguments of ``model.moe`` at ``layout`` (none for a
+    dense model)."""
+    moe = model.moe
+    if not moe.enabled:
+        return {}
+    cuda = torch.cuda.is_available()
+    balancing = "aux_loss" if moe.aux_loss_coeff > 0 else "none"
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=model.expert_ffn_size,
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size or None,
+        moe_router_score_function=moe.score_function,
+        # megatron's softmax router takes the top k of the logits and a softmax over those
+        # k: the chosen experts' softmax scores renormalised. Without renormalising, the
+        # softmax over all experts comes first ("pre-softmax").
+        moe_router_pre_softmax=moe.score_function == "softmax" and not moe.normalize_top_k,
+        moe_router_topk_scaling_factor=moe.top_k_scaling_factor,
+        moe_router_enable_expert_bias=moe.expert_bias,
+        moe_router_bias_update_rate=moe.expert_bias_update_rate,
+        moe_layer_freq=[0] * moe.first_k_dense + [1] * (model.num_layers - moe.first_k_dense),
+        moe_router_load_balancing_type=balancing,
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_z_loss_coeff=moe.z_loss_coeff or None,
+        moe_expert_capacity_factor=moe.capacity_factor,
+        moe_token_drop_policy=moe.drop_policy,
+        moe_token_dispatcher_type="alltoall" if cuda else "allgather",
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+    )
+
+
+def prepare_megatron() -> None:
+    """What megatron-core 0.16.1's MoE layer needs beyond its constructor arguments:
+
+    - ``moe_utils`` names ``te_general_gemm`` only when TransformerEngine imports, and its
+      router gating reads the name unconditionally (a ``NameError`` without TE); it is
+      defined as None, which selects the router's own torch matmul;
+    - the all-gather dispatcher gathers into megatron's global memory buffer (an allocator,
+      not a process group), which ``parallel_state`` creates only when it initialises
+      model parallelism: it is created here, once."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+
+
+# megatron's names for the routers' auxiliary losses -> megarlhf's metrics
+LOSS_METRICS = {"load_balancing_loss": "moe/aux_loss", "z_loss": "moe/z_loss"}
+
+
+def take_losses(model: ModelConfig, layout, micro_batches: int) -> dict[str, float]:
+    """The auxiliary losses megatron's routers recorded in the training passes since the
+    last call (its layer-wise tracker, which is then cleared), as metrics: ``moe/aux_loss``
+    and ``moe/z_loss``, each without its coefficient, averaged over the MoE layers, the
+    ``micro_batches`` and the data-parallel ranks (``layout``: a RankLayout). Every rank of
+    the layout calls it (the sums over pipeline stages and replicas are collectives)."""
+    if not model.moe.enabled:
+        return {}
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker)
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    wanted = [name for name, on in (("load_balancing_loss", model.moe.aux_loss_coeff > 0),
+                                    ("z_loss", model.moe.z_loss_coeff > 0)) if on]
+    out = {}
+    moe_layers = model.num_layers - model.moe.first_k_dense
+    for name in wanted:  # every rank reduces the same names (a stage may hold no MoE layer)
+        values = tracker[name]["values"].detach().float().clone() if name in tracker \
+            else torch.zeros(model.num_layers)
+        if layout.pp > 1:  # each stage holds its own layers' values
+            dist.all_reduce(values, group=layout.pp_group)
+        if layout.dp > 1:
+            dist.all_reduce(values, group=layout.dp_group)
+            values /= layout.dp
+        out[LOSS_METRICS[name]] = float(values.sum()) / (moe_layers * max(micro_batches, 1))
+    clear_aux_losses_tracker()
+    return out
