@@ -8,6 +8,13 @@ reads that same format here, so a checkpoint saved by either loads into either: 
 DP=1 (plain optimizer, ``optimizer.use_distributed_optimizer=auto``) resumes at DP=2
 (distributed) and back. megatron's own plain format (``optimizer.state.exp_avg...`` with a
 ``common_step``) is still read for checkpoints written before this format existed.
+
+A mixture-of-experts model's optimizer is megatron's chain of two (dense and expert
+parameters, which are reduced over different data-parallel groups) wherever EP > 1 or the
+optimizer is distributed. The tensors are stored under the same names either way (the
+chain adds no prefix: ``chained_optim_avoid_prefix``), and the parts that are not tensors
+(the parameter groups and their step) are rebuilt for the optimizer that loads when the
+chain that saved them was another: a run at EP=2 resumes at EP=1 and back.
 """
 
 from __future__ import annotations
@@ -37,14 +44,6 @@ def is_distributed(optimizer) -> bool:
     return any(isinstance(opt, DistributedOptimizer) for opt in sub_optimizers(optimizer))
 
 
-def _plain(optimizer):
-    subs = sub_optimizers(optimizer)
-    if len(subs) != 1:
-        raise NotImplementedError(f"a plain optimizer of {len(subs)} chained optimizers "
-                                  "(expert parallelism) has no checkpoint format yet")
-    return subs[0]
-
-
 def _param_pairs(opt) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(model parameter, the fp32 main parameter Adam updates), in the optimizer's order."""
     if hasattr(opt, "float16_groups"):  # bf16/fp16 weights with fp32 masters
@@ -65,14 +64,22 @@ def _step_of(inner: torch.optim.Optimizer) -> float:
 
 
 def sharded_optimizer_state(optimizer, model_sharded: dict, *, loading: bool) -> dict:
-    """The optimizer's entry of a sharded checkpoint state, in the one format."""
+    """The optimizer's entry of a sharded checkpoint state, in the one format (a chain's:
+    one entry per sub-optimizer, keyed by its index)."""
     if is_distributed(optimizer):
         # loading: a fresh optimizer has no state to load into; saving: one whose every
         # step was skipped has none to save
         ensure_optimizer_state(optimizer)
         return optimizer.sharded_state_dict(model_sharded, is_loading=loading,
-                                            metadata=METADATA)
-    opt = _plain(optimizer)
+                                            metadata={**METADATA,
+                                                      "chained_optim_avoid_prefix": True})
+    subs = sub_optimizers(optimizer)
+    if len(subs) == 1:
+        return _plain_state(subs[0], model_sharded, loading)
+    return {i: _plain_state(sub, model_sharded, loading) for i, sub in enumerate(subs)}
+
+
+def _plain_state(opt, model_sharded: dict, loading: bool) -> dict:
     inner = opt.optimizer
     opt.init_state_fn(inner, opt.config)  # zero moments where a parameter has none yet
     tensors, _ = extract_sharded_tensors_and_factories(model_sharded)
@@ -104,21 +111,54 @@ def legacy_plain_state(optimizer, model_sharded: dict, *, loading: bool) -> dict
 def load_optimizer_state(optimizer, loaded: dict, *, legacy: bool = False) -> None:
     """Put a loaded optimizer entry (see ``sharded_optimizer_state``) into ``optimizer``;
     afterwards torch's fused Adam kernel again (loading restores the saved group flags)."""
-    if is_distributed(optimizer) or legacy:
+    if legacy:
         _keep_torch_adam_step(optimizer)
         optimizer.load_state_dict(loaded)
         _unshare_torch_adam_step(optimizer)
     else:
-        _load_plain(optimizer, loaded)
+        subs = sub_optimizers(optimizer)
+        parts = _entries(subs, loaded)
+        if is_distributed(optimizer):
+            _keep_torch_adam_step(optimizer)
+            optimizer.load_state_dict(parts[0] if len(subs) == 1 else dict(enumerate(parts)))
+            _unshare_torch_adam_step(optimizer)
+        else:
+            for sub, part in zip(subs, parts):
+                _load_plain(sub, part)
     if speedups.enabled("fused_adam"):
         fused_adam.use_fused_torch_adam(optimizer)
 
 
-def _load_plain(optimizer, loaded: dict) -> None:
-    if loaded.get("param_state_sharding_type") != FORMAT:
-        raise ValueError("the checkpoint's optimizer state is in format "
-                         f"{loaded.get('param_state_sharding_type')!r}, not {FORMAT!r}")
-    opt = _plain(optimizer)
+def _entries(subs: list, loaded: dict) -> list[dict]:
+    """One loaded entry per sub-optimizer of ``subs``. The tensors are where this
+    optimizer's own sharded state put them; the parameter groups come from the file, where
+    the saving optimizer kept them - a chain of another length keeps them elsewhere, and
+    then they are this optimizer's own, with the saved step."""
+    saved = [loaded] if "param_state_sharding_type" in loaded else \
+        [v for k, v in sorted((k, v) for k, v in loaded.items() if isinstance(k, int))]
+    kinds = {part.get("param_state_sharding_type") for part in saved}
+    if kinds != {FORMAT}:
+        raise ValueError(f"the checkpoint's optimizer state is in format "
+                         f"{sorted(map(str, kinds))}, not {FORMAT!r}")
+    steps = {float(g["step"]) for part in saved
+             for g in part.get("optimizer", {}).get("param_groups", []) if "step" in g}
+    if len(steps) > 1:
+        raise ValueError(f"the checkpoint's optimizer step differs per group ({steps})")
+    step = steps.pop() if steps else 0.0
+    mine = [loaded] if len(subs) == 1 else [loaded[i] for i in range(len(subs))]
+    if len(saved) == len(subs):
+        return [{**own, "optimizer": part["optimizer"], "param_state_sharding_type": FORMAT}
+                for own, part in zip(mine, saved)]
+    out = []
+    for sub, own in zip(subs, mine):
+        groups = sub.state_dict()["optimizer"]["param_groups"] if is_distributed(sub) else \
+            [{k: v for k, v in g.items() if k != "params"} for g in sub.optimizer.param_groups]
+        out.append({**own, "optimizer": {"param_groups": [{**g, "step": step} for g in groups]},
+                    "param_state_sharding_type": FORMAT})
+    return out
+
+
+def _load_plain(opt, loaded: dict) -> None:
     inner = opt.optimizer
     steps = {float(g["step"]) for g in loaded["optimizer"]["param_groups"] if "step" in g}
     if len(steps) > 1:

@@ -19,6 +19,7 @@ from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, save_checkpoint
 from megarlhf.engine.metrics import MetricsLogger
 from megarlhf.engine.optimizer import check_runaway, train_step
+from megarlhf.models import moe
 from megarlhf.parallel.preemption import PreemptionGuard, mark_preempted
 from megarlhf.roles.spec import RoleSpec, check_positions, single_role_spec
 from megarlhf.roles.build import Role, build_role
@@ -236,6 +237,7 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
         check_runaway(role.trained, role.spec.name)
         done = step + 1
         metrics = {f"train/{k}": v for k, v in task.summarize(reduce_logs(logs, layout)).items()}
+        metrics.update(moe.take_losses(role.spec.model, layout, len(batches)))
         metrics.update({"perf/step_seconds": time.perf_counter() - started,
                         "train/grad_norm": grad_norm,
                         "train/lr": role.trained.optimizer.param_groups[0]["lr"],
