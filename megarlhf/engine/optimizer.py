@@ -21,6 +21,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megarlhf.config import OptimizerConfig
 from megarlhf.engine.schedule import run_schedule
+from megarlhf.models.gpt import unwrap
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.layout import RankLayout
 from megarlhf import speedups
@@ -159,7 +160,9 @@ def forward_backward(role: TrainedRole, forward_step: Callable, microbatches: li
     schedule; gradients end reduced over data-parallel ranks and divided by the number of
     loss tokens. Returns the last stage's loss-function logs."""
     for chunk in role.model:
-        if not chunk.training:  # chunks change mode whole; train() walks every module
+        # Chunks change mode whole (train() walks every module), but the forward-only
+        # passes put the bare model in eval mode under its DDP wrapper: ask the model.
+        if not unwrap(chunk).training:
             chunk.train()
         chunk.zero_grad_buffer()
     with cpu_backend.suspended():  # megatron's zero_grad only sets .grad attributes

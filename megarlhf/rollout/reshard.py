@@ -91,20 +91,26 @@ def build_inference_model(actor: RoleSpec, layout: RankLayout):
 
 
 class VirtualStages(torch.nn.Module):
-    """The VPP chunks of one rank seen as one module for megatron's resharding planner,
-    which reads a single module per rank: parameter names carry global layer numbers
-    (``decoder.layers.<global>``), so chunks do not collide and match the target's names."""
+    """The chunks of one rank (VPP: several) seen as one module with global names for
+    megatron's resharding planner, which reads a single module per rank and matches
+    parameters by name: layers by their global numbers (``decoder.layers.<global>``), so
+    chunks do not collide, and experts by their global index
+    (``mlp.experts.local_experts.<global>``: megatron renames only its grouped-GEMM
+    experts' ``weight<k>``), so an expert-parallel rank's experts meet their copies."""
 
     def __init__(self, chunks: list):
         super().__init__()
         self.chunks = torch.nn.ModuleList(chunks)
         self.pg_collection = chunks[0].pg_collection
         self.config = chunks[0].config
+        ep = self.pg_collection.ep
+        local = (self.config.num_moe_experts or 0) // ep.size()
         self._names = []
         for chunk in chunks:
             prefix_map = _layer_prefix_map(chunk)
             for name, p in chunk.named_parameters():
-                self._names.append((_global_name(name, prefix_map), p))
+                name = _global_expert(_global_name(name, prefix_map), ep.rank() * local)
+                self._names.append((name, p))
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True):
@@ -131,6 +137,15 @@ def _global_name(name: str, prefix_map: dict[str, str]) -> str:
         if mapped is not None:
             return ".".join([mapped] + parts[i:])
     return name
+
+
+def _global_expert(name: str, first: int) -> str:
+    """``...local_experts.<j>...`` -> ``...local_experts.<first + j>...``."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "local_experts" and parts[i + 1].isdigit():
+            parts[i + 1] = str(first + int(parts[i + 1]))
+    return ".".join(parts)
 
 
 def copy_service():
@@ -165,7 +180,8 @@ class Resharder:
 
     def __init__(self, train_chunks: list, inference_model):
         chunks = [getattr(c, "module", c) for c in train_chunks]
-        self.src = chunks[0] if len(chunks) == 1 else VirtualStages(chunks)
+        whole = len(chunks) == 1 and chunks[0].pg_collection.ep.size() == 1
+        self.src = chunks[0] if whole else VirtualStages(chunks)
         self.dst = inference_model
         self.service = copy_service()
 

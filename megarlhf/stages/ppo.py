@@ -25,6 +25,7 @@ from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, load_object, save_checkpoint
 from megarlhf.memory.accounting import ActivationMeter, MemoryTracker, format_table
 from megarlhf.engine.metrics import MetricsLogger
+from megarlhf.models import moe
 from megarlhf.roles.offload import TrainedOffloader
 from megarlhf.engine.optimizer import check_runaway, forward_backward, step_together
 from megarlhf.parallel.preemption import PreemptionGuard, mark_preempted
@@ -438,6 +439,7 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
     gen = torch.Generator().manual_seed(cfg.run.seed * 7 + it)
     skipped = 0
     step = 0
+    moe_sums: dict[str, dict[str, list[float]]] = {}
     for epoch in range(ppo.ppo_epochs):
         with cpu_backend.suspended():  # as experience_batches
             minis = list(exp.mini_batches(ppo.mini_batch_size, gen))
@@ -454,6 +456,10 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
                     logs[role.spec.name] += forward_backward(
                         role.trained, fwd, batches, seq_length=S,
                         micro_batch_size=ppo.micro_batch_size)
+                # the routers' losses of this role's passes (one tracker for all roles)
+                for key, value in moe.take_losses(role.spec.model, role.layout,
+                                                  len(batches)).items():
+                    moe_sums.setdefault(role.spec.name, {}).setdefault(key, []).append(value)
             if learners:
                 ok, _ = step_together([role.trained for role, _ in learners])
                 skipped += not ok
@@ -463,6 +469,10 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
                 ema.update(actor.parameters)
             step += 1
     out = {"ppo/skipped_steps": skipped}
+    for name, sums in moe_sums.items():  # the actor's as moe/*, a critic's as moe/critic/*
+        for key, values in sums.items():
+            out[key if name == "actor" else key.replace("moe/", f"moe/{name}/")] = \
+                sum(values) / len(values)
     if "actor" in logs:
         pol = reduce_logs(logs["actor"], actor.layout)
         out.update({"ppo/policy/loss": ratio(pol, "loss_sum", "loss_count"),
