@@ -1,0 +1,105 @@
+"""PPO with a mixture-of-experts actor through the CLI: 4 experts, top 2, a load-balancing
+loss, its experts split over two ranks (EP=2) next to a dense critic and reward model,
+against the same run in one process; a resume at EP=1; the update at the old policy; and
+the start-up errors of expert layouts and checkpoints. (Conversion and log-probs against
+transformers at EP=2: test_convert.py; SFT at EP=2 and its resume: test_engine.py.)"""
+
+import os
+
+import pytest
+
+from conftest import run_cli, torchrun
+from megarlhf.data.synthetic import write_task
+from megarlhf.engine.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+KEYS = ("objective/score", "objective/kl", "ppo/policy/loss", "ppo/val/loss",
+        "ppo/policy/approxkl", "objective/entropy", "moe/aux_loss")
+MOE = ["model.num_layers=2", "model.moe.num_experts=4", "model.moe.top_k=2",
+       "model.moe.ffn_hidden_size=32", "model.moe.aux_loss_coeff=0.01"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe")
+    task = write_task(str(out / "task"), seed=0)
+    common = [f"tokenizer.path={task['tokenizer']}", f"run.output_dir={out}",
+              "logging.progress_bar=false", "logging.tensorboard=false"]
+    run_cli("sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}", *MOE,
+            "train.max_steps=6", "checkpoint.save_interval=0", "run.name=moe-sft", *common)
+    run_cli("rm", "configs/rm_tiny.yaml", f"data.train_path={task['prefs']}", "model.num_layers=2",
+            "model.hidden_size=32", "train.max_steps=6", "checkpoint.save_interval=0", *common)
+    ppo = ["ppo", "configs/demo/ppo.yaml", f"data.train_path={task['prompts']}",
+           f"data.eval_path={task['eval_prompts']}", "ppo.num_eval_prompts=16",
+           f"ppo.sft_checkpoint={out}/moe-sft/checkpoints",
+           f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", "ppo.eval_interval=100",
+           "logging.sample_table_interval=0", "checkpoint.save_interval=3",
+           "checkpoint.keep_last=2", *common]
+    run_cli(*ppo, "run.name=single", "ppo.num_iterations=5")
+    return out, ppo
+
+
+def metrics(out, name):
+    return {r["step"]: r for r in read_metrics(os.path.join(out, name)) if "objective/kl" in r}
+
+
+def assert_same(ref, got, steps):
+    for step in steps:
+        for key in KEYS:
+            a, b = ref[step][key], got[step][key]
+            assert abs(a - b) <= 1e-5 + 1e-4 * abs(a), (step, key, a, b)
+
+
+def test_an_expert_parallel_actor_follows_one_process_then_resumes_at_ep1(setup):
+    """EP=2 (two experts per rank, tokens dispatched over gloo; the rollout's inference
+    model holds every expert and is resharded from the two ranks each iteration) with a
+    dense critic: the 1-process run's metrics for 3 iterations, the load-balancing loss
+    included; its iteration-3 checkpoint resumed in one process continues that run."""
+    out, ppo = setup
+    ref = metrics(out, "single")
+    assert sorted(ref) == [1, 2, 3, 4, 5] and all(r["moe/aux_loss"] > 0 for r in ref.values())
+    proc = torchrun(ppo + ["run.name=ep2", "ppo.num_iterations=3",
+                           "parallel.expert_model_parallel_size=2"], 2)
+    assert "EP=2" in proc.stdout
+    got = metrics(out, "ep2")
+    assert sorted(got) == [1, 2, 3]
+    assert_same(ref, got, [1, 2, 3])
+    proc = run_cli(*ppo, "run.name=ep2", "ppo.num_iterations=5")
+    assert "resumed iter_000003 at iteration 3" in proc.stdout
+    assert_same(ref, metrics(out, "ep2"), [4, 5])
+
+
+def test_update_at_the_old_policy_is_a_no_op_with_experts_split(setup):
+    out, ppo = setup
+    torchrun(ppo + ["run.name=noop", "ppo.num_iterations=1", "ppo.ppo_epochs=1",
+                    "ppo.mini_batch_size=32", "ppo.micro_batch_size=8",
+                    "parallel.expert_model_parallel_size=2"], 2)
+    first = metrics(out, "noop")[1]
+    assert abs(first["ppo/policy/approxkl"]) < 1e-7 and first["ppo/policy/clipfrac"] == 0.0
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["parallel.expert_model_parallel_size=3"],
+     "parallel.expert_model_parallel_size=3 is invalid: must divide "
+     "roles.actor.model.moe.num_experts=4"),
+    (["parallel.expert_model_parallel_size=2"],
+     "world size=1 is invalid: must be a multiple of expert tensor x expert x pipeline "
+     "parallel size = 1 x 2 x 1"),
+    (["model.moe.num_experts=8"], "roles.actor: model.moe.num_experts=8 but the checkpoint"),
+    (["model.moe.num_experts=0"], "is a mixture of 4 experts with moe.num_experts=4"),
+    (["ppo.sft_checkpoint={out}/sft-dense/checkpoints", "model.moe.num_experts=4"],
+     "is a dense model with moe.num_experts=0"),
+    (["model.moe.top_k=3"], "roles.actor: model.moe.top_k=3 but the checkpoint"),
+])
+def test_bad_expert_inputs_fail_at_start_up(setup, extra, message):
+    """Exit 2 before any work, naming the role and the field."""
+    out, ppo = setup
+    if any("sft-dense" in a for a in extra) and not (out / "sft-dense").exists():
+        run_cli("sft", "configs/sft_tiny.yaml", ppo[2].replace("prompts", "sft"),
+                "model.num_layers=2", "train.max_steps=1", "checkpoint.save_interval=0",
+                "run.name=sft-dense", *ppo[-4:])
+    args = [a.format(out=out) for a in ppo + extra] + ["run.name=bad"]
+    proc = run_cli(*args, check=False)
+    assert proc.returncode == 2 and message.format(out=out) in proc.stderr, proc.stderr[-2000:]
+    assert not os.path.exists(out / "bad" / "metrics.jsonl")
