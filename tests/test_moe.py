@@ -103,3 +103,18 @@ def test_bad_expert_inputs_fail_at_start_up(setup, extra, message):
     proc = run_cli(*args, check=False)
     assert proc.returncode == 2 and message.format(out=out) in proc.stderr, proc.stderr[-2000:]
     assert not os.path.exists(out / "bad" / "metrics.jsonl")
+
+
+def test_the_routers_losses_equal_their_formulas(tmp_path):
+    """The Switch load-balancing loss and the router z-loss, in value (as logged) and in
+    the router weight's gradient, equal the formulas written out in
+    tests/workers/moe_aux_loss.py."""
+    import torch
+
+    from conftest import WORKERS
+    torchrun(os.path.join(WORKERS, "moe_aux_loss.py"), 1, str(tmp_path))
+    got = torch.load(tmp_path / "aux.pt")
+    assert abs(got["logged"]["moe/aux_loss"] - got["aux"]) < 1e-6
+    assert abs(got["logged"]["moe/z_loss"] - got["z"]) < 1e-6
+    assert got["want_grad"].abs().max() > 1e-5  # the losses move the router
+    assert torch.allclose(got["grad"], got["want_grad"], rtol=1e-5, atol=1e-9)
