@@ -1,13 +1,13 @@
 """Convert a Hugging Face checkpoint (Llama 2 / 3.x, Mistral, Qwen2 / 2.5, Qwen3 dense,
-GPT-2: *ForCausalLM / GPT2LMHeadModel, or their *ForSequenceClassification heads) into a
-megarlhf checkpoint.
+Qwen3-MoE, Mixtral, GPT-2: *ForCausalLM / GPT2LMHeadModel, or their
+*ForSequenceClassification heads) into a megarlhf checkpoint.
 
-    python tools/convert_hf_to_megatron.py --hf-dir HF --out OUT [--tp N --pp M]
+    python tools/convert_hf_to_megatron.py --hf-dir HF --out OUT [--tp N --pp M --ep E]
         [--role actor|critic|reward] [--dtype auto|float32|bfloat16|float16]
 
 Writes OUT/checkpoints/ (megatron dist_checkpointing, loadable at any TP/PP) in the
 checkpoint's own dtype (--dtype auto) and OUT/config.yaml (model, tokenizer and the
-requested --tp/--pp layout), copies the tokenizer files and generation_config.json, and
+requested --tp/--pp/--ep layout), copies the tokenizer files and generation_config.json, and
 prints what it did. The checkpoint is written one tensor at a time, each made from the HF
 tensors it needs when megatron's writer asks for it (a meta-device model gives the layout;
 megarlhf/engine/streaming.py), so peak memory does not grow with the depth
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import shutil
@@ -154,7 +155,7 @@ def check_sources(sources: dict, params: dict, reader: "ShardReader", kind: str)
 
 
 def convert(hf_dir: str, out: str, tp: int, pp: int, role: str, dtype: str = "auto",
-            stream: bool = True) -> dict:
+            stream: bool = True, ep: int = 1) -> dict:
     """Convert into ``out``, built in a sibling folder and renamed at the end: a conversion
     that fails leaves no output folder behind."""
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
@@ -163,7 +164,7 @@ def convert(hf_dir: str, out: str, tp: int, pp: int, role: str, dtype: str = "au
     partial = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        info = _convert(hf_dir, partial, out, tp, pp, role, dtype, stream)
+        info = _convert(hf_dir, partial, out, tp, pp, role, dtype, stream, ep)
         if os.path.isdir(out):
             os.rmdir(out)  # empty, checked above
         os.replace(partial, out)
@@ -173,7 +174,7 @@ def convert(hf_dir: str, out: str, tp: int, pp: int, role: str, dtype: str = "au
 
 
 def _convert(hf_dir: str, out: str, final: str, tp: int, pp: int, role: str,
-             dtype: str, stream: bool) -> dict:
+             dtype: str, stream: bool, ep: int = 1) -> dict:
     from megarlhf.config import Layout, config_from_dict, padded_vocab_size, validate_layout
     from megarlhf.engine.checkpoint import RoleState, save_checkpoint
     from megarlhf.engine.streaming import StreamingSave
@@ -206,9 +207,10 @@ def _convert(hf_dir: str, out: str, final: str, tp: int, pp: int, role: str,
                                   "or float16: pass --dtype")
     model = {**model, "params_dtype": dtype}
     model_tree = {**model, "value_head_init": "normal"}
-    target_cfg = config_from_dict({"model": model_tree, "parallel": {
-        "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}})
-    validate_layout(target_cfg, tp * pp)  # the requested layout must be possible
+    parallel = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                **({"expert_model_parallel_size": ep} if ep > 1 else {})}
+    target_cfg = config_from_dict({"model": model_tree, "parallel": parallel})
+    validate_layout(target_cfg, math.lcm(tp * pp, ep * pp))  # the layout must be possible
     cfg = config_from_dict({"model": model_tree})
     init_distributed(cfg)
     try:
@@ -282,8 +284,7 @@ def _convert(hf_dir: str, out: str, final: str, tp: int, pp: int, role: str,
         for f in tokenizer_files:
             shutil.copy(os.path.join(hf_dir, f), os.path.join(out, f))
         run_cfg = {"model": {**model, "value_head_init": "normal"},
-                   "parallel": {"tensor_model_parallel_size": tp,
-                                "pipeline_model_parallel_size": pp},
+                   "parallel": parallel,
                    "checkpoint": {"load": os.path.join(final, "checkpoints")}}
         if "tokenizer.json" in tokenizer_files:
             run_cfg["tokenizer"] = {"type": "hf", "path": final}
@@ -292,7 +293,8 @@ def _convert(hf_dir: str, out: str, final: str, tp: int, pp: int, role: str,
         count = sum(p.numel() for p in params.values())
         return {"architecture": hf.get("architectures", [hf["model_type"]])[0],
                 "role": f"{role} ({kind}{', new scalar head' if fresh_head else ''})",
-                "parameters": count, "layout": f"TP={tp} PP={pp}",
+                "parameters": count,
+                "layout": f"TP={tp} PP={pp}" + (f" EP={ep}" if ep > 1 else ""),
                 "checkpoint": os.path.join(final, os.path.relpath(path, out)),
                 "files": ["config.yaml", *tokenizer_files],
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -313,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel size written to config.yaml (MoE models)")
     parser.add_argument("--role", choices=["actor", "critic", "reward"], default="actor")
     parser.add_argument("--in-memory", action="store_true",
                         help="build the model whole and save it as a run does (the reference "
@@ -324,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     from megarlhf.models.hf_mapping import ConversionError
     try:
         info = convert(args.hf_dir, args.out, args.tp, args.pp, args.role, args.dtype,
-                       stream=not args.in_memory)
+                       stream=not args.in_memory, ep=args.ep)
     except (ConversionError, FileNotFoundError, FileExistsError, KeyError, ValueError) as err:
         print(f"convert_hf_to_megatron: error: {err}", file=sys.stderr)
         return 2
