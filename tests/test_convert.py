@@ -157,6 +157,24 @@ def test_experts_split_over_two_ranks_match_transformers(converted, arch):
         assert (ref.squeeze(-1) - torch.tensor(ours["logprobs"][i])).abs().max() < 1e-5
 
 
+def test_experts_on_four_ranks_match_transformers(converted):
+    """Qwen3-MoE on four processes: EP=2 with each expert over two tensor-parallel ranks
+    (ETP=2, dense TP=2, DP=2), and EP=4: transformers' log-probs within 1e-5."""
+    from workers.converted_models import SEQS
+    root, models, _ = converted
+    torchrun(os.path.join(WORKERS, "moe_four_ranks.py"), 4, str(root), str(root / "conv"),
+             "qwen3_moe")
+    results = torch.load(root / "moe_four_ranks.pt", weights_only=False)
+    assert [r["layout"] for r in results.values()] == ["TP=2 PP=1 DP=2 EP=2 ETP=2",
+                                                        "TP=1 PP=1 DP=4 EP=4 ETP=1"]
+    for result in results.values():
+        for seq, lp in zip(SEQS, result["logprobs"], strict=True):
+            with torch.no_grad():
+                logits = models["qwen3_moe"](torch.tensor([seq])).logits[0].float()
+            ref = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(seq[1:])[:, None])
+            assert (ref.squeeze(-1) - torch.tensor(lp)).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("arch", LM_ARCHS)
 def test_greedy_generation_matches_transformers(converted, arch):
     from workers.converted_models import PROMPTS

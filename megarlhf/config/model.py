@@ -118,10 +118,10 @@ class MoEConfig:
     def __post_init__(self):
         require(self.num_experts >= 0, "model.moe.num_experts", self.num_experts,
                 "must be >= 0 (0: a dense model)")
-        if not self.num_experts:
-            return
-        require(1 <= self.top_k <= self.num_experts, "model.moe.top_k", self.top_k,
-                f"must be between 1 and model.moe.num_experts={self.num_experts}")
+        require(self.top_k >= 1, "model.moe.top_k", self.top_k, "must be >= 1")
+        if self.num_experts:
+            require(self.top_k <= self.num_experts, "model.moe.top_k", self.top_k,
+                    f"must be between 1 and model.moe.num_experts={self.num_experts}")
         if self.ffn_hidden_size is not None:
             require(self.ffn_hidden_size >= 1, "model.moe.ffn_hidden_size",
                     self.ffn_hidden_size, "must be >= 1 or null")

@@ -39,6 +39,9 @@ class ParallelConfig:
                      "expert_model_parallel_size"):
             require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
                     "must be >= 1")
+        if self.expert_tensor_parallel_size is not None:
+            require(self.expert_tensor_parallel_size >= 1, "parallel.expert_tensor_parallel_size",
+                    self.expert_tensor_parallel_size, "must be >= 1 or null")
 
     @property
     def layout(self) -> Layout:
