@@ -70,13 +70,37 @@ def test_an_expert_parallel_actor_follows_one_process_then_resumes_at_ep1(setup)
     assert_same(ref, metrics(out, "ep2"), [4, 5])
 
 
-def test_update_at_the_old_policy_is_a_no_op_with_experts_split(setup):
+@pytest.mark.parametrize("replay", ["none", "r3"])
+def test_update_at_the_old_policy_is_a_no_op_with_experts_split(setup, replay):
+    """One epoch, one mini-batch, experts over two ranks: approx-KL and clip fraction 0,
+    with the rollout's routing replayed (r3) or each pass routing by itself - where the
+    actor's first training-side pass chose the rollout's experts for every token
+    (moe/routing_mismatch_frac 0: the same arithmetic on this CPU)."""
     out, ppo = setup
-    torchrun(ppo + ["run.name=noop", "ppo.num_iterations=1", "ppo.ppo_epochs=1",
+    torchrun(ppo + [f"run.name=noop-{replay}", "ppo.num_iterations=1", "ppo.ppo_epochs=1",
                     "ppo.mini_batch_size=32", "ppo.micro_batch_size=8",
-                    "parallel.expert_model_parallel_size=2"], 2)
-    first = metrics(out, "noop")[1]
+                    "parallel.expert_model_parallel_size=2",
+                    f"rollout.routing_replay={replay}"], 2)
+    first = metrics(out, f"noop-{replay}")[1]
     assert abs(first["ppo/policy/approxkl"]) < 1e-7 and first["ppo/policy/clipfrac"] == 0.0
+    if replay == "none":
+        assert first["moe/routing_mismatch_frac"] == 0.0
+    else:
+        assert "moe/routing_mismatch_frac" not in first
+
+
+def test_routing_replay_routes_every_token_as_told(tmp_path):
+    """A layer replaying a routing with tokens sent on purpose to other experts computes,
+    for every token, the loop's sum over the given experts of softmax(its router logits at
+    them) x expert(x) - not its own choice, which the recording returns."""
+    import torch
+
+    from conftest import WORKERS
+    torchrun(os.path.join(WORKERS, "moe_replay.py"), 1, str(tmp_path))
+    got = torch.load(tmp_path / "replay.pt")
+    assert torch.equal(got["own"][:, 0].long(), got["want_own"])
+    assert torch.allclose(got["y"], got["loop"], rtol=1e-5, atol=1e-8)
+    assert (got["y"] - got["natural"]).abs().max() > 1e-5  # the flips change the output
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -91,6 +115,8 @@ def test_update_at_the_old_policy_is_a_no_op_with_experts_split(setup):
     (["ppo.sft_checkpoint={out}/sft-dense/checkpoints", "model.moe.num_experts=4"],
      "is a dense model with moe.num_experts=0"),
     (["model.moe.top_k=3"], "roles.actor: model.moe.top_k=3 but the checkpoint"),
+    (["ppo.sft_checkpoint={out}/sft-dense/checkpoints", "rollout.routing_replay=r3"],
+     "rollout.routing_replay=r3 has no effect: the actor is dense"),
 ])
 def test_bad_expert_inputs_fail_at_start_up(setup, extra, message):
     """Exit 2 before any work, naming the role and the field."""

@@ -98,6 +98,9 @@ class Experience:
     # response token, weight 1
     policy_mask_BT: torch.Tensor | None = None  # response mask minus rejected samples
     is_weights_BT: torch.Tensor | None = None  # truncated importance weights
+    # a mixture of experts' rollout routing, replayed in the updates (rollout.routing_replay
+    # r3): rows, layers, the P + T columns, top_k
+    routing_BLSK: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.policy_mask_BT is None:
@@ -105,10 +108,14 @@ class Experience:
         if self.is_weights_BT is None:
             self.is_weights_BT = torch.ones(self.response_mask_BT.shape)
         B, T = self.response_tokens_BT.shape
+        P = self.prompt_tokens_BP.shape[1]
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if value is None:  # routing_BLSK of a dense actor, or without replay
+                continue
             suffix = f.name.rsplit("_", 1)[-1]
-            expect = {"BT": (B, T), "B": (B,), "BP": (B, self.prompt_tokens_BP.shape[1])}[suffix]
+            expect = (B, *value.shape[1:2], P + T, *value.shape[-1:]) if suffix == "BLSK" \
+                else {"BT": (B, T), "B": (B,), "BP": (B, P)}[suffix]
             if tuple(value.shape) != expect:
                 raise ValueError(f"Experience.{f.name} has shape {tuple(value.shape)}, "
                                  f"expected {expect}")
@@ -125,8 +132,8 @@ class Experience:
 
     def select(self, index: torch.Tensor | list[int]) -> "Experience":
         index = torch.as_tensor(index, dtype=torch.long)
-        return Experience(**{f.name: getattr(self, f.name)[index]
-                             for f in dataclasses.fields(self)})
+        return Experience(**{f.name: None if getattr(self, f.name) is None
+                             else getattr(self, f.name)[index] for f in dataclasses.fields(self)})
 
     def mini_batches(self, size: int, generator: torch.Generator | None = None):
         """Shuffled mini-batches of ``size`` samples (the last full one included)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from megarlhf.config import PPOConfig
+from megarlhf.models import moe
 from megarlhf.models.logprobs import vocab_parallel_logprobs
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
@@ -17,10 +18,20 @@ from megarlhf.parallel.gather import gather_objects
 
 def model_forward(model, batch: dict, positions: slice | None = None):
     """``model`` on one micro-batch, its outputs (logits or values) at sequence
-    ``positions`` only (all when None; see ``models.gpt.RoleModel``)."""
+    ``positions`` only (all when None; see ``models.gpt.RoleModel``). A mixture of experts
+    routes as the batch says: ``routing`` is replayed, ``rollout_routing`` compared with
+    the experts this pass chooses (``models.moe``)."""
     with cpu_backend.suspended():
-        return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                     positions=positions)
+        if "rollout_routing" in batch:
+            with moe.recording(model) as got:
+                out = model(batch["tokens"], batch["position_ids"],
+                            batch.get("attention_mask"), positions=positions)
+                moe.count_mismatch(got(), batch["rollout_routing"],
+                                   batch["rollout_routing_mask"])
+            return out
+        with moe.replaying(model, batch.get("routing")):
+            return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                         positions=positions)
 
 
 def make_score_step(role: str, *, tp_group, true_vocab: int, temperature: float = 1.0):

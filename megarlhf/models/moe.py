@@ -13,6 +13,8 @@ outputs are reduce-scattered back.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from megarlhf.config import Layout, ModelConfig
@@ -47,6 +49,7 @@ def transformer_fields(model: ModelConfig, layout: Layout) -> dict:
         moe_token_drop_policy=moe.drop_policy,
         moe_token_dispatcher_type="alltoall" if cuda else "allgather",
         moe_grouped_gemm=False,
+        moe_enable_routing_replay=True,  # idle unless rollout.routing_replay asks
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
     )
@@ -102,3 +105,117 @@ def take_losses(model: ModelConfig, layout, micro_batches: int) -> dict[str, flo
         out[LOSS_METRICS[name]] = float(values.sum()) / (moe_layers * max(micro_batches, 1))
     clear_aux_losses_tracker()
     return out
+
+
+# Routing replay: megatron's routers (``moe_enable_routing_replay``) record the experts
+# they choose or take given ones, per router. A model's routers are walked here (not
+# megatron's process-wide list: the actor, the reference and the rollout's model are all
+# in one process).
+
+
+def _routers(model) -> list:
+    """``(layer index, RouterReplay)`` of the model's MoE routers (a DDP-wrapped or bare
+    chunk; layer indices global, 0-based)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    while hasattr(model, "module"):
+        model = model.module
+    return [(m.layer_number - 1, m.router_replay) for m in model.modules()
+            if isinstance(m, TopKRouter) and m.router_replay is not None]
+
+
+@contextlib.contextmanager
+def recording(model):
+    """Record the experts chosen in one forward pass: yields a function returning
+    ``{layer: (tokens, top_k) indices}`` (tokens in the pass's (sequence, batch) order)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routers = _routers(model)
+    for _, replay in routers:
+        replay.clear_indices()
+        replay.set_router_replay_action(RouterReplayAction.RECORD)
+    try:
+        yield lambda: {layer: replay.get_recorded_indices() for layer, replay in routers}
+    finally:
+        for _, replay in routers:
+            replay.clear_router_replay_action()
+            replay.clear_indices()
+
+
+@contextlib.contextmanager
+def replaying(model, routing_BLSK: torch.Tensor | None):
+    """One forward pass routing every token to the experts in ``routing_BLSK`` (rows,
+    layers, sequence positions, top_k: the rows and positions of the pass's tokens)
+    instead of choosing them; nothing changes when it is None."""
+    if routing_BLSK is None:
+        yield
+        return
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routers = _routers(model)
+    B, _, S, k = routing_BLSK.shape
+    for layer, replay in routers:
+        replay.clear_indices()
+        replay.set_target_indices(routing_BLSK[:, layer].permute(1, 0, 2).reshape(S * B, k)
+                                  .long())
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        for _, replay in routers:
+            replay.clear_router_replay_action()
+            replay.clear_indices()
+
+
+def unrouted(B: int, num_layers: int, S: int, k: int) -> torch.Tensor:
+    """``(B, L, S, k)`` int16 routing that sends every token to experts 0..k-1: what a
+    position no pass recorded holds (a replay needs k distinct experts everywhere; such
+    positions are padding or the last sampled token, whose outputs are never read)."""
+    return torch.arange(k, dtype=torch.int16).expand(B, num_layers, S, k).clone()
+
+
+def routing_of(recorded: dict, B: int, S: int, num_layers: int, k: int) -> torch.Tensor:
+    """``(B, L, S, k)`` int16 expert indices of one pass from :func:`recording`'s
+    ``{layer: (S * B, k)}`` (dense layers: experts 0..k-1, see :func:`unrouted`)."""
+    out = unrouted(B, num_layers, S, k)
+    for layer, idx in recorded.items():
+        out[:, layer] = idx.reshape(S, B, k).permute(1, 0, 2).to(torch.int16).cpu()
+    return out
+
+
+def same_experts(a_BLSK: torch.Tensor, b_BLSK: torch.Tensor) -> torch.Tensor:
+    """``(B, L, S)`` bool: the two routings chose the same set of experts (order aside)."""
+    return (a_BLSK.sort(dim=-1).values == b_BLSK.sort(dim=-1).values).all(dim=-1)
+
+
+_MISMATCH = {"tokens": 0, "differ": 0}  # (token, MoE layer) pairs since the last take
+
+
+def count_mismatch(recorded: dict, rollout_BLSK: torch.Tensor, mask_BS: torch.Tensor) -> None:
+    """Count the real tokens (``mask_BS``) of one pass that a layer sent to other experts
+    than the rollout did (``rollout_BLSK``), for :func:`take_mismatch`."""
+    B, _, S, k = rollout_BLSK.shape
+    if not recorded:
+        return
+    layers = sorted(recorded)
+    mine = routing_of(recorded, B, S, rollout_BLSK.shape[1], k)[:, layers]
+    same = same_experts(mine, rollout_BLSK[:, layers])  # (B, L', S)
+    real = mask_BS.bool().unsqueeze(1).expand_as(same)
+    _MISMATCH["tokens"] += int(real.sum())
+    _MISMATCH["differ"] += int((~same & real).sum())
+
+
+def take_mismatch(layout) -> dict[str, float]:
+    """``moe/routing_mismatch_frac``: the fraction of (token, MoE layer) pairs of the
+    actor's first training-side pass routed to other experts than in the rollout, summed
+    over this layout's pipeline stages and data-parallel replicas (every rank of the
+    layout calls it); then reset."""
+    import torch.distributed as dist
+
+    counts = torch.tensor([_MISMATCH["differ"], _MISMATCH["tokens"]], dtype=torch.float64)
+    if layout.pp > 1:
+        dist.all_reduce(counts, group=layout.pp_group)
+    if layout.dp > 1:
+        dist.all_reduce(counts, group=layout.dp_group)
+    _MISMATCH.update(tokens=0, differ=0)
+    return {"moe/routing_mismatch_frac": float(counts[0] / counts[1]) if counts[1] else 0.0}

@@ -243,6 +243,13 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
                                              "roles.actor.optimizer"),
                            vocab_tps=(rollout_tp,))
     check_rollout_layout(model, rollout_tp, world_size)
+    if cfg.rollout.routing_replay != "none" and not model.moe.enabled:
+        raise ConfigError(f"rollout.routing_replay={cfg.rollout.routing_replay} has no effect: "
+                          "the actor is dense (its model.moe.num_experts is 0)")
+    if cfg.rollout.routing_replay != "none" and not cfg.rollout.recompute_logprobs:
+        raise ConfigError("rollout.routing_replay=r3 replays the rollout's experts in the "
+                          "actor's passes; with rollout.recompute_logprobs=false only the "
+                          "updates pass: set it true")
 
     ref_ckpt = roles.reference.checkpoint or actor_ckpt
     saved = read(ref_ckpt, ("policy", "actor", "reference"), "roles.reference.checkpoint")

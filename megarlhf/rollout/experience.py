@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megarlhf import algos
 from megarlhf.config import Config
+from megarlhf.models import moe
 from megarlhf.parallel import cpu_backend
 from megarlhf.rollout.generate import Generation
 from megarlhf.rollout.sampling import Sampler, dynamic_sampling
@@ -62,6 +63,8 @@ class ExperienceMaker:
         rollout_lp = gen.logprobs_BT * mask
         if self.cfg.rollout.recompute_logprobs:
             old_lp = self.scorer.actor_logprobs(gen) * mask
+            if gen.routing_BLSK is not None and self.cfg.rollout.routing_replay == "none":
+                metrics.update(moe.take_mismatch(self.scorer.actor.layout))
         else:
             old_lp = rollout_lp.clone()
         if self.scorer.critic is not None:
@@ -88,7 +91,9 @@ class ExperienceMaker:
                 response_tokens_BT=gen.response_tokens_BT, response_mask_BT=mask,
                 rollout_logprobs_BT=rollout_lp, old_logprobs_BT=old_lp, ref_logprobs_BT=ref_lp,
                 values_BT=values, scores_B=scores, policy_mask_BT=policy_mask,
-                is_weights_BT=is_weights, **targets)
+                is_weights_BT=is_weights,
+                routing_BLSK=gen.routing_BLSK if self.cfg.rollout.routing_replay == "r3"
+                else None, **targets)
         # 6. what it was
         metrics.update(rollout_metrics(exp, gen, has_stop, short, rollout_lp, old_lp,
                                        self.scorer.ref_cache))

@@ -10,12 +10,16 @@ side recomputes, so the two can be compared.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
 from megarlhf.memory.accounting import kv_cache_bytes
+from megarlhf.models import moe
+from megarlhf.models.gpt import unwrap
 from megarlhf.parallel import cpu_backend
 
 _NEG = -1e30
@@ -41,6 +45,8 @@ class Generation:
     response_mask_BT: torch.Tensor  # 1 on generated tokens (stop token included)
     logprobs_BT: torch.Tensor  # of the sampled tokens under softmax(logits / temperature)
     finished_B: torch.Tensor  # ended with a stop token
+    # a mixture of experts' choices (rows, layers, the P + T columns, top_k), when recorded
+    routing_BLSK: torch.Tensor | None = None
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +116,8 @@ class _RowUniforms:
 def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id: int,
              pad_id: int, true_vocab: int, stop_at_eos: bool = True,
              generator: torch.Generator | None = None, row_seeds: list[int] | None = None,
-             use_cache: bool = True, stats: dict | None = None) -> Generation:
+             use_cache: bool = True, stats: dict | None = None,
+             record_routing: bool = False) -> Generation:
     """Sample up to ``max_new_tokens`` per prompt. Every TP rank of one replica must pass
     the same prompts and an identically seeded ``generator``.
 
@@ -120,7 +127,9 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     generators live on the model's device: the CPU and CUDA draw different streams, so
     samples are reproducible per device type. Everything runs on the model's device;
     the returned tensors are on the host. ``stats`` receives ``kv_cache_bytes``.
-    ``use_cache=False`` recomputes the whole sequence every step (a reference for tests)."""
+    ``use_cache=False`` recomputes the whole sequence every step (a reference for tests).
+    ``record_routing``: a mixture of experts' choice of experts for every token fed, in
+    ``routing_BLSK`` (the column layout of prompt and response)."""
     device = next(model.parameters()).device
     prompt_tokens, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
     B, P = prompt_tokens.shape
@@ -140,6 +149,10 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     ctx = StaticInferenceContext(B, P + T) if use_cache else None
     row_draws = _RowUniforms(row_seeds, true_vocab, device) if row_seeds else None
+    config = unwrap(model).config
+    # a token never fed (the last sampled one) keeps experts 0..k-1: distinct, never read
+    routing = moe.unrouted(B, config.num_layers, P + T, config.moe_router_topk or 1) \
+        if record_routing else None
 
     def last_logits(length: int, new: int) -> torch.Tensor:
         """Logits at column ``length - 1`` after feeding the last ``new`` columns."""
@@ -148,14 +161,18 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
         pos = positions[:, start:length]
         blocked = _attention_blocked(key_mask[:, :length], new)
         # logits at the last column only (the prefill's other P - 1 are never read)
-        if ctx is None:
-            out = model(inp, pos, blocked, runtime_gather_output=True,
-                        positions=slice(-1, None))
-        else:
-            out = model(inp, pos, blocked, inference_context=ctx, runtime_gather_output=True,
-                        positions=slice(-1, None))
-            ctx.sequence_len_offset += new
-            ctx.enable_decode_mode()
+        with moe.recording(model) if routing is not None else contextlib.nullcontext() as got:
+            if ctx is None:
+                out = model(inp, pos, blocked, runtime_gather_output=True,
+                            positions=slice(-1, None))
+            else:
+                out = model(inp, pos, blocked, inference_context=ctx,
+                            runtime_gather_output=True, positions=slice(-1, None))
+                ctx.sequence_len_offset += new
+                ctx.enable_decode_mode()
+            if routing is not None:
+                routing[:, :, start:length] = moe.routing_of(got(), B, new, config.num_layers,
+                                                             routing.shape[-1])
         return out[:, -1, :true_vocab].float()
 
     logits = last_logits(P, P)
@@ -199,4 +216,5 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     width = t + 1
     return Generation(*(x.cpu() for x in (prompt_tokens, prompt_mask, response[:, :width],
                                           response_mask[:, :width], logprobs[:, :width],
-                                          finished)))
+                                          finished)),
+                      routing_BLSK=routing[:, :, :P + width] if routing is not None else None)

@@ -16,6 +16,7 @@ import torch
 
 from megarlhf import algos
 from megarlhf.config import Config
+from megarlhf.models import moe
 from megarlhf.roles.build import Role
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
@@ -69,7 +70,8 @@ class Sampler:
         gen = generate(self.inference_model, mine, params, eos_id=self.eos_id,
                        pad_id=self.pad_id, true_vocab=self.actor.spec.model.vocab_size,
                        stop_at_eos=r.stop_at_eos,
-                       row_seeds=[seed * 1000003 + i for i in indices], stats=gen_stats)
+                       row_seeds=[seed * 1000003 + i for i in indices], stats=gen_stats,
+                       record_routing=self.actor.spec.model.moe.enabled)
         seconds = time.perf_counter() - start
         if self.hooks is not None:
             self.hooks.after_generate(gen_stats["kv_cache_bytes"])
@@ -90,7 +92,7 @@ class Sampler:
         return Generation(prompt_tokens_BP=gen.prompt_tokens_BP,
                           prompt_mask_BP=gen.prompt_mask_BP, response_tokens_BT=tokens,
                           response_mask_BT=mask, logprobs_BT=gen.logprobs_BT * mask,
-                          finished_B=has_stop), has_stop
+                          finished_B=has_stop, routing_BLSK=gen.routing_BLSK), has_stop
 
 
 def dynamic_sampling(gen: Generation, has_stop: torch.Tensor, scores: torch.Tensor, *,
@@ -185,4 +187,22 @@ def merge_rows(rows: list[tuple[Generation, int]], pad_id: int) -> Generation:
         response_tokens_BT=take("response_tokens_BT", T, False),
         response_mask_BT=take("response_mask_BT", T, False),
         logprobs_BT=take("logprobs_BT", T, False),
-        finished_B=torch.stack([part.finished_B[j] for part, j in rows]))
+        finished_B=torch.stack([part.finished_B[j] for part, j in rows]),
+        routing_BLSK=merge_routing(rows, P, T))
+
+
+def merge_routing(rows: list[tuple[Generation, int]], P: int, T: int) -> torch.Tensor | None:
+    """The rows' recorded expert choices, laid out as their merged tokens: the prompt
+    columns left-padded to ``P``, the response columns right-padded to ``T`` (padding
+    positions as ``models.moe.unrouted``: those tokens are masked)."""
+    if any(part.routing_BLSK is None for part, _ in rows):
+        return None
+    out = []
+    for part, j in rows:
+        row = part.routing_BLSK[j]  # (L, P_part + T_part, k)
+        p = part.prompt_tokens_BP.shape[1]
+        prompt, response = row[:, :p], row[:, p:]
+        L, k = row.shape[0], row.shape[2]
+        out.append(torch.cat([moe.unrouted(1, L, P - p, k)[0], prompt, response,
+                              moe.unrouted(1, L, T - response.shape[1], k)[0]], dim=1))
+    return torch.stack(out)

@@ -82,15 +82,28 @@ class SequenceCache:
 
 # ------------------------------------------------------------------ batching
 
-def sequence_batch_fn(gen: Generation, pad_id: int) -> Callable[[list[int]], dict]:
+def sequence_batch_fn(gen: Generation, pad_id: int, routing: str | None = None
+                      ) -> Callable[[list[int]], dict]:
     """Row indices -> one prompt+response micro-batch (attention mask for the left padding,
-    position ids counting real tokens), every batch the full width P + T."""
+    position ids counting real tokens), every batch the full width P + T. ``routing`` (a
+    mixture of experts' pass over the rollout's routing): ``"replay"`` routes every token
+    to the experts the rollout chose, ``"compare"`` counts the tokens routed otherwise
+    (``models.moe``)."""
 
     def make_batch(rows: list[int]) -> dict:
         idx = torch.tensor(rows)
-        return prompt_response_batch(gen.prompt_tokens_BP[idx], gen.prompt_mask_BP[idx],
-                                     gen.response_tokens_BT[idx], gen.response_mask_BT[idx],
-                                     pad_id)
+        batch = prompt_response_batch(gen.prompt_tokens_BP[idx], gen.prompt_mask_BP[idx],
+                                      gen.response_tokens_BT[idx], gen.response_mask_BT[idx],
+                                      pad_id)
+        if routing == "replay":
+            batch["routing"] = gen.routing_BLSK[idx]
+        elif routing == "compare":  # the tokens the rollout fed: not its last sample
+            fed = gen.response_mask_BT[idx].clone()
+            last = fed.sum(dim=1) - 1
+            fed[torch.arange(len(rows))[last >= 0], last[last >= 0]] = 0
+            batch["rollout_routing"] = gen.routing_BLSK[idx]
+            batch["rollout_routing_mask"] = torch.cat([gen.prompt_mask_BP[idx], fed], dim=1)
+        return batch
 
     return make_batch
 
@@ -158,22 +171,29 @@ class Scorer:
         self.ref_offloader.reload()
         self.rm_offloader.reload()
 
-    def score(self, role: Role, gen: Generation, rows: list[int]) -> list[dict]:
+    def score(self, role: Role, gen: Generation, rows: list[int],
+              routing: str | None = None) -> list[dict]:
         """``role``'s forward-only pass over ``rows`` at its own layout: per-token
-        log-probs and entropy (LM) or values and the last value (value model)."""
+        log-probs and entropy (LM) or values and the last value (value model); ``routing``
+        as :func:`sequence_batch_fn` takes it."""
         step = make_sequence_step(role.spec.kind, prompt_len=gen.prompt_tokens_BP.shape[1],
                                   tp_group=role.layout.tp_group,
                                   true_vocab=role.spec.model.vocab_size,
                                   temperature=self.cfg.rollout.temperature)
         if self.hooks is not None:
             self.hooks.during_pass()
-        return forward_rows(role, rows, sequence_batch_fn(gen, self.pad_id), step,
+        return forward_rows(role, rows, sequence_batch_fn(gen, self.pad_id, routing), step,
                             micro_batch_size=self.micro_batch_size)
 
     def actor_logprobs(self, gen: Generation) -> torch.Tensor:
-        """(B, T) the actor's log-probs at its training layout."""
+        """(B, T) the actor's log-probs at its training layout. A mixture of experts
+        replays the rollout's routing (``rollout.routing_replay=r3``) or counts the tokens
+        it routes otherwise (``models.moe.take_mismatch``)."""
         rows = list(range(gen.response_tokens_BT.shape[0]))
-        return stack_results(self.score(self.actor, gen, rows), "logprobs")
+        routing = None
+        if gen.routing_BLSK is not None:
+            routing = "replay" if self.cfg.rollout.routing_replay == "r3" else "compare"
+        return stack_results(self.score(self.actor, gen, rows, routing), "logprobs")
 
     def values(self, gen: Generation) -> torch.Tensor:
         """(B, T) the critic's values of the states before each response token."""

@@ -46,7 +46,10 @@ from megarlhf.stages.common import check_writable, print0, progress, run_dir
 # ------------------------------------------------------------------ set-up
 
 @cpu_backend.suspended()  # batch arithmetic: no megatron code
-def experience_batches(exp: algos.Experience, micro: int, pad_id: int) -> list[dict]:
+def experience_batches(exp: algos.Experience, micro: int, pad_id: int,
+                       routing: bool = False) -> list[dict]:
+    """Micro-batches of ``exp``; ``routing``: with the rollout's expert choices to replay
+    (the actor's, under ``rollout.routing_replay=r3``)."""
     out = []
     for mb in exp.micro_batches(micro):
         batch = prompt_response_batch(mb.prompt_tokens_BP, mb.prompt_mask_BP,
@@ -57,6 +60,8 @@ def experience_batches(exp: algos.Experience, micro: int, pad_id: int) -> list[d
                       "rollout_logprobs": mb.rollout_logprobs_BT,
                       "ref_logprobs": mb.ref_logprobs_BT, "advantages": mb.advantages_BT,
                       "old_values": mb.values_BT, "returns": mb.returns_BT})
+        if routing and mb.routing_BLSK is not None:  # the rollout's experts (r3)
+            batch["routing"] = mb.routing_BLSK
         out.append(batch)
     return out
 
@@ -446,7 +451,7 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
         for mini in minis:
             for role, fwd in learners:
                 batches = experience_batches(_share(mini, role.layout), ppo.micro_batch_size,
-                                             pad_id)
+                                             pad_id, routing=role is actor)
                 if ptx is not None and role is actor:
                     _, count = algos.aggregate_parts(torch.zeros_like(mini.policy_mask_BT),
                                                      mini.policy_mask_BT, ppo.loss_agg)
