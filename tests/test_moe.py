@@ -144,3 +144,20 @@ def test_the_routers_losses_equal_their_formulas(tmp_path):
     assert abs(got["logged"]["moe/z_loss"] - got["z"]) < 1e-6
     assert got["want_grad"].abs().max() > 1e-5  # the losses move the router
     assert torch.allclose(got["grad"], got["want_grad"], rtol=1e-5, atol=1e-9)
+
+
+def test_load_imbalance_counts_the_fed_tokens():
+    """The busiest expert over the mean, per MoE layer, over the tokens the rollout fed."""
+    import torch
+
+    from megarlhf.config import config_from_dict
+    from megarlhf.models.moe import load_metrics
+
+    model = config_from_dict({"model": {"num_layers": 2, "moe": {
+        "num_experts": 4, "top_k": 2, "first_k_dense": 1}}}).model
+    routing = torch.zeros(1, 2, 3, 2, dtype=torch.int16)  # layer 0 is dense: never read
+    routing[0, 1] = torch.tensor([[0, 1], [0, 2], [3, 1]])
+    mask = torch.tensor([[1, 1, 0]])  # the third token was never fed
+    got = load_metrics(routing, mask, model)
+    # counts over the two fed tokens: expert 0 twice, experts 1 and 2 once, 3 never
+    assert got == {"moe/load_imbalance/layer1": 2 / 1.0, "moe/load_imbalance": 2.0}

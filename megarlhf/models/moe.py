@@ -219,3 +219,22 @@ def take_mismatch(layout) -> dict[str, float]:
         dist.all_reduce(counts, group=layout.dp_group)
     _MISMATCH.update(tokens=0, differ=0)
     return {"moe/routing_mismatch_frac": float(counts[0] / counts[1]) if counts[1] else 0.0}
+
+
+def load_metrics(routing_BLSK: torch.Tensor, mask_BS: torch.Tensor, model: ModelConfig
+                 ) -> dict[str, float]:
+    """How evenly the rollout spread its tokens over each MoE layer's experts: per layer,
+    the busiest expert's token count over the mean count (1: perfectly even; k experts per
+    token each count once), as ``moe/load_imbalance/layer<i>``, and their mean over the
+    layers as ``moe/load_imbalance``. ``mask_BS``: the tokens the rollout fed."""
+    E = model.moe.num_experts
+    out = {}
+    real = mask_BS.bool()
+    for layer in range(model.moe.first_k_dense, model.num_layers):
+        chosen = routing_BLSK[:, layer][real].long().reshape(-1)  # (tokens x k,)
+        counts = torch.bincount(chosen, minlength=E).double()
+        if counts.sum() > 0:
+            out[f"moe/load_imbalance/layer{layer}"] = float(counts.max() / counts.mean())
+    if out:
+        out["moe/load_imbalance"] = sum(out.values()) / len(out)
+    return out

@@ -21,7 +21,7 @@ from megarlhf.models import moe
 from megarlhf.parallel import cpu_backend
 from megarlhf.rollout.generate import Generation
 from megarlhf.rollout.sampling import Sampler, dynamic_sampling
-from megarlhf.rollout.scoring import Scorer
+from megarlhf.rollout.scoring import Scorer, fed_tokens
 
 
 @dataclass
@@ -65,6 +65,9 @@ class ExperienceMaker:
             old_lp = self.scorer.actor_logprobs(gen) * mask
             if gen.routing_BLSK is not None and self.cfg.rollout.routing_replay == "none":
                 metrics.update(moe.take_mismatch(self.scorer.actor.layout))
+        if gen.routing_BLSK is not None:
+            metrics.update(moe.load_metrics(gen.routing_BLSK, fed_tokens(gen),
+                                            self.scorer.actor.spec.model))
         else:
             old_lp = rollout_lp.clone()
         if self.scorer.critic is not None:

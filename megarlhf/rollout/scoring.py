@@ -82,6 +82,16 @@ class SequenceCache:
 
 # ------------------------------------------------------------------ batching
 
+def fed_tokens(gen: Generation) -> torch.Tensor:
+    """``(B, P + T)``: the tokens the sampler fed through the model (its routing was
+    recorded for them): the prompt and the response but its last sampled token."""
+    fed = gen.response_mask_BT.clone()
+    last = fed.sum(dim=1) - 1
+    rows = torch.arange(fed.shape[0])[last >= 0]
+    fed[rows, last[last >= 0]] = 0
+    return torch.cat([gen.prompt_mask_BP, fed], dim=1)
+
+
 def sequence_batch_fn(gen: Generation, pad_id: int, routing: str | None = None
                       ) -> Callable[[list[int]], dict]:
     """Row indices -> one prompt+response micro-batch (attention mask for the left padding,
@@ -97,12 +107,9 @@ def sequence_batch_fn(gen: Generation, pad_id: int, routing: str | None = None
                                       pad_id)
         if routing == "replay":
             batch["routing"] = gen.routing_BLSK[idx]
-        elif routing == "compare":  # the tokens the rollout fed: not its last sample
-            fed = gen.response_mask_BT[idx].clone()
-            last = fed.sum(dim=1) - 1
-            fed[torch.arange(len(rows))[last >= 0], last[last >= 0]] = 0
+        elif routing == "compare":
             batch["rollout_routing"] = gen.routing_BLSK[idx]
-            batch["rollout_routing_mask"] = torch.cat([gen.prompt_mask_BP[idx], fed], dim=1)
+            batch["rollout_routing_mask"] = fed_tokens(gen)[idx]
         return batch
 
     return make_batch
