@@ -161,3 +161,14 @@ def test_load_imbalance_counts_the_fed_tokens():
     got = load_metrics(routing, mask, model)
     # counts over the two fed tokens: expert 0 twice, experts 1 and 2 once, 3 never
     assert got == {"moe/load_imbalance/layer1": 2 / 1.0, "moe/load_imbalance": 2.0}
+
+
+def test_written_expert_fields_reach_the_actor_not_the_dense_roles(setup):
+    """``model.moe.*`` written in the config (as a converted MoE's config.yaml does) shapes
+    the actor and reference; the dense reward model and critic take only the precision
+    fields of ``model`` and are not compared with it."""
+    out, ppo = setup
+    shown = run_cli("config", "show", *ppo[1:], "model.moe.top_k=2",
+                    "model.moe.aux_loss_coeff=0.02", "--world-size", "1")
+    resolved = shown.stdout.split("# resolved roles at world size 1")[1]
+    assert "aux_loss_coeff: 0.02" in resolved and "num_experts: 0" in resolved

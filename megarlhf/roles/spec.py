@@ -124,7 +124,9 @@ def _model_of(where: str, saved: SavedRole | None, base: ModelConfig,
                         f"{where}: {name}.{key}={want!r} but the checkpoint {saved.path} "
                         f"(role '{saved.role}') has {key}={have!r}; remove the override or "
                         "load a checkpoint of that shape")
-            for key in sorted(written.fields(f"{name}.moe") & set(MOE_SHAPE_FIELDS)):
+            moe_fields = written.fields(f"{name}.moe") if only is None or "moe" in only \
+                else frozenset()  # (the precision fields of ``model`` a role takes: no moe)
+            for key in sorted(moe_fields & set(MOE_SHAPE_FIELDS)):
                 want, have = getattr(override.moe, key), getattr(saved.model.moe, key)
                 if want != have:
                     what = ("a dense model" if not saved.model.moe.enabled else

@@ -65,11 +65,11 @@ class ExperienceMaker:
             old_lp = self.scorer.actor_logprobs(gen) * mask
             if gen.routing_BLSK is not None and self.cfg.rollout.routing_replay == "none":
                 metrics.update(moe.take_mismatch(self.scorer.actor.layout))
-        if gen.routing_BLSK is not None:
-            metrics.update(moe.load_metrics(gen.routing_BLSK, fed_tokens(gen),
-                                            self.scorer.actor.spec.model))
         else:
             old_lp = rollout_lp.clone()
+        if gen.routing_BLSK is not None:  # a mixture of experts: how the rollout spread it
+            metrics.update(moe.load_metrics(gen.routing_BLSK, fed_tokens(gen),
+                                            self.scorer.actor.spec.model))
         if self.scorer.critic is not None:
             values = self.scorer.values(gen) * mask
         else:
