@@ -25,6 +25,10 @@ SIZES = {  # the issue's tiny and small sizes
     "small": dict(layers=4, hidden=256, heads=8, kv_heads=4, ffn=688, vocab=4000),
     # issue 19's ~30M-parameter model for the scaling table
     "medium": dict(layers=8, hidden=512, heads=8, kv_heads=4, ffn=1376, vocab=8000),
+    # issue 37's mixture of experts: small's trunk, each MLP 8 experts of 256 (top 2) in a
+    # Qwen3-MoE policy (q/k norms); its reward model and critic stay dense (small)
+    "moe": dict(layers=4, hidden=256, heads=8, kv_heads=4, ffn=688, vocab=4000, experts=8,
+                top_k=2, expert_ffn=256),
 }
 
 
@@ -49,6 +53,20 @@ def timed(fn, repeats: int = 3) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+def qwen3_moe_config(size: str, **extra):
+    """transformers' Qwen3MoeConfig for a benchmark size with experts (no router aux loss:
+    transformers computes none unless asked, so neither side pays for it)."""
+    import transformers
+    s = SIZES[size]
+    return transformers.Qwen3MoeConfig(
+        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
+        moe_intermediate_size=s["expert_ffn"], num_experts=s["experts"],
+        num_experts_per_tok=s["top_k"], norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], router_aux_loss_coef=0.0, num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+        head_dim=s["hidden"] // s["heads"], max_position_embeddings=512, **extra)
 
 
 def llama_config(size: str, **extra):

@@ -49,7 +49,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, SIZES, convert, llama_config, machine  # noqa: E402
+from common import ROOT, SIZES, convert, llama_config, machine, qwen3_moe_config  # noqa: E402
 
 BATCH, PROMPT, RESPONSE, EPOCHS, MINI_BATCHES = 16, 32, 32, 4, 2
 PAD, BOS, EOS = 0, 1, 2
@@ -98,6 +98,15 @@ def _llama_config(size: str):
     return llama_config(size, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, num_labels=1)
 
 
+def _policy(size: str):
+    """The policy: Llama, or Qwen3-MoE for a size with experts (both peers run it)."""
+    import transformers
+    if "experts" in SIZES[size]:
+        return transformers.Qwen3MoeForCausalLM(qwen3_moe_config(
+            size, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD))
+    return transformers.LlamaForCausalLM(_llama_config(size))
+
+
 def _response_lengths(responses: torch.Tensor, stop: bool) -> torch.Tensor:
     """Tokens per row up to and including the first EOS (all of them without a stop)."""
     stops = responses == EOS if stop else torch.zeros_like(responses, dtype=torch.bool)
@@ -141,7 +150,7 @@ def prepare(size: str, variant: str, folder: str) -> dict:
     prompts = [[BOS] + torch.randint(3, vocab, (PROMPT - 1,), generator=gen).tolist()
                for _ in range(256)]
     torch.manual_seed(0)
-    policy = transformers.LlamaForCausalLM(_llama_config(size)).eval()
+    policy = _policy(size).eval()
     note = "no stop token: every response has 32 tokens"
     if variant == "stop":
         length = _bias_towards_eos(policy, torch.tensor(prompts[:BATCH]), RESPONSE / 2)
