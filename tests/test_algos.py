@@ -471,7 +471,12 @@ def make_experience(n=6, p=3, t=4):
     g = torch.Generator().manual_seed(0)
     fields = {}
     for name in Experience.__dataclass_fields__:
-        shape = {"BT": (n, t), "B": (n,), "BP": (n, p)}[name.rsplit("_", 1)[-1]]
+        suffix = name.rsplit("_", 1)[-1]
+        if suffix == "BLSK":  # a mixture of experts' routing: 2 layers, top 2 of 4
+            fields[name] = torch.randint(0, 4, (n, 2, p + t, 2), generator=g,
+                                         dtype=torch.int16)
+            continue
+        shape = {"BT": (n, t), "B": (n,), "BP": (n, p)}[suffix]
         fields[name] = torch.randn(*shape, generator=g)
     return Experience(**fields)
 
@@ -485,6 +490,13 @@ def test_experience_batches():
     assert seen == sorted(exp.scores_B.tolist())
     micro = list(mini[0].micro_batches(1))
     assert len(micro) == 3 and torch.equal(micro[0].values_BT, mini[0].values_BT[:1])
+    # the routing follows its rows (and a batch without one stays without)
+    assert torch.equal(micro[0].routing_BLSK, mini[0].routing_BLSK[:1])
+    row = int((exp.scores_B == mini[0].scores_B[0]).nonzero())
+    assert torch.equal(mini[0].routing_BLSK[0], exp.routing_BLSK[row])
+    assert Experience(**{**exp.__dict__, "routing_BLSK": None}).select([1]).routing_BLSK is None
+    with pytest.raises(ValueError, match="Experience.routing_BLSK has shape"):
+        Experience(**{**exp.__dict__, "routing_BLSK": exp.routing_BLSK[:, :, :5]})
     with pytest.raises(ValueError, match=r"samples on this rank \(6\) is not divisible"):
         list(exp.mini_batches(4))
     with pytest.raises(ValueError, match="Experience.values_BT has shape"):

@@ -69,14 +69,15 @@ def case(name, tp, pp, rollout_tp, results, offload_variants=(True,)):
 def repeats_case(scorer, gen):
     """The sampled batch twice over, with a fresh cache and without one: which rows the
     reference scored, the cache's hits, and both results."""
-    doubled = Generation(*(torch.cat((getattr(gen, f.name),) * 2)
+    doubled = Generation(*(None if getattr(gen, f.name) is None  # a dense actor's routing
+                           else torch.cat((getattr(gen, f.name),) * 2)
                            for f in dataclasses.fields(gen)))
     scored, real, saved = [], scorer.score, scorer.ref_cache
 
-    def counting(role, g, rows):
+    def counting(role, g, rows, *rest):
         if role is scorer.reference:
             scored.append(list(rows))
-        return real(role, g, rows)
+        return real(role, g, rows, *rest)
 
     scorer.score = counting
     try:
