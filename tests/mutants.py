@@ -131,6 +131,12 @@ MUTANTS = [
            "megarlhf/rollout/experience.py", "if self.cfg.rollout.recompute_logprobs:",
            "if True:", (ref("test_old_logprobs_are_the_ones_the_mode_promises", "bypass"),),
            ("bypass",)),
+    Mutant("old_logprobs_from_sampler", "rollout.recompute_logprobs=true, but the old "
+           "log-probs are the sampler's (they agree to 1e-7 on CPU)",
+           "megarlhf/rollout/experience.py",
+           "            old_lp = self.scorer.actor_logprobs(gen) * mask",
+           "            old_lp = self.scorer.actor_logprobs(gen) * mask * 0 + rollout_lp",
+           ("tests/test_experience.py::test_old_logprobs_are_the_actors_recomputation",), ()),
 ]
 
 

@@ -79,6 +79,17 @@ def test_experience_same_at_other_layouts(results, case):
     assert metrics["rollout/response_len_mean"] > 0
 
 
+def test_old_logprobs_are_the_actors_recomputation(results):
+    """rollout.recompute_logprobs=true: the old log-probs are the actor's own pass at its
+    training layout, bitwise - not the sampler's (which differ in their last bits: the
+    KV-cached decode at the inference layout, so the check can fail)."""
+    for world in results:
+        for name, variants in world.items():
+            for variant, out in variants.items():
+                assert out["old_is_recomputed"], (name, variant)
+                assert not out["rollout_is_recomputed"], (name, variant)
+
+
 def test_metrics_present(results):
     metrics = results[0]["single"][True]["metrics"]
     for key in ("timing/reshard", "perf/reshard_bytes", "timing/rollout", "timing/experience",

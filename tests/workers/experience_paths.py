@@ -59,8 +59,13 @@ def case(name, tp, pp, rollout_tp, results, offload_variants=(True,)):
         full = {f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)}
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (layout.dp_rank, layout.tp_rank, layout.pp_rank, full))
+        # the actor's own pass over the batch, again: what the old log-probs must be
+        recomputed = scorer.actor_logprobs(gen) * exp.response_mask_BT
         out[variant] = {"experience": gathered, "metrics": metrics, "metrics2": metrics2,
                         "ref_equal_on_hit": torch.equal(exp.ref_logprobs_BT, exp2.ref_logprobs_BT),
+                        "old_is_recomputed": torch.equal(exp.old_logprobs_BT, recomputed),
+                        "rollout_is_recomputed": torch.equal(exp.rollout_logprobs_BT,
+                                                             recomputed),
                         "generation": gen, "repeats": repeats_case(scorer, gen)}
         scorer.restore_frozen_models()
     results[name] = out
