@@ -172,3 +172,15 @@ def test_written_expert_fields_reach_the_actor_not_the_dense_roles(setup):
                     "model.moe.aux_loss_coeff=0.02", "--world-size", "1")
     resolved = shown.stdout.split("# resolved roles at world size 1")[1]
     assert "aux_loss_coeff: 0.02" in resolved and "num_experts: 0" in resolved
+
+
+def test_offloading_an_expert_actor_changes_nothing(setup):
+    """The MoE actor and reference offloaded between phases (``roles.*.offload=all``): the
+    1-process run's metrics, bitwise."""
+    out, ppo = setup
+    run_cli(*ppo, "run.name=offloaded", "ppo.num_iterations=2", "roles.actor.offload=all",
+            "roles.reference.offload=all", "checkpoint.save_interval=0")
+    ref, got = metrics(out, "single"), metrics(out, "offloaded")
+    for step in (1, 2):
+        for key in KEYS:
+            assert ref[step][key] == got[step][key], (step, key)
