@@ -134,9 +134,16 @@ MUTANTS = [
     Mutant("old_logprobs_from_sampler", "rollout.recompute_logprobs=true, but the old "
            "log-probs are the sampler's (they agree to 1e-7 on CPU)",
            "megarlhf/rollout/experience.py",
-           "            old_lp = self.scorer.actor_logprobs(gen) * mask",
-           "            old_lp = self.scorer.actor_logprobs(gen) * mask * 0 + rollout_lp",
+           "            old_lp = actor_lp * mask",
+           "            old_lp = actor_lp * mask * 0 + rollout_lp",
            ("tests/test_experience.py::test_old_logprobs_are_the_actors_recomputation",), ()),
+    Mutant("r2_routing_not_gathered", "rollout.routing_replay=r2 replays each rank's own "
+           "record only: rows scored by another data-parallel replica, and layers of other "
+           "pipeline stages, replay placeholder experts",
+           "megarlhf/models/moe.py",
+           "        if size > 1:  # one rank of the group set each entry; the others hold -1",
+           "        if False:  # one rank of the group set each entry; the others hold -1",
+           ("tests/test_moe.py::test_r2_replays_the_old_log_prob_pass_in_the_updates",), ()),
 ]
 
 

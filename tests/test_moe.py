@@ -89,6 +89,47 @@ def test_update_at_the_old_policy_is_a_no_op_with_experts_split(setup, replay):
         assert "moe/routing_mismatch_frac" not in first
 
 
+def flip_run(setup, where: str, replay: str, nprocs: int = 1, *extra: str) -> dict:
+    """The first iteration's metrics of a one-epoch, one-mini-batch PPO run whose router
+    flips on purpose in the passes ``where`` names (tests/workers/moe_flip.py)."""
+    from conftest import WORKERS
+    out, ppo = setup
+    name = f"flip-{where}-{replay}-{nprocs}-{len(extra) and extra[0].split('.')[1][:8]}"
+    torchrun(os.path.join(WORKERS, "moe_flip.py"), nprocs, where, *ppo, f"run.name={name}",
+             "ppo.num_iterations=1", "ppo.ppo_epochs=1", "ppo.mini_batch_size=32",
+             "ppo.micro_batch_size=8", "checkpoint.save_interval=0",
+             f"rollout.routing_replay={replay}", *extra)
+    return metrics(out, name)[1]
+
+
+def test_r3_replays_a_rollout_whose_router_flipped(setup):
+    """The rollout's router sends every third token to another expert: without replay the
+    actor's old-log-prob pass routes those tokens otherwise (moe/routing_mismatch_frac) and
+    its log-probs drift from the rollout's; with r3 it replays the rollout's experts and
+    the log-probs agree to rounding. Either way the update at the old policy is a no-op."""
+    none, r3 = flip_run(setup, "rollout", "none"), flip_run(setup, "rollout", "r3")
+    assert none["moe/routing_mismatch_frac"] > 0.1
+    assert r3["rollout/logprob_diff_max"] < 1e-4
+    assert none["rollout/logprob_diff_max"] > 100 * r3["rollout/logprob_diff_max"]
+    for got in (none, r3):
+        assert abs(got["ppo/policy/approxkl"]) < 1e-7 and got["ppo/policy/clipfrac"] == 0.0
+
+
+def test_r2_replays_the_old_log_prob_pass_in_the_updates(setup):
+    """The router flips in the updates only (the passes that build a graph): without replay
+    the update at the old policy already sees another policy (approx-KL > 0); with r2 the
+    updates replay the old-log-prob pass's experts - gathered from both ranks of an EP=2
+    run (each data-parallel replica scored half the rows) and of a PP=2 run (each stage
+    routed its own layer) - and the update is a no-op."""
+    none = flip_run(setup, "train", "none")
+    assert abs(none["ppo/policy/approxkl"]) > 1e-5
+    for layout in ("parallel.expert_model_parallel_size=2",
+                   "parallel.pipeline_model_parallel_size=2"):
+        r2 = flip_run(setup, "train", "r2", 2, layout)
+        assert abs(r2["ppo/policy/approxkl"]) < 1e-7 and r2["ppo/policy/clipfrac"] == 0.0, layout
+        assert r2["moe/routing_mismatch_frac"] == 0.0  # the rollout did not flip
+
+
 def test_routing_replay_routes_every_token_as_told(tmp_path):
     """A layer replaying a routing with tokens sent on purpose to other experts computes,
     for every token, the loop's sum over the given experts of softmax(its router logits at

@@ -98,8 +98,8 @@ class Experience:
     # response token, weight 1
     policy_mask_BT: torch.Tensor | None = None  # response mask minus rejected samples
     is_weights_BT: torch.Tensor | None = None  # truncated importance weights
-    # a mixture of experts' rollout routing, replayed in the updates (rollout.routing_replay
-    # r3): rows, layers, the P + T columns, top_k
+    # a mixture of experts' routing replayed in the updates (rollout.routing_replay: r3 the
+    # rollout's, r2 the old-log-prob pass's): rows, layers, the P + T columns, top_k
     routing_BLSK: torch.Tensor | None = None
 
     def __post_init__(self):

@@ -224,13 +224,16 @@ class RolloutConfig:
     reward, critic values); None: ppo.micro_batch_size. These passes keep nothing for a
     backward pass, so larger micro-batches than training's usually fit (verl's
     log_prob_micro_batch_size, TRL's local_rollout_forward_batch_size)."""
-    routing_replay: Literal["none", "r3"] = "none"
-    """A mixture-of-experts actor's expert choices: ``r3`` records each token's experts in
+    routing_replay: Literal["none", "r2", "r3"] = "none"
+    """A mixture-of-experts actor's expert choices. ``r3`` records each token's experts in
     the rollout and replays them in every pass of the actor over that batch (its old
     log-probs and its updates), so tiny numeric differences between the inference and
-    training layouts cannot send a token to other experts (Megatron-LM#4168); ``none``
-    lets each pass choose (moe/routing_mismatch_frac reports how often the actor's first
-    training-side pass chose differently from the rollout)."""
+    training layouts cannot send a token to other experts (Megatron-LM#4168). ``r2``
+    records the experts of the actor's first training-side pass (the old log-probs) and
+    replays them in the updates: the ratio compares the same experts in every epoch, but
+    the rollout's choices may still differ. ``none`` lets each pass choose.
+    moe/routing_mismatch_frac reports, under none and r2, how often the old-log-prob pass
+    chose other experts than the rollout. Both replays need rollout.recompute_logprobs."""
     release_inference_weights: bool = True
     """Free the inference model's weights (the actor at the rollout layout) after each
     generation: the next reshard rewrites all of them, so nothing is copied; the actor's

@@ -19,15 +19,19 @@ from megarlhf.parallel.gather import gather_objects
 def model_forward(model, batch: dict, positions: slice | None = None):
     """``model`` on one micro-batch, its outputs (logits or values) at sequence
     ``positions`` only (all when None; see ``models.gpt.RoleModel``). A mixture of experts
-    routes as the batch says: ``routing`` is replayed, ``rollout_routing`` compared with
-    the experts this pass chooses (``models.moe``)."""
+    routes as the batch says: ``routing`` is replayed; otherwise the experts this pass
+    chooses are compared with ``rollout_routing`` and, with ``routing_rows`` (the batch's
+    row indices), kept (``models.moe``)."""
     with cpu_backend.suspended():
-        if "rollout_routing" in batch:
+        if "rollout_routing" in batch or "routing_rows" in batch:
             with moe.recording(model) as got:
                 out = model(batch["tokens"], batch["position_ids"],
                             batch.get("attention_mask"), positions=positions)
-                moe.count_mismatch(got(), batch["rollout_routing"],
-                                   batch["rollout_routing_mask"])
+                if "rollout_routing" in batch:
+                    moe.count_mismatch(got(), batch["rollout_routing"],
+                                       batch["rollout_routing_mask"])
+                if "routing_rows" in batch:
+                    moe.keep_routing(batch["routing_rows"], got())
             return out
         with moe.replaying(model, batch.get("routing")):
             return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),

@@ -183,6 +183,34 @@ def routing_of(recorded: dict, B: int, S: int, num_layers: int, k: int) -> torch
     return out
 
 
+_KEPT: list[tuple[torch.Tensor, dict]] = []  # (rows, recorded) of the passes since the take
+
+
+def keep_routing(rows: torch.Tensor, recorded: dict) -> None:
+    """Keep one pass's choices (:func:`recording`'s ``{layer: (S * b, k)}``; ``rows``: the
+    ``b`` batch rows it fed, repeats allowed) for :func:`take_routing`."""
+    _KEPT.append((rows.cpu(), {layer: idx.detach().cpu() for layer, idx in recorded.items()}))
+
+
+def take_routing(B: int, num_layers: int, S: int, k: int, layout) -> torch.Tensor:
+    """``(B, L, S, k)`` int16: the experts the passes kept since the last call chose for
+    every row, position and MoE layer (dense layers: see :func:`unrouted`), on every rank
+    of ``layout`` (a RankLayout: each pipeline stage kept its own layers and each
+    data-parallel replica its own rows; every rank of the layout calls it); then cleared."""
+    import torch.distributed as dist
+
+    out = torch.full((B, num_layers, S, k), -1, dtype=torch.int32)
+    for rows, recorded in _KEPT:
+        for layer, idx in recorded.items():
+            out[rows, layer] = idx.reshape(S, rows.numel(), k).permute(1, 0, 2).to(torch.int32)
+    _KEPT.clear()
+    for size, group in ((layout.pp, layout.pp_group), (layout.dp, layout.dp_group)):
+        if size > 1:  # one rank of the group set each entry; the others hold -1
+            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return torch.where(out < 0, unrouted(B, num_layers, S, k).to(torch.int32), out) \
+        .to(torch.int16)
+
+
 def same_experts(a_BLSK: torch.Tensor, b_BLSK: torch.Tensor) -> torch.Tensor:
     """``(B, L, S)`` bool: the two routings chose the same set of experts (order aside)."""
     return (a_BLSK.sort(dim=-1).values == b_BLSK.sort(dim=-1).values).all(dim=-1)

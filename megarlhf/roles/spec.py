@@ -249,9 +249,10 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
         raise ConfigError(f"rollout.routing_replay={cfg.rollout.routing_replay} has no effect: "
                           "the actor is dense (its model.moe.num_experts is 0)")
     if cfg.rollout.routing_replay != "none" and not cfg.rollout.recompute_logprobs:
-        raise ConfigError("rollout.routing_replay=r3 replays the rollout's experts in the "
-                          "actor's passes; with rollout.recompute_logprobs=false only the "
-                          "updates pass: set it true")
+        raise ConfigError(f"rollout.routing_replay={cfg.rollout.routing_replay} replays "
+                          "experts chosen before the updates in the actor's training-side "
+                          "passes; with rollout.recompute_logprobs=false the updates are "
+                          "the only such passes: set it true")
 
     ref_ckpt = roles.reference.checkpoint or actor_ckpt
     saved = read(ref_ckpt, ("policy", "actor", "reference"), "roles.reference.checkpoint")

@@ -61,9 +61,11 @@ class ExperienceMaker:
         # critic score the batch
         ref_lp = self.scorer.reference_logprobs(gen)
         rollout_lp = gen.logprobs_BT * mask
+        routing = None  # the experts the updates replay (rollout.routing_replay r2 / r3)
         if self.cfg.rollout.recompute_logprobs:
-            old_lp = self.scorer.actor_logprobs(gen) * mask
-            if gen.routing_BLSK is not None and self.cfg.rollout.routing_replay == "none":
+            actor_lp, routing = self.scorer.actor_logprobs(gen)
+            old_lp = actor_lp * mask
+            if gen.routing_BLSK is not None and self.cfg.rollout.routing_replay != "r3":
                 metrics.update(moe.take_mismatch(self.scorer.actor.layout))
         else:
             old_lp = rollout_lp.clone()
@@ -95,8 +97,7 @@ class ExperienceMaker:
                 rollout_logprobs_BT=rollout_lp, old_logprobs_BT=old_lp, ref_logprobs_BT=ref_lp,
                 values_BT=values, scores_B=scores, policy_mask_BT=policy_mask,
                 is_weights_BT=is_weights,
-                routing_BLSK=gen.routing_BLSK if self.cfg.rollout.routing_replay == "r3"
-                else None, **targets)
+                routing_BLSK=routing, **targets)
         # 6. what it was
         metrics.update(rollout_metrics(exp, gen, has_stop, short, rollout_lp, old_lp,
                                        self.scorer.ref_cache))

@@ -21,6 +21,7 @@ from megarlhf.engine.forward import forward_rows, stack_results
 from megarlhf.roles.offload import Offloader
 from megarlhf.roles.build import Role
 from megarlhf.engine.steps import make_sequence_step
+from megarlhf.models import moe
 from megarlhf.parallel import cpu_backend
 from megarlhf.rollout.generate import Generation
 from megarlhf.rollout.sampling import decode_sample, gen_sequence
@@ -97,8 +98,8 @@ def sequence_batch_fn(gen: Generation, pad_id: int, routing: str | None = None
     """Row indices -> one prompt+response micro-batch (attention mask for the left padding,
     position ids counting real tokens), every batch the full width P + T. ``routing`` (a
     mixture of experts' pass over the rollout's routing): ``"replay"`` routes every token
-    to the experts the rollout chose, ``"compare"`` counts the tokens routed otherwise
-    (``models.moe``)."""
+    to the experts the rollout chose, ``"compare"`` counts the tokens routed otherwise, and
+    ``"record"`` counts them and keeps the pass's own choices (``models.moe``)."""
 
     def make_batch(rows: list[int]) -> dict:
         idx = torch.tensor(rows)
@@ -107,9 +108,11 @@ def sequence_batch_fn(gen: Generation, pad_id: int, routing: str | None = None
                                       pad_id)
         if routing == "replay":
             batch["routing"] = gen.routing_BLSK[idx]
-        elif routing == "compare":
+        elif routing in ("compare", "record"):
             batch["rollout_routing"] = gen.routing_BLSK[idx]
             batch["rollout_routing_mask"] = fed_tokens(gen)[idx]
+        if routing == "record":
+            batch["routing_rows"] = idx
         return batch
 
     return make_batch
@@ -192,15 +195,23 @@ class Scorer:
         return forward_rows(role, rows, sequence_batch_fn(gen, self.pad_id, routing), step,
                             micro_batch_size=self.micro_batch_size)
 
-    def actor_logprobs(self, gen: Generation) -> torch.Tensor:
-        """(B, T) the actor's log-probs at its training layout. A mixture of experts
-        replays the rollout's routing (``rollout.routing_replay=r3``) or counts the tokens
-        it routes otherwise (``models.moe.take_mismatch``)."""
+    def actor_logprobs(self, gen: Generation) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T) the actor's log-probs at its training layout, and the routing its updates
+        replay. A mixture of experts replays the rollout's routing in this pass and the
+        updates (``rollout.routing_replay=r3``); otherwise it counts the tokens this pass
+        routes otherwise than the rollout (``models.moe.take_mismatch``), and under ``r2``
+        keeps this pass's routing for the updates. Dense or ``none``: no routing."""
         rows = list(range(gen.response_tokens_BT.shape[0]))
+        replay = self.cfg.rollout.routing_replay
         routing = None
         if gen.routing_BLSK is not None:
-            routing = "replay" if self.cfg.rollout.routing_replay == "r3" else "compare"
-        return stack_results(self.score(self.actor, gen, rows, routing), "logprobs")
+            routing = {"r3": "replay", "r2": "record"}.get(replay, "compare")
+        logprobs = stack_results(self.score(self.actor, gen, rows, routing), "logprobs")
+        if routing == "replay":
+            return logprobs, gen.routing_BLSK
+        if routing == "record":
+            return logprobs, moe.take_routing(*gen.routing_BLSK.shape, self.actor.layout)
+        return logprobs, None
 
     def values(self, gen: Generation) -> torch.Tensor:
         """(B, T) the critic's values of the states before each response token."""

@@ -48,8 +48,8 @@ from megarlhf.stages.common import check_writable, print0, progress, run_dir
 @cpu_backend.suspended()  # batch arithmetic: no megatron code
 def experience_batches(exp: algos.Experience, micro: int, pad_id: int,
                        routing: bool = False) -> list[dict]:
-    """Micro-batches of ``exp``; ``routing``: with the rollout's expert choices to replay
-    (the actor's, under ``rollout.routing_replay=r3``)."""
+    """Micro-batches of ``exp``; ``routing``: with the expert choices to replay (the
+    actor's, under ``rollout.routing_replay`` r2 or r3)."""
     out = []
     for mb in exp.micro_batches(micro):
         batch = prompt_response_batch(mb.prompt_tokens_BP, mb.prompt_mask_BP,
@@ -60,7 +60,7 @@ def experience_batches(exp: algos.Experience, micro: int, pad_id: int,
                       "rollout_logprobs": mb.rollout_logprobs_BT,
                       "ref_logprobs": mb.ref_logprobs_BT, "advantages": mb.advantages_BT,
                       "old_values": mb.values_BT, "returns": mb.returns_BT})
-        if routing and mb.routing_BLSK is not None:  # the rollout's experts (r3)
+        if routing and mb.routing_BLSK is not None:  # the experts to replay (r2 / r3)
             batch["routing"] = mb.routing_BLSK
         out.append(batch)
     return out

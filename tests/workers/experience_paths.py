@@ -60,7 +60,7 @@ def case(name, tp, pp, rollout_tp, results, offload_variants=(True,)):
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (layout.dp_rank, layout.tp_rank, layout.pp_rank, full))
         # the actor's own pass over the batch, again: what the old log-probs must be
-        recomputed = scorer.actor_logprobs(gen) * exp.response_mask_BT
+        recomputed = scorer.actor_logprobs(gen)[0] * exp.response_mask_BT
         out[variant] = {"experience": gathered, "metrics": metrics, "metrics2": metrics2,
                         "ref_equal_on_hit": torch.equal(exp.ref_logprobs_BT, exp2.ref_logprobs_BT),
                         "old_is_recomputed": torch.equal(exp.old_logprobs_BT, recomputed),
