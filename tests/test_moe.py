@@ -187,6 +187,19 @@ def test_the_routers_losses_equal_their_formulas(tmp_path):
     assert torch.allclose(got["grad"], got["want_grad"], rtol=1e-5, atol=1e-9)
 
 
+def test_the_dropped_fraction_counts_what_the_capacity_turns_away(tmp_path):
+    """With model.moe.capacity_factor, moe/dropped_frac (per layer and over the layers) is
+    the count written out in tests/workers/moe_drops.py, in training-mode passes only."""
+    import torch
+
+    from conftest import WORKERS
+    torchrun(os.path.join(WORKERS, "moe_drops.py"), 1, str(tmp_path))
+    got = torch.load(tmp_path / "drops.pt")
+    assert "moe/dropped_frac" not in got["quiet"]
+    assert got["want"]["moe/dropped_frac"] > 0.05  # the capacity bites
+    assert got["logged"] == pytest.approx(got["want"], abs=1e-12)
+
+
 def test_load_imbalance_counts_the_fed_tokens():
     """The busiest expert over the mean, per MoE layer, over the tokens the rollout fed."""
     import torch

@@ -73,6 +73,34 @@ def prepare_megatron() -> None:
         parallel_state._set_global_memory_buffer()
 
 
+_DROPS: dict[int, list[int]] = {}  # layer -> [dropped, routed] (token, expert) choices
+
+
+def drop_counting_router():
+    """megatron's ``TopKRouter`` counting, in training passes, the (token, expert) choices
+    its capacity limit (``model.moe.capacity_factor``) drops, for :func:`take_losses`;
+    used in the block spec only when a capacity is set."""
+    global _DropCountingRouter
+    if _DropCountingRouter is None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        class DropCountingRouter(TopKRouter):
+            def routing(self, logits, padding_mask=None):
+                probs, routing_map = super().routing(logits, padding_mask)
+                if self.training and self.config.moe_expert_capacity_factor is not None:
+                    routed = logits.numel() // self.config.num_moe_experts * self.topk
+                    counts = _DROPS.setdefault(self.layer_number - 1, [0, 0])
+                    counts[0] += routed - int(routing_map.sum())
+                    counts[1] += routed
+                return probs, routing_map
+
+        _DropCountingRouter = DropCountingRouter
+    return _DropCountingRouter
+
+
+_DropCountingRouter = None
+
+
 # megatron's names for the routers' auxiliary losses -> megarlhf's metrics
 LOSS_METRICS = {"load_balancing_loss": "moe/aux_loss", "z_loss": "moe/z_loss"}
 
@@ -81,8 +109,10 @@ def take_losses(model: ModelConfig, layout, micro_batches: int) -> dict[str, flo
     """The auxiliary losses megatron's routers recorded in the training passes since the
     last call (its layer-wise tracker, which is then cleared), as metrics: ``moe/aux_loss``
     and ``moe/z_loss``, each without its coefficient, averaged over the MoE layers, the
-    ``micro_batches`` and the data-parallel ranks (``layout``: a RankLayout). Every rank of
-    the layout calls it (the sums over pipeline stages and replicas are collectives)."""
+    ``micro_batches`` and the data-parallel ranks (``layout``: a RankLayout); with a
+    capacity, the fraction of expert choices dropped (``moe/dropped_frac``, and per layer).
+    Every rank of the layout calls it (the sums over pipeline stages and replicas are
+    collectives)."""
     if not model.moe.enabled:
         return {}
     import torch.distributed as dist
@@ -104,6 +134,28 @@ def take_losses(model: ModelConfig, layout, micro_batches: int) -> dict[str, flo
             values /= layout.dp
         out[LOSS_METRICS[name]] = float(values.sum()) / (moe_layers * max(micro_batches, 1))
     clear_aux_losses_tracker()
+    if model.moe.capacity_factor is not None:
+        out.update(_take_drops(model, layout))
+    return out
+
+
+def _take_drops(model: ModelConfig, layout) -> dict[str, float]:
+    """``moe/dropped_frac[/layer<i>]``: the (token, expert) choices the capacity limit
+    dropped over those made, per MoE layer and over all, summed over stages and replicas."""
+    import torch.distributed as dist
+
+    counts = torch.zeros(model.num_layers, 2, dtype=torch.float64)
+    for layer, (dropped, routed) in _DROPS.items():
+        counts[layer] += torch.tensor([dropped, routed], dtype=torch.float64)
+    _DROPS.clear()
+    for size, group in ((layout.pp, layout.pp_group), (layout.dp, layout.dp_group)):
+        if size > 1:
+            dist.all_reduce(counts, group=group)
+    out = {f"moe/dropped_frac/layer{layer}": float(counts[layer, 0] / counts[layer, 1])
+           for layer in range(model.moe.first_k_dense, model.num_layers) if counts[layer, 1]}
+    total = counts.sum(dim=0)
+    if total[1]:
+        out["moe/dropped_frac"] = float(total[0] / total[1])
     return out
 
 

@@ -18,6 +18,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megarlhf import speedups
 from megarlhf.config import ModelConfig
+from megarlhf.models import moe
 from megarlhf.speedups import linears
 
 
@@ -162,6 +163,10 @@ def block_spec(model: ModelConfig, config, *, vp_stage: int | None, pp_rank: int
             spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
             if speedups.enabled("linears"):
                 linears.use_in_spec(spec)
+    if model.moe.capacity_factor is not None:  # moe/dropped_frac
+        for spec in block.layer_specs:
+            if hasattr(spec.submodules.mlp.submodules, "router"):
+                spec.submodules.mlp.submodules.router = moe.drop_counting_router()
     return block
 
 
