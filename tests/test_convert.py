@@ -22,9 +22,9 @@ FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gpt2": "g
             "llama3": "llama", "llama_linear": "llama", "qwen3": "qwen3",
             "mistral_nemo": "mistral", "qwen3_yarn": "qwen3", "llama3_rm": "llama",
             "qwen3_rm": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
-            "qwen3_moe_rm": "qwen3_moe"}
+            "qwen3_moe_rm": "qwen3_moe", "deepseek_v3": "deepseek_v3"}
 # Mixtures of experts (4 experts, top 2): also at EP=2 (tests/workers/converted_models.py).
-MOE_ARCHS = [a for a, t in FAMILIES.items() if t in ("qwen3_moe", "mixtral")]
+MOE_ARCHS = [a for a, t in FAMILIES.items() if t in ("qwen3_moe", "mixtral", "deepseek_v3")]
 ARCHS = list(FAMILIES)
 LM_ARCHS = [a for a in ARCHS if not a.endswith("_rm")]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -101,6 +101,21 @@ def make_hf(arch, path):
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **{**common, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2,
             sliding_window=None))
+    elif arch == "deepseek_v3":
+        # multi-latent attention (query and key/value latents, a rotary part per head); a
+        # dense first layer, then 4 experts in 2 groups (a token's 2 experts from its best
+        # group), sigmoid scores, a shared expert, a scaling factor, and an expert bias
+        # that changes the choice (transformers initialises it to zero)
+        config = transformers.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=16,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=48,
+            n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+            norm_topk_prob=True)
+        model = transformers.DeepseekV3ForCausalLM(config)
+        with torch.no_grad():
+            for layer in model.model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.05)
     else:  # Mistral-Nemo's head size of its own, no sliding window
         model = transformers.MistralForCausalLM(transformers.MistralConfig(
             **common, head_dim=32, sliding_window=None))

@@ -53,7 +53,7 @@ def _opened(path: str):
 class ShardReader:
     """Lazy access to (possibly sharded) safetensors; records which keys were read."""
 
-    def __init__(self, hf_dir: str):
+    def __init__(self, hf_dir: str, skip=lambda key: False):
         index = os.path.join(hf_dir, "model.safetensors.index.json")
         single = os.path.join(hf_dir, "model.safetensors")
         if os.path.exists(index):
@@ -68,6 +68,7 @@ class ShardReader:
             if not os.path.exists(os.path.join(hf_dir, shard)):
                 raise FileNotFoundError(f"{hf_dir}: shard {shard} listed in the index is missing")
         self.dir, self.weight_map, self.used = hf_dir, weight_map, set()
+        self.skipped = sorted(k for k in weight_map if skip(k))  # never read
         self._open = {}
         self.last_file = None  # the file of the tensor read last (named in shape errors)
 
@@ -110,8 +111,9 @@ class ShardReader:
         return torch.empty(part.get_shape(), dtype=_DTYPES[part.get_dtype()], device="meta")
 
     def unused(self) -> list[str]:
-        return sorted(k for k in self.weight_map
-                      if k not in self.used and not k.endswith(IGNORED_SUFFIXES))
+        skipped = set(self.skipped)
+        return sorted(k for k in self.weight_map if k not in self.used and k not in skipped
+                      and not k.endswith(IGNORED_SUFFIXES))
 
 
 def non_finite(tensor: torch.Tensor, chunk: int = 1 << 22) -> int:
@@ -183,7 +185,7 @@ def _convert(hf_dir: str, out: str, final: str, tp: int, pp: int, role: str,
     from megarlhf.models.gpt import build_model, initial_value
     from megarlhf.parallel.layout import build_layout
     from megarlhf.models.hf_mapping import (
-        ConversionError, layer_sources, model_overrides, outer_sources)
+        ConversionError, extra_layers, layer_sources, model_overrides, outer_sources)
     from megarlhf.parallel.launch import init_distributed, shutdown
 
     config_path = os.path.join(hf_dir, "config.json")
@@ -199,7 +201,7 @@ def _convert(hf_dir: str, out: str, final: str, tp: int, pp: int, role: str,
     except ConversionError as err:
         raise ConversionError(f"{config_path}: {err}") from None
     kind = "lm" if role == "actor" else "value"
-    reader = ShardReader(hf_dir)
+    reader = ShardReader(hf_dir, skip=extra_layers(hf))
     if dtype == "auto":  # the checkpoint's own: bf16 in, bf16 out
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -297,6 +299,9 @@ def _convert(hf_dir: str, out: str, final: str, tp: int, pp: int, role: str,
                 "layout": f"TP={tp} PP={pp}" + (f" EP={ep}" if ep > 1 else ""),
                 "checkpoint": os.path.join(final, os.path.relpath(path, out)),
                 "files": ["config.yaml", *tokenizer_files],
+                **({"not converted": f"{len(reader.skipped)} tensors of the layers after "
+                    f"num_hidden_layers={model['num_layers']} (multi-token prediction)"}
+                   if reader.skipped else {}),
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     finally:
         shutdown()

@@ -6,7 +6,7 @@ from megarlhf.config.layout import Layout
 from megarlhf.config.loader import (
     ALIASES, ConfigError, Loaded, config_from_dict, dump_config, load_config, overlay,
     parse_overrides, read_config, section_from_dict)
-from megarlhf.config.model import (FP8Config, ModelConfig, MoEConfig, RopeScalingConfig,
+from megarlhf.config.model import (FP8Config, MLAConfig, ModelConfig, MoEConfig, RopeScalingConfig,
                                    padded_vocab_size)
 from megarlhf.config.parallel import ParallelConfig, RoleParallelConfig
 from megarlhf.config.ppo import PPOConfig, RolloutConfig
@@ -21,7 +21,7 @@ from megarlhf.config.written import Written
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "Layout", "DataConfig", "FP8Config", "LoggingConfig",
-    "ModelConfig", "MoEConfig", "RopeScalingConfig", "OptimizerConfig", "config_from_dict", "PPOConfig", "ParallelConfig", "RolloutConfig",
+    "MLAConfig", "ModelConfig", "MoEConfig", "RopeScalingConfig", "OptimizerConfig", "config_from_dict", "PPOConfig", "ParallelConfig", "RolloutConfig",
     "RunConfig", "TokenizerConfig", "TrainConfig", "dump_config", "load_config", "padded_vocab_size",
     "parse_overrides", "validate_layout", "RoleConfig", "RoleParallelConfig", "RolesConfig",
     "check_model_layout", "check_precision", "check_rollout_layout", "overlay",

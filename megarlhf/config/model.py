@@ -109,6 +109,15 @@ class MoEConfig:
     to every training loss and logged as moe/aux_loss."""
     z_loss_coeff: float = 0.0
     """Router z-loss coefficient (logged as moe/z_loss)."""
+    num_groups: int | None = None
+    """Group-limited routing (DeepSeek-V3's n_group): the experts fall into this many
+    groups, each scored by the sum of its top top_k / group_top_k scores, and a token
+    chooses its experts within its best group_top_k groups only; None: no groups."""
+    group_top_k: int | None = None
+    """Groups a token may route to (DeepSeek-V3's topk_group), with num_groups."""
+    router_fp32: bool = False
+    """Compute the router's logits and scores in float32 whatever params_dtype is
+    (DeepSeek-V3's gate does)."""
     capacity_factor: float | None = None
     """Tokens an expert takes per step, as a multiple of an even share; None: no limit
     (no token is dropped)."""
@@ -135,10 +144,64 @@ class MoEConfig:
         if self.capacity_factor is not None:
             require(self.capacity_factor > 0, "model.moe.capacity_factor",
                     self.capacity_factor, "must be > 0 or null")
+        if self.num_experts and self.score_function == "sigmoid":
+            require(self.normalize_top_k == (self.top_k > 1), "model.moe.normalize_top_k",
+                    self.normalize_top_k, f"must be {str(self.top_k > 1).lower()} with "
+                    f"score_function=sigmoid and top_k={self.top_k} (megatron's sigmoid "
+                    "router renormalises the chosen experts' scores exactly when top_k > 1)")
+        require((self.num_groups is None) == (self.group_top_k is None),
+                "model.moe.group_top_k", self.group_top_k,
+                f"must be set exactly when model.moe.num_groups is (it is {self.num_groups})")
+        if self.num_groups is not None and self.num_experts:
+            require(self.num_groups >= 1 and self.num_experts % self.num_groups == 0,
+                    "model.moe.num_groups", self.num_groups,
+                    f"must divide model.moe.num_experts={self.num_experts}")
+            require(1 <= self.group_top_k <= self.num_groups, "model.moe.group_top_k",
+                    self.group_top_k, f"must be between 1 and model.moe.num_groups="
+                    f"{self.num_groups}")
+            require(self.top_k % self.group_top_k == 0 and self.top_k // self.group_top_k
+                    <= self.num_experts // self.num_groups, "model.moe.top_k", self.top_k,
+                    f"must be a multiple of model.moe.group_top_k={self.group_top_k} whose "
+                    f"quotient fits in a group of {self.num_experts // self.num_groups} "
+                    "experts (each group is scored by its top top_k / group_top_k)")
 
     @property
     def enabled(self) -> bool:
         return self.num_experts > 0
+
+
+@dataclass(kw_only=True, frozen=True)
+class MLAConfig:
+    kv_lora_rank: int = 0
+    """Multi-latent attention (DeepSeek-V2/V3): keys and values are projected up from a
+    compressed latent of this width, shared by the heads; 0: standard attention (every
+    other field is then unused)."""
+    q_lora_rank: int | None = None
+    """Width of the queries' compressed latent; None: queries projected directly."""
+    qk_head_dim: int = 128
+    """Per head, the query/key width that carries no rotary embedding (qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: int = 64
+    """Per head, the query/key width that carries the rotary embedding (qk_rope_head_dim;
+    the key's part is shared by the heads)."""
+    v_head_dim: int = 128
+    """Per head, the value width."""
+
+    def __post_init__(self):
+        require(self.kv_lora_rank >= 0, "model.mla.kv_lora_rank", self.kv_lora_rank,
+                "must be >= 0 (0: standard attention)")
+        if self.q_lora_rank is not None:
+            require(self.q_lora_rank >= 1, "model.mla.q_lora_rank", self.q_lora_rank,
+                    "must be >= 1 or null")
+        for name in ("qk_head_dim", "v_head_dim"):
+            require(getattr(self, name) >= 1, f"model.mla.{name}", getattr(self, name),
+                    "must be >= 1")
+        require(self.qk_pos_emb_head_dim >= 2 and self.qk_pos_emb_head_dim % 2 == 0,
+                "model.mla.qk_pos_emb_head_dim", self.qk_pos_emb_head_dim,
+                "must be an even number >= 2")
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_lora_rank > 0
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -195,6 +258,8 @@ class ModelConfig:
     """fp8 settings (GPU with TransformerEngine only)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture of experts (llama only): routed experts in place of the dense MLP."""
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    """Multi-latent attention (llama only) in place of grouped-query attention."""
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads",
@@ -221,6 +286,21 @@ class ModelConfig:
             require(self.moe.first_k_dense < self.num_layers, "model.moe.first_k_dense",
                     self.moe.first_k_dense,
                     f"must be below model.num_layers={self.num_layers} (some layer must be MoE)")
+
+        if self.mla.enabled:
+            require(self.arch == "llama", "model.arch", self.arch,
+                    "must be llama for multi-latent attention (model.mla.kv_lora_rank > 0)")
+            for name, bad in (("num_query_groups", self.num_query_groups not in
+                               (None, self.num_attention_heads)),
+                              ("head_dim", self.head_dim is not None),
+                              ("qk_layernorm", self.qk_layernorm),
+                              ("add_qkv_bias", bool(self.add_qkv_bias))):
+                require(not bad, f"model.{name}", getattr(self, name),
+                        "is not used by multi-latent attention (model.mla.kv_lora_rank > 0): "
+                        "leave it unset")
+            require(self.rope_scaling.type in ("none", "yarn"), "model.rope_scaling.type",
+                    self.rope_scaling.type,
+                    "must be none or yarn with multi-latent attention")
 
     @property
     def expert_ffn_size(self) -> int:

@@ -130,6 +130,7 @@ def check_model_layout(where: str, model: ModelConfig, layout: Layout,
             f"{model.query_groups})")
     require(model.ffn_size % tp == 0, f"{where}.tensor_model_parallel_size", tp,
             f"must divide the MLP width {model.ffn_size} of {model_name}")
+    check_latent_split(f"{where}.tensor_model_parallel_size", tp, model, model_name)
     if vpp is not None:
         require(pp >= 2 and vpp >= 2, f"{where}.virtual_pipeline_model_parallel_size", vpp,
                 f"needs pipeline_model_parallel_size >= 2 (it is {pp}) and a value >= 2")
@@ -142,6 +143,23 @@ def check_model_layout(where: str, model: ModelConfig, layout: Layout,
                 f"must be a multiple of tensor x pipeline parallel size = {tp} x {pp} = "
                 f"{tp * pp} ({where})")
     check_expert_layout(where, model, layout, world_size, model_name)
+
+
+def check_latent_split(field: str, tp: int, model: ModelConfig, model_name: str) -> None:
+    """Multi-latent attention over ``tp`` ranks: megatron splits the down projections'
+    rows too (gathered after), and builds the direct query projection (no q_lora_rank)
+    on its global tensor-parallel group, which megarlhf's per-role groups do not set."""
+    mla = model.mla
+    if not mla.enabled or tp == 1:
+        return
+    require(mla.q_lora_rank is not None, field, tp,
+            f"must be 1 with {model_name}.mla.q_lora_rank=null (megatron-core builds that "
+            "query projection on its global tensor-parallel group)")
+    require(mla.q_lora_rank % tp == 0, field, tp,
+            f"must divide {model_name}.mla.q_lora_rank={mla.q_lora_rank}")
+    width = mla.kv_lora_rank + mla.qk_pos_emb_head_dim
+    require(width % tp == 0, field, tp,
+            f"must divide {model_name}.mla.kv_lora_rank + qk_pos_emb_head_dim = {width}")
 
 
 def check_expert_layout(where: str, model: ModelConfig, layout: Layout,
@@ -178,6 +196,7 @@ def check_rollout_layout(model: ModelConfig, rollout_tp: int, world_size: int) -
             and model.query_groups % rollout_tp == 0, "rollout.tensor_parallel_size",
             rollout_tp, f"must divide the actor's num_attention_heads="
             f"{model.num_attention_heads} and query groups {model.query_groups}")
+    check_latent_split("rollout.tensor_parallel_size", rollout_tp, model, "the actor's model")
 
 
 def validate_layout(cfg: Config, world_size: int) -> None:

@@ -14,7 +14,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megarlhf import speedups
 from megarlhf.config import Layout, ModelConfig, RopeScalingConfig
@@ -41,14 +41,17 @@ def transformer_config(model: ModelConfig, layout: Layout) -> TransformerConfig:
             num_layers_at_start_in_bf16=model.fp8.num_layers_at_start_in_bf16,
             num_layers_at_end_in_bf16=model.fp8.num_layers_at_end_in_bf16,
         )
-    config = TransformerConfig(
+    config_class, attention = TransformerConfig, {}
+    if model.mla.enabled:
+        config_class, attention = MLATransformerConfig, mla_fields(model)
+    config = config_class(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.query_groups,
         ffn_hidden_size=model.ffn_size,
-        kv_channels=model.head_size,
-        qk_layernorm=model.qk_layernorm,
+        **({} if model.mla.enabled else dict(kv_channels=model.head_size,
+                                             qk_layernorm=model.qk_layernorm)),
         normalization="RMSNorm" if model.arch == "llama" else "LayerNorm",
         layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=model.arch == "llama",
@@ -80,10 +83,31 @@ def transformer_config(model: ModelConfig, layout: Layout) -> TransformerConfig:
         transformer_impl="transformer_engine" if impl == "transformer_engine" else "local",
         **fp8,
         **moe.transformer_fields(model, layout),
+        **attention,
     )
-    if model.rope_scaling.type == "yarn":
+    if model.rope_scaling.type == "yarn" and not model.mla.enabled:
         _yarn(config, model.rope_scaling)
     return config
+
+
+def mla_fields(model: ModelConfig) -> dict:
+    """``MLATransformerConfig``'s own fields for ``model.mla`` (DeepSeek-V2/V3): the
+    latent and head widths, and the rotary embedding its attention builds for itself
+    (plain RoPE, or YaRN with DeepSeek's mscale). Its query and key latents are always
+    RMS-normalised (megatron's ``qk_layernorm`` there)."""
+    mla, scaling = model.mla, model.rope_scaling
+    yarn = scaling.type == "yarn"
+    return dict(
+        q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_head_dim, qk_pos_emb_head_dim=mla.qk_pos_emb_head_dim,
+        v_head_dim=mla.v_head_dim, kv_channels=mla.v_head_dim, qk_layernorm=True,
+        rope_type="yarn" if yarn else "rope", rotary_base=model.rotary_base,
+        rotary_percent=1.0, rotary_interleaved=False,
+        rotary_scaling_factor=scaling.factor if yarn else 1.0,
+        original_max_position_embeddings=scaling.original_max_position_embeddings,
+        beta_fast=scaling.beta_fast, beta_slow=scaling.beta_slow,
+        mscale=(scaling.mscale or 1.0) if yarn else 1.0,
+        mscale_all_dim=(scaling.mscale_all_dim or 0.0) if yarn else 0.0)
 
 
 def _yarn(config: TransformerConfig, scaling: RopeScalingConfig) -> None:
@@ -234,12 +258,13 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, layout:
     if model_cfg.vocab_size is None:
         raise ValueError("model.vocab_size is unset: set it or configure a tokenizer")
     tcfg = transformer_config(model_cfg, layout)
-    if model_cfg.moe.enabled:
+    if model_cfg.moe.enabled or model_cfg.mla.enabled:
         moe.prepare_megatron()
         spec = block_spec(model_cfg, tcfg, vp_stage=vp_stage, pp_rank=pg_collection.pp.rank())
     else:
         spec = layer_spec(model_cfg)
     if post_process and speedups.enabled("positions") and not model_cfg.moe.enabled \
+            and not model_cfg.mla.enabled \
             and cuts.mlp_cut_allowed(tcfg, spec):
         spec = cuts.block_spec(spec, tcfg, vp_stage=vp_stage, pp_rank=pg_collection.pp.rank())
     model = RoleModel(
@@ -253,8 +278,7 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, layout:
         post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=model_cfg.tied and kind == "lm",
-        position_embedding_type=("yarn" if model_cfg.rope_scaling.type == "yarn" else "rope")
-        if model_cfg.arch == "llama" else "learned_absolute",
+        position_embedding_type=_position_embedding(model_cfg),
         rotary_base=int(model_cfg.rotary_base),
         seq_len_interpolation_factor=(model_cfg.rope_scaling.factor
                                       if model_cfg.rope_scaling.type == "linear" else None),
@@ -263,6 +287,8 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, layout:
     )
     if model_cfg.rope_scaling.type == "llama3":
         _scale_llama3(model.rotary_pos_emb, model_cfg.rope_scaling)
+    if model_cfg.mla.enabled:
+        _gather_latents(model)
     if tcfg.params_dtype != torch.float32:
         # Without apex, megatron's local norms (torch.nn.RMSNorm / LayerNorm) are built in
         # fp32 whatever params_dtype says; megatron's own training loop casts the whole
@@ -270,6 +296,32 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, layout:
         # fp32 main copies assume (a mixed model breaks its state-dict mapping).
         model.to(tcfg.params_dtype)
     return model
+
+
+def _gather_latents(model) -> None:
+    """Multi-latent attention's down projections are split over TP by rows, and
+    megatron-core 0.16.1's MLA gathers their outputs on its global tensor-parallel group,
+    which megarlhf's per-role groups do not set (an error at TP > 1). Gathered by the
+    layers themselves on their own group, the outputs arrive whole and MLA skips its
+    gather. (MLA accepts only megatron's own classes there, so the layers' constructor
+    flag is set after construction.)"""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    for module in model.modules():
+        if isinstance(module, MLASelfAttention):
+            for proj in (getattr(module, "linear_q_down_proj", None),
+                         module.linear_kv_down_proj):
+                if isinstance(proj, ColumnParallelLinear):
+                    proj.gather_output = True
+
+
+def _position_embedding(model_cfg: ModelConfig) -> str:
+    if model_cfg.arch == "gpt2":
+        return "learned_absolute"
+    if model_cfg.mla.enabled:
+        return "none"  # multi-latent attention builds its own rotary embedding
+    return "yarn" if model_cfg.rope_scaling.type == "yarn" else "rope"
 
 
 def _scale_llama3(rope, scaling: RopeScalingConfig) -> None:

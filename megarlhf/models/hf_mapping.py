@@ -1,7 +1,7 @@
 """Hugging Face <-> megarlhf (megatron-core GPTModel, TP=1/PP=1/EP=1 names) weight mappings
 for the Llama family (Llama 2 and 3.x, Mistral and Mistral-Nemo head sizes, Qwen2/2.5, Qwen3
-dense), its mixtures of experts (Qwen3-MoE, Mixtral) and GPT-2, causal LM and
-``*ForSequenceClassification`` heads.
+dense), its mixtures of experts (Qwen3-MoE, Mixtral, and DeepSeek-V3 with its multi-latent
+attention) and GPT-2, causal LM and ``*ForSequenceClassification`` heads.
 
 Pure tensor code. HF -> megatron is a table of sources (:func:`layer_sources`,
 :func:`outer_sources`): each megatron tensor made from only the HF tensors it needs, so the
@@ -28,13 +28,21 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "chat_template.jinja")
 LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                "deepseek_v3": "DeepseekV3ForCausalLM"}
 # Where a mixture-of-experts family keeps its router and experts in a layer: (the MLP's
 # prefix, the router, an expert's gate, up and down projections).
 MOE_NAMES = {"qwen3_moe": ("mlp.", "gate.weight", "gate_proj.weight", "up_proj.weight",
                            "down_proj.weight"),
              "mixtral": ("block_sparse_moe.", "gate.weight", "w1.weight", "w3.weight",
-                         "w2.weight")}
+                         "w2.weight"),
+             "deepseek_v3": ("mlp.", "gate.weight", "gate_proj.weight", "up_proj.weight",
+                             "down_proj.weight")}
+# DeepSeek-V3's multi-latent attention: megatron's name -> HF's (in ``self_attn.``).
+MLA_NAMES = {"linear_q_down_proj": "q_a_proj", "q_layernorm": "q_a_layernorm",
+             "linear_q_up_proj": "q_b_proj", "linear_q_proj": "q_proj",
+             "linear_kv_down_proj": "kv_a_proj_with_mqa", "kv_layernorm": "kv_a_layernorm",
+             "linear_kv_up_proj": "kv_b_proj", "linear_proj": "o_proj"}
 SUPPORTED = sorted(list(LLAMA_FAMILY) + ["gpt2"])
 
 
@@ -67,6 +75,16 @@ def model_overrides(hf: dict) -> dict:
     refuse_unsupported(hf)
     heads = need(hf, "num_attention_heads")
     hidden = need(hf, "hidden_size")
+    if model_type == "deepseek_v3":
+        return dict(arch="llama", num_layers=need(hf, "num_hidden_layers"), hidden_size=hidden,
+                    num_attention_heads=heads, num_query_groups=None, head_dim=None,
+                    qk_layernorm=False, ffn_hidden_size=need(hf, "intermediate_size"),
+                    **moe_overrides(hf), mla=mla_overrides(hf),
+                    max_position_embeddings=hf.get("max_position_embeddings", 4096),
+                    **rope_overrides(hf), vocab_size=need(hf, "vocab_size"),
+                    norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+                    tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                    add_qkv_bias=False)
     head_dim = hf.get("head_dim")
     return dict(arch="llama", num_layers=need(hf, "num_hidden_layers"), hidden_size=hidden,
                 num_attention_heads=heads,
@@ -88,6 +106,8 @@ def moe_overrides(hf: dict) -> dict:
     if model_type not in MOE_NAMES:
         return {}
     layers = need(hf, "num_hidden_layers")
+    if model_type == "deepseek_v3":
+        return {"moe": deepseek_moe(hf, layers)}
     if model_type == "mixtral":
         if hf.get("router_jitter_noise"):
             raise ConversionError(f"config.json router_jitter_noise="
@@ -114,6 +134,71 @@ def moe_overrides(hf: dict) -> dict:
                     "normalize_top_k": bool(hf.get("norm_topk_prob", False)),
                     "first_k_dense": len(dense),
                     "aux_loss_coeff": float(hf.get("router_aux_loss_coef") or 0.0)}}
+
+
+def deepseek_moe(hf: dict, layers: int) -> dict:
+    """``model.moe`` of a DeepSeek-V3 config.json: sigmoid scores with the expert bias
+    choosing (e_score_correction_bias), group-limited choice, shared experts, dense first
+    layers, the router in float32. What megatron's router computes otherwise is refused."""
+    experts, top_k = need(hf, "n_routed_experts"), need(hf, "num_experts_per_tok")
+    groups, group_top_k = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    for key, wanted in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if hf.get(key, wanted) != wanted:
+            raise ConversionError(f"config.json {key}={hf[key]!r} is not supported "
+                                  f"({wanted} only)")
+    if groups > 1 and top_k != 2 * group_top_k:
+        raise ConversionError(
+            f"config.json num_experts_per_tok={top_k} with topk_group={group_top_k} is not "
+            "supported: transformers scores an expert group by the sum of its top 2, "
+            "megatron by its top num_experts_per_tok / topk_group; they agree only when "
+            "that is 2")
+    if bool(hf.get("norm_topk_prob", True)) != (top_k > 1):
+        raise ConversionError(f"config.json norm_topk_prob={hf.get('norm_topk_prob')} with "
+                              f"num_experts_per_tok={top_k} is not supported: megatron's "
+                              "sigmoid router renormalises exactly when it chooses > 1 expert")
+    dense = hf.get("first_k_dense_replace") or 0
+    if dense >= layers:
+        raise ConversionError(f"config.json first_k_dense_replace={dense} leaves no "
+                              "mixture-of-experts layer")
+    width = need(hf, "moe_intermediate_size")
+    scaling = float(hf.get("routed_scaling_factor") or 1.0)
+    return {"num_experts": experts, "top_k": top_k, "ffn_hidden_size": width,
+            "shared_expert_ffn_hidden_size": width * (hf.get("n_shared_experts") or 0),
+            "score_function": "sigmoid", "normalize_top_k": top_k > 1,
+            "top_k_scaling_factor": None if scaling == 1.0 else scaling,
+            "expert_bias": True, "first_k_dense": dense, "router_fp32": True,
+            "num_groups": groups if groups > 1 else None,
+            "group_top_k": group_top_k if groups > 1 else None,
+            "aux_loss_coeff": 0.0}
+
+
+def mla_overrides(hf: dict) -> dict:
+    """``model.mla`` of a DeepSeek-V3 config.json. Its rotary part must be interleaved
+    (the default; megatron's MLA de-interleaves), its weights unquantised."""
+    if hf.get("rope_interleave", True) is not True:
+        raise ConversionError("config.json rope_interleave=false is not supported "
+                              "(megatron's multi-latent attention rotates interleaved pairs)")
+    if hf.get("quantization_config"):
+        kind = (hf["quantization_config"] or {}).get("quant_method", "?")
+        raise ConversionError(f"config.json quantization_config ({kind}) is not supported: "
+                              "dequantise the checkpoint to bfloat16 first")
+    return {"kv_lora_rank": need(hf, "kv_lora_rank"), "q_lora_rank": hf.get("q_lora_rank"),
+            "qk_head_dim": need(hf, "qk_nope_head_dim"),
+            "qk_pos_emb_head_dim": need(hf, "qk_rope_head_dim"),
+            "v_head_dim": need(hf, "v_head_dim")}
+
+
+def extra_layers(hf: dict) -> Callable[[str], bool]:
+    """HF keys that are not converted: DeepSeek-V3's multi-token-prediction layers (after
+    the last decoder layer; RL training does not use them)."""
+    if hf.get("model_type") != "deepseek_v3":
+        return lambda key: False
+    layers = hf.get("num_hidden_layers") or 0
+
+    def extra(key: str) -> bool:
+        parts = key.split(".")
+        return key.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= layers
+    return extra
 
 
 def _moe(m: dict) -> dict:
@@ -305,10 +390,16 @@ def layer_sources(model_type: str, i: int, m: dict) -> dict[str, Source]:
 
     sources = {
         out + "input_layernorm.weight": checked(p + "input_layernorm.weight", (h,)),
-        out + "self_attention.linear_qkv.weight": qkv("weight"),
-        out + "self_attention.linear_proj.weight": checked(a + "o_proj.weight", (h, heads * hd)),
         out + "pre_mlp_layernorm.weight": checked(p + "post_attention_layernorm.weight", (h,)),
     }
+    if _mla(m):
+        for name, (hf_name, shape) in _mla_shapes(m).items():
+            sources[out + f"self_attention.{name}.weight"] = checked(a + hf_name + ".weight",
+                                                                   shape)
+    else:
+        sources[out + "self_attention.linear_qkv.weight"] = qkv("weight")
+        sources[out + "self_attention.linear_proj.weight"] = checked(a + "o_proj.weight",
+                                                                     (h, heads * hd))
     if _is_moe_layer(m, i):
         moe = _moe(m)
         width = moe.get("ffn_hidden_size") or ffn
@@ -318,6 +409,15 @@ def layer_sources(model_type: str, i: int, m: dict) -> dict[str, Source]:
             e, x = f"{p}{mlp}experts.{j}.", f"{out}mlp.experts.local_experts.{j}."
             sources[x + "linear_fc1.weight"] = gated(e + gate, e + up, width)
             sources[x + "linear_fc2.weight"] = checked(e + down, (h, width))
+        if model_type == "deepseek_v3":  # the bias that chooses; shared experts
+            sources[out + "mlp.router.expert_bias"] = checked(
+                p + mlp + "gate.e_score_correction_bias", (moe["num_experts"],))
+            shared = moe.get("shared_expert_ffn_hidden_size") or 0
+            if shared:
+                e, x = f"{p}{mlp}shared_experts.", f"{out}mlp.shared_experts."
+                sources[x + "linear_fc1.weight"] = gated(e + "gate_proj.weight",
+                                                         e + "up_proj.weight", shared)
+                sources[x + "linear_fc2.weight"] = checked(e + "down_proj.weight", (h, shared))
     else:
         sources[out + "mlp.linear_fc1.weight"] = gated(p + "mlp.gate_proj.weight",
                                                        p + "mlp.up_proj.weight", ffn)
@@ -328,6 +428,29 @@ def layer_sources(model_type: str, i: int, m: dict) -> dict[str, Source]:
     if model_type == "qwen2":
         sources[out + "self_attention.linear_qkv.bias"] = qkv("bias")
     return sources
+
+
+def _mla(m: dict) -> dict:
+    """``m``'s ``mla`` section (empty for standard attention)."""
+    mla = m.get("mla") or {}
+    return mla if mla.get("kv_lora_rank") else {}
+
+
+def _mla_shapes(m: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Multi-latent attention: megatron's projection/norm name -> (HF's, TP=1 shape)."""
+    mla, h, heads = _mla(m), m["hidden_size"], m["num_attention_heads"]
+    q_head = mla["qk_head_dim"] + mla["qk_pos_emb_head_dim"]
+    q_lora, kv_lora = mla.get("q_lora_rank"), mla["kv_lora_rank"]
+    shapes = {"linear_kv_down_proj": (kv_lora + mla["qk_pos_emb_head_dim"], h),
+              "kv_layernorm": (kv_lora,),
+              "linear_kv_up_proj": (heads * (mla["qk_head_dim"] + mla["v_head_dim"]), kv_lora),
+              "linear_proj": (h, heads * mla["v_head_dim"])}
+    if q_lora:
+        shapes.update(linear_q_down_proj=(q_lora, h), q_layernorm=(q_lora,),
+                      linear_q_up_proj=(heads * q_head, q_lora))
+    else:
+        shapes["linear_q_proj"] = (heads * q_head, h)
+    return {name: (MLA_NAMES[name], shape) for name, shape in shapes.items()}
 
 
 def outer_sources(model_type: str, m: dict, has: Callable[[str], bool], role: str
@@ -408,13 +531,17 @@ def hf_layer_tensors(model_type: str, m: dict, i: int, sd: dict[str, torch.Tenso
         return {k: v.contiguous() for k, v in out.items()}
     p = f"model.layers.{i}."
     a = p + "self_attn."
-    q, k, v = _split_qkv(sd[s + "self_attention.linear_qkv.weight"], heads, groups, hd)
     out.update({
         p + "input_layernorm.weight": sd[s + "input_layernorm.weight"],
-        a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v,
-        a + "o_proj.weight": sd[s + "self_attention.linear_proj.weight"],
         p + "post_attention_layernorm.weight": sd[s + "pre_mlp_layernorm.weight"],
     })
+    if _mla(m):
+        for name, (hf_name, _) in _mla_shapes(m).items():
+            out[a + hf_name + ".weight"] = sd[s + f"self_attention.{name}.weight"]
+    else:
+        q, k, v = _split_qkv(sd[s + "self_attention.linear_qkv.weight"], heads, groups, hd)
+        out.update({a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v,
+                    a + "o_proj.weight": sd[s + "self_attention.linear_proj.weight"]})
     if _is_moe_layer(m, i):
         mlp, router, gate_name, up_name, down_name = MOE_NAMES[model_type]
         out[p + mlp + router] = sd[s + "mlp.router.weight"]
@@ -423,6 +550,13 @@ def hf_layer_tensors(model_type: str, m: dict, i: int, sd: dict[str, torch.Tenso
             gate, up = sd[x + "linear_fc1.weight"].chunk(2, dim=0)
             out.update({e + gate_name: gate, e + up_name: up,
                         e + down_name: sd[x + "linear_fc2.weight"]})
+        if model_type == "deepseek_v3":
+            out[p + mlp + "gate.e_score_correction_bias"] = sd[s + "mlp.router.expert_bias"]
+            if _moe(m).get("shared_expert_ffn_hidden_size"):
+                e, x = f"{p}{mlp}shared_experts.", f"{s}mlp.shared_experts."
+                gate, up = sd[x + "linear_fc1.weight"].chunk(2, dim=0)
+                out.update({e + "gate_proj.weight": gate, e + "up_proj.weight": up,
+                            e + "down_proj.weight": sd[x + "linear_fc2.weight"]})
     else:
         gate, up = sd[s + "mlp.linear_fc1.weight"].chunk(2, dim=0)
         out.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,

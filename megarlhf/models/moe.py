@@ -39,6 +39,9 @@ def transformer_fields(model: ModelConfig, layout: Layout) -> dict:
         # softmax over all experts comes first ("pre-softmax").
         moe_router_pre_softmax=moe.score_function == "softmax" and not moe.normalize_top_k,
         moe_router_topk_scaling_factor=moe.top_k_scaling_factor,
+        moe_router_num_groups=moe.num_groups,
+        moe_router_group_topk=moe.group_top_k,
+        moe_router_dtype="fp32" if moe.router_fp32 else None,
         moe_router_enable_expert_bias=moe.expert_bias,
         moe_router_bias_update_rate=moe.expert_bias_update_rate,
         moe_layer_freq=[0] * moe.first_k_dense + [1] * (model.num_layers - moe.first_k_dense),
@@ -63,9 +66,18 @@ def prepare_megatron() -> None:
       defined as None, which selects the router's own torch matmul;
     - the all-gather dispatcher gathers into megatron's global memory buffer (an allocator,
       not a process group), which ``parallel_state`` creates only when it initialises
-      model parallelism: it is created here, once."""
+      model parallelism: it is created here, once;
+    - multi-latent attention (no TE needed) believes TE is there when its import
+      succeeded with TE's classes as mocks, and then calls ``isinstance`` on a mock: it is
+      told the truth.
+    Called for MoE and MLA models."""
     from megatron.core import parallel_state
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
+
+    if multi_latent_attention.HAVE_TE and not isinstance(multi_latent_attention.TELinear,
+                                                         type):
+        multi_latent_attention.HAVE_TE = False
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None

@@ -30,9 +30,7 @@ def _layer(model: ModelConfig, tp: int, prefix: str, moe_layer: bool = False, ep
     """One transformer layer with tensor parallelism ``tp`` (local spec order); a
     mixture-of-experts layer (``moe_layer``) with its experts split over ``ep`` ranks and
     each over ``etp``."""
-    h, kv = model.hidden_size, model.head_size
-    qkv = (model.num_attention_heads + 2 * model.query_groups) * kv // tp
-    attn = model.num_attention_heads * kv  # the attention's width (hidden unless head_dim)
+    h = model.hidden_size
     gated = model.arch == "llama"
     fc1 = (2 if gated else 1) * model.ffn_size // tp
     bias = model.arch == "gpt2"  # add_bias_linear; LayerNorm has a bias too
@@ -44,17 +42,10 @@ def _layer(model: ModelConfig, tp: int, prefix: str, moe_layer: bool = False, ep
             out.append(ParamShape(f"{prefix}{name}.bias", (h,)))
 
     norm("input_layernorm")
-    out.append(ParamShape(f"{prefix}self_attention.linear_proj.weight", (h, attn // tp)))
-    if bias:  # a row-parallel layer's bias is whole on every TP rank
-        out.append(ParamShape(f"{prefix}self_attention.linear_proj.bias", (h,)))
-    out.append(ParamShape(f"{prefix}self_attention.linear_qkv.weight", (qkv, h)))
-    if model.qkv_bias:
-        out.append(ParamShape(f"{prefix}self_attention.linear_qkv.bias", (qkv,)))
-    if model.qk_layernorm:  # one norm per head size, shared by the heads
-        for name in ("q_layernorm", "k_layernorm"):
-            out.append(ParamShape(f"{prefix}self_attention.{name}.weight", (kv,)))
-            if bias:
-                out.append(ParamShape(f"{prefix}self_attention.{name}.bias", (kv,)))
+    if model.mla.enabled:
+        out += _mla(model, tp, prefix)
+    else:
+        out += _attention(model, tp, prefix, norm_bias=bias)
     norm("pre_mlp_layernorm")
     if moe_layer:  # the router (whole on every rank), this rank's experts, shared experts
         moe, width = model.moe, model.expert_ffn_size // etp
@@ -74,6 +65,50 @@ def _layer(model: ModelConfig, tp: int, prefix: str, moe_layer: bool = False, ep
     out.append(ParamShape(f"{prefix}mlp.linear_fc2.weight", (h, model.ffn_size // tp)))
     if bias:
         out.append(ParamShape(f"{prefix}mlp.linear_fc2.bias", (h,)))
+    return out
+
+
+def _attention(model: ModelConfig, tp: int, prefix: str, norm_bias: bool) -> list[ParamShape]:
+    """Grouped-query attention's parameters (local spec order)."""
+    h, kv = model.hidden_size, model.head_size
+    qkv = (model.num_attention_heads + 2 * model.query_groups) * kv // tp
+    attn = model.num_attention_heads * kv  # the attention's width (hidden unless head_dim)
+    a = f"{prefix}self_attention."
+    out = [ParamShape(a + "linear_proj.weight", (h, attn // tp))]
+    if model.arch == "gpt2":  # a row-parallel layer's bias is whole on every TP rank
+        out.append(ParamShape(a + "linear_proj.bias", (h,)))
+    out.append(ParamShape(a + "linear_qkv.weight", (qkv, h)))
+    if model.qkv_bias:
+        out.append(ParamShape(a + "linear_qkv.bias", (qkv,)))
+    if model.qk_layernorm:  # one norm per head size, shared by the heads
+        for name in ("q_layernorm", "k_layernorm"):
+            out.append(ParamShape(a + f"{name}.weight", (kv,)))
+            if norm_bias:
+                out.append(ParamShape(a + f"{name}.bias", (kv,)))
+    return out
+
+
+def _mla(model: ModelConfig, tp: int, prefix: str) -> list[ParamShape]:
+    """Multi-latent attention's parameters (megatron's local MLA spec order): every
+    projection split over TP by rows (the down projections are gathered after), the
+    latents' norms whole."""
+    h, mla, heads = model.hidden_size, model.mla, model.num_attention_heads
+    q_head = mla.qk_head_dim + mla.qk_pos_emb_head_dim
+    a = f"{prefix}self_attention."
+    out = [ParamShape(a + "linear_proj.weight", (h, heads * mla.v_head_dim // tp))]
+    if mla.q_lora_rank is None:
+        out.append(ParamShape(a + "linear_q_proj.weight", (heads * q_head // tp, h)))
+    else:
+        out += [ParamShape(a + "linear_q_down_proj.weight", (mla.q_lora_rank // tp, h)),
+                ParamShape(a + "linear_q_up_proj.weight",
+                           (heads * q_head // tp, mla.q_lora_rank))]
+    out += [ParamShape(a + "linear_kv_down_proj.weight",
+                       ((mla.kv_lora_rank + mla.qk_pos_emb_head_dim) // tp, h)),
+            ParamShape(a + "linear_kv_up_proj.weight",
+                       (heads * (mla.qk_head_dim + mla.v_head_dim) // tp, mla.kv_lora_rank))]
+    if mla.q_lora_rank is not None:
+        out.append(ParamShape(a + "q_layernorm.weight", (mla.q_lora_rank,)))
+    out.append(ParamShape(a + "kv_layernorm.weight", (mla.kv_lora_rank,)))
     return out
 
 

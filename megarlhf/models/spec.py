@@ -28,12 +28,13 @@ class SDPACoreAttention(MegatronModule):
     A drop-in for megatron's ``DotProductAttention`` (same constructor and forward
     signature), which allocates its score buffer on CUDA. Megatron's mask convention:
     ``attention_mask`` is boolean with True where attention is *not* allowed.
-    Shapes: query (sq, B, heads, hd), key/value (sk, B, groups, hd) -> (sq, B, heads*hd).
+    Shapes: query (sq, B, heads, hd), key/value (sk, B, groups, hd) -> (sq, B, heads*hd)
+    (multi-latent attention: values of their own width ``v_channels``).
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None,
-                 pg_collection=None):
+                 pg_collection=None, k_channels=None, v_channels=None):
         super().__init__(config=config)
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
@@ -43,7 +44,9 @@ class SDPACoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.heads = config.num_attention_heads // tp_size
         self.groups = config.num_query_groups // tp_size
-        self.head_dim = config.kv_channels
+        # multi-latent attention: queries and keys k_channels wide, values v_channels
+        self.head_dim = k_channels or config.kv_channels
+        self.value_dim = v_channels or self.head_dim
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.head_dim)
 
@@ -56,7 +59,7 @@ class SDPACoreAttention(MegatronModule):
         out = self.attend(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3),
                           value.permute(1, 2, 0, 3), attention_mask, attn_mask_type)
         # (B, heads, sq, hd) -> (sq, B, heads*hd)
-        return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], self.heads * self.head_dim)
+        return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], self.heads * self.value_dim)
 
     def attend(self, q, k, v, attention_mask, attn_mask_type=None) -> torch.Tensor:
         """The attention in SDPA's layout: q (B, heads, sq, hd), k and v (B, groups, sk,
@@ -149,9 +152,11 @@ def layer_spec(model: ModelConfig) -> ModuleSpec:
 
 
 def block_spec(model: ModelConfig, config, *, vp_stage: int | None, pp_rank: int):
-    """The transformer block of a mixture-of-experts model on this pipeline stage:
-    megatron's per-layer specs (``model.moe.first_k_dense`` dense layers, then MoE layers
-    whose experts are ``SequentialMLP``), with SDPA attention in the local layers."""
+    """The transformer block of a mixture-of-experts or multi-latent-attention model on
+    this pipeline stage: megatron's per-layer specs (``model.moe.first_k_dense`` dense
+    layers, then MoE layers whose experts are ``SequentialMLP``; MLA's attention when the
+    config is megatron's ``MLATransformerConfig``), with SDPA attention in the local
+    layers."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     te = resolve_impl(model) == "transformer_engine"

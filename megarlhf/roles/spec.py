@@ -26,7 +26,10 @@ SHAPE_FIELDS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "num
 # ``model.moe`` fields that define the network (the rest are training settings).
 MOE_SHAPE_FIELDS = ("num_experts", "top_k", "ffn_hidden_size", "shared_expert_ffn_hidden_size",
                     "score_function", "normalize_top_k", "top_k_scaling_factor", "expert_bias",
-                    "first_k_dense")
+                    "first_k_dense", "num_groups", "group_top_k", "router_fp32")
+# ``model.mla`` fields (all define the network).
+MLA_SHAPE_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                    "v_head_dim")
 # Fields of the top-level ``model`` that apply to every role when written.
 PRECISION_FIELDS = ("params_dtype", "transformer_impl", "fp8")
 
@@ -124,21 +127,29 @@ def _model_of(where: str, saved: SavedRole | None, base: ModelConfig,
                         f"{where}: {name}.{key}={want!r} but the checkpoint {saved.path} "
                         f"(role '{saved.role}') has {key}={have!r}; remove the override or "
                         "load a checkpoint of that shape")
-            moe_fields = written.fields(f"{name}.moe") if only is None or "moe" in only \
-                else frozenset()  # (the precision fields of ``model`` a role takes: no moe)
-            for key in sorted(moe_fields & set(MOE_SHAPE_FIELDS)):
-                want, have = getattr(override.moe, key), getattr(saved.model.moe, key)
-                if want != have:
-                    what = ("a dense model" if not saved.model.moe.enabled else
-                            f"a mixture of {saved.model.moe.num_experts} experts")
-                    raise ConfigError(
-                        f"{where}: {name}.moe.{key}={want!r} but the checkpoint {saved.path} "
-                        f"(role '{saved.role}') is {what} with moe.{key}={have!r}; remove the "
-                        "override or load a checkpoint of that shape")
+            for part, fields in (("moe", MOE_SHAPE_FIELDS), ("mla", MLA_SHAPE_FIELDS)):
+                # (the precision fields of ``model`` a role takes: no moe, no mla)
+                part_fields = written.fields(f"{name}.{part}") if only is None or part in only \
+                    else frozenset()
+                for key in sorted(part_fields & set(fields)):
+                    want = getattr(getattr(override, part), key)
+                    have = getattr(getattr(saved.model, part), key)
+                    if want != have:
+                        raise ConfigError(
+                            f"{where}: {name}.{part}.{key}={want!r} but the checkpoint "
+                            f"{saved.path} (role '{saved.role}') is {_shape_words(saved.model)}"
+                            f" with {part}.{key}={have!r}; remove the override or load a "
+                            "checkpoint of that shape")
         model = overlay(model, override, written, name, only)
     if model.vocab_size is None:
         model = dataclasses.replace(model, vocab_size=base.vocab_size)
     return model
+
+
+def _shape_words(model: ModelConfig) -> str:
+    what = (f"a mixture of {model.moe.num_experts} experts" if model.moe.enabled
+            else "a dense model")
+    return what + (" with multi-latent attention" if model.mla.enabled else "")
 
 
 def _check_kind(where: str, saved: SavedRole | None, kind: str, allow_trunk: bool) -> bool:

@@ -65,6 +65,8 @@ def hf_config(model_type: str, m: dict, role: str) -> dict:
                                         "original_max_position_embeddings")}}
         if model_type in ("mistral", "mixtral"):
             cfg["sliding_window"] = None  # megarlhf attends to the whole context
+        if model_type == "deepseek_v3":
+            cfg.update(hf_mla_config(m))
         cfg.update(hf_moe_config(model_type, m))
     if role == "value":
         cfg["num_labels"] = 1
@@ -72,11 +74,55 @@ def hf_config(model_type: str, m: dict, role: str) -> dict:
     return cfg
 
 
+def refuse_routing(model_type: str, model) -> None:
+    """A router the Hugging Face family cannot express: refused naming the field."""
+    from megarlhf.models.hf_mapping import ConversionError
+
+    moe = model.moe
+    if not moe.enabled:
+        return
+    if model_type == "deepseek_v3":
+        wanted = {"score_function": "sigmoid", "expert_bias": True, "router_fp32": True}
+    else:  # Qwen3-MoE, Mixtral: softmax over the experts, nothing else
+        wanted = {"score_function": "softmax", "expert_bias": False, "num_groups": None,
+                  "top_k_scaling_factor": None, "shared_expert_ffn_hidden_size": 0,
+                  "router_fp32": False}
+    for key, value in wanted.items():
+        if getattr(moe, key) != value:
+            raise ConversionError(f"model.moe.{key}={getattr(moe, key)!r} cannot be written "
+                                  f"as {model_type} (it needs {value!r})")
+    if model_type == "deepseek_v3" and moe.shared_expert_ffn_hidden_size % model.expert_ffn_size:
+        raise ConversionError(f"model.moe.shared_expert_ffn_hidden_size="
+                              f"{moe.shared_expert_ffn_hidden_size} cannot be written as "
+                              f"deepseek_v3: not a multiple of the expert width "
+                              f"{model.expert_ffn_size} (n_shared_experts)")
+
+
+def hf_mla_config(m: dict) -> dict:
+    """config.json's multi-latent attention fields (DeepSeek-V3) of ``m['mla']``."""
+    mla = m["mla"]
+    return {"q_lora_rank": mla["q_lora_rank"], "kv_lora_rank": mla["kv_lora_rank"],
+            "qk_nope_head_dim": mla["qk_head_dim"],
+            "qk_rope_head_dim": mla["qk_pos_emb_head_dim"], "v_head_dim": mla["v_head_dim"],
+            "head_dim": mla["qk_pos_emb_head_dim"], "rope_interleave": True,
+            "attention_bias": False, "num_nextn_predict_layers": 0}
+
+
 def hf_moe_config(model_type: str, m: dict) -> dict:
-    """config.json's mixture-of-experts fields (Qwen3-MoE, Mixtral) of ``m['moe']``."""
+    """config.json's mixture-of-experts fields (Qwen3-MoE, Mixtral, DeepSeek-V3) of
+    ``m['moe']``."""
     moe = m.get("moe") or {}
     if not moe.get("num_experts"):
         return {}
+    if model_type == "deepseek_v3":
+        width = moe["ffn_hidden_size"] or m["ffn_hidden_size"]
+        return {"n_routed_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"],
+                "moe_intermediate_size": width,
+                "n_shared_experts": (moe["shared_expert_ffn_hidden_size"] or 0) // width,
+                "n_group": moe["num_groups"] or 1, "topk_group": moe["group_top_k"] or 1,
+                "first_k_dense_replace": moe["first_k_dense"],
+                "routed_scaling_factor": moe["top_k_scaling_factor"] or 1.0,
+                "norm_topk_prob": moe["normalize_top_k"], "output_router_logits": False}
     common = {"num_experts_per_tok": moe["top_k"],
               "router_aux_loss_coef": moe["aux_loss_coeff"], "output_router_logits": False}
     if model_type == "mixtral":
@@ -142,14 +188,18 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
     m["num_query_groups"] = model_cfg.query_groups
     m["ffn_hidden_size"] = model_cfg.ffn_size
     m["tie_word_embeddings"] = model_cfg.tied
-    moe = model_cfg.moe.enabled
+    moe, mla = model_cfg.moe.enabled, model_cfg.mla.enabled
     model_type = model_type or meta["trainer"].get("hf_model_type") or (
-        "gpt2" if model_cfg.arch == "gpt2" else
+        "gpt2" if model_cfg.arch == "gpt2" else "deepseek_v3" if mla else
         ("qwen3_moe" if model_cfg.qk_layernorm else "mixtral") if moe else
         "qwen3" if model_cfg.qk_layernorm else "qwen2" if model_cfg.qkv_bias else "llama")
     if moe != (model_type in MOE_NAMES):
         raise ConversionError(f"--model-type {model_type} does not fit the checkpoint's "
                               f"{'mixture-of-experts' if moe else 'dense'} model")
+    if mla != (model_type == "deepseek_v3"):
+        raise ConversionError(f"--model-type {model_type} does not fit the checkpoint's "
+                              f"{'multi-latent' if mla else 'grouped-query'} attention")
+    refuse_routing(model_type, model_cfg)
     init_distributed(cfg)
     try:
         os.makedirs(out, exist_ok=True)
