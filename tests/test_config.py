@@ -106,6 +106,8 @@ def test_layout_errors(overrides, world, message):
 
 
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=48"]
+MLA = ["model.mla.kv_lora_rank=15", "model.mla.q_lora_rank=32", "model.mla.qk_head_dim=8",
+       "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=16"]
 
 
 @pytest.mark.parametrize("overrides, world, message", [
@@ -120,6 +122,12 @@ MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_siz
      "parallel.expert_tensor_parallel_size=5 is invalid: must divide the expert MLP width 48"),
     (["parallel.expert_model_parallel_size=2"], 2,
      "parallel.expert_model_parallel_size=2 is invalid: must be 1: model is dense"),
+    (MLA + ["parallel.tensor_model_parallel_size=2"], 2,
+     "parallel.tensor_model_parallel_size=2 is invalid: must divide "
+     "model.mla.kv_lora_rank + qk_pos_emb_head_dim = 23"),
+    (MLA + ["model.mla.q_lora_rank=null", "rollout.tensor_parallel_size=2"], 2,
+     "rollout.tensor_parallel_size=2 is invalid: must be 1 with the actor's "
+     "model.mla.q_lora_rank=null"),
 ])
 def test_expert_layout_errors(overrides, world, message):
     """Expert parallelism is checked before any process group exists, naming the field."""
@@ -137,6 +145,23 @@ def test_expert_layout_errors(overrides, world, message):
     (["model.moe.num_experts=4", "model.arch=gpt2"], "model.arch='gpt2' is invalid: must be "
      "llama for a mixture-of-experts model"),
     (["model.moe.num_experts=-1"], "model.moe.num_experts=-1 is invalid"),
+    (MOE + ["model.moe.score_function=sigmoid", "model.moe.normalize_top_k=false"],
+     "model.moe.normalize_top_k=False is invalid: must be true with score_function=sigmoid "
+     "and top_k=2"),
+    (MOE + ["model.moe.num_groups=2"], "model.moe.group_top_k=None is invalid: must be set "
+     "exactly when model.moe.num_groups is (it is 2)"),
+    (MOE + ["model.moe.num_groups=3", "model.moe.group_top_k=1"],
+     "model.moe.num_groups=3 is invalid: must divide model.moe.num_experts=4"),
+    (MOE + ["model.moe.top_k=3", "model.moe.num_groups=2", "model.moe.group_top_k=1"],
+     "model.moe.top_k=3 is invalid: must be a multiple of model.moe.group_top_k=1 whose "
+     "quotient fits in a group of 2 experts"),
+    (MLA + ["model.num_query_groups=2"], "model.num_query_groups=2 is invalid: is not used "
+     "by multi-latent attention"),
+    (MLA + ["model.arch=gpt2"], "must be llama for multi-latent attention"),
+    (MLA + ["model.rope_scaling.type=llama3"], "model.rope_scaling.type='llama3' is invalid: "
+     "must be none or yarn with multi-latent attention"),
+    (["model.mla.kv_lora_rank=16", "model.mla.qk_pos_emb_head_dim=3"],
+     "model.mla.qk_pos_emb_head_dim=3 is invalid: must be an even number >= 2"),
 ])
 def test_moe_field_errors(overrides, message):
     with pytest.raises(ValueError) as err:

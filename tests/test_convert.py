@@ -325,12 +325,23 @@ def test_bad_inputs(converted, tmp_path):
     ({"model_type": "mixtral", "router_jitter_noise": 0.1},
      "router_jitter_noise=0.1 is not supported"),
     ({"model_type": "mixtral", "sliding_window": 64}, "sliding_window=64 is not supported"),
+    ({"model_type": "deepseek_v3", "rope_interleave": False},
+     "rope_interleave=false is not supported"),
+    ({"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8"}},
+     "quantization_config (fp8) is not supported: dequantise the checkpoint"),
+    ({"model_type": "deepseek_v3", "num_experts_per_tok": 4, "n_group": 2, "topk_group": 1},
+     "num_experts_per_tok=4 with topk_group=1 is not supported"),
+    ({"model_type": "deepseek_v3", "norm_topk_prob": False},
+     "norm_topk_prob=False with num_experts_per_tok=2 is not supported"),
+    ({"model_type": "deepseek_v3", "scoring_func": "softmax"},
+     "scoring_func='softmax' is not supported (sigmoid only)"),
+    ({"model_type": "deepseek_v3", "kv_lora_rank": None}, "config.json has no 'kv_lora_rank'"),
 ])
 def test_unsupported_options_are_refused_naming_the_key(converted, tmp_path, change, message):
     """Every option a family may carry that megarlhf does not implement: exit 2 before any
     work, the file and the key named, no output folder."""
     root, _, _ = converted
-    moe = change.get("model_type") in ("qwen3_moe", "mixtral")
+    moe = change.get("model_type") in ("qwen3_moe", "mixtral", "deepseek_v3")
     hf = root / "hf" / (change["model_type"] if moe else "llama")
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -341,6 +352,25 @@ def test_unsupported_options_are_refused_naming_the_key(converted, tmp_path, cha
     assert proc.returncode == 2, proc.stderr
     assert f"{bad / 'config.json'}: " in proc.stderr and message in proc.stderr, proc.stderr
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob("o.partial-*"))
+
+
+def test_deepseek_multi_token_prediction_layers_are_left_out(converted, tmp_path):
+    """DeepSeek-V3's checkpoints carry multi-token-prediction layers after the last decoder
+    layer (num_hidden_layers onwards): not converted, said so, never read; the model is
+    the one converted without them."""
+    from safetensors.torch import load_file, save_file
+    root, _, _ = converted
+    hf = root / "hf" / "deepseek_v3"
+    with_mtp = tmp_path / "mtp"
+    with_mtp.mkdir()
+    tensors = load_file(hf / "model.safetensors")
+    tensors["model.layers.4.eh_proj.weight"] = torch.zeros(64, 128)
+    tensors["model.layers.4.enorm.weight"] = torch.full((64,), float("nan"))  # never read
+    save_file(tensors, with_mtp / "model.safetensors", metadata={"format": "pt"})
+    (with_mtp / "config.json").write_text((hf / "config.json").read_text())
+    proc = convert_here("--hf-dir", str(with_mtp), "--out", str(tmp_path / "o"))
+    assert proc.returncode == 0, proc.stderr
+    assert "not converted: 2 tensors of the layers after num_hidden_layers=4" in proc.stdout
 
 
 def test_a_failed_conversion_leaves_no_output_and_a_full_folder_is_refused(converted, tmp_path):

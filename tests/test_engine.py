@@ -254,3 +254,44 @@ def test_mixture_of_experts_sft_at_ep2_matches_one_process_and_resumes_at_ep1(ta
         got = losses(tmp_path, name)
         for step in (4, 5, 6):  # measured: at most 2e-7
             assert abs(got[step] - one[step]) < RESHARD_TOL, (name, step, got[step], one[step])
+
+
+# DeepSeek-V3's shape, tiny: multi-latent attention (query and key/value latents, a rotary
+# part per head), a dense first layer, then 4 experts in 2 groups with sigmoid scores, a
+# shared expert, a scaling factor and an expert bias that moves after every step.
+DEEPSEEK_SFT = ("model.num_layers=2", "model.num_query_groups=null", "model.mla.kv_lora_rank=16",
+                "model.mla.q_lora_rank=32", "model.mla.qk_head_dim=8",
+                "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=16",
+                "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=32",
+                "model.moe.first_k_dense=1", "model.moe.score_function=sigmoid",
+                "model.moe.num_groups=2", "model.moe.group_top_k=1",
+                "model.moe.shared_expert_ffn_hidden_size=32",
+                "model.moe.top_k_scaling_factor=2.5", "model.moe.expert_bias=true",
+                "model.moe.router_fp32=true", "optimizer.lr_schedule=constant",
+                "optimizer.warmup_steps=0", "checkpoint.save_interval=3", "data.packing=false")
+
+
+def test_deepseek_style_sft_at_ep2_and_pp2_matches_one_process_and_resumes(task, tmp_path):
+    """A DeepSeek-V3-shaped policy trained with its experts over two ranks (EP=2, DP=2) and
+    its layers over two stages (PP=2) follows the 1-process run for 3 steps;
+    its EP=2 checkpoint resumes in one process and continues that run. The expert bias
+    moves by 0.05 per step, summed over the replicas' token counts (without the move the
+    losses differ: it changes the routing)."""
+    bias = "model.moe.expert_bias_update_rate=0.05"
+    run_cli(*sft_args(task, tmp_path, "one", "train.max_steps=6", *DEEPSEEK_SFT, bias))
+    run_cli(*sft_args(task, tmp_path, "still", "train.max_steps=3", *DEEPSEEK_SFT,
+                      "model.moe.expert_bias_update_rate=0"))
+    one, still = losses(tmp_path, "one"), losses(tmp_path, "still")
+    assert abs(one[3] - still[3]) > 1e-4, (one[3], still[3])
+    for name, layout in (("ep2", "parallel.expert_model_parallel_size=2"),
+                         ("pp2", "parallel.pipeline_model_parallel_size=2")):
+        torchrun(sft_args(task, tmp_path, name, "train.max_steps=3", *DEEPSEEK_SFT, bias,
+                          layout), 2)
+        got = losses(tmp_path, name)
+        for step in (1, 2, 3):
+            assert abs(one[step] - got[step]) < 1e-5, (name, step, one[step], got[step])
+    _copy_checkpoint(tmp_path, "ep2", "step_0000003", "back")
+    run_cli(*sft_args(task, tmp_path, "back", "train.max_steps=6", *DEEPSEEK_SFT, bias))
+    got = losses(tmp_path, "back")
+    for step in (4, 5, 6):
+        assert abs(got[step] - one[step]) < RESHARD_TOL, (step, got[step], one[step])

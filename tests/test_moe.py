@@ -130,6 +130,28 @@ def test_r2_replays_the_old_log_prob_pass_in_the_updates(setup):
         assert r2["moe/routing_mismatch_frac"] == 0.0  # the rollout did not flip
 
 
+def test_a_deepseek_style_actor_rolls_out_with_the_moved_expert_bias(setup):
+    """A DeepSeek-V3-shaped actor (multi-latent attention, grouped sigmoid routing, a
+    shared expert, an expert bias moving 0.05 per step) in PPO at PP=2: generation through
+    the KV-cached MLA, the weights and every stage's expert bias resharded into the
+    rollout's model each iteration, so the old-log-prob pass chooses the rollout's experts
+    for every token in every iteration (moe/routing_mismatch_frac 0; a stale bias in the
+    rollout's model would send tokens elsewhere once the bias moved)."""
+    from test_engine import DEEPSEEK_SFT
+    out, ppo = setup
+    sft = [a for a in DEEPSEEK_SFT if not a.startswith(("optimizer.", "checkpoint.", "data."))]
+    run_cli("sft", "configs/sft_tiny.yaml", ppo[2].replace("prompts", "sft"), *sft,
+            "train.max_steps=6", "checkpoint.save_interval=0", "run.name=ds-sft", *ppo[-4:])
+    torchrun(ppo + ["run.name=ds-ppo", "ppo.num_iterations=3", "checkpoint.save_interval=0",
+                    f"ppo.sft_checkpoint={out}/ds-sft/checkpoints",
+                    "model.moe.expert_bias_update_rate=0.05",
+                    "parallel.pipeline_model_parallel_size=2"], 2)
+    got = metrics(out, "ds-ppo")
+    assert sorted(got) == [1, 2, 3]
+    assert all(r["moe/routing_mismatch_frac"] == 0.0 for r in got.values()), got
+    assert all(abs(r["ppo/policy/approxkl"]) < 1.0 for r in got.values())
+
+
 def test_routing_replay_routes_every_token_as_told(tmp_path):
     """A layer replaying a routing with tokens sent on purpose to other experts computes,
     for every token, the loop's sum over the given experts of softmax(its router logits at
@@ -198,6 +220,20 @@ def test_the_dropped_fraction_counts_what_the_capacity_turns_away(tmp_path):
     assert "moe/dropped_frac" not in got["quiet"]
     assert got["want"]["moe/dropped_frac"] > 0.05  # the capacity bites
     assert got["logged"] == pytest.approx(got["want"], abs=1e-12)
+
+
+def test_the_expert_bias_moves_by_the_counts_of_every_replica(tmp_path):
+    """DeepSeek-V3's balancing on two data-parallel ranks: each expert's bias moves by
+    rate x sign(mean - count) of the counts summed over the ranks (not a rank's own,
+    which would move expert 0 the other way); the counts are then reset."""
+    import torch
+
+    from conftest import WORKERS
+    torchrun(os.path.join(WORKERS, "moe_expert_bias.py"), 2, str(tmp_path))
+    got = torch.load(tmp_path / "bias.pt")
+    assert got["dp"] == 2
+    assert torch.equal(got["got"], got["want"]) and not torch.equal(got["want"], got["local"])
+    assert not got["counts"].any()
 
 
 def test_load_imbalance_counts_the_fed_tokens():

@@ -21,6 +21,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megarlhf.config import OptimizerConfig
 from megarlhf.engine.schedule import run_schedule
+from megarlhf.models import moe
 from megarlhf.models.gpt import unwrap
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.layout import RankLayout
@@ -51,9 +52,25 @@ def wrap_ddp(model_chunks: list, use_distributed_optimizer: bool, pg_collection)
     config = wrapped[0].config
     config.no_sync_func = [m.no_sync for m in wrapped] if len(wrapped) > 1 \
         else wrapped[0].no_sync
-    config.finalize_model_grads_func = partial(finalize_model_grads,
-                                               pg_collection=pg_collection)
+    config.finalize_model_grads_func = partial(finalize_grads, pg_collection=pg_collection)
     return wrapped
+
+
+def finalize_grads(model: list, num_tokens=None, *, pg_collection, **kwargs) -> None:
+    """megatron's ``finalize_model_grads`` (gradients reduced over the groups in
+    ``pg_collection``; ``kwargs`` as the schedule passes them), then the routers' expert bias moved (``model.moe.expert_bias``):
+    megatron's own update sums the token counts on its global tensor-and-data-parallel
+    group, which megarlhf's per-role groups do not set, so it is done by
+    ``moe.update_expert_bias`` on the role's data-parallel group instead."""
+    config = unwrap(model[0]).config
+    if not config.moe_router_enable_expert_bias:
+        return finalize_model_grads(model, num_tokens, pg_collection=pg_collection, **kwargs)
+    config.moe_router_enable_expert_bias = False  # read only here, by megatron's finalize
+    try:
+        finalize_model_grads(model, num_tokens, pg_collection=pg_collection, **kwargs)
+    finally:
+        config.moe_router_enable_expert_bias = True
+    moe.update_expert_bias(model, config.moe_router_bias_update_rate, pg_collection.dp)
 
 
 @dataclass

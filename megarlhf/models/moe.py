@@ -113,6 +113,58 @@ def drop_counting_router():
 _DropCountingRouter = None
 
 
+def _biased_routers(model) -> list:
+    """The routers with an expert bias in ``model`` (a list of chunks, DDP-wrapped or
+    bare, or one model)."""
+    out = []
+    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+        while hasattr(chunk, "module"):
+            chunk = chunk.module
+        out += [m for m in chunk.modules() if getattr(m, "expert_bias", None) is not None]
+    return out
+
+
+@torch.no_grad()
+def update_expert_bias(model, rate: float, dp_group) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing after a step: each router's expert bias
+    moves by ``rate`` towards even load (up for an expert chosen less often than the mean
+    over the step's training passes, down for one chosen more; megatron's formula), the
+    counts summed over ``dp_group`` so every replica makes the same move; the counts are
+    then reset. (Tensor-parallel peers count the same tokens; stages their own layers.)"""
+    import torch.distributed as dist
+
+    routers = _biased_routers(model)
+    if not routers:
+        return
+    counts = torch.stack([r.local_tokens_per_expert.float() for r in routers])
+    if dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(counts, group=dp_group)
+    offset = counts.mean(dim=-1, keepdim=True) - counts
+    for router, move in zip(routers, torch.sign(offset) * rate):
+        router.expert_bias.add_(move.to(router.expert_bias.dtype))
+        router.local_tokens_per_expert.zero_()
+
+
+def copy_expert_bias(src_chunks: list, dst, pp_group) -> None:
+    """The trained model's expert biases into the rollout's inference model (which holds
+    every layer), by global layer: each pipeline stage contributes its own layers
+    (``pp_group``; every rank calls it). Weights are resharded by megatron; the bias is a
+    buffer it does not move."""
+    import torch.distributed as dist
+
+    dst_routers = {r.layer_number - 1: r for r in _biased_routers(dst)}
+    if not dst_routers:
+        return
+    first = next(iter(dst_routers.values()))
+    biases = torch.zeros(max(dst_routers) + 1, first.expert_bias.numel(), dtype=torch.float32)
+    for router in _biased_routers(src_chunks):
+        biases[router.layer_number - 1] = router.expert_bias.float().cpu()
+    if dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(biases, group=pp_group)
+    for layer, router in dst_routers.items():
+        router.expert_bias.copy_(biases[layer].to(router.expert_bias))
+
+
 # megatron's names for the routers' auxiliary losses -> megarlhf's metrics
 LOSS_METRICS = {"load_balancing_loss": "moe/aux_loss", "z_loss": "moe/z_loss"}
 

@@ -22,6 +22,7 @@ from megatron.core.resharding.copy_services.base import CopyService
 from megatron.core.resharding.refit import swap_model_weights
 
 from megarlhf.config import Layout
+from megarlhf.models import moe
 from megarlhf.roles.offload import StorageStash, unique_storages
 from megarlhf.roles.spec import RoleSpec
 from megarlhf.roles.build import build_chunks
@@ -184,6 +185,8 @@ class Resharder:
         self.src = chunks[0] if whole else VirtualStages(chunks)
         self.dst = inference_model
         self.service = copy_service()
+        self.chunks = chunks
+        self.expert_bias = bool(chunks[0].config.moe_router_enable_expert_bias)
 
     @torch.no_grad()
     def __call__(self) -> ReshardStats:
@@ -192,6 +195,8 @@ class Resharder:
         if stash is not None:
             stash.restore()
         swap_model_weights([self.src], [self.dst], refit_method=self.service)
+        if self.expert_bias:
+            moe.copy_expert_bias(self.chunks, self.dst, self.chunks[0].pg_collection.pp)
         seconds = time.perf_counter() - start
         plan = getattr(getattr(self.dst, "module", self.dst), "_cached_reshard_plan", None)
         received = 0
