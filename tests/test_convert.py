@@ -201,6 +201,16 @@ def test_greedy_generation_matches_transformers(converted, arch):
         assert ref[0, len(prompt):].tolist() == tokens
 
 
+@pytest.mark.parametrize("arch", LM_ARCHS)
+def test_planner_kv_cache_equals_the_rollouts(converted, arch):
+    """The planner's KV cache (key and value per query group, or multi-latent attention's
+    up-projected keys and values per head) is the bytes megatron's inference context
+    allocated for the greedy rollout."""
+    _, _, results = converted
+    measured, planned = results[(arch, 1, 1)]["kv_cache"]
+    assert measured > 0 and planned == measured
+
+
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a.endswith("_rm")])
 @pytest.mark.parametrize("layout", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
 def test_value_heads_match_transformers(converted, arch, layout):

@@ -120,10 +120,16 @@ def static_bytes(spec: RoleSpec, dp: int, pp_rank: int, dp_rank: int) -> dict[st
 
 def kv_cache_bytes(model, *, tp: int, batch: int, seq: int) -> int:
     """megatron's static KV cache: key and value, (seq, batch, groups / TP, head dim) per
-    layer, in the model's dtype."""
-    head_dim = model.head_size
-    return (2 * model.num_layers * seq * batch * (model.query_groups // tp) * head_dim
-            * DTYPE_BYTES[model.params_dtype])
+    layer, in the model's dtype; multi-latent attention caches the up-projected keys
+    (heads / TP, its query/key width with the rotary part) and values (heads / TP, its
+    value width)."""
+    if model.mla.enabled:
+        mla = model.mla
+        per_token = (model.num_attention_heads // tp) * (
+            mla.qk_head_dim + mla.qk_pos_emb_head_dim + mla.v_head_dim)
+    else:
+        per_token = 2 * (model.query_groups // tp) * model.head_size
+    return model.num_layers * seq * batch * per_token * DTYPE_BYTES[model.params_dtype]
 
 
 # ------------------------------------------------------------------ estimates

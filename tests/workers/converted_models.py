@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import build  # noqa: E402
 
 from megarlhf.config import load_config  # noqa: E402
+from megarlhf.memory.plan import kv_cache_bytes  # noqa: E402
 from megarlhf.models.shapes import chunk_params  # noqa: E402
 from megarlhf.rollout.generate import SamplingParams, generate  # noqa: E402
 from megarlhf.stages.score import score_sequences  # noqa: E402
@@ -63,9 +64,14 @@ def main():
                 continue
             results[key] = {"logprobs": [r["logprobs"] for r in rows]}
             if world == 1:
+                stats: dict = {}
                 gen = generate(chunks[0], PROMPTS, SamplingParams(max_new_tokens=32, greedy=True),
-                               eos_id=-1, pad_id=0, true_vocab=cfg.model.vocab_size)
+                               eos_id=-1, pad_id=0, true_vocab=cfg.model.vocab_size,
+                               stats=stats)
                 results[key]["greedy"] = gen.response_tokens_BT.tolist()
+                results[key]["kv_cache"] = (stats["kv_cache_bytes"], kv_cache_bytes(
+                    spec.model, tp=1, batch=len(PROMPTS),
+                    seq=max(map(len, PROMPTS)) + 32))
     seen = [None] * dist.get_world_size()
     dist.all_gather_object(seen, shapes_wrong)
     results[("shapes_wrong", world)] = [line for rank in seen for line in rank]
