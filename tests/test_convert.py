@@ -22,7 +22,8 @@ FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gpt2": "g
             "llama3": "llama", "llama_linear": "llama", "qwen3": "qwen3",
             "mistral_nemo": "mistral", "qwen3_yarn": "qwen3", "llama3_rm": "llama",
             "qwen3_rm": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
-            "qwen3_moe_rm": "qwen3_moe", "deepseek_v3": "deepseek_v3"}
+            "qwen3_moe_rm": "qwen3_moe", "deepseek_v3": "deepseek_v3",
+            "deepseek_v3_yarn": "deepseek_v3"}
 # Mixtures of experts (4 experts, top 2): also at EP=2 (tests/workers/converted_models.py).
 MOE_ARCHS = [a for a, t in FAMILIES.items() if t in ("qwen3_moe", "mixtral", "deepseek_v3")]
 ARCHS = list(FAMILIES)
@@ -101,7 +102,7 @@ def make_hf(arch, path):
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **{**common, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2,
             sliding_window=None))
-    elif arch == "deepseek_v3":
+    elif arch in ("deepseek_v3", "deepseek_v3_yarn"):
         # multi-latent attention (query and key/value latents, a rotary part per head); a
         # dense first layer, then 4 experts in 2 groups (a token's 2 experts from its best
         # group), sigmoid scores, a shared expert, a scaling factor, and an expert bias
@@ -111,7 +112,10 @@ def make_hf(arch, path):
             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
             num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=48,
             n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
-            norm_topk_prob=True)
+            norm_topk_prob=True, **({"rope_scaling": {  # DeepSeek-V3's own form of YaRN
+                "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}
+                if arch.endswith("_yarn") else {}))
         model = transformers.DeepseekV3ForCausalLM(config)
         with torch.no_grad():
             for layer in model.model.layers[1:]:
