@@ -4,7 +4,8 @@
 # of the allocation, the port derived from the job id). Preemption: SIGUSR1/SIGTERM to this
 # script (#SBATCH --signal=B:USR1@120) is forwarded to the tasks, which checkpoint at the
 # next safe point and leave a PREEMPTED marker; the job then requeues itself and, when it
-# starts again, resumes from that checkpoint.
+# starts again, resumes from that checkpoint. A rank that stopped answering makes the others
+# exit and leave a STALLED marker (parallel/watchdog.py): the job requeues the same way.
 #   slurm/launch.sh RUN_DIR PYTHON STAGE CONFIG [key=value ...]
 set -uo pipefail
 run_dir="$1"; python="$2"; shift 2
@@ -21,6 +22,15 @@ status=0
 while kill -0 "$srun_pid" 2>/dev/null; do
     wait "$srun_pid"; status=$?
 done
+if [ -f "$run_dir/STALLED" ]; then
+    echo "[launch] a rank stopped answering: $(cat "$run_dir/STALLED")"
+    rm -f "$run_dir/STALLED"
+    if [ "$status" -ne 0 ]; then
+        echo "[launch] requeueing job $SLURM_JOB_ID to resume from the last checkpoint"
+        scontrol requeue "$SLURM_JOB_ID"
+        exit 0
+    fi
+fi
 if [ -f "$run_dir/PREEMPTED" ]; then
     echo "[launch] checkpoint written at $(cat "$run_dir/PREEMPTED"); requeueing job $SLURM_JOB_ID"
     rm -f "$run_dir/PREEMPTED"

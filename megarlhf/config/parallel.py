@@ -30,15 +30,19 @@ class ParallelConfig:
     """torch.distributed backend. With CUDA, ``auto`` and ``nccl`` are NCCL for tensors on
     the GPU plus gloo for host-side bookkeeping (``cuda:nccl,cpu:gloo``); without CUDA,
     ``auto`` and ``gloo`` are gloo."""
-    timeout_minutes: int = 30
-    """Collective timeout."""
+    timeout_minutes: float = 30.0
+    """How long a rank waits for the others: the timeout of every process group (the
+    default one and each role's) and the watchdog's deadline for a rank that stopped
+    answering, after which every live rank exits naming the phase and the silent ranks
+    (``parallel/watchdog.py``)."""
 
     def __post_init__(self):
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "make_vocab_size_divisible_by", "timeout_minutes",
-                     "expert_model_parallel_size"):
+                     "make_vocab_size_divisible_by", "expert_model_parallel_size"):
             require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
                     "must be >= 1")
+        require(self.timeout_minutes > 0, "parallel.timeout_minutes", self.timeout_minutes,
+                "must be > 0")
         if self.expert_tensor_parallel_size is not None:
             require(self.expert_tensor_parallel_size >= 1, "parallel.expert_tensor_parallel_size",
                     self.expert_tensor_parallel_size, "must be >= 1 or null")

@@ -39,6 +39,7 @@ from megarlhf.engine.optimizer_state import (
     sharded_optimizer_state,
 )
 from megarlhf.models.gpt import sharded_state_dict, unwrap
+from megarlhf.parallel import watchdog
 
 META_FILE = "megarlhf_meta.json"
 LATEST_FILE = "latest"
@@ -141,6 +142,7 @@ def read_meta(path: str) -> dict:
         return json.load(f)
 
 
+@watchdog.labelled("checkpoint save")
 def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
                     trainer_state: dict | None = None, config: dict | None = None,
                     layout: str = "", keep_last: int | None = None,
@@ -273,6 +275,7 @@ def policy_role(meta: dict, wanted: str | None, path: str) -> str:
     return checkpoint_role(meta, wanted, path)
 
 
+@watchdog.labelled("checkpoint load")
 def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: bool = True,
                     load_rng: bool = True, layout: str = "",
                     source_roles: dict[str, str] | None = None,

@@ -10,6 +10,7 @@ import torch
 from megarlhf.engine.schedule import forward_only
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
+from megarlhf.parallel import watchdog
 
 
 def forward_rows(role, rows: Sequence[Any], make_batch: Callable[[list[Any]], dict],
@@ -27,6 +28,13 @@ def forward_rows(role, rows: Sequence[Any], make_batch: Callable[[list[Any]], di
     ``{row index: result}`` for its own rows (others an empty dict) - what a cache writer
     that shards by owner needs.
     """
+    with watchdog.phase(f"forward pass of the {role.spec.name}"):
+        return _forward_rows(role, rows, make_batch, forward_step,
+                             micro_batch_size=micro_batch_size, gather=gather)
+
+
+def _forward_rows(role, rows, make_batch, forward_step, *, micro_batch_size: int,
+                  gather: bool):
     layout = role.layout
     mine = list(range(layout.dp_rank, len(rows), layout.dp))
     local: dict[int, dict] = {}

@@ -27,6 +27,7 @@ from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.layout import RankLayout
 from megarlhf import speedups
 from megarlhf.speedups import fused_adam
+from megarlhf.parallel import watchdog
 
 
 def wrap_ddp(model_chunks: list, use_distributed_optimizer: bool, pg_collection) -> list:
@@ -236,6 +237,7 @@ def step_together(roles: list[TrainedRole]) -> tuple[bool, list[float]]:
     return ok, [norm for _, norm in verdicts]
 
 
+@watchdog.labelled("training step")
 def train_step(role: TrainedRole, forward_step: Callable, microbatches: list, *,
                seq_length: int, micro_batch_size: int) -> tuple[list, bool, float]:
     """Forward/backward over ``microbatches`` and one optimizer step (skipped and counted

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.config import Config
-from megarlhf.parallel import cpu_backend
+from megarlhf.parallel import cpu_backend, watchdog
 
 
 @dataclass(frozen=True)
@@ -142,12 +142,15 @@ def init_distributed(cfg: Config, env: DistEnv | None = None) -> DistEnv:
             backend=backend, rank=env.rank, world_size=env.world_size,
             init_method=f"tcp://{env.master_addr}:{env.master_port}",
             timeout=datetime.timedelta(minutes=cfg.parallel.timeout_minutes))
+    watchdog.start(env.rank, env.world_size, env.master_addr, env.master_port,
+                   cfg.parallel.timeout_minutes)
     seed_everything(cfg.run.seed)
     return env
 
 
 def shutdown() -> None:
     from megarlhf.parallel.layout import reset_layouts
+    watchdog.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
     reset_layouts()

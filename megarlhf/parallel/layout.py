@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from megarlhf.config import Layout
+from megarlhf.parallel.watchdog import group_timeout
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,9 @@ def _groups(layout: Layout, world: int):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     dp = layout.dp(world)
+    timeout = group_timeout()  # parallel.timeout_minutes: torch's own default otherwise
     grid = HyperCommGrid([tp, 1, 1, dp, pp], ["tp", "cp", "ep", "dp", "pp"])
-    g = {name: grid.create_pg(name) for name in ("tp", "cp", "ep", "dp", "pp")}
+    g = {name: grid.create_pg(name, timeout=timeout) for name in ("tp", "cp", "ep", "dp", "pp")}
     pp_ranks = dist.get_process_group_ranks(g["pp"])
     # Word embeddings live on the first and last stage (tied weights are kept in sync
     # over this group); learned positions on the first. Group creation is collective:
@@ -108,31 +110,32 @@ def _groups(layout: Layout, world: int):
     for ranks in _all_pp_groups(tp, dp, pp):
         embd_ranks = default_embedding_ranks(ranks)
         pos_ranks = default_position_embedding_ranks(ranks)
-        e, p = dist.new_group(embd_ranks), dist.new_group(pos_ranks)
+        e, p = (dist.new_group(embd_ranks, timeout=timeout),
+                dist.new_group(pos_ranks, timeout=timeout))
         if rank in embd_ranks:
             embd = e
         if rank in pos_ranks:
             pos_embd = p
     assert pp_ranks == next(r for r in _all_pp_groups(tp, dp, pp) if rank in r), \
         "HyperCommGrid's rank order is not tp-cp-ep-dp-pp"
-    dp_cp = grid.create_pg(["cp", "dp"])
+    dp_cp = grid.create_pg(["cp", "dp"], timeout=timeout)
     if ep == 1 and etp == tp:
         experts = {"ep": g["ep"], "expt_tp": g["tp"], "expt_dp": g["dp"],
-                   "tp_ep": grid.create_pg(["tp", "ep"]),
-                   "tp_ep_pp": grid.create_pg(["tp", "ep", "pp"])}
+                   "tp_ep": grid.create_pg(["tp", "ep"], timeout=timeout),
+                   "tp_ep_pp": grid.create_pg(["tp", "ep", "pp"], timeout=timeout)}
     else:
         egrid = HyperCommGrid([etp, ep, layout.expert_dp(world), pp], ["tp", "ep", "dp", "pp"])
-        e = {name: egrid.create_pg(name) for name in ("tp", "ep", "dp")}
+        e = {name: egrid.create_pg(name, timeout=timeout) for name in ("tp", "ep", "dp")}
         experts = {"ep": e["ep"], "expt_tp": e["tp"], "expt_dp": e["dp"],
-                   "tp_ep": egrid.create_pg(["tp", "ep"]),
-                   "tp_ep_pp": egrid.create_pg(["tp", "ep", "pp"])}
+                   "tp_ep": egrid.create_pg(["tp", "ep"], timeout=timeout),
+                   "tp_ep_pp": egrid.create_pg(["tp", "ep", "pp"], timeout=timeout)}
     pgc = ProcessGroupCollection(
         tp=g["tp"], cp=g["cp"], pp=g["pp"], dp=g["dp"], embd=embd,
-        pos_embd=pos_embd, tp_cp=grid.create_pg(["tp", "cp"]),
-        mp=grid.create_pg(["tp", "cp", "ep", "pp"]), **experts,
-        dp_cp=dp_cp, tp_dp_cp=grid.create_pg(["tp", "cp", "dp"]), intra_dp_cp=dp_cp,
+        pos_embd=pos_embd, tp_cp=grid.create_pg(["tp", "cp"], timeout=timeout),
+        mp=grid.create_pg(["tp", "cp", "ep", "pp"], timeout=timeout), **experts,
+        dp_cp=dp_cp, tp_dp_cp=grid.create_pg(["tp", "cp", "dp"], timeout=timeout), intra_dp_cp=dp_cp,
         intra_expt_dp=experts["expt_dp"],
-        intra_dist_opt=grid.create_pg(["tp", "cp", "ep", "dp", "pp"]))
+        intra_dist_opt=grid.create_pg(["tp", "cp", "ep", "dp", "pp"], timeout=timeout))
     _GROUPS[key] = pgc
     return pgc
 

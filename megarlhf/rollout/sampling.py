@@ -23,6 +23,7 @@ from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel.layout import RankLayout
 from megarlhf.rollout.generate import Generation, SamplingParams, generate
 from megarlhf.rollout.reshard import Resharder, release_inference_weights
+from megarlhf.parallel import watchdog
 
 
 @dataclass
@@ -53,7 +54,8 @@ class Sampler:
 
     def rollout(self, prompts: list[list[int]], seed: int) -> tuple[Generation, dict]:
         """Reshard, sample this replica's prompts, gather: (generation, metrics)."""
-        stats = self.resharder()
+        with watchdog.phase("resharding the actor into the rollout's model"):
+            stats = self.resharder()
         inf = self.inference_layout
         indices = list(range(inf.dp_rank, len(prompts), inf.dp))
         mine = [prompts[i] for i in indices]
@@ -67,17 +69,19 @@ class Sampler:
             self.hooks.before_generate()
         start = time.perf_counter()
         gen_stats: dict = {}
-        gen = generate(self.inference_model, mine, params, eos_id=self.eos_id,
-                       pad_id=self.pad_id, true_vocab=self.actor.spec.model.vocab_size,
-                       stop_at_eos=r.stop_at_eos,
-                       row_seeds=[seed * 1000003 + i for i in indices], stats=gen_stats,
-                       record_routing=self.actor.spec.model.moe.enabled)
+        with watchdog.phase("generation"):
+            gen = generate(self.inference_model, mine, params, eos_id=self.eos_id,
+                           pad_id=self.pad_id, true_vocab=self.actor.spec.model.vocab_size,
+                           stop_at_eos=r.stop_at_eos,
+                           row_seeds=[seed * 1000003 + i for i in indices], stats=gen_stats,
+                           record_routing=self.actor.spec.model.moe.enabled)
         seconds = time.perf_counter() - start
         if self.hooks is not None:
             self.hooks.after_generate(gen_stats["kv_cache_bytes"])
         if self.release_inference:
             release_inference_weights(self.inference_model)
-        gen = gather_generations(gen, prompts, inf, self.pad_id)
+        with watchdog.phase("gathering the generations"):
+            gen = gather_generations(gen, prompts, inf, self.pad_id)
         return gen, {"timing/reshard": stats.seconds, "perf/reshard_bytes": stats.bytes_received,
                      "timing/generate": seconds}
 

@@ -6,6 +6,7 @@ import os
 
 from megarlhf.config import Config
 from megarlhf.parallel.rank import is_first
+from megarlhf.parallel import watchdog
 
 
 def run_dir(cfg: Config) -> str:
@@ -24,6 +25,7 @@ def check_writable(cfg: Config) -> str:
     except OSError as err:
         raise ValueError(f"the run directory {path} is not writable ({err.strerror}): set "
                          "run.output_dir to a writable place") from None
+    watchdog.set_run_dir(path)
     return path
 
 

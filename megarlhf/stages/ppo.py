@@ -41,6 +41,7 @@ from megarlhf.rollout.reshard import (
 from megarlhf.rollout.sampling import Sampler, decode_sample
 from megarlhf.rollout.scoring import RewardSource, Scorer, SequenceCache, load_reward_fn
 from megarlhf.stages.common import check_writable, print0, progress, run_dir
+from megarlhf.parallel import watchdog
 
 
 # ------------------------------------------------------------------ set-up
@@ -349,6 +350,7 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
                            config=dataclasses.asdict(cfg), resume_step=start or None)
     evaluate_policy = _evaluator(cfg, session.sampler, session.eval_prompts, tokenizer, gold_fn)
 
+    @watchdog.labelled("evaluation")
     def evaluate(step: int) -> dict:
         out = evaluate_policy(step)
         if session.ema is not None and session.eval_prompts is not None:
@@ -457,7 +459,8 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
                                                      mini.policy_mask_BT, ppo.loss_agg)
                     batches += ptx.batches(it, step, S, role.layout, float(count))
                 meter = (meters or {}).get(role.spec.name) if epoch == 0 else None
-                with meter or contextlib.nullcontext():
+                with meter or contextlib.nullcontext(), \
+                        watchdog.phase(f"update of the {role.spec.name}"):
                     logs[role.spec.name] += forward_backward(
                         role.trained, fwd, batches, seq_length=S,
                         micro_batch_size=ppo.micro_batch_size)
@@ -466,7 +469,8 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
                                                   len(batches)).items():
                     moe_sums.setdefault(role.spec.name, {}).setdefault(key, []).append(value)
             if learners:
-                ok, _ = step_together([role.trained for role, _ in learners])
+                with watchdog.phase("optimizer step"):
+                    ok, _ = step_together([role.trained for role, _ in learners])
                 skipped += not ok
                 for role, _ in learners:
                     check_runaway(role.trained, role.spec.name)

@@ -1,0 +1,156 @@
+"""The watchdog: a rank that stops answering (stopped, killed without a trace, its node
+lost) is noticed by every other rank within ``parallel.timeout_minutes``, which then exit
+with a message naming the phase each was in and the ranks that went quiet - instead of
+waiting forever in a collective.
+
+Each rank runs a thread that writes a heartbeat (a counter) to the job's rendezvous store
+every few seconds and reads the others'. A heartbeat that has not changed for the
+deadline - measured on this rank's own clock, so hosts need not agree on the time - or a
+store that no longer answers for as long (its host, rank 0, stopped) ends this process:
+the message goes to stderr, ``RUN_DIR/STALLED`` is left for ``slurm/launch.sh`` (which
+requeues the job as after a preemption) and the process exits with :data:`EXIT_CODE`. The
+last checkpoint is untouched: a save writes a new folder and moves ``latest`` last.
+
+Phases (:func:`phase`) only label the message; the stages name the steps that wait on
+other ranks (sampling, the experience passes, the updates, resharding, saving, loading,
+evaluation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+import threading
+import time
+
+EXIT_CODE = 75  # EX_TEMPFAIL: the job may be run again
+MARKER = "STALLED"
+_PREFIX = "megarlhf/heartbeat/"
+
+_state = {"phase": "start-up", "run_dir": None, "timeout": datetime.timedelta(minutes=30)}
+_watch: "_Watch | None" = None
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Label what this rank is doing, for the watchdog's message."""
+    before = _state["phase"]
+    _state["phase"] = name
+    try:
+        yield
+    finally:
+        _state["phase"] = before
+
+
+def labelled(name: str):
+    """Decorator: the function runs as phase ``name``."""
+    def wrap(fn):
+        import functools
+
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            with phase(name):
+                return fn(*args, **kwargs)
+        return inner
+    return wrap
+
+
+def current_phase() -> str:
+    return _state["phase"]
+
+
+def set_run_dir(path: str) -> None:
+    """Where a stall leaves its marker (the run directory)."""
+    _state["run_dir"] = path
+
+
+class _Watch:
+    def __init__(self, store, rank: int, world: int, deadline_s: float, interval_s: float):
+        self.store, self.rank, self.world = store, rank, world
+        self.deadline, self.interval = deadline_s, interval_s
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="megarlhf-watchdog", daemon=True)
+
+    def _run(self) -> None:
+        beat = 0
+        now = time.monotonic()
+        seen = {r: (None, now) for r in range(self.world) if r != self.rank}  # value, since
+        store_ok = now
+        while not self.stop.wait(self.interval):
+            now = time.monotonic()
+            beat += 1
+            try:
+                self.store.set(f"{_PREFIX}{self.rank}", str(beat))
+                values = [self._get(f"{_PREFIX}{r}") for r in seen]
+                store_ok = now
+            except Exception:  # the store's host went quiet (or the job is ending)
+                if self.stop.is_set():
+                    return
+                if now - store_ok > self.deadline:
+                    self._abort([0], "the rendezvous store (on rank 0) stopped answering")
+                continue
+            for r, value in zip(list(seen), values):
+                last, since = seen[r]
+                if value != last:
+                    seen[r] = (value, now)
+            quiet = [r for r, (_, since) in seen.items() if now - since > self.deadline]
+            if quiet:
+                self._abort(quiet, "stopped sending heartbeats")
+
+    def _get(self, key: str):
+        return self.store.get(key) if self.store.check([key]) else None
+
+    def _abort(self, ranks: list[int], why: str) -> None:
+        names = ", ".join(str(r) for r in ranks)
+        minutes = self.deadline / 60
+        message = (f"[megarlhf] error: rank {self.rank} waited {minutes:g} minute(s) "
+                   f"(parallel.timeout_minutes) during phase '{current_phase()}': rank(s) "
+                   f"{names} {why}. Exiting; the last checkpoint is intact - run the same "
+                   "command again to resume from it (under slurm/launch.sh the job requeues).")
+        print(message, file=sys.stderr, flush=True)
+        run_dir = _state["run_dir"]
+        if run_dir:
+            try:
+                tmp = os.path.join(run_dir, f"{MARKER}.{self.rank}.tmp")
+                with open(tmp, "w") as f:
+                    f.write(message + "\n")
+                os.replace(tmp, os.path.join(run_dir, MARKER))
+            except OSError:
+                pass
+        os._exit(EXIT_CODE)
+
+
+def group_timeout() -> datetime.timedelta:
+    """``parallel.timeout_minutes`` of this job, for every process group a role builds
+    (torch gives a new group a default of its own, not the default group's)."""
+    return _state["timeout"]
+
+
+def start(rank: int, world: int, master_addr: str, master_port: int,
+          timeout_minutes: float) -> None:
+    """Start this rank's watchdog (nothing for one process). Its own connection to the
+    rendezvous store, with a short timeout, so a silent store is noticed too."""
+    global _watch
+    _state["timeout"] = datetime.timedelta(minutes=timeout_minutes)
+    if world <= 1 or _watch is not None:
+        return
+    import torch.distributed as dist
+
+    deadline = timeout_minutes * 60.0
+    interval = max(0.5, min(5.0, deadline / 6))
+    store = dist.TCPStore(master_addr, master_port, is_master=False,
+                          timeout=datetime.timedelta(seconds=max(2.0, interval)),
+                          wait_for_workers=False)
+    _watch = _Watch(store, rank, world, deadline, interval)
+    _watch.thread.start()
+
+
+def stop() -> None:
+    """Stop the watchdog (the process group is going away)."""
+    global _watch
+    if _watch is not None:
+        _watch.stop.set()
+        _watch.thread.join(timeout=10)
+        _watch = None
