@@ -94,3 +94,63 @@ def test_a_stopped_rank_is_named_and_the_run_resumes(tiny_checkpoints, moment):
     assert again.returncode == 0, again.stderr[-3000:]
     if last is not None:
         assert f"[ppo] resumed {last}" in again.stdout, again.stdout[-2000:]
+
+
+def test_one_run_per_directory(tiny_checkpoints):
+    """A second run in a run directory is refused naming the first (exit 2, before any
+    work); once the first is killed (SIGKILL: no chance to release), a new run takes the
+    lock over, says so, and resumes."""
+    out = tiny_checkpoints[0]
+    name = "locked"
+    single = ppo(tiny_checkpoints, name, 40)
+    single = single[:1] + single[single.index("-m", 2):]  # one process, no torchrun
+    single = [a for a in single if not a.startswith("parallel.")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    log = open(out / f"{name}.log", "w+")
+    first = subprocess.Popen(single, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    run = out / name
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "latest").exists() and time.time() < deadline:
+        assert first.poll() is None, (out / f"{name}.log").read_text()[-3000:]
+        time.sleep(0.2)
+    second = subprocess.run(single, cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert f"is in use by another run (host {os.uname().nodename}, pid {first.pid}" \
+        in second.stderr, second.stderr[-2000:]
+    first.kill()
+    first.wait()
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    third = subprocess.run(single[:-len(tiny_checkpoints[2])] + ["ppo.num_iterations=4"]
+                           + list(tiny_checkpoints[2]), cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"pid {first.pid}" in third.stdout and "its process no longer exists" \
+        in third.stdout, third.stdout[-2000:]
+    assert f"[ppo] resumed {latest}" in third.stdout
+    assert not (run / "LOCK").exists()  # released at the end
+
+
+def test_a_lock_from_another_host_is_taken_over_only_when_stale(tmp_path):
+    """Across hosts the owner's pid cannot be checked: its lock counts as held while it is
+    refreshed, and is taken over (with a message) once it is older than runlock.STALE_S; a
+    damaged lock file is taken over too."""
+    import json
+
+    from megarlhf.stages import runlock
+    lock = tmp_path / runlock.LOCK_FILE
+    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": "then"}))
+    with pytest.raises(runlock.RunLocked, match="in use by another run \\(host elsewhere"):
+        runlock.acquire(str(tmp_path))
+    old = time.time() - runlock.STALE_S - 5
+    os.utime(lock, (old, old))
+    said = []
+    runlock.acquire(str(tmp_path), log=said.append)
+    assert "last refreshed" in said[0] and json.loads(lock.read_text())["pid"] == os.getpid()
+    runlock.release()
+    assert not lock.exists()
+    lock.write_text("{")  # torn
+    said.clear()
+    runlock.acquire(str(tmp_path), log=said.append)
+    assert "damaged" in said[0]
+    runlock.release()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 
 from megarlhf.config import Config
-from megarlhf.parallel.rank import is_first
 from megarlhf.parallel import watchdog
+from megarlhf.parallel.rank import is_first, launcher_rank
+from megarlhf.stages import runlock
 
 
 def run_dir(cfg: Config) -> str:
@@ -14,7 +15,8 @@ def run_dir(cfg: Config) -> str:
 
 
 def check_writable(cfg: Config) -> str:
-    """The run directory exists and takes a file - before any model is built."""
+    """The run directory exists, takes a file and is this run's alone (``runlock``) -
+    before any model is built."""
     path = run_dir(cfg)
     try:
         os.makedirs(path, exist_ok=True)
@@ -26,6 +28,8 @@ def check_writable(cfg: Config) -> str:
         raise ValueError(f"the run directory {path} is not writable ({err.strerror}): set "
                          "run.output_dir to a writable place") from None
     watchdog.set_run_dir(path)
+    if launcher_rank() == 0:  # one lock per run, taken by its first rank
+        runlock.acquire(path)
     return path
 
 
