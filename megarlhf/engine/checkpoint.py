@@ -138,8 +138,19 @@ def resolve_checkpoint(path: str) -> str:
 
 
 def read_meta(path: str) -> dict:
-    with open(os.path.join(resolve_checkpoint(path), META_FILE)) as f:
-        return json.load(f)
+    """A checkpoint's metadata; a damaged file is an error naming it."""
+    file = os.path.join(resolve_checkpoint(path), META_FILE)
+    try:
+        with open(file) as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is damaged (not valid JSON: {err}); the checkpoint cannot "
+                         "be read: point at another one, or delete this checkpoint folder "
+                         "so the run resumes from the one before") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{file} is damaged (a {type(meta).__name__}, not the checkpoint's "
+                         "metadata)")
+    return meta
 
 
 @watchdog.labelled("checkpoint save")

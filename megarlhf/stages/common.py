@@ -43,3 +43,89 @@ def progress(total: int, initial: int, desc: str, enabled: bool):
     from tqdm import tqdm
     return tqdm(total=total, initial=initial, desc=desc, disable=not (enabled and is_first()),
                 dynamic_ncols=True)
+
+
+_ABSENT = "(absent)"
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _fixed(key: str) -> bool:
+    """A field the resumed weights depend on: the model's shape."""
+    from megarlhf.roles.spec import MLA_SHAPE_FIELDS, MOE_SHAPE_FIELDS, SHAPE_FIELDS
+    parts = key.split(".")
+    if parts[0] == "roles" and len(parts) > 2:
+        parts = parts[2:]
+    if parts[:1] != ["model"]:
+        return False
+    if len(parts) == 2:
+        return parts[1] in SHAPE_FIELDS
+    return len(parts) == 3 and parts[2] in {"moe": MOE_SHAPE_FIELDS,
+                                            "mla": MLA_SHAPE_FIELDS}.get(parts[1], ())
+
+
+# fields whose null means a value derived from the others: compared as derived
+_DERIVED = {"ffn_hidden_size": "ffn_size", "num_query_groups": "query_groups",
+            "head_dim": "head_size", "tie_word_embeddings": "tied",
+            "add_qkv_bias": "qkv_bias"}
+
+
+def _same_in_effect(key: str, saved: dict, cfg: Config) -> bool:
+    """``model.<field>`` written out as the value its null stood for."""
+    from megarlhf.config import ModelConfig, section_from_dict
+
+    parts = key.split(".")
+    if len(parts) != 2 or parts[0] != "model" or parts[1] not in _DERIVED:
+        return False
+    try:
+        before = section_from_dict(ModelConfig, dict(saved.get("model") or {}), "saved model")
+    except ValueError:
+        return False
+    prop = _DERIVED[parts[1]]
+    return getattr(before, prop) == getattr(cfg.model, prop)
+
+
+def explain_resume(cfg: Config, ckpt_dir: str, stage: str = "resume") -> dict:
+    """Before a resume from ``ckpt_dir``'s latest checkpoint: the settings that differ from
+    those it was written with, printed field by field and appended to
+    ``RUN_DIR/resumes.jsonl``; a changed model shape is refused (the saved weights are of
+    the old one). Returns {key: [old, new]}."""
+    import dataclasses
+    import json
+
+    from megarlhf.engine.checkpoint import read_meta, resolve_checkpoint
+
+    path = resolve_checkpoint(ckpt_dir)
+    meta = {**read_meta(path), "tag": os.path.basename(path)}
+    saved = meta.get("config")
+    if not isinstance(saved, dict):
+        return {}
+    before, now = _flat(saved), _flat(dataclasses.asdict(cfg))
+    changes = {k: [before.get(k, _ABSENT), now.get(k, _ABSENT)]
+               for k in sorted(set(before) | set(now))
+               if before.get(k, _ABSENT) != now.get(k, _ABSENT)}
+    fixed = [k for k in changes if _fixed(k) and not _same_in_effect(k, saved, cfg)]
+    if fixed:
+        raise ValueError(
+            f"resuming {meta.get('tag')} of {run_dir(cfg)} with another model shape: "
+            + "; ".join(f"{k} was {changes[k][0]!r}, now {changes[k][1]!r}" for k in fixed)
+            + ". The checkpoint's weights have the old shape: drop the override, or start "
+            "a new run (run.name) from this checkpoint (checkpoint.load)")
+    if changes:
+        print0(f"[{stage}] resuming {meta.get('tag')} with {len(changes)} setting(s) changed "
+               "since it was written:")
+        for key, (old, new) in changes.items():
+            print0(f"[{stage}]   {key}: {old!r} -> {new!r}")
+        if launcher_rank() == 0:
+            with open(os.path.join(run_dir(cfg), "resumes.jsonl"), "a") as f:
+                f.write(json.dumps({"checkpoint": meta.get("tag"), "changes": changes},
+                                   default=str) + "\n")
+    return changes

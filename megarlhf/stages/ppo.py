@@ -40,7 +40,7 @@ from megarlhf.rollout.reshard import (
     Resharder, build_inference_model, inference_layout, release_inference_weights)
 from megarlhf.rollout.sampling import Sampler, decode_sample
 from megarlhf.rollout.scoring import RewardSource, Scorer, SequenceCache, load_reward_fn
-from megarlhf.stages.common import check_writable, print0, progress, run_dir
+from megarlhf.stages.common import check_writable, explain_resume, print0, progress, run_dir
 from megarlhf.parallel import watchdog
 
 
@@ -337,6 +337,7 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
     ckpt_dir = os.path.join(run_dir(cfg), "checkpoints")
     start = 0
     if cfg.checkpoint.resume and os.path.exists(os.path.join(ckpt_dir, LATEST_FILE)):
+        explain_resume(cfg, ckpt_dir)
         meta = load_checkpoint(ckpt_dir, session.roles, layout=session.layouts)
         start = int(meta["trainer"]["iteration"])
         kl_ctl.load_state_dict(meta["trainer"]["kl_controller"])

@@ -27,7 +27,7 @@ from megarlhf.engine.schedule import run_schedule
 from megarlhf.engine.steps import reduce_logs
 from megarlhf.parallel.launch import init_distributed, read_dist_env, seed_everything
 from megarlhf.parallel.layout import RankLayout
-from megarlhf.stages.common import check_writable, print0, progress, run_dir
+from megarlhf.stages.common import check_writable, explain_resume, print0, progress, run_dir
 
 
 @dataclass(frozen=True)
@@ -178,6 +178,7 @@ def resume(cfg: Config, role: Role, name: str) -> int:
     ckpt_dir = os.path.join(run_dir(cfg), "checkpoints")
     if not (cfg.checkpoint.resume and os.path.exists(os.path.join(ckpt_dir, LATEST_FILE))):
         return 0
+    explain_resume(cfg, ckpt_dir)
     meta = load_checkpoint(ckpt_dir, {name: role.state()}, layout=role.layout.describe())
     start = int(meta["trainer"]["step"])
     role.trained.num_skipped_steps = int(meta["trainer"].get("skipped_steps", 0))

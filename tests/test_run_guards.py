@@ -1,8 +1,9 @@
-"""The watchdog (issue 38): one rank of a 2-process PPO is stopped (SIGSTOP, as a wedged
-process or a lost node looks to the others) at different moments; the live rank exits
-non-zero within ``parallel.timeout_minutes`` plus 30 s, naming the phase it was in and the
-silent rank, leaves ``STALLED`` for the Slurm launcher, and the same command then resumes
-from the last checkpoint."""
+"""Guards around a run (issue 38). The watchdog: one rank of a 2-process PPO is stopped
+(SIGSTOP, as a wedged process or a lost node looks to the others) at different moments;
+the live rank exits non-zero within ``parallel.timeout_minutes`` plus 30 s, naming the
+phase it was in and the silent rank, leaves ``STALLED`` for the Slurm launcher, and the same
+command then resumes from the last checkpoint. One run per run directory. A resume with
+changed settings says what changed; with another model shape it is refused."""
 
 import os
 import signal
@@ -154,3 +155,32 @@ def test_a_lock_from_another_host_is_taken_over_only_when_stale(tmp_path):
     runlock.acquire(str(tmp_path), log=said.append)
     assert "damaged" in said[0]
     runlock.release()
+
+
+def test_a_resume_with_changed_settings_says_what_changed(tiny_checkpoints, tmp_path):
+    """Each changed setting printed and recorded in resumes.jsonl; a changed model shape
+    refused before anything is loaded (exit 2, no traceback); a damaged checkpoint
+    metadata file named."""
+    import json
+
+    from conftest import run_cli
+    out, task, common = tiny_checkpoints
+    args = ["sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
+            "checkpoint.save_interval=2", "run.name=changed",
+            *[c for c in common if not c.startswith("run.output_dir")],
+            f"run.output_dir={tmp_path}"]
+    run_cli(*args, "train.max_steps=2")
+    proc = run_cli(*args, "train.max_steps=4", "train.micro_batch_size=2")
+    assert "[resume] resuming step_0000002 with 2 setting(s) changed" in proc.stdout
+    assert "[resume]   train.micro_batch_size: 4 -> 2" in proc.stdout
+    assert json.loads((tmp_path / "changed" / "resumes.jsonl").read_text()) == {
+        "checkpoint": "step_0000002",
+        "changes": {"train.max_steps": [2, 4], "train.micro_batch_size": [4, 2]}}
+    proc = run_cli(*args, "train.max_steps=6", "model.num_layers=3", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "with another model shape: model.num_layers was 2, now 3" in proc.stderr
+    meta = tmp_path / "changed" / "checkpoints" / "step_0000004" / "megarlhf_meta.json"
+    meta.write_text('{"roles": ')
+    proc = run_cli(*args, "train.max_steps=6", check=False)
+    assert proc.returncode == 2 and f"{meta} is damaged (not valid JSON" in proc.stderr, \
+        proc.stderr[-2000:]
