@@ -184,3 +184,35 @@ def test_a_resume_with_changed_settings_says_what_changed(tiny_checkpoints, tmp_
     proc = run_cli(*args, "train.max_steps=6", check=False)
     assert proc.returncode == 2 and f"{meta} is damaged (not valid JSON" in proc.stderr, \
         proc.stderr[-2000:]
+
+
+def test_a_short_run_that_went_wrong_does_not_end_done(tiny_checkpoints):
+    """Two iterations whose every optimizer step was skipped (NaN rewards; the in-a-row
+    guard off): more than optimizer.max_skipped_fraction of the run's steps, so it exits 2
+    naming the setting, however short. An iteration whose KL is above ppo.max_kl stops the
+    run before that iteration is saved."""
+    from conftest import WORKERS
+    from test_reliability_runs import ppo_args
+    out = tiny_checkpoints[0]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": WORKERS}
+    nan = ["ppo.reward_checkpoint=null", "rollout.reward_fn=rewards:nan_reward",
+           "ppo.critic_init=sft", "ppo.num_iterations=2", "checkpoint.save_interval=1",
+           "optimizer.max_consecutive_skipped_steps=0"]
+    proc = subprocess.run([sys.executable, "-m", "megarlhf.cli",
+                           *ppo_args(tiny_checkpoints, "short-nan", *nan)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "optimizer steps were skipped for non-finite gradients " \
+           "(optimizer.max_skipped_fraction=0.25)" in proc.stderr, proc.stderr[-2000:]
+    assert "[ppo] done" not in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "megarlhf.cli",
+                           *ppo_args(tiny_checkpoints, "short-kl", "ppo.num_iterations=2",
+                                     "checkpoint.save_interval=1", "ppo.max_kl=1e-9")],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    # iteration 1 samples from the reference itself (KL 0); iteration 2 trips
+    assert "iteration 2: objective/kl=" in proc.stderr and "above ppo.max_kl=1e-09" \
+        in proc.stderr, proc.stderr[-2000:]
+    assert (out / "short-kl" / "checkpoints" / "latest").read_text() == "iter_000001"
+    assert not (out / "short-kl" / "checkpoints" / "iter_000002").exists()

@@ -43,9 +43,11 @@ class OptimizerConfig:
     """Stop the run (exit 2) after this many optimizer steps in a row were skipped for
     non-finite gradients - a learning rate far too high, NaN rewards or data; 0 never
     stops. fp16's loss-scale search skips a few steps at the start."""
-    max_skipped_fraction: float = 0.5
-    """Stop the run when more than this fraction of its optimizer steps (once there are 20)
-    were skipped; 1 never stops."""
+    max_skipped_fraction: float = 0.25
+    """Stop the run (exit 2) when more than this fraction of its optimizer steps were
+    skipped: checked once there are 20 steps, and at the end of every run however short
+    (fp16 runs: once there are 20 only, its loss-scale search skips the first steps); 1
+    never stops."""
 
     def __post_init__(self):
         for name in ("lr", "critic_lr"):

@@ -91,23 +91,27 @@ class TrainedRole:
 
 
 class RunawayError(RuntimeError):
-    """Too many optimizer steps skipped for non-finite gradients: the run stops."""
+    """Too many optimizer steps skipped for non-finite gradients, or a metric out of its
+    configured band: the run stops."""
 
 
 MIN_STEPS_FOR_FRACTION = 20
 
 
-def check_runaway(role: TrainedRole, name: str = "model") -> None:
+def check_runaway(role: TrainedRole, name: str = "model", final: bool = False) -> None:
     """Stop a run whose steps keep being skipped (non-finite gradients: a learning rate
     far too high, NaN rewards or data) instead of finishing with ruined or unchanged
-    weights and exit 0."""
+    weights and exit 0. ``final``: the run's end, where the skipped fraction counts
+    however few steps there were (except under fp16's loss-scale search)."""
     if role.max_consecutive_skipped and role.consecutive_skipped >= role.max_consecutive_skipped:
         raise RunawayError(
             f"{name}: {role.consecutive_skipped} optimizer steps in a row were skipped for "
             "non-finite gradients (optimizer.max_consecutive_skipped_steps="
             f"{role.max_consecutive_skipped}); check optimizer.lr and the rewards/data. "
             "The run stops; its last checkpoint is unchanged")
-    if role.num_steps >= MIN_STEPS_FOR_FRACTION and role.max_skipped_fraction < 1.0 \
+    enough = role.num_steps >= MIN_STEPS_FOR_FRACTION or (
+        final and role.num_steps > 0 and not unwrap(role.model[0]).config.fp16)
+    if enough and role.max_skipped_fraction < 1.0 \
             and role.num_skipped_steps / role.num_steps > role.max_skipped_fraction:
         raise RunawayError(
             f"{name}: {role.num_skipped_steps} of {role.num_steps} optimizer steps were "

@@ -27,7 +27,8 @@ from megarlhf.memory.accounting import ActivationMeter, MemoryTracker, format_ta
 from megarlhf.engine.metrics import MetricsLogger
 from megarlhf.models import moe
 from megarlhf.roles.offload import TrainedOffloader
-from megarlhf.engine.optimizer import check_runaway, forward_backward, step_together
+from megarlhf.engine.optimizer import (RunawayError, check_runaway, forward_backward,
+                                      step_together)
 from megarlhf.parallel.preemption import PreemptionGuard, mark_preempted
 from megarlhf.roles.spec import ppo_role_specs
 from megarlhf.roles.build import build_role
@@ -371,6 +372,12 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
         if done % ppo.eval_interval == 0 or done == ppo.num_iterations:
             metrics.update(evaluate(done))
         logger.log(done, metrics)
+        if ppo.max_kl is not None and metrics["objective/kl"] > ppo.max_kl:
+            raise RunawayError(
+                f"iteration {done}: objective/kl={metrics['objective/kl']:.3g} is above "
+                f"ppo.max_kl={ppo.max_kl}: the policy ran away from the reference (check "
+                "optimizer.lr, the KL coefficient and the rewards); this iteration is not "
+                "saved, the last checkpoint is unchanged")
         if cfg.logging.sample_table_interval and (it % cfg.logging.sample_table_interval == 0):
             _sample_table(gen, exp, tokenizer, logger, done, bar)
         bar.update(1)
@@ -404,6 +411,9 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
         logger.log_text(ppo.num_iterations, "memory", "    " + table.replace("\n", "\n    "))
     session.close()
     logger.close()
+    for role in (session.actor, session.critic):  # a short run that went wrong
+        if role is not None and role.trained is not None:
+            check_runaway(role.trained, role.spec.name, final=True)
     print0("[ppo] done: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()
                                        if k.startswith(("eval/", "objective/"))))
     return result

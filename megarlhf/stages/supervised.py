@@ -270,4 +270,5 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
     save_role(cfg, role, role.spec.name, f"step_{plan.total_steps:07d}",
               {"step": plan.total_steps, "skipped_steps": role.trained.num_skipped_steps},
               {**saved, **extra})
+    check_runaway(role.trained, role.spec.name, final=True)  # a short run that went wrong
     return result
