@@ -78,6 +78,11 @@ def test_file_errors(tmp_path):
         load_config(write(tmp_path, "- 1\n- 2\n"))
     with pytest.raises(ConfigError, match="did you mean 'model.hidden_size'"):
         load_config(write(tmp_path, "model:\n  hiden_size: 3\n"))
+    # plain YAML keeps the last of a repeated key, silently
+    path = write(tmp_path, "model:\n  num_layers: 2\n  hidden_size: 64\n  num_layers: 3\n")
+    with pytest.raises(ConfigError, match=f"{path}: key 'num_layers' is given twice, on "
+                                          "lines 2 and 4"):
+        load_config(path)
 
 
 @pytest.mark.parametrize("overrides, world, message", [

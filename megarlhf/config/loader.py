@@ -211,6 +211,30 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     return pairs
 
 
+class _RepeatedKey(ValueError):
+    pass
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the
+    last, silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _RepeatedKey(f"key '{key}' is given twice, on lines {seen[key]} and "
+                                   f"{line}: keep one")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                              _StrictLoader.construct_mapping)
+
+
 def read_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Loaded:
     """Read ``path`` (YAML; None means all defaults), apply overrides, validate; with the
     config, what the file and the overrides wrote."""
@@ -220,7 +244,9 @@ def read_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Lo
             raise ConfigError(f"config file not found: {path}")
         with open(path) as f:
             try:
-                tree = yaml.safe_load(f) or {}
+                tree = yaml.load(f, Loader=_StrictLoader) or {}
+            except _RepeatedKey as err:
+                raise ConfigError(f"{path}: {err}") from None
             except yaml.YAMLError as err:
                 raise ConfigError(f"{path} is not valid YAML: {err}") from None
         if not isinstance(tree, dict):
