@@ -216,3 +216,23 @@ def test_a_short_run_that_went_wrong_does_not_end_done(tiny_checkpoints):
         in proc.stderr, proc.stderr[-2000:]
     assert (out / "short-kl" / "checkpoints" / "latest").read_text() == "iter_000001"
     assert not (out / "short-kl" / "checkpoints" / "iter_000002").exists()
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_forked_writers_die_with_a_killed_run(mode):
+    """A process killed while its forked children (megatron's checkpoint writers) run: with
+    signals.die_with_parent (every training CLI run installs it) they die with it instead
+    of waiting forever as orphans; without, the child outlives it (so the test can fail)."""
+    from conftest import WORKERS
+    parent = subprocess.Popen([sys.executable, os.path.join(WORKERS, "fork_and_wait.py"),
+                               mode], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 5
+    while alive(child) and time.time() < deadline:
+        time.sleep(0.05)
+    gone = not alive(child)
+    if not gone:
+        os.kill(child, signal.SIGKILL)
+    assert gone == (mode == "on")

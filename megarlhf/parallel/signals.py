@@ -4,6 +4,7 @@ next safe point. No torch import here: the CLI installs them before anything slo
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 
 from megarlhf.parallel.rank import is_first
@@ -21,6 +22,37 @@ def install_handlers() -> None:
     for sig in SIGNALS:
         signal.signal(sig, _handler)
     _STATE["installed"] = True
+    die_with_parent()
+
+
+_FORKER = [0]
+
+
+def die_with_parent() -> None:
+    """Processes this one forks from now on (megatron's checkpoint writers) are killed when
+    it dies: without that, a run killed during a save leaves its writers waiting forever
+    for a parent that is gone (Linux's PR_SET_PDEATHSIG, set in each forked child; a child
+    whose parent died before that is set exits at once)."""
+    if _STATE.get("forks_die") or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import os
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+
+    def before() -> None:
+        _FORKER[0] = os.getpid()
+
+    def in_child() -> None:
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != _FORKER[0]:
+            os._exit(1)
+
+    os.register_at_fork(before=before, after_in_child=in_child)
+    _STATE["forks_die"] = True
 
 
 def _handler(signum, frame):
