@@ -112,7 +112,10 @@ def _copy_checkpoint(tmp_path, src_run: str, tag: str, dst_run: str) -> None:
     open(os.path.join(tmp_path, dst_run, "checkpoints", "latest"), "w").write(tag)
 
 
-RESHARD_TOL = 3e-6  # a loss after a resume at another data-parallel size
+# A loss after a resume at another data-parallel size: the reductions run in another order.
+# Measured at most 9.0e-7 on one machine and 3.6e-6 on another (an AMD EPYC: its kernels
+# round differently); a lost optimizer state misses by 0.045.
+RESHARD_TOL = 1e-5
 
 
 def test_resume_is_bitwise_and_reshardable(task, tmp_path):
@@ -144,7 +147,7 @@ def test_resume_is_bitwise_and_reshardable(task, tmp_path):
     _copy_checkpoint(tmp_path, "dp2", "step_0000012", "back")
     run_cli(*sft_args(task, tmp_path, "back", "train.max_steps=18", *common))
     back = losses(tmp_path, "back")
-    for step in range(13, 19):  # measured: at most 9.0e-7
+    for step in range(13, 19):  # measured: at most 9.0e-7 (3.6e-6 on an AMD EPYC)
         assert abs(back[step] - unbroken[step]) < RESHARD_TOL, (step, back[step],
                                                                 unbroken[step])
     # Adam's state lost in the move would show: the same DP=2 resume from a copy of the
@@ -161,7 +164,7 @@ def test_resume_is_bitwise_and_reshardable(task, tmp_path):
     fresh = losses(tmp_path, "fresh")
     assert abs(fresh[7] - unbroken[7]) < RESHARD_TOL  # the same weights before step 7
     gaps = [abs(fresh[step] - unbroken[step]) for step in range(8, 13)]
-    assert max(gaps) > 300 * RESHARD_TOL, gaps  # measured: 0.045
+    assert max(gaps) > 1000 * RESHARD_TOL, gaps  # measured: 0.045
 
 
 def test_crash_during_save_keeps_previous_checkpoint(task, tmp_path):

@@ -159,8 +159,8 @@ def test_a_lock_from_another_host_is_taken_over_only_when_stale(tmp_path):
 
 def test_a_resume_with_changed_settings_says_what_changed(tiny_checkpoints, tmp_path):
     """Each changed setting printed and recorded in resumes.jsonl; a changed model shape
-    refused before anything is loaded (exit 2, no traceback); a damaged checkpoint
-    metadata file named."""
+    refused before anything is loaded (exit 2, no traceback); a torn latest checkpoint
+    passed over for the newest complete one, with a message; none complete: an error."""
     import json
 
     from conftest import run_cli
@@ -179,10 +179,18 @@ def test_a_resume_with_changed_settings_says_what_changed(tiny_checkpoints, tmp_
     proc = run_cli(*args, "train.max_steps=6", "model.num_layers=3", check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "with another model shape: model.num_layers was 2, now 3" in proc.stderr
-    meta = tmp_path / "changed" / "checkpoints" / "step_0000004" / "megarlhf_meta.json"
-    meta.write_text('{"roles": ')
+    # the checkpoint `latest` names is torn: the newest complete one is taken, said so
+    ckpts = tmp_path / "changed" / "checkpoints"
+    (ckpts / "step_0000004" / "megarlhf_meta.json").write_text('{"roles": ')
+    proc = run_cli(*args, "train.max_steps=4", "train.micro_batch_size=2")
+    assert f"{ckpts / 'latest'} names 'step_0000004', which is not a complete checkpoint; " \
+           "taking step_0000002" in proc.stdout, proc.stdout[-2000:]
+    assert (ckpts / "latest").read_text() == "step_0000004"  # saved again, whole
+    # nothing complete to fall back on: an error naming the pointer
+    for tag in ("step_0000002", "step_0000004"):
+        (ckpts / tag / "megarlhf_meta.json").unlink()
     proc = run_cli(*args, "train.max_steps=6", check=False)
-    assert proc.returncode == 2 and f"{meta} is damaged (not valid JSON" in proc.stderr, \
+    assert proc.returncode == 2 and "holds no complete checkpoint" in proc.stderr, \
         proc.stderr[-2000:]
 
 

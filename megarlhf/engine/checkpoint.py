@@ -40,6 +40,7 @@ from megarlhf.engine.optimizer_state import (
 )
 from megarlhf.models.gpt import sharded_state_dict, unwrap
 from megarlhf.parallel import watchdog
+from megarlhf.parallel.rank import is_first
 
 META_FILE = "megarlhf_meta.json"
 LATEST_FILE = "latest"
@@ -129,12 +130,47 @@ def resolve_checkpoint(path: str) -> str:
         path = nested
     latest = os.path.join(path, LATEST_FILE)
     if os.path.exists(latest):
-        with open(latest) as f:
-            path = os.path.join(path, f.read().strip())
+        return _latest_complete(path, latest)
     if not os.path.exists(os.path.join(path, META_FILE)):
         raise FileNotFoundError(f"{path!r} is not a complete megarlhf checkpoint "
                                 f"(no {META_FILE})")
     return path
+
+
+def _complete(folder: str) -> bool:
+    """A checkpoint whose metadata (written after everything else) is there and readable."""
+    try:
+        with open(os.path.join(folder, META_FILE)) as f:
+            return isinstance(json.load(f), dict)
+    except (OSError, ValueError):
+        return False
+
+
+def _latest_complete(folder: str, latest: str) -> str:
+    """The checkpoint ``latest`` names; when that is not a complete checkpoint (the pointer
+    damaged or emptied, the folder deleted or torn), the newest complete one in ``folder``,
+    said so; an error naming the pointer when there is none."""
+    try:
+        with open(latest) as f:
+            name = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        name = ""
+    target = os.path.join(folder, name)
+    if name and os.sep not in name and _complete(target):
+        return target
+    why = (f"names {name!r}, which is not a complete checkpoint" if name
+           else "is empty or unreadable")
+    tags = sorted((d for d in os.listdir(folder)
+                   if os.path.isdir(os.path.join(folder, d)) and _complete(os.path.join(folder, d))),
+                  key=lambda d: (len(d), d))
+    if not tags:
+        raise FileNotFoundError(f"{latest} {why}, and {folder} holds no complete checkpoint: "
+                                "start the run afresh (delete the folder) or point "
+                                "checkpoint.load at another checkpoint")
+    if is_first():
+        print(f"[checkpoint] warning: {latest} {why}; taking {tags[-1]}, the newest complete "
+              "checkpoint there", flush=True)
+    return os.path.join(folder, tags[-1])
 
 
 def read_meta(path: str) -> dict:

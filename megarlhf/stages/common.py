@@ -108,10 +108,15 @@ def explain_resume(cfg: Config, ckpt_dir: str, stage: str = "resume") -> dict:
     saved = meta.get("config")
     if not isinstance(saved, dict):
         return {}
+    from megarlhf.config import config_from_dict
+
     before, now = _flat(saved), _flat(dataclasses.asdict(cfg))
+    defaults = _flat(dataclasses.asdict(config_from_dict({})))
     changes = {k: [before.get(k, _ABSENT), now.get(k, _ABSENT)]
                for k in sorted(set(before) | set(now))
-               if before.get(k, _ABSENT) != now.get(k, _ABSENT)}
+               if before.get(k, _ABSENT) != now.get(k, _ABSENT)
+               # a field added since the checkpoint was written, at its default
+               and not (k not in before and k in defaults and now.get(k) == defaults[k])}
     fixed = [k for k in changes if _fixed(k) and not _same_in_effect(k, saved, cfg)]
     if fixed:
         raise ValueError(
