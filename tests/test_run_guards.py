@@ -244,3 +244,36 @@ def test_forked_writers_die_with_a_killed_run(mode):
     if not gone:
         os.kill(child, signal.SIGKILL)
     assert gone == (mode == "on")
+
+
+def test_a_full_disk_keeps_latest_and_the_next_run_resumes(tiny_checkpoints, tmp_path):
+    """A real full disk: the run directory on a 3 MiB tmpfs (a checkpoint of the tiny
+    policy is about 1.8 MiB). The second save runs out of space: the run stops naming the
+    device and the checkpoint `latest` still points at, leaving no partial folder; with
+    room (the tmpfs grown), the same command resumes from it."""
+    from conftest import run_cli
+    out, task, common = tiny_checkpoints
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()})")
+    try:
+        args = ["sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
+                "checkpoint.save_interval=2", "checkpoint.keep_last=2", "run.name=full",
+                *[c for c in common if not c.startswith("run.output_dir")],
+                f"run.output_dir={disk}", "train.max_steps=4"]
+        proc = run_cli(*args, check=False)
+        assert proc.returncode != 0, proc.stdout[-2000:]
+        assert "no space left on device at" in proc.stderr and \
+            "latest is still step_0000002" in proc.stderr, proc.stderr[-2000:]
+        ckpts = disk / "full" / "checkpoints"
+        assert (ckpts / "latest").read_text() == "step_0000002"
+        assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_0000002"]
+        subprocess.run(["mount", "-o", "remount,size=32m", str(disk)], check=True)
+        proc = run_cli(*args)
+        assert "resumed step_0000002" in proc.stdout
+        assert (ckpts / "latest").read_text() == "step_0000004"
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
