@@ -277,3 +277,20 @@ def test_a_full_disk_keeps_latest_and_the_next_run_resumes(tiny_checkpoints, tmp
         assert (ckpts / "latest").read_text() == "step_0000004"
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_damaged_reference_cache_starts_empty(tiny_checkpoints):
+    """The reference log-prob cache saved with a PPO checkpoint, torn: the resume says so
+    and starts the cache empty (it only saves work) instead of failing."""
+    from conftest import run_cli
+    from test_reliability_runs import ppo_args
+    out = tiny_checkpoints[0]
+    args = ppo_args(tiny_checkpoints, "torn-cache", "checkpoint.save_interval=1")
+    run_cli(*args, "ppo.num_iterations=1")
+    cache = out / "torn-cache" / "checkpoints" / "iter_000001" / "ref_cache.pt"
+    assert cache.exists()
+    cache.write_bytes(cache.read_bytes()[:100])
+    proc = run_cli(*args, "ppo.num_iterations=2")
+    assert f"{cache} is damaged and cannot be read" in proc.stdout and \
+        "the reference log-prob cache starts empty" in proc.stdout, proc.stdout[-2000:]
+    assert "resumed iter_000001" in proc.stdout

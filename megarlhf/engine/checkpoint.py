@@ -288,7 +288,13 @@ def load_object(path: str, name: str) -> Any:
     """An object saved with the checkpoint at ``path`` (see ``save_checkpoint(objects=)``),
     or None when it has none."""
     file = os.path.join(resolve_checkpoint(path), f"{name}.pt")
-    return torch.load(file, weights_only=True) if os.path.exists(file) else None
+    if not os.path.exists(file):
+        return None
+    try:
+        return torch.load(file, weights_only=True)
+    except Exception as err:  # torch raises its own types for torn or foreign files
+        raise ValueError(f"{file} is damaged and cannot be read ({type(err).__name__}: "
+                         f"{str(err)[:200]})") from None
 
 
 def _prune(save_dir: str, keep_last: int, protect: str) -> None:

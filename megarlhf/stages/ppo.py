@@ -343,7 +343,11 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
         start = int(meta["trainer"]["iteration"])
         kl_ctl.load_state_dict(meta["trainer"]["kl_controller"])
         session.restore_ema(meta)
-        saved_cache = load_object(ckpt_dir, "ref_cache")
+        try:
+            saved_cache = load_object(ckpt_dir, "ref_cache")
+        except ValueError as err:  # a cache: safe to start empty
+            print0(f"[ppo] warning: {err}; the reference log-prob cache starts empty")
+            saved_cache = None
         if cache is not None and saved_cache is not None:
             cache.load_state_dict(saved_cache)
         print0(f"[ppo] resumed {meta['tag']} at iteration {start}")
