@@ -1,15 +1,25 @@
-"""Chaos soak: a 2-process PPO run killed with SIGKILL at random moments and rerun with the
-same command each time, against the same run left alone.
+"""Chaos soak for every training stage: 2-process SFT, reward-model, DPO and PPO (with an
+EMA actor) runs, each hit by faults at random moments and rerun with the same command after
+each, against the same run left alone.
 
-    .venv/bin/python bench/chaos.py [--kills 6] [--iterations 8] [--seed 0] [--out DIR]
+    .venv/bin/python bench/chaos.py [--stages sft rm dpo ppo] [--faults 8] [--steps 60]
+                                    [--iterations 8] [--seed 0] [--out DIR]
 
-Each kill takes the whole job (torchrun and both workers) at a random moment of a rerun -
-start-up, rollout, resharding, training or a checkpoint save; every second kill is aimed
-at a save (``MEGARLHF_FAULT_INJECT=save_before_commit``: all shards written, not yet
-committed). At the end, every non-timing metric of every iteration and the actor's
-log-probs on fixed sequences (``megarlhf score`` of the final checkpoints) must equal the
-uninterrupted run's, bitwise. Prints N, kills survived, the iterations each kill lost
-(at most one checkpoint interval) and the time.
+The faults cycle through four kinds:
+- ``kill``: SIGKILL of the whole job (torchrun and both workers) at a random moment -
+  start-up, rollout, resharding, training or a checkpoint save (a lost node);
+- ``save``: the N-th save of the rerun dies after writing every shard, before its commit
+  (``MEGARLHF_FAULT_INJECT=save_before_commit:N``), then the job is killed;
+- ``term``: SIGTERM to the workers (a preemption): they checkpoint at the next safe point
+  and exit 0;
+- ``stop``: SIGSTOP of rank 1 (a wedged process): rank 0's watchdog notices within
+  ``parallel.timeout_minutes`` (0.1 here), exits naming the phase and leaves ``STALLED``;
+  the stopped rank is then killed.
+Nothing is cleared by hand between faults: the next run takes over the run lock, skips a
+torn checkpoint and resumes. At the end, every non-timing metric of every step and the
+final weights (``megarlhf score`` log-probs of fixed sequences; the reward model: its eval
+metrics) must equal the uninterrupted run's, bitwise, and no fault may lose more than one
+checkpoint interval. Prints, per stage, the faults, the steps each lost and the time.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
+KINDS = ("kill", "save", "term", "stop")
 
 
 def cli(*argv, env=None):
@@ -58,8 +69,22 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def workers(proc) -> dict[int, int]:
+    """rank -> pid of torchrun's workers."""
+    out = {}
+    for pid in descendants(proc.pid):
+        try:
+            environ = open(f"/proc/{pid}/environ").read().split("\0")
+        except OSError:
+            continue
+        rank = [e[5:] for e in environ if e.startswith("RANK=")]
+        if rank and "megarlhf.cli" in open(f"/proc/{pid}/cmdline").read():
+            out.setdefault(int(rank[0]), pid)
+    return out
+
+
 def kill_job(proc) -> None:
-    """SIGKILL torchrun and everything it started, at once (a lost node)."""
+    """SIGKILL torchrun and everything it started, at once."""
     for pid in [proc.pid] + descendants(proc.pid):
         try:
             os.kill(pid, signal.SIGKILL)
@@ -78,11 +103,140 @@ def torchrun(args, env, wait=True):
     return proc
 
 
+def fault(kind: str, args: list, env: dict, rng: random.Random) -> str:
+    """Run ``args`` once more and hit it with ``kind``; returns what happened."""
+    if kind == "save":
+        n = rng.randint(1, 2)
+        proc = torchrun(args, {**env, "MEGARLHF_FAULT_INJECT": f"save_before_commit:{n}"})
+        kill_job(proc)  # the checkpoint writer's helper processes, if any survive
+        return f"save {n} of the rerun died before its commit"
+    proc = torchrun(args, env, wait=False)
+    delay = rng.uniform(3.0, 15.0)
+    time.sleep(delay)
+    if proc.poll() is not None:
+        return f"{kind} after {delay:.1f} s: the rerun had finished"
+    if kind == "kill":
+        kill_job(proc)
+        return f"SIGKILL after {delay:.1f} s"
+    ranks = workers(proc)
+    if kind == "term":
+        for pid in ranks.values():
+            os.kill(pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            kill_job(proc)
+            return f"SIGTERM after {delay:.1f} s: NOT honoured in 300 s"
+        return f"SIGTERM after {delay:.1f} s: exit {proc.returncode}"
+    # stop: rank 1 wedged; rank 0's watchdog ends the job
+    if 1 not in ranks:
+        kill_job(proc)
+        return f"stop after {delay:.1f} s: no rank 1 yet, killed instead"
+    os.kill(ranks[1], signal.SIGSTOP)
+    stopped = time.time()
+    while 0 in ranks and _alive(ranks[0]) and time.time() - stopped < 120:
+        time.sleep(0.2)
+    took = time.time() - stopped
+    kill_job(proc)
+    return f"SIGSTOP of rank 1 after {delay:.1f} s: rank 0 left after {took:.1f} s"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def stage_args(stage: str, out: str, task: dict, common: list, n: int) -> tuple[list, str]:
+    """The 2-process command of ``stage`` and the role its checkpoints hold for ``score``."""
+    every = ["checkpoint.save_interval=1", "checkpoint.keep_last=2",
+             "parallel.timeout_minutes=0.1", *common]
+    if stage != "ppo":  # train.max_steps decides, not the epochs
+        every.append("train.num_epochs=1000")
+    if stage == "sft":
+        return ["sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
+                f"train.max_steps={n}", "train.eval_interval=4", *every], "policy"
+    if stage == "rm":
+        return ["rm", "configs/rm_tiny.yaml", f"data.train_path={task['prefs']}",
+                f"train.max_steps={n}", "train.eval_interval=4", *every], ""
+    if stage == "dpo":
+        return ["dpo", "configs/dpo_tiny.yaml", f"data.train_path={task['prefs']}",
+                f"checkpoint.load={out}/sft-tiny/checkpoints", f"train.max_steps={n}",
+                "train.global_batch_size=8", "train.micro_batch_size=2",
+                "train.eval_interval=4", f"cache.path={out}/dpo-cache",
+                "dpo.gold_reward_fn=null", "dpo.gold_eval_path=null", *every], "policy"
+    return ["ppo", "configs/demo/ppo.yaml", f"data.train_path={task['prompts']}",
+            f"data.eval_path={task['eval_prompts']}", "ppo.num_eval_prompts=16",
+            f"ppo.sft_checkpoint={out}/sft-tiny/checkpoints",
+            f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", f"ppo.num_iterations={n}",
+            "ppo.eval_interval=2", "ppo.ema_decay=0.9", "logging.sample_table_interval=0",
+            "parallel.tensor_model_parallel_size=2", *every], "actor"
+
+
+def soak(stage: str, args, out: str, task: dict, common: list, env: dict,
+         rng: random.Random) -> dict:
+    n = args.iterations if stage == "ppo" else args.steps
+    base, role = stage_args(stage, out, task, common, n)
+    ref_dir, run = os.path.join(out, f"{stage}-reference"), os.path.join(out, f"{stage}-chaos")
+    start = time.time()
+    torchrun(base + [f"run.name={stage}-reference"], env)
+    ref_seconds = time.time() - start
+    assert steps(ref_dir) and steps(ref_dir)[-1] == n, f"{stage}: the reference did not finish"
+    chaos = base + [f"run.name={stage}-chaos"]
+    lost, log = [], []
+    start = time.time()
+    for k in range(args.faults):
+        if steps(run) and steps(run)[-1] == n and latest(run) == n:
+            break
+        before = latest(run)
+        how = fault(KINDS[k % len(KINDS)], chaos, env, rng)
+        progress, kept = max(steps(run), default=0), latest(run)
+        lost.append(max(0, progress - kept))
+        log.append(f"{stage} fault {k + 1} ({KINDS[k % len(KINDS)]}): {how}; checkpoint "
+                   f"{before} -> {kept}, metrics reached {progress}, lost {lost[-1]}")
+        print(log[-1], flush=True)
+    torchrun(chaos, env)  # run to the end
+    chaos_seconds = time.time() - start
+
+    from megarlhf.engine.metrics import read_metrics
+    ref = {r["step"]: r for r in read_metrics(ref_dir)}
+    got = {r["step"]: r for r in read_metrics(run)}
+    diffs = [(s, key) for s in ref for key, value in ref[s].items()
+             if not key.startswith(("timing/", "perf/")) and got.get(s, {}).get(key) != value]
+    same_steps = sorted(ref) == sorted(got)
+    same_weights = True
+    if role:
+        seqs = os.path.join(out, "seqs.jsonl")
+        with open(seqs, "w") as f:
+            for tokens in ([3, 7, 9, 11, 4], [5, 6, 7, 8]):
+                f.write(json.dumps({"tokens": tokens}) + "\n")
+        scores = []
+        for name in (f"{stage}-reference", f"{stage}-chaos"):
+            for r in ([role, "ema"] if stage == "ppo" else [role]):
+                dest = os.path.join(out, f"score_{name}_{r}.jsonl")
+                cli("score", "--config", "configs/sft_tiny.yaml", "--input", seqs, "--output",
+                    dest, "--ckpt-role", r, f"checkpoint.load={out}/{name}/checkpoints",
+                    f"tokenizer.path={task['tokenizer']}")
+                scores.append(open(dest).read())
+        half = len(scores) // 2
+        same_weights = scores[:half] == scores[half:]
+    ok = same_steps and not diffs and same_weights and max(lost, default=0) <= 1
+    return {"stage": stage, "faults": len(lost), "lost": lost, "log": log, "ok": ok,
+            "same_steps": same_steps, "diffs": diffs[:5], "n_diffs": len(diffs),
+            "same_weights": same_weights, "ref_seconds": ref_seconds,
+            "chaos_seconds": chaos_seconds, "steps": n}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kills", type=int, default=6)
-    parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--stages", nargs="+", default=["sft", "rm", "dpo", "ppo"],
+                        choices=["sft", "rm", "dpo", "ppo"])
+    parser.add_argument("--faults", type=int, default=8, help="faults per stage")
+    parser.add_argument("--steps", type=int, default=60, help="SFT / RM / DPO steps")
+    parser.add_argument("--iterations", type=int, default=8, help="PPO iterations")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="/tmp/megarlhf_chaos")
     args = parser.parse_args()
@@ -95,85 +249,26 @@ def main() -> int:
     task = write_task(os.path.join(args.out, "task"), seed=0)
     common = [f"tokenizer.path={task['tokenizer']}", f"run.output_dir={args.out}",
               "logging.progress_bar=false", "logging.tensorboard=false"]
-    cli("sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}", "train.max_steps=20",
-        *common)
-    cli("rm", "configs/rm_tiny.yaml", f"data.train_path={task['prefs']}", "train.max_steps=20",
-        *common)
-    ppo = ["ppo", "configs/demo/ppo.yaml", f"data.train_path={task['prompts']}",
-           f"data.eval_path={task['eval_prompts']}", "ppo.num_eval_prompts=16",
-           f"ppo.sft_checkpoint={args.out}/sft-tiny/checkpoints",
-           f"ppo.reward_checkpoint={args.out}/rm-tiny/checkpoints",
-           f"ppo.num_iterations={args.iterations}", "ppo.eval_interval=2", "ppo.ema_decay=0.9",
-           "checkpoint.save_interval=1", "checkpoint.keep_last=2",
-           "logging.sample_table_interval=0", "parallel.tensor_model_parallel_size=2",
-           *common]
-
-    start = time.time()
-    torchrun(ppo + ["run.name=reference"], env)
-    ref_seconds = time.time() - start
-    ref_dir, run = os.path.join(args.out, "reference"), os.path.join(args.out, "chaos")
-    assert steps(ref_dir)[-1] == args.iterations, "the reference run did not finish"
-
-    kills, lost, log = 0, [], []
-    start = time.time()
-    for k in range(args.kills):
-        if steps(run) and steps(run)[-1] == args.iterations:
-            break
-        before = latest(run)
-        if k % 2 == 1:  # at a save: the N-th save of this rerun dies before its commit
-            n = rng.randint(1, 2)
-            proc = torchrun(ppo + ["run.name=chaos"],
-                            {**env, "MEGARLHF_FAULT_INJECT": f"save_before_commit:{n}"},
-                            wait=True)
-            kill_job(proc)  # the checkpoint writer's helper processes, if any survive
-            how = f"in save {n} of the rerun"
-        else:
-            proc = torchrun(ppo + ["run.name=chaos"], env, wait=False)
-            delay = rng.uniform(3.0, 15.0)  # start-up, rollout, reshard, training, saves
-            time.sleep(delay)
-            if proc.poll() is None:
-                kill_job(proc)
-            proc.wait()
-            how = f"SIGKILL after {delay:.1f} s"
-        progress = max(steps(run), default=0)
-        kept = latest(run)
-        kills += 1
-        lost.append(progress - kept)
-        log.append(f"kill {kills}: {how}; checkpoint {before} -> {kept}, metrics reached "
-                   f"{progress}, iterations lost {progress - kept}")
-        print(log[-1], flush=True)
-    torchrun(ppo + ["run.name=chaos"], env)  # run to the end
-    chaos_seconds = time.time() - start
-
-    from megarlhf.engine.metrics import read_metrics
-    ref = {r["step"]: r for r in read_metrics(ref_dir)}
-    got = {r["step"]: r for r in read_metrics(run)}
-    assert sorted(ref) == sorted(got), (sorted(ref), sorted(got))
-    diffs = [(s, key) for s in ref for key, value in ref[s].items()
-             if not key.startswith(("timing/", "perf/")) and got[s].get(key) != value]
-    seqs = os.path.join(args.out, "seqs.jsonl")
-    with open(seqs, "w") as f:
-        for tokens in ([3, 7, 9, 11, 4], [5, 6, 7, 8]):
-            f.write(json.dumps({"tokens": tokens}) + "\n")
-    scores = []
-    for name in ("reference", "chaos"):
-        for role in ("actor", "ema"):
-            dest = os.path.join(args.out, f"score_{name}_{role}.jsonl")
-            cli("score", "--config", "configs/sft_tiny.yaml", "--input", seqs, "--output", dest,
-                "--ckpt-role", role, f"checkpoint.load={args.out}/{name}/checkpoints",
-                f"tokenizer.path={task['tokenizer']}")
-            scores.append(open(dest).read())
-    same_weights = scores[0] == scores[2] and scores[1] == scores[3]
-    print(f"\nchaos soak: {args.iterations} iterations, 2 processes (TP=2), checkpoint every "
-          f"iteration; {kills} kills, {kills} survived")
-    print(f"iterations lost per kill: {lost} (max {max(lost, default=0)}; bound: 1 = the "
-          "checkpoint interval)")
-    print(f"uninterrupted run {ref_seconds:.0f} s; killed and rerun {chaos_seconds:.0f} s")
-    print(f"metrics equal to the uninterrupted run's: {not diffs} "
-          f"({len(diffs)} differing values{': ' + str(diffs[:5]) if diffs else ''})")
-    print(f"actor and EMA log-probs equal (final checkpoints): {same_weights}")
-    ok = not diffs and same_weights and max(lost, default=0) <= 1
-    return 0 if ok else 1
+    if {"dpo", "ppo"} & set(args.stages):
+        cli("sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
+            "train.max_steps=20", *common)
+    if "ppo" in args.stages:
+        cli("rm", "configs/rm_tiny.yaml", f"data.train_path={task['prefs']}",
+            "train.max_steps=20", *common)
+    results = [soak(stage, args, args.out, task, common, env, rng) for stage in args.stages]
+    print()
+    for r in results:
+        print(f"chaos soak, {r['stage']}: {r['steps']} steps, 2 processes, checkpoint every "
+              f"step; {r['faults']} faults ({', '.join(KINDS)} in turn), all recovered "
+              f"without a hand: {r['ok']}")
+        print(f"  steps lost per fault: {r['lost']} (max {max(r['lost'], default=0)}; bound "
+              "1 = the checkpoint interval)")
+        print(f"  metrics equal to the uninterrupted run's: {r['same_steps'] and not r['diffs']}"
+              f" ({r['n_diffs']} differing values{': ' + str(r['diffs']) if r['diffs'] else ''})"
+              f"; final weights equal: {r['same_weights']}")
+        print(f"  uninterrupted {r['ref_seconds']:.0f} s; with faults and reruns "
+              f"{r['chaos_seconds']:.0f} s")
+    return 0 if all(r["ok"] for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -294,3 +294,18 @@ def test_a_damaged_reference_cache_starts_empty(tiny_checkpoints):
     assert f"{cache} is damaged and cannot be read" in proc.stdout and \
         "the reference log-prob cache starts empty" in proc.stdout, proc.stdout[-2000:]
     assert "resumed iter_000001" in proc.stdout
+
+
+def test_chaos_soak_short(tmp_path):
+    """bench/chaos.py's short version: a 2-process SFT hit by each kind of fault in turn
+    (SIGKILL of the job, a save killed before its commit, SIGTERM, SIGSTOP of one rank),
+    rerun with the same command after each, nothing cleared by hand: its metrics and final
+    weights equal the uninterrupted run's bitwise, at most one step lost per fault. (The
+    long soak, every stage with 20 faults: BENCHMARKS.md.)"""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "chaos.py"),
+                           "--stages", "sft", "--faults", "4", "--steps", "40",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "4 faults (kill, save, term, stop in turn), all recovered without a hand: True" \
+        in proc.stdout, proc.stdout[-3000:]
