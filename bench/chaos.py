@@ -197,7 +197,8 @@ def soak(stage: str, args, out: str, task: dict, common: list, env: dict,
         log.append(f"{stage} fault {k + 1} ({KINDS[k % len(KINDS)]}): {how}; checkpoint "
                    f"{before} -> {kept}, metrics reached {progress}, lost {lost[-1]}")
         print(log[-1], flush=True)
-    torchrun(chaos, env)  # run to the end
+    if not (steps(run) and steps(run)[-1] == n and latest(run) == n):
+        torchrun(chaos, env)  # run to the end
     chaos_seconds = time.time() - start
 
     from megarlhf.engine.metrics import read_metrics
