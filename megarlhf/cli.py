@@ -469,6 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as err:
         if os.environ.get("MEGARLHF_TRACEBACK"):  # the full traceback, for bug reports
             raise
+        from megarlhf.parallel import watchdog
+        stalled = watchdog.explain(err)  # a collective timed out: say who went quiet
+        if stalled:
+            print(stalled, file=sys.stderr, flush=True)
+            return watchdog.EXIT_CODE
         print(f"megarlhf: error: {err}", file=sys.stderr)
         return 2
     finally:

@@ -40,6 +40,9 @@ def phase(name: str):
     _state["phase"] = name
     try:
         yield
+    except BaseException:
+        _state.setdefault("failed_in", name)  # the innermost phase the error left
+        raise
     finally:
         _state["phase"] = before
 
@@ -70,13 +73,14 @@ class _Watch:
     def __init__(self, store, rank: int, world: int, deadline_s: float, interval_s: float):
         self.store, self.rank, self.world = store, rank, world
         self.deadline, self.interval = deadline_s, interval_s
+        self.seen: dict = {}  # rank -> (its last heartbeat, when it last moved)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="megarlhf-watchdog", daemon=True)
 
     def _run(self) -> None:
         beat = 0
         now = time.monotonic()
-        seen = {r: (None, now) for r in range(self.world) if r != self.rank}  # value, since
+        seen = self.seen = {r: (None, now) for r in range(self.world) if r != self.rank}
         store_ok = now
         while not self.stop.wait(self.interval):
             now = time.monotonic()
@@ -102,24 +106,62 @@ class _Watch:
     def _get(self, key: str):
         return self.store.get(key) if self.store.check([key]) else None
 
+    def quiet(self, seconds: float) -> list[int]:
+        """The ranks whose heartbeat has not moved for ``seconds``."""
+        now = time.monotonic()
+        return [r for r, (_, since) in dict(self.seen).items() if now - since > seconds]
+
     def _abort(self, ranks: list[int], why: str) -> None:
-        names = ", ".join(str(r) for r in ranks)
-        minutes = self.deadline / 60
-        message = (f"[megarlhf] error: rank {self.rank} waited {minutes:g} minute(s) "
-                   f"(parallel.timeout_minutes) during phase '{current_phase()}': rank(s) "
-                   f"{names} {why}. Exiting; the last checkpoint is intact - run the same "
-                   "command again to resume from it (under slurm/launch.sh the job requeues).")
-        print(message, file=sys.stderr, flush=True)
-        run_dir = _state["run_dir"]
-        if run_dir:
-            try:
-                tmp = os.path.join(run_dir, f"{MARKER}.{self.rank}.tmp")
-                with open(tmp, "w") as f:
-                    f.write(message + "\n")
-                os.replace(tmp, os.path.join(run_dir, MARKER))
-            except OSError:
-                pass
+        print(_message(self.rank, self.deadline, current_phase(), ranks, why),
+              file=sys.stderr, flush=True)
+        _leave_marker(_message(self.rank, self.deadline, current_phase(), ranks, why))
         os._exit(EXIT_CODE)
+
+
+def _message(rank: int, deadline: float, where: str, ranks: list[int], why: str) -> str:
+    names = ", ".join(str(r) for r in ranks)
+    return (f"[megarlhf] error: rank {rank} waited {deadline / 60:g} minute(s) "
+            f"(parallel.timeout_minutes) during phase '{where}': rank(s) {names} {why}. "
+            "Exiting; the last checkpoint is intact - run the same command again to resume "
+            "from it (under slurm/launch.sh the job requeues).")
+
+
+def _leave_marker(message: str) -> None:
+    """``RUN_DIR/STALLED`` with the message, for slurm/launch.sh."""
+    run_dir = _state["run_dir"]
+    if run_dir:
+        try:
+            tmp = os.path.join(run_dir, f"{MARKER}.{os.getpid()}.tmp")
+            with open(tmp, "w") as f:
+                f.write(message + "\n")
+            os.replace(tmp, os.path.join(run_dir, MARKER))
+        except OSError:
+            pass
+
+
+def explain(err: BaseException) -> str | None:
+    """A collective that timed out (the process groups' own timeout, which may fire just
+    before the watchdog): the watchdog's message - the phase the error left and the ranks
+    whose heartbeat stopped - with ``STALLED`` left as the watchdog leaves it; None for
+    any other error."""
+    text = str(err)
+    if _watch is None or not any(s in text for s in ("Timed out", "timed out", "Timeout",
+                                                       "timeout")):
+        return None
+    quiet = _watch.quiet(2 * _watch.interval)
+    where = _state.get("failed_in", current_phase())
+    first = text.splitlines()[0][:200] if text else type(err).__name__
+    if quiet:
+        message = _message(_watch.rank, _watch.deadline, where, quiet,
+                           "stopped sending heartbeats") + f" ({first})"
+    else:
+        message = (f"[megarlhf] error: rank {_watch.rank}: a collective of phase '{where}' "
+                   f"timed out after {_watch.deadline / 60:g} minute(s) "
+                   f"(parallel.timeout_minutes) while every rank still sent heartbeats: a "
+                   f"rank is slower than the timeout allows, or stuck in a collective "
+                   f"({first}). The last checkpoint is intact.")
+    _leave_marker(message)
+    return message
 
 
 def group_timeout() -> datetime.timedelta:
