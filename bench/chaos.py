@@ -235,7 +235,7 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", nargs="+", default=["sft", "rm", "dpo", "ppo"],
                         choices=["sft", "rm", "dpo", "ppo"])
-    parser.add_argument("--faults", type=int, default=8, help="faults per stage")
+    parser.add_argument("--faults", "--kills", type=int, default=8, help="faults per stage")
     parser.add_argument("--steps", type=int, default=60, help="SFT / RM / DPO steps")
     parser.add_argument("--iterations", type=int, default=8, help="PPO iterations")
     parser.add_argument("--seed", type=int, default=0)
