@@ -145,8 +145,10 @@ def explain(err: BaseException) -> str | None:
     whose heartbeat stopped - with ``STALLED`` left as the watchdog leaves it; None for
     any other error."""
     text = str(err)
-    if _watch is None or not any(s in text for s in ("Timed out", "timed out", "Timeout",
-                                                       "timeout")):
+    # gloo's "Timed out waiting ...", NCCL's "collective operation timeout" - not any error
+    # that merely mentions a timeout (a setting's name, say)
+    if _watch is None or not isinstance(err, RuntimeError) or not any(
+            s in text for s in ("Timed out", "timed out", "collective operation timeout")):
         return None
     quiet = _watch.quiet(2 * _watch.interval)
     where = _state.get("failed_in", current_phase())
