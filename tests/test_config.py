@@ -62,6 +62,11 @@ def test_exponent_floats_without_a_dot(tmp_path):
     ("model=3", "model must be a mapping"),
     ("model.arch.x=1", "'model.arch' is a value, not a section"),
     ("noequals", "must look like key.sub=value"),
+    ("run.metric_bands={objective/kl: [1]}", "must be [low, high]"),
+    ("run.metric_bands={objective/kl: [null, null]}", "bounds nothing"),
+    ("run.metric_bands={objective/kl: [2, 1]}", "low must be below high"),
+    ("run.metric_bands={objective/kl: [0, .inf]}", "bounds must be finite numbers or null"),
+    ("run.metric_bands={objective/kl: [a, 1]}", "expected a number"),
 ])
 def test_config_errors(override, message):
     with pytest.raises(ConfigError) as err:

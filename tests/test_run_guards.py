@@ -197,11 +197,9 @@ def test_a_resume_with_changed_settings_says_what_changed(tiny_checkpoints, tmp_
 def test_a_short_run_that_went_wrong_does_not_end_done(tiny_checkpoints):
     """Two iterations whose every optimizer step was skipped (NaN rewards; the in-a-row
     guard off): more than optimizer.max_skipped_fraction of the run's steps, so it exits 2
-    naming the setting, however short. An iteration whose KL is above ppo.max_kl stops the
-    run before that iteration is saved."""
+    naming the setting, however short."""
     from conftest import WORKERS
     from test_reliability_runs import ppo_args
-    out = tiny_checkpoints[0]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": WORKERS}
     nan = ["ppo.reward_checkpoint=null", "rollout.reward_fn=rewards:nan_reward",
@@ -214,16 +212,63 @@ def test_a_short_run_that_went_wrong_does_not_end_done(tiny_checkpoints):
     assert "optimizer steps were skipped for non-finite gradients " \
            "(optimizer.max_skipped_fraction=0.25)" in proc.stderr, proc.stderr[-2000:]
     assert "[ppo] done" not in proc.stdout
+
+
+@pytest.mark.parametrize("lr", ["5e-4", "1e6"])
+def test_a_metric_out_of_its_band_stops_the_run(tiny_checkpoints, lr):
+    """PPO at optimizer.lr=1e6 for 2 iterations (the issue's run: the policy is wrecked in
+    the first update, its KL from the reference jumps): with a KL band, exit 2 naming the
+    metric, its band and the setting, and iteration 2 is not saved. The same band at the
+    demo's learning rate lets the run finish (so the band is not what stops it)."""
+    from test_reliability_runs import ppo_args
+    out = tiny_checkpoints[0]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    name = f"band-lr{lr}"
     proc = subprocess.run([sys.executable, "-m", "megarlhf.cli",
-                           *ppo_args(tiny_checkpoints, "short-kl", "ppo.num_iterations=2",
-                                     "checkpoint.save_interval=1", "ppo.max_kl=1e-9")],
+                           *ppo_args(tiny_checkpoints, name, "ppo.num_iterations=2",
+                                     "checkpoint.save_interval=1", f"optimizer.lr={lr}",
+                                     "run.metric_bands={objective/kl: [null, 0.5], "
+                                     "objective/entyropy: [0.1, null]}")],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    latest = (out / name / "checkpoints" / "latest").read_text()
+    if lr == "5e-4":
+        assert proc.returncode == 0 and "[ppo] done" in proc.stdout, proc.stderr[-2000:]
+        assert latest == "iter_000002"
+        # a misspelt band checked nothing, and says so
+        assert "run.metric_bands names 'objective/entyropy', which this run never logged" \
+            in proc.stdout, proc.stdout[-2000:]
+        return
     assert proc.returncode == 2, proc.stderr[-2000:]
     # iteration 1 samples from the reference itself (KL 0); iteration 2 trips
-    assert "iteration 2: objective/kl=" in proc.stderr and "above ppo.max_kl=1e-09" \
+    assert "iteration 2: objective/kl=" in proc.stderr and \
+        "is outside its band [null, 0.5] (run.metric_bands)" in proc.stderr, proc.stderr[-2000:]
+    assert "[ppo] done" not in proc.stdout
+    assert latest == "iter_000001"
+    assert not (out / name / "checkpoints" / "iter_000002").exists()
+
+
+def test_a_supervised_run_stops_at_its_loss_band(tiny_checkpoints):
+    """SFT (the supervised loop every stage but PPO runs): a train/loss band the first
+    step's loss is above (a tiny model starts near log(vocab)) stops it at step 1, exit 2,
+    nothing saved."""
+    from conftest import run_cli
+    out, task, common = tiny_checkpoints
+    proc = run_cli("sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
+                   "run.name=band-sft", "train.max_steps=4", "checkpoint.save_interval=1",
+                   "run.metric_bands={train/loss: [null, 1.0]}", *common, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "step 1: train/loss=" in proc.stderr and "[null, 1] (run.metric_bands)" \
         in proc.stderr, proc.stderr[-2000:]
-    assert (out / "short-kl" / "checkpoints" / "latest").read_text() == "iter_000001"
-    assert not (out / "short-kl" / "checkpoints" / "iter_000002").exists()
+    assert not (out / "band-sft" / "checkpoints" / "latest").exists()
+
+
+def test_metric_bands_stop_every_rank():
+    """Two ranks, a metric only rank 0 holds: both stop together (tests/workers)."""
+    from conftest import WORKERS, torchrun
+    proc = torchrun(os.path.join(WORKERS, "metric_bands.py"), 2, timeout=120)
+    for rank in (0, 1):
+        assert f"rank {rank} stopped: step 2:" in proc.stdout, proc.stdout
+    assert "eval/gold_score=-2 is outside its band [-1, null]" in proc.stdout
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])

@@ -127,13 +127,8 @@ class PPOConfig:
     """Evaluate on held-out prompts every N iterations (and before the first and at the end)."""
     num_eval_prompts: int = 64
     """Held-out prompts per evaluation."""
-    max_kl: float | None = None
-    """Stop the run (exit 2, before the iteration is saved) when an iteration's
-    objective/kl (the policy's KL from the reference) exceeds this; None: no limit."""
 
     def __post_init__(self):
-        if self.max_kl is not None:
-            require(self.max_kl > 0, "ppo.max_kl", self.max_kl, "must be > 0 or null")
         for name in ("rollout_batch_size", "mini_batch_size", "micro_batch_size",
                      "ppo_epochs", "num_iterations", "group_size", "kl_horizon"):
             require(getattr(self, name) >= 1, f"ppo.{name}", getattr(self, name), "must be >= 1")

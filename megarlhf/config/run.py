@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from megarlhf.config.fields import require
 
@@ -19,11 +20,27 @@ class RunConfig:
     """Use deterministic algorithms (bitwise-reproducible resumes on CPU)."""
     num_threads: int = 0
     """torch intra-op threads per process; 0 leaves torch's default."""
+    metric_bands: dict[str, list[float | None]] = field(default_factory=dict)
+    """Stop the run (exit 2) when a logged metric leaves its band [low, high] (null: no
+    bound on that side), before that step is saved, however short the run: e.g.
+    ``{"objective/kl": [null, 20], "objective/entropy": [0.05, null], "train/loss":
+    [null, 10]}``. A non-finite value is outside every band. Names are those of
+    metrics.jsonl; one that never appears is reported at the end of the run."""
 
     def __post_init__(self):
         require(bool(self.name) and "/" not in self.name, "run.name", self.name,
                 "a non-empty name without '/'")
         require(self.num_threads >= 0, "run.num_threads", self.num_threads, "must be >= 0")
+        for name, band in self.metric_bands.items():
+            require(len(band) == 2, f"run.metric_bands.{name}", band,
+                    "must be [low, high] (null for no bound on that side)")
+            require(band != [None, None], f"run.metric_bands.{name}", band,
+                    "bounds nothing: give low, high or both")
+            require(all(b is None or math.isfinite(b) for b in band),
+                    f"run.metric_bands.{name}", band, "bounds must be finite numbers or null")
+            if None not in band:
+                require(band[0] < band[1], f"run.metric_bands.{name}", band,
+                        "low must be below high")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -134,3 +134,55 @@ def explain_resume(cfg: Config, ckpt_dir: str, stage: str = "resume") -> dict:
                 f.write(json.dumps({"checkpoint": meta.get("tag"), "changes": changes},
                                    default=str) + "\n")
     return changes
+
+
+class MetricBands:
+    """``run.metric_bands``: a run whose logged metric leaves its band stops (exit 2)
+    before the step is saved, so ``latest`` stays on the last good checkpoint.
+
+    :meth:`check` is collective: every rank calls it at the same point, and all of them
+    stop when any finds a value outside its band (a metric only one rank computes, such
+    as an evaluation, stops them all)."""
+
+    def __init__(self, cfg: Config):
+        self.bands = dict(cfg.run.metric_bands)
+        self.seen: set[str] = set()
+
+    def check(self, metrics: dict, where: str) -> None:
+        if not self.bands:
+            return
+        import math
+
+        import torch
+        import torch.distributed as dist
+
+        from megarlhf.engine.optimizer import RunawayError
+        outside = []
+        for name, (low, high) in self.bands.items():
+            if name not in metrics:
+                continue
+            self.seen.add(name)
+            value = float(metrics[name])
+            if not math.isfinite(value) or (low is not None and value < low) \
+                    or (high is not None and value > high):
+                outside.append(f"{name}={value:.4g} is outside its band [{_bound(low)}, "
+                               f"{_bound(high)}]")
+        flag = torch.tensor([1.0 if outside else 0.0])
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            what = "; ".join(outside) or "another rank found a metric outside its band"
+            raise RunawayError(
+                f"{where}: {what} (run.metric_bands): the run went wrong - check "
+                "optimizer.lr, the KL coefficient and the rewards/data. This step is not "
+                "saved; the last checkpoint is unchanged")
+
+    def report_unseen(self) -> None:
+        """At the end of a run: bands whose metric never appeared (a misspelt name)."""
+        for name in sorted(set(self.bands) - self.seen):
+            print0(f"[megarlhf] warning: run.metric_bands names '{name}', which this run "
+                   "never logged: that band checked nothing (see metrics.jsonl for names)")
+
+
+def _bound(value) -> str:
+    return "null" if value is None else f"{value:g}"

@@ -27,8 +27,7 @@ from megarlhf.memory.accounting import ActivationMeter, MemoryTracker, format_ta
 from megarlhf.engine.metrics import MetricsLogger
 from megarlhf.models import moe
 from megarlhf.roles.offload import TrainedOffloader
-from megarlhf.engine.optimizer import (RunawayError, check_runaway, forward_backward,
-                                      step_together)
+from megarlhf.engine.optimizer import check_runaway, forward_backward, step_together
 from megarlhf.parallel.preemption import PreemptionGuard, mark_preempted
 from megarlhf.roles.spec import ppo_role_specs
 from megarlhf.roles.build import build_role
@@ -41,7 +40,8 @@ from megarlhf.rollout.reshard import (
     Resharder, build_inference_model, inference_layout, release_inference_weights)
 from megarlhf.rollout.sampling import Sampler, decode_sample
 from megarlhf.rollout.scoring import RewardSource, Scorer, SequenceCache, load_reward_fn
-from megarlhf.stages.common import check_writable, explain_resume, print0, progress, run_dir
+from megarlhf.stages.common import (MetricBands, check_writable, explain_resume, print0,
+                                    progress, run_dir)
 from megarlhf.parallel import watchdog
 
 
@@ -366,8 +366,11 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
 
     guard = PreemptionGuard()
     bar = progress(ppo.num_iterations, start, "ppo", cfg.logging.progress_bar)
+    bands = MetricBands(cfg)
     if start == 0:
-        logger.log(0, evaluate(0))
+        first = evaluate(0)
+        logger.log(0, first)
+        bands.check(first, "the evaluation before training")
     result = {}
     for it in range(start, ppo.num_iterations):
         metrics, exp, gen = session.iteration(it)
@@ -376,12 +379,7 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
         if done % ppo.eval_interval == 0 or done == ppo.num_iterations:
             metrics.update(evaluate(done))
         logger.log(done, metrics)
-        if ppo.max_kl is not None and metrics["objective/kl"] > ppo.max_kl:
-            raise RunawayError(
-                f"iteration {done}: objective/kl={metrics['objective/kl']:.3g} is above "
-                f"ppo.max_kl={ppo.max_kl}: the policy ran away from the reference (check "
-                "optimizer.lr, the KL coefficient and the rewards); this iteration is not "
-                "saved, the last checkpoint is unchanged")
+        bands.check(metrics, f"iteration {done}")
         if cfg.logging.sample_table_interval and (it % cfg.logging.sample_table_interval == 0):
             _sample_table(gen, exp, tokenizer, logger, done, bar)
         bar.update(1)
@@ -418,6 +416,7 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
     for role in (session.actor, session.critic):  # a short run that went wrong
         if role is not None and role.trained is not None:
             check_runaway(role.trained, role.spec.name, final=True)
+    bands.report_unseen()
     print0("[ppo] done: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()
                                        if k.startswith(("eval/", "objective/"))))
     return result

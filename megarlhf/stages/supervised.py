@@ -27,7 +27,8 @@ from megarlhf.engine.schedule import run_schedule
 from megarlhf.engine.steps import reduce_logs
 from megarlhf.parallel.launch import init_distributed, read_dist_env, seed_everything
 from megarlhf.parallel.layout import RankLayout
-from megarlhf.stages.common import check_writable, explain_resume, print0, progress, run_dir
+from megarlhf.stages.common import (MetricBands, check_writable, explain_resume, print0,
+                                    progress, run_dir)
 
 
 @dataclass(frozen=True)
@@ -218,12 +219,14 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
     train, layout = cfg.train, role.layout
     guard = PreemptionGuard()
     step_fn = task.make_step(role)
+    bands = MetricBands(cfg)
     result: dict = {}
     if start_step == 0:
         first = _evaluate(task, role, step_fn)
         if first:
             logger.log(0, first)
             result["eval_start"] = first
+            bands.check(first, "the evaluation before training")
     for step, epoch, indices in global_batches(plan, cfg.run.seed, start_step):
         started = time.perf_counter()
         if task.before_batch:
@@ -246,6 +249,7 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
                         "train/skipped_steps": role.trained.num_skipped_steps})
         if done % cfg.logging.log_interval == 0 or done == plan.total_steps:
             logger.log(done, metrics)
+        bands.check(metrics, f"step {done}")
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}",
                         gnorm=f"{grad_norm:.2f}" if math.isfinite(grad_norm) else "nan")
@@ -253,7 +257,9 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
         if done == plan.total_steps:
             break
         if train.eval_interval and done % train.eval_interval == 0:
-            logger.log(done, _evaluate(task, role, step_fn) or {})
+            evaluation = _evaluate(task, role, step_fn) or {}
+            logger.log(done, evaluation)
+            bands.check(evaluation, f"the evaluation at step {done}")
         trainer_state = {"step": done, "skipped_steps": role.trained.num_skipped_steps}
         if cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0:
             save_role(cfg, role, role.spec.name, f"step_{done:07d}", trainer_state, saved)
@@ -265,10 +271,12 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
     if last:
         logger.log(plan.total_steps, last)
         result["eval_end"] = last
+        bands.check(last, "the final evaluation")
     extra = task.finish(role) if task.finish else {}
     result.update(extra)
     save_role(cfg, role, role.spec.name, f"step_{plan.total_steps:07d}",
               {"step": plan.total_steps, "skipped_steps": role.trained.num_skipped_steps},
               {**saved, **extra})
     check_runaway(role.trained, role.spec.name, final=True)  # a short run that went wrong
+    bands.report_unseen()
     return result
