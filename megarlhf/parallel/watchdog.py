@@ -145,14 +145,17 @@ def explain(err: BaseException) -> str | None:
     whose heartbeat stopped - with ``STALLED`` left as the watchdog leaves it; None for
     any other error."""
     text = str(err)
-    # gloo's "Timed out waiting ...", NCCL's "collective operation timeout" - not any error
-    # that merely mentions a timeout (a setting's name, say)
-    if _watch is None or not isinstance(err, RuntimeError) or not any(
-            s in text for s in ("Timed out", "timed out", "collective operation timeout")):
+    if _watch is None or not isinstance(err, RuntimeError):
         return None
-    quiet = _watch.quiet(2 * _watch.interval)
     where = _state.get("failed_in", current_phase())
     first = text.splitlines()[0][:200] if text else type(err).__name__
+    if any(s in text for s in _CONNECTION_LOST):
+        return _explain_lost(where, first)
+    # gloo's "Timed out waiting ...", NCCL's "collective operation timeout" - not any error
+    # that merely mentions a timeout (a setting's name, say)
+    if not any(s in text for s in ("Timed out", "timed out", "collective operation timeout")):
+        return None
+    quiet = _watch.quiet(2 * _watch.interval)
     if quiet:
         message = _message(_watch.rank, _watch.deadline, where, quiet,
                            "stopped sending heartbeats") + f" ({first})"
@@ -162,6 +165,30 @@ def explain(err: BaseException) -> str | None:
                    f"(parallel.timeout_minutes) while every rank still sent heartbeats: a "
                    f"rank is slower than the timeout allows, or stuck in a collective "
                    f"({first}). The last checkpoint is intact.")
+    _leave_marker(message)
+    return message
+
+
+# A peer's process died or its host went away mid-collective: gloo's and NCCL's words.
+_CONNECTION_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                    "remote process exited", "NCCL communicator was aborted")
+
+
+def _explain_lost(where: str, first: str) -> str:
+    """A collective failed because a peer's connection closed (killed, crashed, its node
+    lost): the rank(s) whose heartbeat stopped - a dead process stops beating at once, so
+    waiting a few heartbeat intervals names it - with ``STALLED`` left for the launcher."""
+    waited = time.monotonic()
+    quiet = _watch.quiet(2 * _watch.interval)
+    while not quiet and time.monotonic() - waited < 4 * _watch.interval:
+        time.sleep(_watch.interval / 4)
+        quiet = _watch.quiet(2 * _watch.interval)
+    who = (f"rank(s) {', '.join(str(r) for r in quiet)} (heartbeat stopped)" if quiet else
+           "a rank whose heartbeat still moves (its process group connection alone broke)")
+    message = (f"[megarlhf] error: rank {_watch.rank} lost its connection to {who} during "
+               f"phase '{where}' ({first}): that process died or its node went away. "
+               "Exiting; the last checkpoint is intact - run the same command again to "
+               "resume from it (under slurm/launch.sh the job requeues).")
     _leave_marker(message)
     return message
 
