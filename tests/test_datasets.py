@@ -82,10 +82,29 @@ def test_file_errors(tmp_path):
         tokenize_dataset(str(empty), "sft", cfg, tok)
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"prompt": "a", "response": "b"}\n{not json\n')
-    with pytest.raises(ValueError, match="could not be read as json"):
+    with pytest.raises(ValueError, match="could not be read as json: .*broken.jsonl line 2: "):
         tokenize_dataset(str(broken), "sft", cfg, tok)
+    torn = tmp_path / "torn.jsonl"  # a copy cut short: the last record torn mid-string
+    torn.write_text('{"prompt": "a", "response": "b"}\n' * 3 + '{"prompt": "a", "resp')
+    with pytest.raises(ValueError, match="torn.jsonl line 4: Unterminated string.*fix or "
+                                         "remove that record"):
+        tokenize_dataset(str(torn), "sft", cfg, tok)
     (tmp_path / "dir").mkdir()
     with pytest.raises(ValueError, match="holds no .jsonl"):
         tokenize_dataset(str(tmp_path / "dir"), "sft", cfg, tok)
     with pytest.raises(ValueError, match="kind must be one of"):
         tokenize_dataset(str(broken), "dpo", cfg, tok)
+
+
+def test_line_files_that_are_not_utf8_name_the_line(tmp_path):
+    """generate's prompts and score's sequences, read line by line: a line that is not
+    UTF-8 (a binary file, a latin-1 export) is an error naming the file and that line."""
+    from megarlhf.stages.sample import read_prompts
+    from megarlhf.stages.score import read_sequences
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "ab"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl line 2: not UTF-8 text"):
+        read_sequences(str(bad), CharTokenizer())
+    bad.write_bytes(b'{"prompt": "ab"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl line 2: not UTF-8 text"):
+        read_prompts(str(bad), CharTokenizer())

@@ -72,9 +72,21 @@ def test_hf_tokenizer_round_trip(corpus, tmp_path):
         with pytest.raises(ValueError, match="generation_config.json: eos_token_id .* is not a "
                                              "token id"):
             load_tokenizer(TokenizerConfig(type="hf", path=str(tmp_path)))
-    (tmp_path / "generation_config.json").write_text("[1, 2")
-    with pytest.raises(ValueError, match="generation_config.json is not a JSON object"):
-        load_tokenizer(TokenizerConfig(type="hf", path=str(tmp_path)))
+    # every JSON file of the folder, torn (a copy cut short), binary or not an object: an
+    # error naming the file and what is wrong
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    for name in ("generation_config.json", "tokenizer_config.json", "special_tokens_map.json"):
+        good = (tmp_path / name).read_bytes() if (tmp_path / name).exists() else None
+        for content, message in ((b'{"eos_token": "<s', "is damaged or unreadable"),
+                                 (b"\xff\xfe\x00{", "is damaged or unreadable"),
+                                 (b"[1, 2]", "is not a JSON object \\(it holds a list\\)")):
+            (tmp_path / name).write_bytes(content)
+            with pytest.raises(ValueError, match=f"{name} {message}"):
+                load_tokenizer(TokenizerConfig(type="hf", path=str(tmp_path)))
+        if good is None:
+            (tmp_path / name).unlink()
+        else:
+            (tmp_path / name).write_bytes(good)
 
 
 def test_tokenizer_errors(tmp_path):

@@ -106,12 +106,34 @@ def load_rows(path: str):
     try:
         table = datasets.load_dataset(builder, data_files=files, split="train")
     except Exception as err:  # datasets wraps parse errors in several exception types
-        raise ValueError(f"dataset {path!r} could not be read as {builder}: "
-                         f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
-                         ) from None
+        where = _first_bad_json_line(files) if builder == "json" else None
+        raise ValueError(f"dataset {path!r} could not be read as {builder}: " + (
+            where or (str(err).splitlines()[0] if str(err) else type(err).__name__)) +
+            " - fix or remove that record (a run that was killed while writing the file "
+            "leaves a torn last line)") from None
     if len(table) == 0:
         raise ValueError(f"dataset {path!r} is empty")
     return table
+
+
+def _first_bad_json_line(files: list[str]) -> str | None:
+    """Where a JSON Lines file stops parsing ("FILE line N: what"), for the error message
+    (the ``datasets`` error names neither); None for a whole-file .json or when every line
+    parses (the problem is elsewhere, e.g. a column's type changing between rows)."""
+    import json
+
+    for name in files:
+        if not name.endswith(".jsonl"):
+            continue
+        with open(name, "rb") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    json.loads(line)
+                except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                    return f"{name} line {number}: {err}"
+    return None
 
 
 def _conversational(table, kind: str, data_cfg: DataConfig) -> bool:
@@ -281,3 +303,23 @@ def _preference_turns(row, data_cfg: DataConfig, where: str
         raise ValueError(f"{where}: the prompt (the turns chosen and rejected share) ends with "
                          "an assistant turn")
     return prompt, chosen, rejected
+
+
+def text_lines(path: str):
+    """(line number, line) of a text file the CLI reads line by line (generate's prompts,
+    score's sequences; ``-``: stdin); a line that is not UTF-8 is an error naming the file
+    and the line."""
+    import sys
+
+    name = "stdin" if path == "-" else path
+    stream = sys.stdin.buffer if path == "-" else open(path, "rb")
+    try:
+        for number, raw in enumerate(stream, 1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{name} line {number}: not UTF-8 text ({err.reason} at "
+                                 f"column {err.start + 1}): is this the right file?") from None
+    finally:
+        if path != "-":
+            stream.close()

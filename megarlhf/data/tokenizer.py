@@ -107,11 +107,7 @@ class HFTokenizer:
         path = os.path.join(folder, "generation_config.json")
         if not os.path.exists(path):
             return ()
-        try:
-            with open(path) as f:
-                ids = json.load(f).get("eos_token_id")
-        except (json.JSONDecodeError, AttributeError) as err:
-            raise ValueError(f"{path} is not a JSON object: {err}") from None
+        ids = _json_object(path).get("eos_token_id")
         ids = [ids] if isinstance(ids, int) else (ids or [])
         for token in ids:
             if not isinstance(token, int) or isinstance(token, bool) \
@@ -139,8 +135,7 @@ class HFTokenizer:
         config = os.path.join(self.folder, "tokenizer_config.json")
         if not os.path.exists(config):
             return None
-        with open(config) as f:
-            template = json.load(f).get("chat_template")
+        template = _json_object(config).get("chat_template")
         if isinstance(template, list):
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
@@ -152,8 +147,7 @@ class HFTokenizer:
         for name in ("special_tokens_map.json", "tokenizer_config.json"):
             path = os.path.join(folder, name)
             if os.path.exists(path):
-                with open(path) as f:
-                    data = json.load(f)
+                data = _json_object(path)
                 for key in ("eos_token", "bos_token", "pad_token"):
                     value = data.get(key)
                     if isinstance(value, dict):
@@ -182,6 +176,21 @@ class HFTokenizer:
     def pieces(self) -> list[str]:
         vocab = self.tok.get_vocab(with_added_tokens=True)
         return [piece for piece, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+
+
+def _json_object(path: str) -> dict:
+    """A tokenizer folder's JSON file (tokenizer_config.json, special_tokens_map.json,
+    generation_config.json), or an error naming it and what is wrong."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is damaged or unreadable ({err}): restore it from the model's "
+                         "original files, or delete it if the tokenizer does not need it"
+                         ) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a JSON object (it holds a {type(data).__name__})")
+    return data
 
 
 def fingerprint(tokenizer) -> dict:

@@ -33,39 +33,38 @@ def _log(text: str) -> None:
 def read_prompts(path: str, tokenizer) -> list[tuple[str, list[int]]]:
     """(prompt text, token ids) per input line."""
     from megarlhf.data.chat import check_messages
+    from megarlhf.data.datasets import text_lines
 
-    stream = sys.stdin if path == "-" else open(path)
     out = []
-    with stream:
-        for line_no, line in enumerate(stream, 1):
-            if not line.strip():
-                continue
-            where = f"{'stdin' if path == '-' else path} line {line_no}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                row = {"prompt": line.rstrip("\n")}
-            if not isinstance(row, dict):
-                row = {"prompt": str(row)}
-            if "messages" in row:
-                template = getattr(tokenizer, "chat_template", None)
-                if template is None:
-                    raise ValueError(f"{where}: 'messages' needs a chat template "
-                                     "(tokenizer.chat_template)")
-                messages = check_messages(row["messages"], f"{where} 'messages'",
-                                          needs_assistant=False)
-                text = template.render(messages, add_generation_prompt=True)
-                out.append((text, tokenizer.encode(text)))
-            elif "tokens" in row:
-                ids = [int(t) for t in row["tokens"]]
-                out.append((tokenizer.decode(ids), ids))
-            elif "prompt" in row and isinstance(row["prompt"], str):
-                out.append((row["prompt"], tokenizer.encode(
-                    row["prompt"], add_bos=getattr(tokenizer, "add_bos", True))))
-            else:
-                raise ValueError(f"{where}: expected 'messages', 'prompt' or 'tokens'")
-            if not out[-1][1]:
-                raise ValueError(f"{where}: the prompt is empty")
+    for line_no, line in text_lines(path):
+        if not line.strip():
+            continue
+        where = f"{'stdin' if path == '-' else path} line {line_no}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = {"prompt": line.rstrip("\n")}
+        if not isinstance(row, dict):
+            row = {"prompt": str(row)}
+        if "messages" in row:
+            template = getattr(tokenizer, "chat_template", None)
+            if template is None:
+                raise ValueError(f"{where}: 'messages' needs a chat template "
+                                 "(tokenizer.chat_template)")
+            messages = check_messages(row["messages"], f"{where} 'messages'",
+                                      needs_assistant=False)
+            text = template.render(messages, add_generation_prompt=True)
+            out.append((text, tokenizer.encode(text)))
+        elif "tokens" in row:
+            ids = [int(t) for t in row["tokens"]]
+            out.append((tokenizer.decode(ids), ids))
+        elif "prompt" in row and isinstance(row["prompt"], str):
+            out.append((row["prompt"], tokenizer.encode(
+                row["prompt"], add_bos=getattr(tokenizer, "add_bos", True))))
+        else:
+            raise ValueError(f"{where}: expected 'messages', 'prompt' or 'tokens'")
+        if not out[-1][1]:
+            raise ValueError(f"{where}: the prompt is empty")
     if not out:
         raise ValueError(f"no prompts in {'stdin' if path == '-' else path}")
     return out

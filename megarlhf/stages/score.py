@@ -24,32 +24,33 @@ from megarlhf.parallel.launch import init_distributed, read_dist_env
 
 
 def read_sequences(path: str, tokenizer=None, vocab_size: int | None = None) -> list[list[int]]:
+    from megarlhf.data.datasets import text_lines
+
     if not os.path.exists(path):
         raise FileNotFoundError(f"input {path!r} does not exist")
     seqs = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({err})") from None
-            if isinstance(row, dict) and "tokens" in row:
-                tokens = row["tokens"]
-                if not (isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)):
-                    raise ValueError(f"{path}:{line_no}: 'tokens' must be a list of integers")
-            elif isinstance(row, dict) and "text" in row:
-                if tokenizer is None:
-                    raise ValueError(f"{path}:{line_no}: a 'text' row needs tokenizer.path")
-                tokens = tokenizer.encode(row["text"], add_bos=getattr(tokenizer, "add_bos", True))
-            else:
-                raise ValueError(f"{path}:{line_no}: each row needs 'tokens' or 'text'")
-            if len(tokens) < 2:
-                raise ValueError(f"{path}:{line_no}: a sequence needs at least 2 tokens")
-            if vocab_size is not None and (min(tokens) < 0 or max(tokens) >= vocab_size):
-                raise ValueError(f"{path}:{line_no}: token id out of range [0, {vocab_size})")
-            seqs.append(tokens)
+    for line_no, line in text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{line_no}: not valid JSON ({err})") from None
+        if isinstance(row, dict) and "tokens" in row:
+            tokens = row["tokens"]
+            if not (isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)):
+                raise ValueError(f"{path}:{line_no}: 'tokens' must be a list of integers")
+        elif isinstance(row, dict) and "text" in row:
+            if tokenizer is None:
+                raise ValueError(f"{path}:{line_no}: a 'text' row needs tokenizer.path")
+            tokens = tokenizer.encode(row["text"], add_bos=getattr(tokenizer, "add_bos", True))
+        else:
+            raise ValueError(f"{path}:{line_no}: each row needs 'tokens' or 'text'")
+        if len(tokens) < 2:
+            raise ValueError(f"{path}:{line_no}: a sequence needs at least 2 tokens")
+        if vocab_size is not None and (min(tokens) < 0 or max(tokens) >= vocab_size):
+            raise ValueError(f"{path}:{line_no}: token id out of range [0, {vocab_size})")
+        seqs.append(tokens)
     if not seqs:
         raise ValueError(f"input {path!r} holds no sequences")
     return seqs
