@@ -7,6 +7,7 @@ changed settings says what changed; with another model shape it is refused."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -98,8 +99,9 @@ def test_a_halted_rank_is_named_and_the_run_resumes(tiny_checkpoints, where, sig
     err = log_path.read_text()
     assert launcher.returncode != 0
     assert took < DEADLINE_S + 30, took
-    missing = "rank(s) 1 stopped sending heartbeats" if sig == "STOP" else \
-        "lost its connection to rank(s) 1 (heartbeat stopped)"
+    host = socket.gethostname()
+    missing = f"rank(s) 1 (host {host}) stopped sending heartbeats" if sig == "STOP" else \
+        f"lost its connection to rank(s) 1 (host {host}), whose heartbeat stopped,"
     assert missing in err and f"during phase '{CAUGHT[where]}'" in err, err[-3000:]
     run = out / name
     assert "rank 0 " in (run / "STALLED").read_text()

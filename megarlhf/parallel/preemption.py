@@ -24,19 +24,29 @@ class PreemptionGuard:
 
     def __init__(self):
         install_handlers()
+        self.signalled: list[int] = []  # the ranks that had received it, once requested
 
     def requested(self) -> bool:
-        """Collective: True on every rank when any rank received the signal."""
-        flag = torch.tensor([1.0 if signals.asked() else 0.0])
+        """Collective: True on every rank when any rank received the signal (which ranks
+        did is kept in ``signalled``, for the message: under Slurm, every task should)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        flags = torch.zeros(world)
+        flags[dist.get_rank() if dist.is_initialized() else 0] = 1.0 if signals.asked() else 0.0
         if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self.signalled = [r for r in range(world) if flags[r] > 0]
+        return bool(self.signalled)
 
 
-def mark_preempted(run_dir: str, checkpoint: str) -> None:
+def mark_preempted(run_dir: str, checkpoint: str, signalled: list[int] | None = None) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         tmp = os.path.join(run_dir, MARKER + ".tmp")
         with open(tmp, "w") as f:
             f.write(checkpoint)
         os.replace(tmp, os.path.join(run_dir, MARKER))
-        print(f"[preempt] checkpoint {checkpoint} written; exiting for requeue", flush=True)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        seen = "" if signalled is None else (
+            f" (the signal reached {len(signalled)} of {world} ranks: "
+            f"{', '.join(map(str, signalled))})")
+        print(f"[preempt] checkpoint {checkpoint} written{seen}; exiting for requeue",
+              flush=True)

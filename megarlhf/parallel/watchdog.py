@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
 import sys
 import threading
 import time
@@ -28,6 +29,7 @@ import time
 EXIT_CODE = 75  # EX_TEMPFAIL: the job may be run again
 MARKER = "STALLED"
 _PREFIX = "megarlhf/heartbeat/"
+_HOST = "megarlhf/host/"
 
 _state = {"phase": "start-up", "run_dir": None, "timeout": datetime.timedelta(minutes=30)}
 _watch: "_Watch | None" = None
@@ -74,6 +76,7 @@ class _Watch:
         self.store, self.rank, self.world = store, rank, world
         self.deadline, self.interval = deadline_s, interval_s
         self.seen: dict = {}  # rank -> (its last heartbeat, when it last moved)
+        self.hosts: dict[int, str] = {rank: socket.gethostname()}  # rank -> its host
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="megarlhf-watchdog", daemon=True)
 
@@ -86,8 +89,13 @@ class _Watch:
             now = time.monotonic()
             beat += 1
             try:
+                if beat == 1:
+                    self.store.set(f"{_HOST}{self.rank}", self.hosts[self.rank])
                 self.store.set(f"{_PREFIX}{self.rank}", str(beat))
                 values = [self._get(f"{_PREFIX}{r}") for r in seen]
+                for r in seen:  # each rank's host, for the messages (once each)
+                    if r not in self.hosts and (host := self._get(f"{_HOST}{r}")) is not None:
+                        self.hosts[r] = host.decode()
                 store_ok = now
             except Exception:  # the store's host went quiet (or the job is ending)
                 if self.stop.is_set():
@@ -118,10 +126,15 @@ class _Watch:
         os._exit(EXIT_CODE)
 
 
+def _who(ranks: list[int]) -> str:
+    """'1 (host node2), 3 (host node2)': ranks with the hosts they reported."""
+    hosts = _watch.hosts if _watch is not None else {}
+    return ", ".join(f"{r} (host {hosts[r]})" if r in hosts else str(r) for r in ranks)
+
+
 def _message(rank: int, deadline: float, where: str, ranks: list[int], why: str) -> str:
-    names = ", ".join(str(r) for r in ranks)
-    return (f"[megarlhf] error: rank {rank} waited {deadline / 60:g} minute(s) "
-            f"(parallel.timeout_minutes) during phase '{where}': rank(s) {names} {why}. "
+    return (f"[megarlhf] error: rank {_who([rank])} waited {deadline / 60:g} minute(s) "
+            f"(parallel.timeout_minutes) during phase '{where}': rank(s) {_who(ranks)} {why}. "
             "Exiting; the last checkpoint is intact - run the same command again to resume "
             "from it (under slurm/launch.sh the job requeues).")
 
@@ -160,7 +173,7 @@ def explain(err: BaseException) -> str | None:
         message = _message(_watch.rank, _watch.deadline, where, quiet,
                            "stopped sending heartbeats") + f" ({first})"
     else:
-        message = (f"[megarlhf] error: rank {_watch.rank}: a collective of phase '{where}' "
+        message = (f"[megarlhf] error: rank {_who([_watch.rank])}: a collective of phase '{where}' "
                    f"timed out after {_watch.deadline / 60:g} minute(s) "
                    f"(parallel.timeout_minutes) while every rank still sent heartbeats: a "
                    f"rank is slower than the timeout allows, or stuck in a collective "
@@ -183,9 +196,9 @@ def _explain_lost(where: str, first: str) -> str:
     while not quiet and time.monotonic() - waited < 4 * _watch.interval:
         time.sleep(_watch.interval / 4)
         quiet = _watch.quiet(2 * _watch.interval)
-    who = (f"rank(s) {', '.join(str(r) for r in quiet)} (heartbeat stopped)" if quiet else
+    who = (f"rank(s) {_who(quiet)}, whose heartbeat stopped," if quiet else
            "a rank whose heartbeat still moves (its process group connection alone broke)")
-    message = (f"[megarlhf] error: rank {_watch.rank} lost its connection to {who} during "
+    message = (f"[megarlhf] error: rank {_who([_watch.rank])} lost its connection to {who} during "
                f"phase '{where}' ({first}): that process died or its node went away. "
                "Exiting; the last checkpoint is intact - run the same command again to "
                "resume from it (under slurm/launch.sh the job requeues).")

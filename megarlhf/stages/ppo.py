@@ -398,7 +398,7 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
                 keep_last=cfg.checkpoint.keep_last,
                 objects={"ref_cache": cache.state_dict()} if cache is not None else None)
             if preempted:
-                mark_preempted(run_dir(cfg), path)
+                mark_preempted(run_dir(cfg), path, guard.signalled)
                 bar.close()
                 session.close()
                 logger.close()

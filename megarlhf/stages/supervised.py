@@ -265,7 +265,8 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
             save_role(cfg, role, role.spec.name, f"step_{done:07d}", trainer_state, saved)
         if guard.requested():
             mark_preempted(run_dir(cfg), save_role(cfg, role, role.spec.name,
-                                                   f"step_{done:07d}", trainer_state, saved))
+                                                   f"step_{done:07d}", trainer_state, saved),
+                           guard.signalled)
             return {"preempted_at": done}
     last = _evaluate(task, role, step_fn)
     if last:
