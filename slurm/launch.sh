@@ -16,14 +16,17 @@ echo "[launch] job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: $SLURM_NNODE
      "${SLURM_NTASKS_PER_NODE:-?} task(s), rendezvous $MASTER_ADDR:$MASTER_PORT, stage $*"
 srun --kill-on-bad-exit=1 "$python" -m megarlhf.cli "$@" &
 srun_pid=$!
-forward() { echo "[launch] signal received: asking the tasks to checkpoint"; kill -USR1 "$srun_pid" 2>/dev/null; }
+forward() { echo "[launch] signal received (a preemption, or Slurm ending the job): asking the tasks to checkpoint"; kill -USR1 "$srun_pid" 2>/dev/null; }
 trap forward USR1 TERM
 status=0
 while kill -0 "$srun_pid" 2>/dev/null; do
     wait "$srun_pid"; status=$?
 done
 if [ -f "$run_dir/STALLED" ]; then
-    echo "[launch] a rank stopped answering: $(cat "$run_dir/STALLED")"
+    # `read`, a builtin: a command substitution forks, and the SIGTERM Slurm sends when it
+    # cancels the step after a node failure would kill it before it prints
+    IFS= read -r stalled < "$run_dir/STALLED" || true
+    echo "[launch] a rank stopped answering: $stalled"
     rm -f "$run_dir/STALLED"
     if [ "$status" -ne 0 ]; then
         echo "[launch] requeueing job $SLURM_JOB_ID to resume from the last checkpoint"
@@ -32,7 +35,8 @@ if [ -f "$run_dir/STALLED" ]; then
     fi
 fi
 if [ -f "$run_dir/PREEMPTED" ]; then
-    echo "[launch] checkpoint written at $(cat "$run_dir/PREEMPTED"); requeueing job $SLURM_JOB_ID"
+    IFS= read -r preempted < "$run_dir/PREEMPTED" || true
+    echo "[launch] checkpoint written at $preempted; requeueing job $SLURM_JOB_ID"
     rm -f "$run_dir/PREEMPTED"
     scontrol requeue "$SLURM_JOB_ID"
     exit 0
