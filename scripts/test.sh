@@ -8,11 +8,12 @@ bash scripts/setup_env.sh test
 # must run (MEGARLHF_REQUIRE_SLURM=1 turns their skip into a failure). Without root they
 # are skipped, and say so.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    if ! command -v slurmctld >/dev/null; then
-        echo "installing slurmctld slurmd slurm-client munge for the Slurm tests"
+    if ! command -v slurmctld >/dev/null || ! command -v ip >/dev/null; then
+        echo "installing slurmctld slurmd slurm-client munge iproute2 for the Slurm tests" \
+             "(a two-node cluster of network namespaces: scripts/local_cluster.sh)"
         log=$(mktemp)
         if ! (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-                slurmctld slurmd slurm-client munge) >"$log" 2>&1; then
+                slurmctld slurmd slurm-client munge iproute2) >"$log" 2>&1; then
             tail -n 20 "$log"
             echo "scripts/test.sh: installing Slurm failed (above); the Slurm tests need it" >&2
             exit 1
