@@ -130,6 +130,10 @@ def init_distributed(cfg: Config, env: DistEnv | None = None) -> DistEnv:
     backend = process_group_backend(cfg.parallel.backend, cuda)
     if cuda:
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        # NCCL's own watchdog: a collective past parallel.timeout_minutes aborts its
+        # communicator and ends the process (3: without a cleanup that could itself hang)
+        # instead of leaving the rank blocked; the user's setting wins
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     else:
         cpu_backend.activate()
     if not dist.is_initialized():
