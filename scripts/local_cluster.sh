@@ -8,8 +8,10 @@
 #   scripts/local_cluster.sh up STATE_DIR [NODES]   (default 2) -> STATE_DIR/slurm.conf
 #   scripts/local_cluster.sh down STATE_DIR         stops what `up` started, removes the
 #                                                   namespaces and the bridge
-#   scripts/local_cluster.sh cut|mend STATE_DIR I   takes node I's network down / up
-#                                                   (a node lost from the cluster)
+#   scripts/local_cluster.sh cut STATE_DIR I        takes node I's network down (a node
+#                                                   lost from the cluster)
+#   scripts/local_cluster.sh mend STATE_DIR I       brings it back as after a reboot:
+#                                                   what ran on it is gone, a fresh slurmd
 # Then, here: sbatch / squeue / scontrol (SLURM_CONF=STATE_DIR/slurm.conf, also linked
 # from /etc/slurm/slurm.conf); `megarlhf launch STAGE CONFIG --slurm launch.nodes=2 ...`.
 set -euo pipefail
@@ -39,14 +41,35 @@ case "$cmd" in
     cut)
         ip netns exec "mrl-node${3:?node number}" ip link set eth0 down
         exit 0 ;;
-    mend)
-        ip netns exec "mrl-node${3:?node number}" ip link set eth0 up
-        # back in service now, not at slurmctld's next ping (up to minutes)
-        SLURM_CONF="$state/slurm.conf" scontrol update NodeName="node$3" State=RESUME 2>/dev/null || true
-        exit 0 ;;
+    mend) ;;
     up) ;;
     *) usage ;;
 esac
+export SLURM_CONF="$state/slurm.conf"
+
+start_node() {  # slurmd of node $1, in its namespaces
+    local i="$1"
+    rm -f "$state/slurmd.node$i.pid"
+    # its own hostname and hosts file (a private mount), inside its network namespace;
+    # slurmd daemonizes and stays there, and so does every task it starts
+    # (nsenter, not `ip netns exec`, which remounts /sys and hides the cgroup slurmd reads)
+    nsenter --net="/run/netns/mrl-node$i" unshare --uts --mount --propagation private sh -c \
+        "hostname node$i && mount --bind '$state/hosts' /etc/hosts && exec /usr/sbin/slurmd -f '$SLURM_CONF' -N node$i"
+    for _ in $(seq 1 50); do [ -s "$state/slurmd.node$i.pid" ] && break; sleep 0.2; done
+    cat "$state/slurmd.node$i.pid" >> "$state/pids"
+}
+
+if [ "$cmd" = mend ]; then
+    node="${3:?node number}"
+    # a rebooted node: the old job's steps and tasks (cut off, never told to stop) are
+    # gone, so they cannot kill the requeued job's tasks when the network returns
+    for pid in $(ip netns pids "mrl-node$node"); do kill -9 "$pid" 2>/dev/null || true; done
+    ip netns exec "mrl-node$node" ip link set eth0 up
+    start_node "$node"
+    # back in service now, not at slurmctld's next ping (up to minutes)
+    scontrol update NodeName="node$node" State=RESUME 2>/dev/null || true
+    exit 0
+fi
 nodes="${3:-2}"
 [ "$(id -u)" = 0 ] || { echo "$0 needs root (network namespaces, slurmd)" >&2; exit 2; }
 for bin in slurmctld slurmd munged sbatch ip unshare nsenter; do
@@ -120,20 +143,13 @@ for i in $(seq 1 "$nodes"); do
     mkdir -p "$state/spool/node$i"
 done
 echo "PartitionName=debug Nodes=node[1-$nodes] Default=YES MaxTime=INFINITE State=UP" >> "$state/slurm.conf"
-export SLURM_CONF="$state/slurm.conf"
 mkdir -p /etc/slurm && ln -sf "$state/slurm.conf" /etc/slurm/slurm.conf
 
 /usr/sbin/slurmctld -f "$SLURM_CONF"
 for _ in $(seq 1 50); do [ -f "$state/slurmctld.pid" ] && break; sleep 0.2; done
 cat "$state/slurmctld.pid" >> "$state/pids"
 for i in $(seq 1 "$nodes"); do
-    # its own hostname and hosts file (a private mount), inside its network namespace;
-    # slurmd daemonizes and stays there, and so does every task it starts
-    # (nsenter, not `ip netns exec`, which remounts /sys and hides the cgroup slurmd reads)
-    nsenter --net="/run/netns/mrl-node$i" unshare --uts --mount --propagation private sh -c \
-        "hostname node$i && mount --bind '$state/hosts' /etc/hosts && exec /usr/sbin/slurmd -f '$SLURM_CONF' -N node$i"
-    for _ in $(seq 1 50); do [ -f "$state/slurmd.node$i.pid" ] && break; sleep 0.2; done
-    cat "$state/slurmd.node$i.pid" >> "$state/pids"
+    start_node "$i"
 done
 for _ in $(seq 1 100); do
     if [ "$(sinfo -h -N -o %T 2>/dev/null | grep -cE 'idle|mixed')" = "$nodes" ]; then

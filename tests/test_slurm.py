@@ -105,12 +105,19 @@ def wait_done(job, timeout):
 
 def wait_finished(job, log_path, done_line, timeout):
     """Until the job has left the queue after writing ``done_line`` (squeue can show
-    nothing for a moment between a requeue and the held job)."""
+    nothing for a moment between a requeue and the held job), or has stayed out of it for
+    15 s without (a job that failed: the test fails now, not at the timeout)."""
     deadline = time.time() + timeout
+    out_since = None
     while True:
         wait_done(job, max(deadline - time.time(), 1))
         log = open(log_path).read() if os.path.exists(log_path) else ""
         if done_line in log or time.time() > deadline:
+            return log
+        queued = subprocess.run(["squeue", "-h", "-j", job], capture_output=True,
+                                text=True).stdout.strip()
+        out_since = None if queued else (out_since or time.time())
+        if out_since is not None and time.time() - out_since > 15:
             return log
         time.sleep(1)
 
