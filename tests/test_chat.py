@@ -61,6 +61,10 @@ def test_template_from_a_file_and_errors(model, tmp_path):
         "[assistant] cat red\n"
     with pytest.raises(FileNotFoundError, match="tokenizer.chat_template"):
         load_tokenizer(TokenizerConfig(type="hf", path=model["hf"], chat_template="missing"))
+    latin1 = tmp_path / "latin1.jinja"  # not UTF-8: named, not a bare codec error
+    latin1.write_bytes(b"{{ 'caf\xe9' }}")
+    with pytest.raises(ValueError, match="latin1.jinja is not UTF-8 text"):
+        load_tokenizer(TokenizerConfig(type="hf", path=model["hf"], chat_template=str(latin1)))
 
 
 def test_sft_messages_train_every_assistant_turn_only(model, tok, tmp_path):

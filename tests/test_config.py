@@ -81,6 +81,10 @@ def test_file_errors(tmp_path):
         load_config(write(tmp_path, "model: [1, 2\n"))
     with pytest.raises(ConfigError, match="mapping at the top level"):
         load_config(write(tmp_path, "- 1\n- 2\n"))
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(b"run:\n  name: caf\xe9\n")
+    with pytest.raises(ConfigError, match="latin1.yaml is not UTF-8 text"):
+        load_config(str(latin1))
     with pytest.raises(ConfigError, match="did you mean 'model.hidden_size'"):
         load_config(write(tmp_path, "model:\n  hiden_size: 3\n"))
     # plain YAML keeps the last of a repeated key, silently

@@ -242,9 +242,12 @@ def read_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Lo
     if path is not None:
         if not os.path.exists(path):
             raise ConfigError(f"config file not found: {path}")
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             try:
                 tree = yaml.load(f, Loader=_StrictLoader) or {}
+            except UnicodeDecodeError as err:
+                raise ConfigError(f"{path} is not UTF-8 text ({err.reason} at byte "
+                                  f"{err.start}): is this the config file?") from None
             except _RepeatedKey as err:
                 raise ConfigError(f"{path}: {err}") from None
             except yaml.YAMLError as err:

@@ -130,8 +130,7 @@ class HFTokenizer:
         string, or a list of named templates: the one named 'default')."""
         jinja = os.path.join(self.folder, "chat_template.jinja")
         if os.path.exists(jinja):
-            with open(jinja) as f:
-                return f.read(), jinja
+            return _text(jinja), jinja
         config = os.path.join(self.folder, "tokenizer_config.json")
         if not os.path.exists(config):
             return None
@@ -176,6 +175,16 @@ class HFTokenizer:
     def pieces(self) -> list[str]:
         vocab = self.tok.get_vocab(with_added_tokens=True)
         return [piece for piece, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+
+
+def _text(path: str) -> str:
+    """A chat template file's text, or an error naming it when it is not UTF-8."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}): "
+                         "is this the chat template?") from None
 
 
 def _json_object(path: str) -> dict:
@@ -229,9 +238,8 @@ def _chat_template(cfg: TokenizerConfig, tokenizer):
     if not os.path.isfile(choice):
         raise FileNotFoundError(f"tokenizer.chat_template={choice!r}: not 'auto', 'none' or "
                                 "an existing jinja file")
-    with open(choice) as f:
-        return ChatTemplate(f.read(), tokenizer.special_tokens(), choice,
-                            cfg.chat_template_kwargs)
+    return ChatTemplate(_text(choice), tokenizer.special_tokens(), choice,
+                        cfg.chat_template_kwargs)
 
 
 def train_sentencepiece(text_files: list[str], model_prefix: str, vocab_size: int,
