@@ -120,10 +120,14 @@ class _Watch:
         return [r for r, (_, since) in dict(self.seen).items() if now - since > seconds]
 
     def _abort(self, ranks: list[int], why: str) -> None:
-        print(_message(self.rank, self.deadline, current_phase(), ranks, why),
-              file=sys.stderr, flush=True)
-        _leave_marker(_message(self.rank, self.deadline, current_phase(), ranks, why))
+        message = _message(self.rank, self.deadline, current_phase(), ranks, why)
+        print(message, file=sys.stderr, flush=True)
+        _leave_marker(message)
         os._exit(EXIT_CODE)
+
+
+_RESUME = ("Exiting; the last checkpoint is intact - run the same command again to resume "
+           "from it (under slurm/launch.sh the job requeues).")
 
 
 def _who(ranks: list[int]) -> str:
@@ -135,8 +139,7 @@ def _who(ranks: list[int]) -> str:
 def _message(rank: int, deadline: float, where: str, ranks: list[int], why: str) -> str:
     return (f"[megarlhf] error: rank {_who([rank])} waited {deadline / 60:g} minute(s) "
             f"(parallel.timeout_minutes) during phase '{where}': rank(s) {_who(ranks)} {why}. "
-            "Exiting; the last checkpoint is intact - run the same command again to resume "
-            "from it (under slurm/launch.sh the job requeues).")
+            + _RESUME)
 
 
 def _leave_marker(message: str) -> None:
@@ -200,8 +203,7 @@ def _explain_lost(where: str, first: str) -> str:
            "a rank whose heartbeat still moves (its process group connection alone broke)")
     message = (f"[megarlhf] error: rank {_who([_watch.rank])} lost its connection to {who} during "
                f"phase '{where}' ({first}): that process died or its node went away. "
-               "Exiting; the last checkpoint is intact - run the same command again to "
-               "resume from it (under slurm/launch.sh the job requeues).")
+               + _RESUME)
     _leave_marker(message)
     return message
 

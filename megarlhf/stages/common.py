@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 from megarlhf.config import Config
@@ -151,8 +152,6 @@ class MetricBands:
     def check(self, metrics: dict, where: str) -> None:
         if not self.bands:
             return
-        import math
-
         import torch
         import torch.distributed as dist
 
