@@ -24,7 +24,9 @@ class BatchSizes:
     ``rollout_batch_size`` counts prompts; each prompt gets ``group_size`` responses, so a
     rollout holds ``rollout_batch_size * group_size`` samples, all of them on every rank.
     ``mini_batch_size`` (samples per optimizer step) is global and split over the role's
-    data-parallel ranks; ``micro_batch_size`` is per data-parallel rank.
+    data-parallel ranks; ``micro_batch_size`` is per data-parallel rank. Packed
+    (``max_tokens`` per micro-batch), the ranks' shares and micro-batches follow the
+    samples' lengths: a mini-batch needs only a sample for every rank.
     """
 
     rollout_batch_size: int
@@ -32,6 +34,7 @@ class BatchSizes:
     micro_batch_size: int
     dp_size: int
     group_size: int = 1
+    max_tokens: int | None = None
 
     @property
     def samples(self) -> int:
@@ -56,10 +59,21 @@ class BatchSizes:
 
     def validate(self) -> "BatchSizes":
         """Touch every derived size so a bad combination raises now."""
-        _ = (self.num_mini_batches, self.micro_batches_per_mini_batch)
+        _ = self.num_mini_batches
+        if self.max_tokens is None:
+            _ = self.micro_batches_per_mini_batch
+        elif self.mini_batch_size < self.dp_size:
+            raise ValueError(f"ppo.mini_batch_size ({self.mini_batch_size}) is below the "
+                             f"data-parallel size ({self.dp_size}): a rank would get no "
+                             "samples")
         return self
 
     def describe(self) -> str:
+        if self.max_tokens is not None:
+            return (f"rollout {self.rollout_batch_size} prompts x {self.group_size} = "
+                    f"{self.samples} samples; {self.num_mini_batches} mini-batches of "
+                    f"{self.mini_batch_size} shared by {self.dp_size} rank(s) by token count, "
+                    f"packed micro-batches of at most {self.max_tokens} tokens")
         return (f"rollout {self.rollout_batch_size} prompts x {self.group_size} = "
                 f"{self.samples} samples; {self.num_mini_batches} mini-batches of "
                 f"{self.mini_batch_size} ({self.mini_batch_per_rank} per rank = "

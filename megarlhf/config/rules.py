@@ -254,6 +254,20 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
     if ppo.overlong_buffer >= rollout.max_new_tokens:
         raise ConfigError(f"ppo.overlong_buffer={ppo.overlong_buffer} must be below "
                          f"rollout.max_new_tokens={rollout.max_new_tokens}")
+    longest = data.max_prompt_len + rollout.max_new_tokens
+    for field, budget in (("ppo.max_tokens_per_micro_batch", ppo.max_tokens_per_micro_batch),
+                          ("rollout.forward_max_tokens_per_micro_batch",
+                           rollout.forward_max_tokens_per_micro_batch)):
+        if budget is not None and budget < longest:
+            raise ConfigError(
+                f"{field}={budget} cannot hold the longest sample, data.max_prompt_len + "
+                f"rollout.max_new_tokens = {longest} tokens: a packed micro-batch takes whole "
+                f"samples, and one over the budget would break the memory bound it sets. "
+                f"Set it to at least {longest}")
+    if rollout.forward_max_tokens_per_micro_batch is not None \
+            and said("rollout", "forward_micro_batch_size"):
+        raise ConfigError("rollout.forward_micro_batch_size has no effect with "
+                          "rollout.forward_max_tokens_per_micro_batch set (packed passes)")
     if said("ppo", "max_sampling_rounds") and not ppo.dynamic_sampling:
         raise ConfigError("ppo.max_sampling_rounds has no effect without ppo.dynamic_sampling")
     if said("ppo", "overlong_penalty") and not ppo.overlong_buffer:

@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from megarlhf.data.packing import balance, budget_groups, padding_counts
 from megarlhf.engine.schedule import forward_only
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
@@ -15,40 +16,58 @@ from megarlhf.parallel import watchdog
 
 def forward_rows(role, rows: Sequence[Any], make_batch: Callable[[list[Any]], dict],
                  forward_step: Callable, *, micro_batch_size: int,
-                 gather: bool = True) -> list[dict] | dict[int, dict]:
+                 gather: bool = True, max_tokens: int | None = None,
+                 lengths: Sequence[int] | None = None,
+                 padding: dict | None = None) -> list[dict] | dict[int, dict]:
     """Score ``rows`` (every rank passes the same list) with ``role`` - any role at any
     TP/PP/VPP/DP layout - and return, on every rank, one dict of tensors per row.
 
-    Data-parallel replica ``d`` takes rows ``d::DP``. Pipeline stages exchange fixed-shape
-    activations, so ``make_batch`` must pad every micro-batch to one length, and the last
-    micro-batch is topped up with copies of a row whose results are dropped.
+    Padded (``max_tokens`` None): data-parallel replica ``d`` takes rows ``d::DP`` in
+    micro-batches of ``micro_batch_size``, the last topped up with copies of a row whose
+    results are dropped; ``make_batch`` pads a micro-batch. Packed (``max_tokens``, with
+    the rows' token counts in ``lengths``): the replicas take shares of balanced token
+    counts (``data.packing.balance``), cut into micro-batches of at most ``max_tokens``
+    tokens; ``make_batch`` packs one. Pipeline stages exchange the shapes when they vary.
+
     ``forward_step``'s loss function returns a dict of per-row tensors ``(B, ...)``; the
     last stage's TP rank 0 of each replica reports them and every rank receives all rows.
     With ``gather=False`` nothing is exchanged: the reporting rank of each replica gets
     ``{row index: result}`` for its own rows (others an empty dict) - what a cache writer
-    that shards by owner needs.
+    that shards by owner needs. ``padding`` (with ``lengths``, and ``gather``) receives the
+    pass's token positions summed over the replicas: ``computed`` and ``padding``.
     """
     with watchdog.phase(f"forward pass of the {role.spec.name}"):
         return _forward_rows(role, rows, make_batch, forward_step,
-                             micro_batch_size=micro_batch_size, gather=gather)
+                             micro_batch_size=micro_batch_size, gather=gather,
+                             max_tokens=max_tokens, lengths=lengths, padding=padding)
 
 
 def _forward_rows(role, rows, make_batch, forward_step, *, micro_batch_size: int,
-                  gather: bool):
+                  gather: bool, max_tokens: int | None, lengths, padding: dict | None):
     layout = role.layout
-    mine = list(range(layout.dp_rank, len(rows), layout.dp))
-    local: dict[int, dict] = {}
-    if mine:
-        padded = mine + [mine[0]] * (-len(mine) % micro_batch_size)
+    if max_tokens is not None:
+        if lengths is None:
+            raise ValueError("forward_rows: packed micro-batches need the rows' lengths")
+        mine = balance(list(lengths), layout.dp)[layout.dp_rank]
+        groups = budget_groups(mine, list(lengths), max_tokens)
+        micro_batch_size = 1  # one packed row per micro-batch
+    else:
+        mine = list(range(layout.dp_rank, len(rows), layout.dp))
+        padded = mine + [mine[0]] * (-len(mine) % micro_batch_size) if mine else []
         groups = [padded[k:k + micro_batch_size]
                   for k in range(0, len(padded), micro_batch_size)]
+    local: dict[int, dict] = {}
+    counts = (0, 0)
+    if mine:
         with cpu_backend.suspended():  # batching and results: no megatron code
             batches = [make_batch([rows[i] for i in idx]) for idx in groups]
+        if lengths is not None and layout.writes_results:
+            counts = padding_counts(batches, sum(lengths[i] for i in mine))
         for chunk in role.chunks:
             if chunk.training:  # as engine.optimizer.forward_backward
                 chunk.eval()
         outs = forward_only(role.chunks, forward_step, batches, layout=layout,
-                            seq_length=batches[0]["tokens"].shape[1],
+                            seq_length=max(b["tokens"].shape[1] for b in batches),
                             micro_batch_size=micro_batch_size)
         if layout.writes_results:
             seen = set()
@@ -62,8 +81,11 @@ def _forward_rows(role, rows, make_batch, forward_step, *, micro_batch_size: int
     if not gather:
         return local
     merged: dict[int, dict] = {}
-    for part in gather_objects(local):
+    for part, (pad, computed) in gather_objects((local, counts)):
         merged.update(part)
+        if padding is not None:
+            padding["padding"] = padding.get("padding", 0) + pad
+            padding["computed"] = padding.get("computed", 0) + computed
     assert sorted(merged) == list(range(len(rows))), "forward_rows lost rows"
     return [merged[i] for i in range(len(rows))]
 

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megarlhf.data.packing import pad_packed
 from megarlhf.models.gpt import unwrap
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.launch import to_device
@@ -29,11 +30,21 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
     device = next(unwrap(model_chunks[0]).parameters()).device
     vpp, pp, pgc = layout.vpp or 1, layout.pp, layout.pg_collection
     assert len(model_chunks) == vpp, (len(model_chunks), layout.describe())
+    core = unwrap(model_chunks[0])
     if vpp > 1:
         # The interleaved schedule needs a multiple of the pipeline size; top up with
         # copies that carry no loss weight (their outputs are ignored by the callers).
         microbatches = list(microbatches) + [weightless(microbatches[-1])] * (
             -len(microbatches) % pp)
+    # Packed micro-batches differ in shape: the stages then send each activation's shape
+    # ahead of it (megatron's variable_seq_lengths); fixed shapes skip that exchange.
+    variable = pp > 1 and len({tuple(b["tokens"].shape) for b in microbatches}) > 1
+    if variable and vpp > 1 and not core.config.batch_p2p_comm:
+        # megatron sends those shapes with batch_isend_irecv, which gloo mis-pairs in the
+        # interleaved schedule (as it does activations, see models.gpt): one length instead
+        microbatches = _one_length(microbatches)
+        variable, seq_length = False, microbatches[0]["tokens"].shape[1]
+    if vpp > 1:
         # Interleaved schedule: one iterator per chunk, each seeing every micro-batch.
         data_iterator: Any = [_feed(microbatches, device) for _ in range(vpp)]
         model: Any = model_chunks
@@ -42,23 +53,40 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
         model = model_chunks[0]
     # The role's own groups: the schedule, its p2p communicator and the gradient
     # finalisation never fall back to megatron's global parallel_state.
-    core = unwrap(model_chunks[0])
     forward_backward = get_forward_backward_func(pp_size=pp, vp_size=vpp if vpp > 1 else None)
     extra = {"pg_collection": pgc}
     if pp > 1:
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
         extra["p2p_communicator"] = P2PCommunicator(pp_group=pgc.pp, config=core.config)
-    return forward_backward(
-        forward_step_func=_loss_without_mode(forward_step),
-        data_iterator=data_iterator,
-        model=model,
-        num_microbatches=len(microbatches),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
-        collect_non_loss_data=collect_non_loss_data,
-        **extra,
-    )
+    configs = {id(c): c for c in (unwrap(chunk).config for chunk in model_chunks)}
+    saved = {key: c.variable_seq_lengths for key, c in configs.items()}
+    for c in configs.values():
+        c.variable_seq_lengths = variable
+    try:
+        return forward_backward(
+            forward_step_func=_loss_without_mode(forward_step),
+            data_iterator=data_iterator,
+            model=model,
+            num_microbatches=len(microbatches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data,
+            **extra,
+        )
+    finally:
+        for key, c in configs.items():
+            c.variable_seq_lengths = saved[key]
+
+
+def _one_length(microbatches: list[dict]) -> list[dict]:
+    """Packed micro-batches (``data.packing``) padded to the longest one's length."""
+    if not all("cu_seqlens" in b for b in microbatches):
+        raise ValueError("micro-batches of several shapes through the interleaved pipeline "
+                         "schedule over gloo must all be packed (PPO-ptx's padded rows "
+                         "cannot join packed ones there)")
+    longest = max(b["tokens"].shape[1] for b in microbatches)
+    return [pad_packed(b, longest) for b in microbatches]
 
 
 def _loss_without_mode(forward_step: Callable) -> Callable:

@@ -10,23 +10,26 @@ from __future__ import annotations
 import torch
 
 from megarlhf.config import PPOConfig
+from megarlhf.data.packing import unpack
 from megarlhf.models import moe
 from megarlhf.models.logprobs import vocab_parallel_logprobs
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
 
 
-def model_forward(model, batch: dict, positions: slice | None = None):
+def model_forward(model, batch: dict, positions: slice | torch.Tensor | None = None):
     """``model`` on one micro-batch, its outputs (logits or values) at sequence
-    ``positions`` only (all when None; see ``models.gpt.RoleModel``). A mixture of experts
-    routes as the batch says: ``routing`` is replayed; otherwise the experts this pass
-    chooses are compared with ``rollout_routing`` and, with ``routing_rows`` (the batch's
-    row indices), kept (``models.moe``)."""
+    ``positions`` only (all when None; see ``models.gpt.RoleModel``). A packed micro-batch
+    (``cu_seqlens``, ``data.packing``) runs in megatron-core's THD format. A
+    mixture of experts routes as the batch says: ``routing`` is replayed; otherwise the
+    experts this pass chooses are compared with ``rollout_routing`` and, with
+    ``routing_rows`` (the batch's row indices), kept (``models.moe``)."""
     with cpu_backend.suspended():
+        mask, extra = attention_inputs(model, batch)
         if "rollout_routing" in batch or "routing_rows" in batch:
             with moe.recording(model) as got:
-                out = model(batch["tokens"], batch["position_ids"],
-                            batch.get("attention_mask"), positions=positions)
+                out = model(batch["tokens"], batch["position_ids"], mask, positions=positions,
+                            **extra)
                 if "rollout_routing" in batch:
                     moe.count_mismatch(got(), batch["rollout_routing"],
                                        batch["rollout_routing_mask"])
@@ -34,8 +37,23 @@ def model_forward(model, batch: dict, positions: slice | None = None):
                     moe.keep_routing(batch["routing_rows"], got())
             return out
         with moe.replaying(model, batch.get("routing")):
-            return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                         positions=positions)
+            return model(batch["tokens"], batch["position_ids"], mask, positions=positions,
+                         **extra)
+
+
+def attention_inputs(model, batch: dict) -> tuple[torch.Tensor | None, dict]:
+    """(attention mask, extra forward arguments) of a micro-batch: its own mask, or for a
+    packed one (``cu_seqlens``, ``data.packing``) megatron-core's ``PackedSeqParams`` in
+    the THD format: rotary positions restart at each sample and attention stays within it
+    (TransformerEngine's attention, or ``models.spec.SDPACoreAttention``)."""
+    if "cu_seqlens" not in batch:
+        return batch.get("attention_mask"), {}
+    from megatron.core.packed_seq_params import PackedSeqParams
+    cu = batch["cu_seqlens"].to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return None, {"packed_seq_params": PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+        max_seqlen_kv=longest)}
 
 
 def make_score_step(role: str, *, tp_group, true_vocab: int, temperature: float = 1.0):
@@ -134,8 +152,9 @@ def ratio(totals: dict[str, float], num: str, den: str) -> float:
 def make_sequence_step(kind: str, *, prompt_len: int, tp_group=None, true_vocab: int = 0,
                        temperature: float = 1.0):
     """Forward-only step over prompt+response batches (prompts left-padded to
-    ``prompt_len``): per response token, log-probs and entropy (``lm``) or the values of the
-    states before each token and the value at ``last_index`` (``value``)."""
+    ``prompt_len``, or packed, ``data.packing``): per response token, log-probs and entropy
+    (``lm``) or the values of the states before each token and the value at
+    ``last_index`` (``value``), as (B, T) tensors either way."""
     P = prompt_len
     # outputs at the positions that predict the response (and for a value model, the
     # last one, which sees the whole response), nowhere else
@@ -143,17 +162,23 @@ def make_sequence_step(kind: str, *, prompt_len: int, tp_group=None, true_vocab:
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model_forward(model, batch, response_positions)
+        packed = "keep" in batch
+        output = model_forward(model, batch, batch["keep"] if packed else response_positions)
 
         def loss_func(out, non_loss_data=True):
+            if kind == "value" and packed:  # out: (1, K, 1)
+                return {"values": unpack(out[..., 0].float(), batch),
+                        "last": out[0, batch["last_keep"], 0].float()}
             if kind == "value":  # out: (B, T + 1, 1), positions P - 1 .. S - 1
                 rows = torch.arange(out.shape[0], device=out.device)
                 return {"values": out[:, :-1, 0].float(),
                         "last": out[rows, batch["last_index"] - (P - 1), 0].float()}
-            logprobs_BT, entropy_BT = vocab_parallel_logprobs(
-                out, batch["tokens"][:, P:], tp_group=tp_group,
-                temperature=temperature, true_vocab=true_vocab)
-            return {"logprobs": logprobs_BT, "entropy": entropy_BT}
+            logprobs, entropy = vocab_parallel_logprobs(
+                out, batch["targets"] if packed else batch["tokens"][:, P:],
+                tp_group=tp_group, temperature=temperature, true_vocab=true_vocab)
+            if packed:
+                logprobs, entropy = unpack(logprobs, batch), unpack(entropy, batch)
+            return {"logprobs": logprobs, "entropy": entropy}
 
         return output, loss_func
 
@@ -190,14 +215,18 @@ def make_policy_step(*, prompt_len: int, tp_group, true_vocab: int, temperature:
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         ptx = "ptx_loss_mask" in batch  # pretraining rows: logits everywhere
-        output = model_forward(model, batch, None if ptx else slice(P - 1, -1))
+        packed = "keep" in batch
+        output = model_forward(model, batch, None if ptx else
+                               batch["keep"] if packed else slice(P - 1, -1))
 
         def loss_func(logits, non_loss_data=False):
             if ptx:
                 return ptx_loss(logits, batch)
             logprobs_BT, entropy_BT = vocab_parallel_logprobs(
-                logits, batch["tokens"][:, P:], tp_group=tp_group,
-                temperature=temperature, true_vocab=true_vocab)
+                logits, batch["targets"] if packed else batch["tokens"][:, P:],
+                tp_group=tp_group, temperature=temperature, true_vocab=true_vocab)
+            if packed:  # (1, K) -> the padded (B, T) grid every loss reads
+                logprobs_BT, entropy_BT = unpack(logprobs_BT, batch), unpack(entropy_BT, batch)
             mask = batch["policy_mask"]
             if ppo.policy_loss == "decoupled":
                 total, count, stats = decoupled_policy_loss(
@@ -244,10 +273,13 @@ def make_value_step(*, prompt_len: int, cliprange_value: float | None, agg: str,
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model_forward(model, batch, slice(P - 1, -1))
+        packed = "keep" in batch
+        output = model_forward(model, batch, batch["keep"] if packed else slice(P - 1, -1))
 
         def loss_func(values_BT1, non_loss_data=False):
             values_BT = values_BT1[..., 0].float()
+            if packed:  # (1, K) -> (B, T)
+                values_BT = unpack(values_BT, batch)
             mask = batch["response_mask"]
             total, count, stats = value_loss(values_BT, batch["old_values"], batch["returns"],
                                              mask, cliprange_value, agg, coef)

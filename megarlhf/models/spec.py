@@ -53,13 +53,29 @@ class SDPACoreAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         if packed_seq_params is not None:
-            raise NotImplementedError("packed sequences use an explicit block-diagonal "
-                                      "attention_mask with the local layer spec")
+            return self.forward_packed(query, key, value, packed_seq_params)
         sq = query.shape[0]
         out = self.attend(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3),
                           value.permute(1, 2, 0, 3), attention_mask, attn_mask_type)
         # (B, heads, sq, hd) -> (sq, B, heads*hd)
         return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], self.heads * self.value_dim)
+
+    def forward_packed(self, query, key, value, packed_seq_params) -> torch.Tensor:
+        """Megatron's THD format (``data.packing``): query (t, heads, hd), key and value
+        (t, groups, hd), samples back to back as ``cu_seqlens_q`` says -> (t, heads*hd).
+        Causal attention within each sample, one SDPA call per sample: the work and the
+        numbers of each sample alone, and no t x t mask."""
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"packed sequences in the {packed_seq_params.qkv_format!r} "
+                             "format: the local attention takes 'thd'")
+        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        outs = []
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            q, k, v = (x[start:stop].permute(1, 0, 2).unsqueeze(0).contiguous()
+                       for x in (query, key, value))
+            out = self.attend(q, k, v, None, AttnMaskType.causal)  # (1, heads, n, hd)
+            outs.append(out[0].permute(1, 0, 2).reshape(stop - start, -1))
+        return torch.cat(outs)
 
     def attend(self, q, k, v, attention_mask, attn_mask_type=None) -> torch.Tensor:
         """The attention in SDPA's layout: q (B, heads, sq, hd), k and v (B, groups, sk,

@@ -37,6 +37,7 @@ class ExperienceMaker:
         group after the other). ``refill(round)`` gives more prompts for dynamic sampling."""
         ppo, r = self.cfg.ppo, self.cfg.rollout
         t0 = time.perf_counter()
+        self.scorer.take_padding_fraction()  # count this batch's passes only
         # 1. sample and score the samples
         gen, has_stop, scores, metrics = self._sample(prompts, seed)
         # 2. DAPO's dynamic sampling: informative groups only
@@ -101,6 +102,7 @@ class ExperienceMaker:
         # 6. what it was
         metrics.update(rollout_metrics(exp, gen, has_stop, short, rollout_lp, old_lp,
                                        self.scorer.ref_cache))
+        metrics["perf/padding_fraction/experience"] = self.scorer.take_padding_fraction()
         metrics["timing/experience"] = time.perf_counter() - t1
         return exp, gen, metrics
 

@@ -17,6 +17,7 @@ import torch
 from megarlhf import algos
 from megarlhf.config import Config
 from megarlhf.data.batching import prompt_response_batch
+from megarlhf.data.packing import pack_prompt_response
 from megarlhf.engine.forward import forward_rows, stack_results
 from megarlhf.roles.offload import Offloader
 from megarlhf.roles.build import Role
@@ -118,6 +119,25 @@ def sequence_batch_fn(gen: Generation, pad_id: int, routing: str | None = None
     return make_batch
 
 
+def packed_batch_fn(gen: Generation, kind: str, pad_id: int = 0
+                    ) -> Callable[[list[int]], dict]:
+    """Row indices -> one packed micro-batch of those samples (``data.packing``): the
+    outputs a ``kind`` (lm or value) pass reads, in the (B, T) grid of the rows."""
+
+    def make_batch(rows: list[int]) -> dict:
+        idx = torch.tensor(rows)
+        return pack_prompt_response(gen.prompt_tokens_BP[idx], gen.prompt_mask_BP[idx],
+                                    gen.response_tokens_BT[idx], gen.response_mask_BT[idx],
+                                    kind=kind, pad_id=pad_id)
+
+    return make_batch
+
+
+def sequence_lengths(gen: Generation) -> list[int]:
+    """Each sample's real tokens, prompt and response."""
+    return (gen.prompt_mask_BP.long().sum(1) + gen.response_mask_BT.long().sum(1)).tolist()
+
+
 @dataclass
 class RewardSource:
     """A frozen reward-model role (with the normalisation stored in its checkpoint) or a
@@ -161,6 +181,8 @@ class Scorer:
     micro_batch_size: int = 4
     ref_cache: SequenceCache | None = field(default_factory=SequenceCache)  # None: off
     hooks: object | None = None  # during_pass() - see stages.ppo.PhaseHooks
+    max_tokens: int | None = None  # packed micro-batches of at most this many tokens
+    padding: dict = field(default_factory=dict)  # token positions of the passes so far
 
     def __post_init__(self):
         self.ref_offloader = Offloader(self.reference.chunks, self._offloads(self.reference))
@@ -192,8 +214,25 @@ class Scorer:
                                   temperature=self.cfg.rollout.temperature)
         if self.hooks is not None:
             self.hooks.during_pass()
-        return forward_rows(role, rows, sequence_batch_fn(gen, self.pad_id, routing), step,
-                            micro_batch_size=self.micro_batch_size)
+        lengths = sequence_lengths(gen)
+        if self.max_tokens is not None:
+            if routing is not None:
+                raise ValueError("packed micro-batches (rollout.forward_max_tokens_per_micro_"
+                                 "batch) do not carry a mixture of experts' routing yet")
+            make_batch = packed_batch_fn(gen, role.spec.kind, self.pad_id)
+        else:
+            make_batch = sequence_batch_fn(gen, self.pad_id, routing)
+        return forward_rows(role, rows, make_batch, step,
+                            micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens,
+                            lengths=[lengths[r] for r in rows], padding=self.padding)
+
+    def take_padding_fraction(self) -> float:
+        """The share of token positions the passes since the last call computed that were
+        padding; counting starts again."""
+        computed = self.padding.get("computed", 0)
+        fraction = self.padding.get("padding", 0) / computed if computed else 0.0
+        self.padding.clear()
+        return fraction
 
     def actor_logprobs(self, gen: Generation) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, T) the actor's log-probs at its training layout, and the routing its updates

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from megarlhf import algos
-from megarlhf.config import Config, Written
+from megarlhf.config import Config, ConfigError, Written
 from megarlhf.data.batching import pad_batch, prompt_response_batch
+from megarlhf.data.packing import balance, budget_groups, pack_prompt_response
 from megarlhf.data.datasets import tokenize_dataset
 from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, load_object, save_checkpoint
@@ -33,6 +34,7 @@ from megarlhf.roles.spec import ppo_role_specs
 from megarlhf.roles.build import build_role
 from megarlhf.engine.steps import make_policy_step, make_value_step, ratio, reduce_logs
 from megarlhf.parallel import cpu_backend
+from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel.launch import init_distributed, read_dist_env
 from megarlhf.rollout.experience import ExperienceMaker
 from megarlhf.rollout.generate import SamplingParams, generate
@@ -47,23 +49,51 @@ from megarlhf.parallel import watchdog
 
 # ------------------------------------------------------------------ set-up
 
+def _fields(mb: algos.Experience) -> dict:
+    """What the policy and value losses read of a micro-batch's samples, (B, T) each."""
+    return {"response_mask": mb.response_mask_BT.float(), "policy_mask": mb.policy_mask_BT,
+            "is_weights": mb.is_weights_BT, "old_logprobs": mb.old_logprobs_BT,
+            "rollout_logprobs": mb.rollout_logprobs_BT, "ref_logprobs": mb.ref_logprobs_BT,
+            "advantages": mb.advantages_BT, "old_values": mb.values_BT,
+            "returns": mb.returns_BT}
+
+
 @cpu_backend.suspended()  # batch arithmetic: no megatron code
 def experience_batches(exp: algos.Experience, micro: int, pad_id: int,
                        routing: bool = False) -> list[dict]:
-    """Micro-batches of ``exp``; ``routing``: with the expert choices to replay (the
-    actor's, under ``rollout.routing_replay`` r2 or r3)."""
+    """Padded micro-batches of ``micro`` samples of ``exp``; ``routing``: with the expert
+    choices to replay (the actor's, under ``rollout.routing_replay`` r2 or r3)."""
     out = []
     for mb in exp.micro_batches(micro):
         batch = prompt_response_batch(mb.prompt_tokens_BP, mb.prompt_mask_BP,
                                       mb.response_tokens_BT, mb.response_mask_BT, pad_id)
-        batch.update({"response_mask": mb.response_mask_BT.float(),
-                      "policy_mask": mb.policy_mask_BT, "is_weights": mb.is_weights_BT,
-                      "old_logprobs": mb.old_logprobs_BT,
-                      "rollout_logprobs": mb.rollout_logprobs_BT,
-                      "ref_logprobs": mb.ref_logprobs_BT, "advantages": mb.advantages_BT,
-                      "old_values": mb.values_BT, "returns": mb.returns_BT})
+        batch.update(_fields(mb))
         if routing and mb.routing_BLSK is not None:  # the experts to replay (r2 / r3)
             batch["routing"] = mb.routing_BLSK
+        out.append(batch)
+    return out
+
+
+def sample_lengths(exp: algos.Experience) -> list[int]:
+    """Each sample's tokens a pass computes: its real prompt and trained response."""
+    return (exp.prompt_mask_BP.long().sum(1) + exp.response_mask_BT.long().sum(1)).tolist()
+
+
+@cpu_backend.suspended()  # batch arithmetic: no megatron code
+def packed_experience_batches(mini: algos.Experience, layout, budget: int, pad_id: int
+                              ) -> list[dict]:
+    """This data-parallel rank's packed micro-batches of the (global) mini-batch ``mini``:
+    its share of balanced token counts (``data.packing.balance``), in micro-batches of at
+    most ``budget`` tokens (``ppo.max_tokens_per_micro_batch``)."""
+    lengths = sample_lengths(mini)
+    share = balance(lengths, layout.dp)[layout.dp_rank]
+    out = []
+    for group in budget_groups(share, lengths, budget, what="ppo.max_tokens_per_micro_batch"):
+        mb = mini.select(group)
+        batch = pack_prompt_response(mb.prompt_tokens_BP, mb.prompt_mask_BP,
+                                     mb.response_tokens_BT, mb.response_mask_BT, kind="lm",
+                                     pad_id=pad_id)
+        batch.update(_fields(mb))
         out.append(batch)
     return out
 
@@ -193,8 +223,16 @@ class PPOSession:
         # Batch arithmetic per trained role (each splits mini-batches over its own DP).
         self.sizes = {name: algos.BatchSizes(ppo.rollout_batch_size, ppo.mini_batch_size,
                                              ppo.micro_batch_size, s.layout.dp(world),
-                                             ppo.group_size).validate()
+                                             ppo.group_size,
+                                             ppo.max_tokens_per_micro_batch).validate()
                       for name, s in specs.items() if s.trained}
+        forward_budget = r.forward_max_tokens_per_micro_batch or ppo.max_tokens_per_micro_batch
+        if (forward_budget or ppo.max_tokens_per_micro_batch) \
+                and specs["actor"].model.moe.enabled:
+            raise ConfigError("packed micro-batches (ppo.max_tokens_per_micro_batch, rollout."
+                              "forward_max_tokens_per_micro_batch) do not carry a mixture of "
+                              "experts' routing yet: unset them for this mixture-of-experts "
+                              "actor")
         self.cfg, self.tokenizer = cfg, tokenizer
         self.prompts = tokenize_dataset(cfg.data.train_path, "prompt", cfg.data, tokenizer)
         self.eval_prompts = tokenize_dataset(cfg.data.eval_path, "prompt", cfg.data, tokenizer) \
@@ -228,7 +266,7 @@ class PPOSession:
         self.scorer = Scorer(cfg, self.actor, self.reference, reward, self.critic,
                              pad_id=tokenizer.pad_id,
                              micro_batch_size=r.forward_micro_batch_size
-                             or ppo.micro_batch_size,
+                             or ppo.micro_batch_size, max_tokens=forward_budget,
                              ref_cache=SequenceCache(r.ref_cache_size)
                              if r.ref_cache_size else None)
         self.maker = ExperienceMaker(cfg, self.sampler, self.scorer)
@@ -443,9 +481,11 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
     """``ppo_epochs`` passes of shuffled global mini-batches; actor and critic each take
     their own data-parallel share and step together (or skip together). With PPO-ptx
     each actor mini-batch also carries its pretraining micro-batches. ``meters`` (by role
-    name) measure each role's activations during the first epoch: every epoch runs the
-    same micro-batch shapes (full prompt + response width), so its peak is the phase's,
-    and the saved-tensor hooks cost a Python call per saved tensor."""
+    name) measure each role's activations during the first epoch: padded, every epoch runs
+    the same micro-batch shapes (full prompt + response width), so its peak is the
+    phase's; packed, every micro-batch is within the same token budget, but another epoch's
+    packing may come closer to it. The saved-tensor hooks cost a Python call per saved
+    tensor."""
     ppo = cfg.ppo
     P = exp.prompt_tokens_BP.shape[1]
     S = P + exp.response_tokens_BT.shape[1]
@@ -461,13 +501,24 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
     skipped = 0
     step = 0
     moe_sums: dict[str, dict[str, list[float]]] = {}
+    budget = ppo.max_tokens_per_micro_batch  # None: padded micro-batches
+    positions = [0, 0]  # token positions computed, and real, by this replica's passes
     for epoch in range(ppo.ppo_epochs):
         with cpu_backend.suspended():  # as experience_batches
             minis = list(exp.mini_batches(ppo.mini_batch_size, gen))
         for mini in minis:
             for role, fwd in learners:
-                batches = experience_batches(_share(mini, role.layout), ppo.micro_batch_size,
-                                             pad_id, routing=role is actor)
+                if budget is not None:
+                    batches = packed_experience_batches(mini, role.layout, budget, pad_id)
+                    real = sum(int(b["cu_seqlens"][b["grid"][0]]) for b in batches)
+                else:
+                    share = _share(mini, role.layout)
+                    batches = experience_batches(share, ppo.micro_batch_size, pad_id,
+                                                 routing=role is actor)
+                    real = sum(sample_lengths(share))
+                if role.layout.writes_results:
+                    positions[0] += sum(int(b["tokens"].numel()) for b in batches)
+                    positions[1] += real
                 if ptx is not None and role is actor:
                     _, count = algos.aggregate_parts(torch.zeros_like(mini.policy_mask_BT),
                                                      mini.policy_mask_BT, ppo.loss_agg)
@@ -476,8 +527,9 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
                 with meter or contextlib.nullcontext(), \
                         watchdog.phase(f"update of the {role.spec.name}"):
                     logs[role.spec.name] += forward_backward(
-                        role.trained, fwd, batches, seq_length=S,
-                        micro_batch_size=ppo.micro_batch_size)
+                        role.trained, fwd, batches,
+                        seq_length=max(b["tokens"].shape[1] for b in batches),
+                        micro_batch_size=batches[0]["tokens"].shape[0])
                 # the routers' losses of this role's passes (one tracker for all roles)
                 for key, value in moe.take_losses(role.spec.model, role.layout,
                                                   len(batches)).items():
@@ -492,6 +544,8 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
                 ema.update(actor.parameters)
             step += 1
     out = {"ppo/skipped_steps": skipped}
+    computed, real = (sum(x) for x in zip(*gather_objects(positions)))
+    out["perf/padding_fraction/train"] = (computed - real) / computed if computed else 0.0
     for name, sums in moe_sums.items():  # the actor's as moe/*, a critic's as moe/critic/*
         for key, values in sums.items():
             out[key if name == "actor" else key.replace("moe/", f"moe/{name}/")] = \

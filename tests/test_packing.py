@@ -1,0 +1,232 @@
+"""Packed micro-batches (issue 39): the packing arithmetic against hand-checked cases, and
+packed against padded passes at every layout against a single-process padded reference.
+
+The multi-rank worker (``workers/packing_paths.py``) runs one synthetic rollout of
+long-tailed lengths at TP=2, PP=2, PP=2 with VPP=2, DP=2, TP=2 x PP=2 and PP=2 x DP=2:
+the experience passes (log-probs, entropy, values, last values), then one update of actor
+and critic whose old log-probs are the packed pass's, regrouped at another token budget.
+"""
+
+import os
+import random
+
+import pytest
+import torch
+
+from conftest import WORKERS, torchrun
+from megarlhf import algos
+from megarlhf.config import ConfigError, load_config
+from megarlhf.data.packing import (MIN_ROWS, balance, budget_groups, pack_prompt_response,
+                                   pad_packed, unpack)
+from megarlhf.speedups.linears import FEW_ROWS
+
+# ------------------------------------------------------------------ the arithmetic
+
+
+def test_balance_shares_tokens_within_one_sequence():
+    """Every sample in exactly one share, no share empty, and the heaviest share at most
+    the longest sample above the lightest (the issue's "within one sequence"); the same
+    split on every call (resume is bitwise)."""
+    rng = random.Random(0)
+    for _ in range(300):
+        n, parts = rng.randint(1, 40), rng.randint(1, 6)
+        lengths = [int(rng.paretovariate(1.2) * 10) for _ in range(n)]
+        shares = balance(lengths, parts)
+        assert sorted(i for s in shares for i in s) == list(range(n))
+        if n >= parts:
+            assert all(shares)
+        tokens = [sum(lengths[i] for i in s) for s in shares]
+        assert max(tokens) - min(tokens) <= max(lengths)
+        assert shares == balance(list(lengths), parts)
+        assert all(s == sorted(s) for s in shares)
+
+
+def test_balance_by_hand():
+    # longest first: 9 -> share 0, 5 -> 1, 4 -> 1 (5 < 9), 3 -> 1 (9 = 9: fewer samples? no,
+    # share 0 has 1, share 1 has 2 -> share 0 by tokens 9 vs 9, samples 1 < 2)
+    assert balance([3, 9, 4, 5], 2) == [[0, 1], [2, 3]]
+    assert balance([1, 1, 1, 1], 4) == [[0], [1], [2], [3]]
+    assert balance([5], 2) == [[0], []]
+
+
+def test_budget_groups_respect_the_budget():
+    rng = random.Random(1)
+    for _ in range(300):
+        n = rng.randint(1, 30)
+        lengths = [rng.randint(1, 50) for _ in range(n)]
+        budget = rng.randint(50, 200)
+        idx = sorted(rng.sample(range(n), rng.randint(1, n)))
+        groups = budget_groups(idx, lengths, budget)
+        assert sorted(i for g in groups for i in g) == idx
+        assert all(sum(lengths[i] for i in g) <= budget for g in groups)
+        # first-fit decreasing opens a new micro-batch only when the sample fits nowhere:
+        # at most one micro-batch is under half full
+        assert sum(sum(lengths[i] for i in g) * 2 <= budget for g in groups) <= 1
+    assert budget_groups([0, 1, 2], [30, 30, 30], 60) == [[0, 1], [2]]
+
+
+def test_a_sequence_over_the_budget_is_an_error_naming_the_setting():
+    with pytest.raises(ValueError, match=r"61 tokens exceeds ppo.max_tokens_per_micro_batch=60"):
+        budget_groups([0, 1], [10, 61], 60, what="ppo.max_tokens_per_micro_batch")
+
+
+def batch_of(prompts, responses, T=6):
+    """Left-padded prompts and right-padded responses, as a rollout holds them."""
+    P = max(len(p) for p in prompts)
+    tok_p = torch.zeros(len(prompts), P, dtype=torch.long)
+    mask_p = torch.zeros(len(prompts), P, dtype=torch.long)
+    tok_r = torch.zeros(len(prompts), T, dtype=torch.long)
+    mask_r = torch.zeros(len(prompts), T, dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        tok_p[b, P - len(p):] = torch.tensor(p)
+        mask_p[b, P - len(p):] = 1
+        tok_r[b, :len(r)] = torch.tensor(r, dtype=torch.long)
+        mask_r[b, :len(r)] = 1
+    return tok_p, mask_p, tok_r, mask_r
+
+
+def test_packed_row_by_hand():
+    prompts, responses = [[11, 12], [21, 22, 23], [31]], [[13, 14, 15], [], [32]]
+    lm = pack_prompt_response(*batch_of(prompts, responses), kind="lm", pad_id=0)
+    real = [11, 12, 13, 14, 15, 21, 22, 23, 31, 32]
+    L = max(len(real), MIN_ROWS)
+    assert lm["tokens"][0, :10].tolist() == real and lm["tokens"].shape == (1, L)
+    assert lm["tokens"][0, 10:].eq(0).all()  # the padding segment
+    assert lm["cu_seqlens"].tolist() == [0, 5, 8, 10, L]
+    assert lm["position_ids"][0, :10].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1]
+    # the outputs that predict each response token: 12 -> 13, 13 -> 14, 14 -> 15, 31 -> 32
+    assert lm["keep"][:4].tolist() == [1, 2, 3, 8]
+    assert lm["targets"][0, :4].tolist() == [13, 14, 15, 32]
+    assert lm["unpack"][:4].tolist() == [0, 1, 2, 2 * 6 + 0]
+    assert len(lm["keep"]) == MIN_ROWS and lm["unpack"][4:].eq(-1).all()
+    value = pack_prompt_response(*batch_of(prompts, responses), kind="value")
+    # each sample's states before its response tokens, then its last token's
+    assert value["keep"][:7].tolist() == [1, 2, 3, 4, 7, 8, 9]
+    assert value["last_keep"].tolist() == [3, 4, 6]
+    assert value["unpack"][:7].tolist() == [0, 1, 2, -1, -1, 12, -1]
+
+
+def test_unpack_puts_outputs_in_the_padded_grid_and_passes_gradients():
+    batch = pack_prompt_response(*batch_of([[5, 6], [7]], [[8, 9], [10]], T=3), kind="lm")
+    out = torch.arange(1.0, len(batch["keep"]) + 1).view(1, -1).requires_grad_()
+    grid = unpack(out, batch)
+    assert grid.tolist() == [[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]]
+    grid.sum().backward()
+    assert out.grad[0, :3].tolist() == [1.0, 1.0, 1.0] and out.grad[0, 3:].eq(0).all()
+
+
+def test_pad_packed_adds_one_segment():
+    batch = pack_prompt_response(*batch_of([[5] * 40, [7] * 30], [[8] * 3, [1]]), kind="lm")
+    padded = pad_packed(batch, 90)
+    assert padded["tokens"].shape == (1, 90)
+    assert padded["cu_seqlens"].tolist() == batch["cu_seqlens"].tolist() + [90]
+    assert padded["position_ids"][0, 74:].tolist() == list(range(16))
+
+
+def test_min_rows_is_above_the_short_matmul_way():
+    """Below FEW_ROWS rows ``speedups.linears`` multiplies the other way round, and a
+    sample's outputs then depend on its neighbours (data.packing's docstring)."""
+    assert MIN_ROWS > FEW_ROWS
+
+
+def test_an_empty_prompt_cannot_be_packed():
+    with pytest.raises(ValueError, match="empty prompt"):
+        pack_prompt_response(torch.zeros(1, 2, dtype=torch.long),
+                             torch.zeros(1, 2, dtype=torch.long),
+                             torch.ones(1, 2, dtype=torch.long),
+                             torch.ones(1, 2, dtype=torch.long), kind="lm")
+
+
+# ------------------------------------------------------------------ the settings
+
+def test_budget_below_the_longest_sample_is_refused_before_any_work():
+    from megarlhf.config.rules import check_ppo
+    from megarlhf.config.written import Written
+
+    for field in ("ppo.max_tokens_per_micro_batch", "rollout.forward_max_tokens_per_micro_batch"):
+        cfg = load_config(None, ["data.max_prompt_len=100", "rollout.max_new_tokens=50",
+                                 f"{field}=149", "ppo.sft_checkpoint=/x",
+                                 "rollout.reward_fn=a:b"])
+        with pytest.raises(ConfigError, match=rf"{field}=149 cannot hold the longest sample.*"
+                                              r"at least 150"):
+            check_ppo(cfg, Written(frozenset()))
+    cfg = load_config(None, ["rollout.forward_max_tokens_per_micro_batch=512",
+                             "rollout.forward_micro_batch_size=4", "ppo.sft_checkpoint=/x",
+                             "rollout.reward_fn=a:b"])
+    with pytest.raises(ConfigError, match="forward_micro_batch_size has no effect"):
+        check_ppo(cfg, Written(frozenset({"rollout.forward_micro_batch_size"})))
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
+        load_config(None, ["ppo.max_tokens_per_micro_batch=0"])
+
+
+def test_packed_batch_sizes_need_only_a_sample_per_rank():
+    sizes = algos.BatchSizes(12, 6, 4, 4, max_tokens=512).validate()  # 6 / 4 ranks: fine
+    assert "packed micro-batches of at most 512 tokens" in sizes.describe()
+    with pytest.raises(ValueError, match="below the data-parallel size"):
+        algos.BatchSizes(12, 2, 4, 4, max_tokens=512).validate()
+    with pytest.raises(ValueError, match="not divisible"):
+        algos.BatchSizes(12, 6, 4, 4).validate()  # padded: 6 samples over 4 ranks
+
+
+# ------------------------------------------------------------------ packed = padded
+
+TOL = 1e-6  # fp32; relative above 1
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("packing"))
+    worker = os.path.join(WORKERS, "packing_paths.py")
+    for world in (1, 2, 4):
+        torchrun(worker, world, out)
+    results = {}
+    for world in (1, 2, 4):
+        results.update(torch.load(os.path.join(out, f"packing_world{world}.pt"),
+                                  weights_only=False))
+    return results
+
+
+CASES = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 2, 2, 1), (1, 1, 1, 2), (2, 2, 1, 1),
+         (1, 2, 1, 2)]  # (tp, pp, vpp, dp)
+
+
+def close(a, b, what):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    gap = float(((a - b).abs() / b.abs().clamp(min=1.0)).max())
+    assert gap <= TOL, f"{what}: packed differs from the padded reference by {gap:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "tp{}-pp{}-vpp{}-dp{}".format(*c))
+def test_packed_passes_equal_the_single_process_padded_ones(layouts, case):
+    ref, got = layouts[(1, 1, 1, 1)], layouts[case]
+    for key in ("logprobs", "entropy", "values", "last"):
+        close(got["forward"][True][key], ref["forward"][False][key], key)
+    # the same layout's padded pass too (the worker's long tail: most positions padding)
+    assert got["forward"][False]["padding_fraction"] > 0.7
+    assert got["forward"][True]["padding_fraction"] < got["forward"][False]["padding_fraction"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "tp{}-pp{}-vpp{}-dp{}".format(*c))
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_packed_update_equals_the_padded_one(layouts, case, role):
+    """Every loss sum, the global gradient norm (against one padded process), and each
+    parameter shard's gradient (against the padded update at the same layout)."""
+    ref, got = layouts[(1, 1, 1, 1)][role], layouts[case][role]
+    logs = got["packed"]["logs"]
+    assert set(logs) == set(ref["padded"]["logs"])
+    for key, value in logs.items():
+        close(value, ref["padded"]["logs"][key], key)
+    close(got["packed"]["norm"], ref["padded"]["norm"], "gradient norm")
+    assert got["grad_gap"] <= TOL * max(1.0, got["grad_scale"]), got
+    assert got["grad_scale"] > 0.1  # the update had gradients to compare
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "tp{}-pp{}-vpp{}-dp{}".format(*c))
+def test_packed_update_at_the_old_policy_is_a_no_op(layouts, case):
+    """Old log-probs from the packed experience pass, the update packed at another budget
+    (other micro-batches, other neighbours): the ratio is exactly 1."""
+    logs = layouts[case]["actor"]["packed"]["logs"]
+    assert logs["approxkl_sum"] == 0.0 and logs["clipfrac_sum"] == 0.0, logs

@@ -1,0 +1,153 @@
+"""Packed against padded micro-batches at every layout that fits the world size (run under
+torchrun): ``packing_paths.py OUT``. World 1 gives the single-process padded reference.
+
+For each layout, on one synthetic rollout of long-tailed lengths: the experience passes
+(the actor's log-probs and entropy, the critic's values and last values) padded and packed;
+then one update of actor and critic on an experience batch whose old log-probs are the
+packed pass's, padded and packed (at another token budget, so the samples are regrouped):
+the reduced loss logs, the global gradient norms and the largest difference between the
+two gradients of every parameter shard. Results -> OUT/packing_world{N}.pt on rank 0.
+"""
+
+from __future__ import annotations
+
+# As the CLI does, before megatron is imported: the speed-ups MEGARLHF_SPEEDUPS selects.
+from megarlhf import speedups  # noqa: E402
+speedups.install()
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import build, make_config  # noqa: E402
+
+from megarlhf import algos  # noqa: E402
+from megarlhf.engine.forward import forward_rows, stack_results  # noqa: E402
+from megarlhf.engine.optimizer import forward_backward, prepare_step  # noqa: E402
+from megarlhf.engine.steps import (make_policy_step, make_sequence_step,  # noqa: E402
+                                   make_value_step, reduce_logs)
+from megarlhf.rollout.generate import Generation, left_pad  # noqa: E402
+from megarlhf.rollout.scoring import (packed_batch_fn, sequence_batch_fn,  # noqa: E402
+                                      sequence_lengths)
+from megarlhf.stages.ppo import (_share, experience_batches,  # noqa: E402
+                                 packed_experience_batches)
+
+VOCAB = 300
+PROMPT_LENS = [3, 7, 1, 5, 2, 6, 4, 8]
+RESPONSE_LENS = [1, 2, 3, 21, 5, 1, 9, 2]  # long-tailed
+FORWARD_BUDGET, TRAIN_BUDGET = 40, 32
+LAYOUTS = {1: [(1, 1, 1)], 2: [(2, 1, 1), (1, 2, 1), (1, 2, 2), (1, 1, 1)],
+           4: [(2, 2, 1), (1, 2, 1)]}  # (tp, pp, vpp); DP is what the world leaves
+
+
+def generation() -> Generation:
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    tokens_BP, mask_BP = left_pad(prompts, 0)
+    T = max(RESPONSE_LENS) + 3  # right padding past the longest
+    resp = torch.zeros(len(prompts), T, dtype=torch.long)
+    mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for b, n in enumerate(RESPONSE_LENS):
+        resp[b, :n] = torch.randint(3, VOCAB, (n,), generator=gen)
+        mask[b, :n] = 1
+    B = len(prompts)
+    return Generation(tokens_BP, mask_BP, resp, mask, torch.zeros(B, T),
+                      torch.ones(B, dtype=torch.bool))
+
+
+def passes(role, gen, packed: bool) -> dict:
+    P = gen.prompt_tokens_BP.shape[1]
+    kind = role.spec.kind
+    step = make_sequence_step(kind, prompt_len=P, tp_group=role.layout.tp_group,
+                              true_vocab=VOCAB)
+    rows = list(range(len(PROMPT_LENS)))
+    padding: dict = {}
+    if packed:
+        out = forward_rows(role, rows, packed_batch_fn(gen, kind), step, micro_batch_size=1,
+                           max_tokens=FORWARD_BUDGET, lengths=sequence_lengths(gen),
+                           padding=padding)
+    else:
+        out = forward_rows(role, rows, sequence_batch_fn(gen, 0), step, micro_batch_size=3,
+                           lengths=sequence_lengths(gen), padding=padding)
+    mask = gen.response_mask_BT.float()
+    keys = ("logprobs", "entropy") if kind == "lm" else ("values", "last")
+    res = {k: stack_results(out, k) * (mask if k != "last" else 1.0) for k in keys}
+    res["padding_fraction"] = padding["padding"] / padding["computed"]
+    return res
+
+
+def experience(gen, old_logprobs, values) -> algos.Experience:
+    g = torch.Generator().manual_seed(11)
+    mask = gen.response_mask_BT.float()
+    B, T = mask.shape
+    return algos.Experience(
+        prompt_tokens_BP=gen.prompt_tokens_BP, prompt_mask_BP=gen.prompt_mask_BP,
+        response_tokens_BT=gen.response_tokens_BT, response_mask_BT=mask,
+        rollout_logprobs_BT=old_logprobs, old_logprobs_BT=old_logprobs,
+        ref_logprobs_BT=old_logprobs - 0.1 * mask, values_BT=values,
+        scores_B=torch.randn(B, generator=g), kl_BT=torch.zeros(B, T),
+        rewards_BT=torch.zeros(B, T), advantages_BT=torch.randn(B, T, generator=g) * mask,
+        returns_BT=torch.randn(B, T, generator=g) * mask)
+
+
+def update(role, step, exp, packed: bool) -> dict:
+    if packed:
+        batches = packed_experience_batches(exp, role.layout, TRAIN_BUDGET, 0)
+    else:
+        batches = experience_batches(_share(exp, role.layout), 2, 0)
+    logs = forward_backward(role.trained, step, batches,
+                            seq_length=max(b["tokens"].shape[1] for b in batches),
+                            micro_batch_size=batches[0]["tokens"].shape[0])
+    grads = [p.main_grad.detach().clone() for chunk in role.trained.model
+             for p in chunk.parameters()]
+    _, norm = prepare_step(role.trained)
+    return {"logs": reduce_logs(logs, role.layout), "grads": grads, "norm": norm}
+
+
+def case(tp, pp, vpp) -> dict:
+    # full gradients on every data-parallel rank (the distributed optimizer reduces each
+    # rank's shard only), so the two updates compare parameter by parameter
+    extra = ["ppo.kl_loss_coef=0.1", "ppo.entropy_coef=0.01", "model.value_head_init=normal",
+             "optimizer.use_distributed_optimizer=false"]
+    if vpp > 1:
+        extra.append(f"parallel.virtual_pipeline_model_parallel_size={vpp}")
+    cfg = make_config("llama", tp, pp, extra=tuple(extra))
+    actor = build(cfg, "lm", trained=True)
+    critic = build(cfg, "value", trained=True, seed_offset=2)
+    gen = generation()
+    out = {"forward": {}}
+    for packed in (False, True):
+        out["forward"][packed] = {**passes(actor, gen, packed), **passes(critic, gen, packed)}
+    fwd = out["forward"][True]
+    exp = experience(gen, fwd["logprobs"], fwd["values"])
+    P = gen.prompt_tokens_BP.shape[1]
+    policy = make_policy_step(prompt_len=P, tp_group=actor.layout.tp_group, true_vocab=VOCAB,
+                              temperature=1.0, ppo=cfg.ppo)
+    value = make_value_step(prompt_len=P, cliprange_value=0.2, agg="token_mean")
+    for name, role, step in (("actor", actor, policy), ("critic", critic, value)):
+        padded, packed = update(role, step, exp, False), update(role, step, exp, True)
+        gap = max(float((a - b).abs().max()) for a, b in zip(padded["grads"], packed["grads"]))
+        scale = max(float(a.abs().max()) for a in padded["grads"])
+        stats = torch.tensor([gap, scale])
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        out[name] = {"padded": {k: padded[k] for k in ("logs", "norm")},
+                     "packed": {k: packed[k] for k in ("logs", "norm")},
+                     "grad_gap": float(stats[0]), "grad_scale": float(stats[1])}
+    return out
+
+
+def main():
+    out_dir = sys.argv[1]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    results = {}
+    for tp, pp, vpp in LAYOUTS[world]:
+        results[(tp, pp, vpp, world // (tp * pp))] = case(tp, pp, vpp)
+    if dist.get_rank() == 0:
+        torch.save(results, os.path.join(out_dir, f"packing_world{world}.pt"))
+
+
+if __name__ == "__main__":
+    main()
