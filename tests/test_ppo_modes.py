@@ -32,6 +32,9 @@ RLOO = ["ppo.advantage_estimator=rloo", "ppo.group_size=2", "ppo.rollout_batch_s
 RPP = ["ppo.advantage_estimator=reinforce_pp"]
 ESTIMATORS = {"gae": [], "grpo": GRPO + ["ppo.kl_loss_coef=0.5"], "rloo": RLOO, "rpp": RPP}
 NO_STOP = ["rollout.stop_at_eos=false"]
+# Packed micro-batches (issue 39), the updates' at another budget than the experience
+# passes', so each sample's neighbours change between its old log-prob and its update.
+PACK = ["ppo.max_tokens_per_micro_batch=96", "rollout.forward_max_tokens_per_micro_batch=160"]
 
 
 def cases(out) -> dict:
@@ -40,6 +43,7 @@ def cases(out) -> dict:
     for name, extra in ESTIMATORS.items():
         table[f"{name}_stop"] = extra
         table[f"{name}_nostop"] = extra + NO_STOP
+        table[f"{name}_packed"] = extra + PACK
     table.update({
         "rloo_beta0": RLOO + ["ppo.init_kl_coef=0"],
         "rpp_beta0": RPP + ["ppo.init_kl_coef=0", "rollout.ref_cache_size=0"],
@@ -59,6 +63,7 @@ def cases(out) -> dict:
     # DP=2 against 1 process: two iterations, two mini-batches, with the KL loss and ptx.
     table["dp"] = {"overrides": ["ppo.mini_batch_size=16", "ppo.kl_loss_coef=0.1", *ptx],
                    "iterations": 2}
+    table["dp_packed"] = {"overrides": table["dp"]["overrides"] + PACK, "iterations": 2}
     return table
 
 
@@ -81,7 +86,7 @@ def setup(tiny_checkpoints):
     path.write_text(json.dumps(table))
     worker = os.path.join(WORKERS, "ppo_modes.py")
     torchrun(worker, 1, str(path), str(out))
-    (out / "dp.json").write_text(json.dumps({"dp": table["dp"]}))
+    (out / "dp.json").write_text(json.dumps({k: table[k] for k in ("dp", "dp_packed")}))
     torchrun(worker, 2, str(out / "dp.json"), str(out))
     return out, base, task
 
@@ -96,11 +101,13 @@ def masked_mean(x, mask):
 
 
 @pytest.mark.parametrize("estimator", list(ESTIMATORS))
-@pytest.mark.parametrize("stop", ["stop", "nostop"])
+@pytest.mark.parametrize("stop", ["stop", "nostop", "packed"])
 def test_first_mini_batch_is_a_no_op(setup, estimator, stop):
     """An update at the old policy: ratio 1 on every token (the trainer recomputes exactly
     what it trains on), so approx-KL and clip fraction are exactly 0; the sampler agrees
-    to fp32 rounding."""
+    to fp32 rounding. Packed, too: the updates regroup the samples into other micro-batches
+    than the old log-prob pass's, and a sample's numbers do not depend on its
+    neighbours."""
     run = load(setup, f"{estimator}_{stop}")
     m = run["metrics"][0]
     assert m["ppo/policy/approxkl"] == 0.0 and m["ppo/policy/clipfrac"] == 0.0, m
@@ -294,14 +301,31 @@ def test_critic_from_the_reward_model_predicts_the_normalised_score(setup):
     assert run["rm_score"].std() > 0.1
 
 
-def test_two_processes_with_dp2_follow_one_process(setup):
-    one, two = load(setup, "dp", 1), load(setup, "dp", 2)
+def follows(one, two):
+    """Two runs' metrics (but timings, speeds and memory) and final weights agree."""
     for it, (a, b) in enumerate(zip(one["metrics"], two["metrics"], strict=True)):
         for key, value in a.items():
             if key.startswith(("timing/", "perf/", "memory/")):  # memory differs by layout
                 continue
             assert abs(value - b[key]) <= 1e-5 + 1e-4 * abs(value), (it, key, value, b[key])
     torch.testing.assert_close(one["after"], two["after"], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["dp", "dp_packed"])
+def test_two_processes_with_dp2_follow_one_process(setup, name):
+    """Packed, the two ranks' shares are balanced by token count, not halves."""
+    follows(load(setup, name, 1), load(setup, name, 2))
+
+
+def test_packed_ppo_follows_padded_ppo(setup):
+    """Two iterations (two mini-batches, the KL loss, PPO-ptx) packed and padded: the same
+    run to rounding; and the share of computed positions that were padding, lower."""
+    padded, packed = load(setup, "dp"), load(setup, "dp_packed")
+    follows(padded, packed)
+    for phase in ("experience", "train"):
+        key = f"perf/padding_fraction/{phase}"
+        for a, b in zip(padded["metrics"], packed["metrics"]):
+            assert 0.0 <= b[key] < a[key] < 1.0, (key, a[key], b[key])
 
 
 # ------------------------------------------------------------------ EMA and SIGKILL resume
@@ -319,23 +343,27 @@ def records(out, name):
     return {r["step"]: r for r in read_metrics(os.path.join(out, name))}
 
 
-def test_sigkill_mid_iteration_resumes_exactly_with_ema(setup):
+@pytest.mark.parametrize("batching", ["padded", "packed"])
+def test_sigkill_mid_iteration_resumes_exactly_with_ema(setup, batching):
     """Killed with SIGKILL in iteration 3 (after iteration 2's checkpoint) and rerun with the
     same command, the run continues exactly as the uninterrupted one: iteration numbers,
     metrics (KL controller, reference-log-prob cache, data position, RNG) and the EMA actor,
-    bitwise. The EMA is a role of the checkpoint: evaluated, scored, exported."""
+    bitwise - with padded and with packed micro-batches (whose grouping is a function of
+    the batch alone). The EMA is a role of the checkpoint: evaluated, scored, exported."""
     import signal
     import subprocess
     import sys
     import time
 
     out = setup[0]
-    run_cli(*ppo_cli(setup, "full"))
-    argv = [sys.executable, "-m", "megarlhf.cli", *ppo_cli(setup, "killed")]
+    pack = PACK if batching == "packed" else []
+    full_name, killed_name = f"full_{batching}", f"killed_{batching}"
+    run_cli(*ppo_cli(setup, full_name, pack))
+    argv = [sys.executable, "-m", "megarlhf.cli", *ppo_cli(setup, killed_name, pack)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=env, cwd=ROOT)
-    latest = out / "killed" / "checkpoints" / "latest"
+    latest = out / killed_name / "checkpoints" / "latest"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if latest.exists() and latest.read_text() >= "iter_000002":
@@ -345,9 +373,9 @@ def test_sigkill_mid_iteration_resumes_exactly_with_ema(setup):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    resumed = run_cli(*ppo_cli(setup, "killed"))
+    resumed = run_cli(*ppo_cli(setup, killed_name, pack))
     assert "resumed iter_00000" in resumed.stdout
-    full, killed = records(out, "full"), records(out, "killed")
+    full, killed = records(out, full_name), records(out, killed_name)
     assert sorted(full) == sorted(killed) == [0, 1, 2, 3, 4]
     for step in (3, 4):
         for key, value in full[step].items():
@@ -355,23 +383,27 @@ def test_sigkill_mid_iteration_resumes_exactly_with_ema(setup):
                 assert killed[step][key] == value, (step, key, value, killed[step][key])
     assert "eval/ema/gold_score" in full[4] and "rollout/ref_cache_hit_rate" in full[4]
     assert full[4]["objective/kl_coef"] != full[1]["objective/kl_coef"]  # adaptive, moving
+    if batching == "packed":
+        assert full[4]["perf/padding_fraction/train"] < 0.2
+        return
 
     # The EMA role: scored from the checkpoint (bitwise the same after the resume), unlike
     # the actor; exported to Hugging Face.
     seqs = out / "seqs.jsonl"
     seqs.write_text("\n".join(json.dumps({"tokens": t}) for t in ([3, 7, 9, 11], [5, 6, 7])))
     scores = {}
-    for name, role in (("full", "ema"), ("killed", "ema"), ("full", "actor")):
+    for name, role in (("full_padded", "ema"), ("killed_padded", "ema"),
+                       ("full_padded", "actor")):
         dest = out / f"score_{name}_{role}.jsonl"
         run_cli("score", "--config", "configs/sft_tiny.yaml", "--input", str(seqs),
                 "--output", str(dest), "--ckpt-role", role,
                 f"checkpoint.load={out}/{name}/checkpoints", f"tokenizer.path={setup[2]['tokenizer']}")
         scores[name, role] = dest.read_text()
-    assert scores["full", "ema"] == scores["killed", "ema"]
-    assert scores["full", "ema"] != scores["full", "actor"]
+    assert scores["full_padded", "ema"] == scores["killed_padded", "ema"]
+    assert scores["full_padded", "ema"] != scores["full_padded", "actor"]
     hf = out / "ema_hf"
     import subprocess as sp
     sp.run([sys.executable, "tools/convert_megatron_to_hf.py", "--config",
-            "configs/sft_tiny.yaml", "--out", str(hf), "--ckpt", f"{out}/full/checkpoints",
+            "configs/sft_tiny.yaml", "--out", str(hf), "--ckpt", f"{out}/full_padded/checkpoints",
             "--role", "ema"], check=True, capture_output=True, cwd=ROOT)
     assert (hf / "config.json").exists()
