@@ -8,6 +8,10 @@ turn, so every row sees the same machine. The first ``--warmup`` iterations of e
 counted. Rows (``--rows``):
 
 - ``megarlhf``: defaults (``optimizer.use_distributed_optimizer=auto``: plain at DP=1);
+- ``mrl-packed``: packed micro-batches (``ppo.max_tokens_per_micro_batch``,
+  ``rollout.forward_max_tokens_per_micro_batch``) at the token budgets of the padded ones:
+  a mini-batch's micro-batch of rows x (prompt + longest response) tokens for training, the
+  whole batch's for the experience passes - no more memory than padded;
 - ``mrl-distopt``: megatron's distributed optimizer forced at DP=1 (the old default);
 - ``mrl-bf16``: every role in bf16 (``model.params_dtype=bfloat16``), fp32 master weights
   and Adam state in the optimizer, as on a GPU;
@@ -22,7 +26,13 @@ frozen models resident (megarlhf: ``rollout.recompute_logprobs=false``,
 micro-batch of the whole batch (TRL: ``local_rollout_forward_batch_size``; megarlhf:
 ``rollout.forward_micro_batch_size``). Variant ``fixed`` samples every token (no stop
 token); variant ``stop`` ends responses at EOS, whose output row was biased so that
-responses average half the length.
+responses average half the length; variant ``longtail`` (responses up to 256 tokens unless
+``--response`` says otherwise) biases it so that the median sampled response has 40
+tokens: a near-constant stop probability per token, so lengths fall off geometrically (a
+95th percentile near 3 medians, as reasoning responses have). Both frameworks sample from
+the same weights the same way. Column ``pad``: the share of the token positions the
+training passes computed that were padding (megarlhf: ``perf/padding_fraction/train``;
+TRL: its batches are the prompt + the longest response wide).
 
     .venv/bin/python bench/ppo_vs_trl.py [--sizes tiny small] [--variants fixed stop]
         [--iterations 4] [--warmup 1] [--rows megarlhf trl trl-nogc ...]
@@ -58,6 +68,7 @@ TAG = "@@ "  # worker lines meant for the driver
 # row -> megarlhf overrides (None: a TRL row)
 MEGARLHF_ROWS = {
     "megarlhf": [],
+    "mrl-packed": None,  # the budgets follow the shape: packed_overrides()
     "mrl-distopt": ["optimizer.use_distributed_optimizer=true"],
     "mrl-bf16": ["model.params_dtype=bfloat16", "roles.reference.model.params_dtype=bfloat16",
                  "roles.reward.model.params_dtype=bfloat16",
@@ -71,10 +82,21 @@ ROWS = (*MEGARLHF_ROWS, BASELINE, *TRL_ROWS)
 DEFAULT_ROWS = ("megarlhf", "mrl-distopt", "trl", "trl-nogc")
 
 
+LONGTAIL_RESPONSE, LONGTAIL_MEDIAN = 256, 40
+MEMORY = False  # --memory
+
+
 def configure(batch: int, response: int) -> None:
     """The shape every worker and the driver use (module-wide, as the settings above)."""
     global BATCH, RESPONSE
     BATCH, RESPONSE = batch, response
+
+
+def packed_overrides() -> list[str]:
+    """Packed micro-batches at the padded ones' token budgets (see the module docstring)."""
+    longest = PROMPT + RESPONSE
+    return [f"ppo.max_tokens_per_micro_batch={BATCH // MINI_BATCHES * longest}",
+            f"rollout.forward_max_tokens_per_micro_batch={BATCH * longest}"]
 
 
 # ------------------------------------------------------------------ shared inputs
@@ -114,10 +136,12 @@ def _response_lengths(responses: torch.Tensor, stop: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _bias_towards_eos(policy, prompts: torch.Tensor, target_length: float) -> float:
+def _bias_towards_eos(policy, prompts: torch.Tensor, target_length: float,
+                      statistic=torch.mean) -> float:
     """Point the EOS output row along the mean final hidden state of the policy's own
-    sampled responses, scaled (by bisection) so that responses sampled with EOS as the
-    stop token average ``target_length`` tokens. Returns that mean length."""
+    sampled responses, scaled (by bisection) so that the ``statistic`` (mean, median) of
+    the lengths of responses sampled with EOS as the stop token is ``target_length``
+    tokens. Returns that statistic."""
     ones = torch.ones_like(prompts)
 
     def sample(**kw):
@@ -132,7 +156,7 @@ def _bias_towards_eos(policy, prompts: torch.Tensor, target_length: float) -> fl
 
     def mean_length(scale):
         policy.lm_head.weight[EOS] = scale * direction
-        return float(_response_lengths(sample(eos_token_id=EOS), stop=True).float().mean())
+        return float(statistic(_response_lengths(sample(eos_token_id=EOS), stop=True).float()))
 
     low, high = 0.0, 100.0
     for _ in range(16):
@@ -155,6 +179,10 @@ def prepare(size: str, variant: str, folder: str) -> dict:
     if variant == "stop":
         length = _bias_towards_eos(policy, torch.tensor(prompts[:BATCH]), RESPONSE / 2)
         note = f"EOS row biased so that sampled responses averaged {length:.1f} tokens"
+    elif variant == "longtail":
+        length = _bias_towards_eos(policy, torch.tensor(prompts[:64]), LONGTAIL_MEDIAN,
+                                   statistic=torch.median)
+        note = f"EOS row biased so that the median sampled response had {length:.0f} tokens"
     torch.manual_seed(1)
     reward = transformers.LlamaForSequenceClassification(_llama_config(size)).eval()
     for model, path in ((policy, hf_policy), (reward, hf_reward)):
@@ -206,7 +234,7 @@ def megarlhf_overrides(folder: str, variant: str) -> list[str]:
         f"ppo.micro_batch_size={BATCH // MINI_BATCHES}", f"ppo.ppo_epochs={EPOCHS}",
         "ppo.num_iterations=1000", "ppo.kl_controller=fixed", f"ppo.init_kl_coef={KL_COEF}",
         f"rollout.max_new_tokens={RESPONSE}", "rollout.temperature=1.0",
-        f"rollout.stop_at_eos={str(variant == 'stop').lower()}",
+        f"rollout.stop_at_eos={str(variant != 'fixed').lower()}",
         # TRL's missing_eos_penalty=None: a response cut at the length limit keeps its score
         # (megarlhf's default replaces it by -1, which teaches the policy to stop early)
         "ppo.missing_stop_penalty=null",
@@ -221,8 +249,12 @@ def megarlhf_worker(folder: str, variant: str, overrides: list[str]) -> None:
     from megarlhf.stages.ppo import PPOSession
 
     channel = Channel()
-    cfg = load_config(os.path.join(folder, "policy_mrl/config.yaml"),
-                      megarlhf_overrides(folder, variant) + overrides)
+    base = megarlhf_overrides(folder, variant)
+    if os.environ.get("BENCH_MEMORY"):  # --memory: the accounting's hooks cost time
+        base.append("logging.memory_metrics=true")
+    if any(o.startswith("rollout.forward_max_tokens_per_micro_batch=") for o in overrides):
+        base = [o for o in base if not o.startswith("rollout.forward_micro_batch_size=")]
+    cfg = load_config(os.path.join(folder, "policy_mrl/config.yaml"), base + overrides)
     session = PPOSession(cfg, load_tokenizer(cfg.tokenizer))
     channel.send("ready")
     it = 0
@@ -236,6 +268,10 @@ def megarlhf_worker(folder: str, variant: str, overrides: list[str]) -> None:
             "training": m["timing/train"],
             "other": m["timing/iteration"] - generation - experience - m["timing/train"],
             "iteration": m["timing/iteration"],
+            "padding": m["perf/padding_fraction/train"],
+            **({"memory_train": m["memory/train/total"],
+                "activations": m["memory/train/actor/activations"]}
+               if "memory/train/total" in m else {}),
             "response_tokens": float(exp.response_mask_BT.sum()),
             "tokens": float(exp.response_mask_BT.sum() + exp.prompt_mask_BP.sum())})
     session.close()
@@ -267,7 +303,7 @@ def trl_worker(folder: str, variant: str, collect_garbage: bool, iterations: int
         total_episodes=BATCH * iterations, learning_rate=LR, lr_scheduler_type="constant",
         bf16=bf16, fp16=False, gradient_checkpointing=False,
         use_cpu=not torch.cuda.is_available(),
-        stop_token="eos" if variant == "stop" else None, missing_eos_penalty=None,
+        stop_token=None if variant == "fixed" else "eos", missing_eos_penalty=None,
         temperature=1.0, kl_coef=KL_COEF, num_sample_generations=0, report_to=[],
         save_strategy="no", logging_steps=1, disable_tqdm=True, seed=1234,
         dataloader_num_workers=0)
@@ -280,7 +316,8 @@ def trl_worker(folder: str, variant: str, collect_garbage: bool, iterations: int
         clock["generation"] = time.perf_counter() - start
         clock["generation_end"] = time.perf_counter()
         clock["response_tokens"] = float(_response_lengths(out[0][:, PROMPT:],
-                                                           stop=variant == "stop").sum())
+                                                           stop=variant != "fixed").sum())
+        clock["width"] = out[0].shape[1]  # the batches' width: prompt + longest response
         return out
 
     def timed_forward(model, *a, **k):
@@ -317,6 +354,8 @@ def trl_worker(folder: str, variant: str, collect_garbage: bool, iterations: int
                           "training": training,
                           "other": total - clock["generation"] - experience - training,
                           "iteration": total, "response_tokens": clock["response_tokens"],
+                          "padding": 1 - (clock["response_tokens"] + BATCH * PROMPT)
+                          / (BATCH * clock["width"]),
                           "tokens": clock["response_tokens"] + BATCH * PROMPT})
             self._go()
 
@@ -337,6 +376,7 @@ class Worker:
                "--variant", variant, "--iterations", str(iterations), "--batch", str(BATCH),
                "--response", str(RESPONSE)]
         env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false",
+               "BENCH_MEMORY": "1" if MEMORY else "",
                "PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.kind, self.log = kind, log
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -390,15 +430,20 @@ def report(size: str, variant: str, out: dict) -> None:
     rate = {k: med[k]["tokens"] / med[k]["iteration"] for k in rows}
     print(f"\n## {size}, {variant}, batch {BATCH}, response <= {RESPONSE} ({out['note']})")
     print(f"{'':>12} {'generation s':>12} {'experience s':>12} {'training s':>10} "
-          f"{'other s':>8} {'iteration s':>11} {'resp tok':>8} {'tokens/s':>9} "
+          f"{'other s':>8} {'iteration s':>11} {'resp tok':>8} {'pad':>5} {'tokens/s':>9} "
           + " ".join(f"{ours + ' vs it':>16}" for ours in ours_rows))
     for kind in rows:
         m = med[kind]
         print(f"{kind:>12} {m['generation']:>12.3f} {m['experience']:>12.3f} "
               f"{m['training']:>10.3f} {m['other']:>8.3f} {m['iteration']:>11.3f} "
-              f"{m['response_tokens'] / BATCH:>8.1f} {rate[kind]:>9.0f} "
+              f"{m['response_tokens'] / BATCH:>8.1f} {m.get('padding', float('nan')):>5.2f} "
+              f"{rate[kind]:>9.0f} "
               + " ".join(f"{rate[ours] / rate[kind]:>15.2f}x" for ours in ours_rows))
-    if variant == "stop":
+    for kind in rows:
+        if "memory_train" in med[kind]:
+            print(f"  {kind}: train phase peak {med[kind]['memory_train']:.1f} MiB, actor "
+                  f"activations {med[kind]['activations']:.1f} MiB (memory accounting)")
+    if variant != "fixed":
         print("  mean response tokens per iteration (warm-up first): " + "; ".join(
             f"{kind} " + " ".join(f"{x:.1f}" for x in out["lengths"][kind]) for kind in rows))
     pairs = [(ours, kind) for ours in ours_rows for kind in rows if kind in TRL_ROWS]
@@ -419,7 +464,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=["tiny", "small"])
-    parser.add_argument("--variants", nargs="+", choices=["fixed", "stop"],
+    parser.add_argument("--variants", nargs="+", choices=["fixed", "stop", "longtail"],
                         default=["fixed", "stop"])
     parser.add_argument("--iterations", type=int, default=4, help="measured iterations")
     parser.add_argument("--warmup", type=int, default=1, help="uncounted first iterations")
@@ -427,7 +472,14 @@ def main() -> None:
                         help="what runs side by side (the first megarlhf rows are the "
                              "numerators of the ratio columns)")
     parser.add_argument("--batch", type=int, default=BATCH, help="rollout batch")
-    parser.add_argument("--response", type=int, default=RESPONSE, help="longest response")
+    parser.add_argument("--response", type=int, default=None,
+                        help=f"longest response (default {RESPONSE}; longtail "
+                             f"{LONGTAIL_RESPONSE})")
+    parser.add_argument("--memory", action="store_true",
+                        help="megarlhf rows with logging.memory_metrics=true: their train "
+                             "phase's peak (MiB, the largest rank) and the actor's "
+                             "activations; the accounting's hooks cost time, so timings "
+                             "of such a run are not comparable")
     parser.add_argument("--baseline", default=None,
                         help="another checkout for the 'baseline' row (e.g. a git worktree)")
     parser.add_argument("--worker", choices=ROWS, help=argparse.SUPPRESS)
@@ -436,19 +488,27 @@ def main() -> None:
     args = parser.parse_args()
     if BASELINE in args.rows and not args.baseline:
         parser.error("the baseline row needs --baseline DIR")
-    configure(args.batch, args.response)
+    def response(variant: str) -> int:
+        return args.response or (LONGTAIL_RESPONSE if variant == "longtail" else RESPONSE)
+
+    global MEMORY
+    MEMORY = args.memory
+    configure(args.batch, response(args.variant or "fixed"))
     if args.worker in MEGARLHF_ROWS:
-        return megarlhf_worker(args.folder, args.variant, MEGARLHF_ROWS[args.worker])
+        overrides = MEGARLHF_ROWS[args.worker]
+        return megarlhf_worker(args.folder, args.variant,
+                               packed_overrides() if overrides is None else overrides)
     if args.worker:
         return trl_worker(args.folder, args.variant, args.worker == "trl", args.iterations,
                           bf16=args.worker == "trl-bf16")
     torch.set_num_threads(2)
     print(f"# PPO iteration, megarlhf vs TRL PPOTrainer: batch {BATCH}, prompt {PROMPT}, "
-          f"response <= {RESPONSE}, {EPOCHS} epochs x {MINI_BATCHES} mini-batches; "
+          f"{EPOCHS} epochs x {MINI_BATCHES} mini-batches; "
           f"median of {args.iterations} iterations after {args.warmup} warm-up; {machine()}")
     print("# tokens/s counts prompt + response tokens of the rollout batch per iteration second")
     for size in args.sizes:
         for variant in args.variants:
+            configure(args.batch, response(variant))
             folder = tempfile.mkdtemp(prefix=f"ppo_vs_trl_{size}_{variant}_")
             report(size, variant, run_pair(size, variant, args.iterations, args.warmup, folder,
                                            tuple(args.rows), args.baseline))

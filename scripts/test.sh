@@ -26,7 +26,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Two pytest workers, one test file each at a time (a file's module fixtures run once):
 # most tests wait on one single-threaded subprocess, so two keep both cores busy.
 # MEGARLHF_TEST_WORKERS=0 runs everything in this process (pdb, -x, one test).
-.venv/bin/python -m pytest -q -rs -n "${MEGARLHF_TEST_WORKERS:-2}" --dist loadfile "$@"
+.venv/bin/python -m pytest -q -rs --durations=25 -n "${MEGARLHF_TEST_WORKERS:-2}" --dist loadfile "$@"
 # The whole suite (no arguments) also runs the mutants: planted bugs its tests must catch.
 if [ "$#" = 0 ]; then
     .venv/bin/python tests/mutants.py
