@@ -32,7 +32,9 @@ tokens: a near-constant stop probability per token, so lengths fall off geometri
 95th percentile near 3 medians, as reasoning responses have). Both frameworks sample from
 the same weights the same way. Column ``pad``: the share of the token positions the
 training passes computed that were padding (megarlhf: ``perf/padding_fraction/train``;
-TRL: its batches are the prompt + the longest response wide).
+TRL: its batches are the prompt + the longest response wide). megarlhf rows also print
+their train phase's peak memory and the actor's activations (``logging.memory_metrics``,
+on by default: the accounting of docs/memory.md).
 
     .venv/bin/python bench/ppo_vs_trl.py [--sizes tiny small] [--variants fixed stop]
         [--iterations 4] [--warmup 1] [--rows megarlhf trl trl-nogc ...]
@@ -83,7 +85,6 @@ DEFAULT_ROWS = ("megarlhf", "mrl-distopt", "trl", "trl-nogc")
 
 
 LONGTAIL_RESPONSE, LONGTAIL_MEDIAN = 256, 40
-MEMORY = False  # --memory
 
 
 def configure(batch: int, response: int) -> None:
@@ -250,8 +251,6 @@ def megarlhf_worker(folder: str, variant: str, overrides: list[str]) -> None:
 
     channel = Channel()
     base = megarlhf_overrides(folder, variant)
-    if os.environ.get("BENCH_MEMORY"):  # --memory: the accounting's hooks cost time
-        base.append("logging.memory_metrics=true")
     if any(o.startswith("rollout.forward_max_tokens_per_micro_batch=") for o in overrides):
         base = [o for o in base if not o.startswith("rollout.forward_micro_batch_size=")]
     cfg = load_config(os.path.join(folder, "policy_mrl/config.yaml"), base + overrides)
@@ -376,7 +375,6 @@ class Worker:
                "--variant", variant, "--iterations", str(iterations), "--batch", str(BATCH),
                "--response", str(RESPONSE)]
         env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false",
-               "BENCH_MEMORY": "1" if MEMORY else "",
                "PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.kind, self.log = kind, log
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -475,11 +473,6 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=None,
                         help=f"longest response (default {RESPONSE}; longtail "
                              f"{LONGTAIL_RESPONSE})")
-    parser.add_argument("--memory", action="store_true",
-                        help="megarlhf rows with logging.memory_metrics=true: their train "
-                             "phase's peak (MiB, the largest rank) and the actor's "
-                             "activations; the accounting's hooks cost time, so timings "
-                             "of such a run are not comparable")
     parser.add_argument("--baseline", default=None,
                         help="another checkout for the 'baseline' row (e.g. a git worktree)")
     parser.add_argument("--worker", choices=ROWS, help=argparse.SUPPRESS)
@@ -491,8 +484,6 @@ def main() -> None:
     def response(variant: str) -> int:
         return args.response or (LONGTAIL_RESPONSE if variant == "longtail" else RESPONSE)
 
-    global MEMORY
-    MEMORY = args.memory
     configure(args.batch, response(args.variant or "fixed"))
     if args.worker in MEGARLHF_ROWS:
         overrides = MEGARLHF_ROWS[args.worker]

@@ -144,6 +144,13 @@ MUTANTS = [
            "        if size > 1:  # one rank of the group set each entry; the others hold -1",
            "        if False:  # one rank of the group set each entry; the others hold -1",
            ("tests/test_moe.py::test_r2_replays_the_old_log_prob_pass_in_the_updates",), ()),
+    Mutant("packed_attention_crosses_samples", "packed micro-batches attend causally across "
+           "the whole row: a sample sees the samples packed before it",
+           "megarlhf/models/spec.py",
+           "        bounds = packed_seq_params.cu_seqlens_q.tolist()",
+           "        bounds = [0, query.shape[0]]",
+           ("tests/test_packing.py::test_packed_passes_equal_the_single_process_padded_ones"
+            "[llama-tp1-pp1-vpp1-dp1]",), ()),
 ]
 
 

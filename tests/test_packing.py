@@ -2,7 +2,8 @@
 packed against padded passes at every layout against a single-process padded reference.
 
 The multi-rank worker (``workers/packing_paths.py``) runs one synthetic rollout of
-long-tailed lengths at TP=2, PP=2, PP=2 with VPP=2, DP=2, TP=2 x PP=2 and PP=2 x DP=2:
+long-tailed lengths at TP=2, PP=2, PP=2 with VPP=2, DP=2, TP=2 x PP=2 and PP=2 x DP=2 (a
+llama), and at one process and TP=2 (GPT-2, whose learned positions read the position ids):
 the experience passes (log-probs, entropy, values, last values), then one update of actor
 and critic whose old log-probs are the packed pass's, regrouped at another token budget.
 """
@@ -186,8 +187,10 @@ def layouts(tmp_path_factory):
     return results
 
 
-CASES = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 2, 2, 1), (1, 1, 1, 2), (2, 2, 1, 1),
-         (1, 2, 1, 2)]  # (tp, pp, vpp, dp)
+CASES = [("llama", 1, 1, 1, 1), ("llama", 2, 1, 1, 1), ("llama", 1, 2, 1, 1),
+         ("llama", 1, 2, 2, 1), ("llama", 1, 1, 1, 2), ("llama", 2, 2, 1, 1),
+         ("llama", 1, 2, 1, 2), ("gpt2", 1, 1, 1, 1), ("gpt2", 2, 1, 1, 1)]
+IDS = "{}-tp{}-pp{}-vpp{}-dp{}".format
 
 
 def close(a, b, what):
@@ -197,9 +200,9 @@ def close(a, b, what):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "tp{}-pp{}-vpp{}-dp{}".format(*c))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: IDS(*c))
 def test_packed_passes_equal_the_single_process_padded_ones(layouts, case):
-    ref, got = layouts[(1, 1, 1, 1)], layouts[case]
+    ref, got = layouts[(case[0], 1, 1, 1, 1)], layouts[case]
     for key in ("logprobs", "entropy", "values", "last"):
         close(got["forward"][True][key], ref["forward"][False][key], key)
     # the same layout's padded pass too (the worker's long tail: most positions padding)
@@ -208,12 +211,12 @@ def test_packed_passes_equal_the_single_process_padded_ones(layouts, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "tp{}-pp{}-vpp{}-dp{}".format(*c))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: IDS(*c))
 @pytest.mark.parametrize("role", ["actor", "critic"])
 def test_packed_update_equals_the_padded_one(layouts, case, role):
     """Every loss sum, the global gradient norm (against one padded process), and each
     parameter shard's gradient (against the padded update at the same layout)."""
-    ref, got = layouts[(1, 1, 1, 1)][role], layouts[case][role]
+    ref, got = layouts[(case[0], 1, 1, 1, 1)][role], layouts[case][role]
     logs = got["packed"]["logs"]
     assert set(logs) == set(ref["padded"]["logs"])
     for key, value in logs.items():
@@ -224,7 +227,7 @@ def test_packed_update_equals_the_padded_one(layouts, case, role):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "tp{}-pp{}-vpp{}-dp{}".format(*c))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: IDS(*c))
 def test_packed_update_at_the_old_policy_is_a_no_op(layouts, case):
     """Old log-probs from the packed experience pass, the update packed at another budget
     (other micro-batches, other neighbours): the ratio is exactly 1."""

@@ -39,8 +39,12 @@ VOCAB = 300
 PROMPT_LENS = [3, 7, 1, 5, 2, 6, 4, 8]
 RESPONSE_LENS = [1, 2, 3, 21, 5, 1, 9, 2]  # long-tailed
 FORWARD_BUDGET, TRAIN_BUDGET = 40, 32
-LAYOUTS = {1: [(1, 1, 1)], 2: [(2, 1, 1), (1, 2, 1), (1, 2, 2), (1, 1, 1)],
-           4: [(2, 2, 1), (1, 2, 1)]}  # (tp, pp, vpp); DP is what the world leaves
+# (arch, tp, pp, vpp); DP is what the world leaves. GPT-2's learned positions read the
+# position ids (a llama's rotary positions restart from cu_seqlens).
+LAYOUTS = {1: [("llama", 1, 1, 1), ("gpt2", 1, 1, 1)],
+           2: [("llama", 2, 1, 1), ("llama", 1, 2, 1), ("llama", 1, 2, 2), ("llama", 1, 1, 1),
+               ("gpt2", 2, 1, 1)],
+           4: [("llama", 2, 2, 1), ("llama", 1, 2, 1)]}
 
 
 def generation() -> Generation:
@@ -107,14 +111,14 @@ def update(role, step, exp, packed: bool) -> dict:
     return {"logs": reduce_logs(logs, role.layout), "grads": grads, "norm": norm}
 
 
-def case(tp, pp, vpp) -> dict:
+def case(arch, tp, pp, vpp) -> dict:
     # full gradients on every data-parallel rank (the distributed optimizer reduces each
     # rank's shard only), so the two updates compare parameter by parameter
     extra = ["ppo.kl_loss_coef=0.1", "ppo.entropy_coef=0.01", "model.value_head_init=normal",
              "optimizer.use_distributed_optimizer=false"]
     if vpp > 1:
         extra.append(f"parallel.virtual_pipeline_model_parallel_size={vpp}")
-    cfg = make_config("llama", tp, pp, extra=tuple(extra))
+    cfg = make_config(arch, tp, pp, extra=tuple(extra))
     actor = build(cfg, "lm", trained=True)
     critic = build(cfg, "value", trained=True, seed_offset=2)
     gen = generation()
@@ -143,8 +147,8 @@ def main():
     out_dir = sys.argv[1]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     results = {}
-    for tp, pp, vpp in LAYOUTS[world]:
-        results[(tp, pp, vpp, world // (tp * pp))] = case(tp, pp, vpp)
+    for arch, tp, pp, vpp in LAYOUTS[world]:
+        results[(arch, tp, pp, vpp, world // (tp * pp))] = case(arch, tp, pp, vpp)
     if dist.get_rank() == 0:
         torch.save(results, os.path.join(out_dir, f"packing_world{world}.pt"))
 
