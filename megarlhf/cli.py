@@ -101,8 +101,11 @@ def cmd_score(args) -> int:
     cfg = _resolve(args)
     if cfg.model.vocab_size is None:
         raise ConfigError("model.vocab_size is unset and no tokenizer.path is configured")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens={args.max_tokens} must be >= 1")
     run_score(cfg, args.input, args.output, role=args.role,
-              micro_batch_size=args.micro_batch_size, temperature=args.temperature,
+              micro_batch_size=args.micro_batch_size, max_tokens=args.max_tokens,
+              temperature=args.temperature,
               tokenizer=args.tokenizer, ckpt_role=args.ckpt_role, written=args.written)
     return 0
 
@@ -308,7 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--output", required=True, help="JSONL to write")
     score.add_argument("--role", choices=["lm", "value"], default="lm",
                        help="lm: log-probs (policy/reference); value: critic/RM values")
-    score.add_argument("--micro-batch-size", type=int, default=4)
+    score.add_argument("--micro-batch-size", type=int, default=4,
+                       help="rows per padded forward pass (default 4)")
+    score.add_argument("--max-tokens", type=int, default=None,
+                       help="pack the sequences instead: each forward pass takes whole "
+                            "sequences back to back, at most this many tokens (at least the "
+                            "longest sequence); no padding is computed")
     score.add_argument("--temperature", type=float, default=1.0)
     score.add_argument("--ckpt-role", default=None,
                        help="role to read from checkpoint.load (default: its only role)")

@@ -188,3 +188,41 @@ def test_each_role_at_its_own_layout_matches_one_process(role_results, name, lay
         assert max(abs(x - y) for x, y in zip(a[field], b[field], strict=True)) < TOL
         flat += a[field]
     assert max(flat) - min(flat) > 1e-3  # a real output, not a constant
+
+
+@pytest.mark.slow
+def test_score_cli_packed_equals_padded(tmp_path):
+    """``megarlhf score --max-tokens``: packed sequences (one process, data-parallel
+    shares balanced by tokens at DP=2, pipeline shapes exchanged at PP=2) give the padded
+    run's log-probs and entropies, and a value model's values (the last position's too)."""
+    seqs = tmp_path / "seqs.jsonl"
+    write_sequences(seqs)
+    longest = max(len(r["tokens"]) for r in read_rows(seqs))
+    common = ["model.vocab_size=500", "model.num_layers=4", "model.num_query_groups=2",
+              "run.seed=11"]
+    outs = {}
+    for name, nprocs, extra in [("padded", 1, []), ("packed", 1, ["--max-tokens", "80"]),
+                                ("packed_dp2", 2, ["--max-tokens", "80"]),
+                                ("packed_pp2", 2, ["--max-tokens", "80",
+                                                   "parallel.pipeline_model_parallel_size=2"]),
+                                ("value_padded", 1, ["--role", "value",
+                                                     "model.value_head_init=normal"]),
+                                ("value_packed", 1, ["--role", "value", "--max-tokens", "80",
+                                                     "model.value_head_init=normal"])]:
+        out = tmp_path / f"{name}.jsonl"
+        argv = ["score", "--input", str(seqs), "--output", str(out), *common, *extra]
+        if nprocs == 1:
+            run_cli(*argv)
+        else:
+            torchrun(argv, nprocs)
+        outs[name] = read_rows(out)
+    pairs = [("padded", n, k) for n in ("packed", "packed_dp2", "packed_pp2")
+             for k in ("logprobs", "entropy")] + [("value_padded", "value_packed", "values")]
+    for ref, name, key in pairs:
+        for a, b in zip(outs[ref], outs[name], strict=True):
+            assert a["tokens"] == b["tokens"] and len(a[key]) == len(b[key])
+            assert max(abs(x - y) for x, y in zip(a[key], b[key])) < TOL, (name, key)
+    assert max(abs(v) for r in outs["value_packed"] for v in r["values"]) > 0.01
+    small = run_cli("score", "--input", str(seqs), "--output", str(tmp_path / "x.jsonl"),
+                    "--max-tokens", str(longest - 1), *common, check=False)
+    assert small.returncode != 0 and f"more than --max-tokens={longest - 1}" in small.stderr

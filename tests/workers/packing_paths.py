@@ -36,9 +36,11 @@ from megarlhf.stages.ppo import (_share, experience_batches,  # noqa: E402
                                  packed_experience_batches)
 
 VOCAB = 300
-PROMPT_LENS = [3, 7, 1, 5, 2, 6, 4, 8]
-RESPONSE_LENS = [1, 2, 3, 21, 5, 1, 9, 2]  # long-tailed
-FORWARD_BUDGET, TRAIN_BUDGET = 40, 32
+PROMPT_LENS = [3, 7, 1, 5, 2, 6, 4, 8, 5, 3, 7, 2]
+RESPONSE_LENS = [1, 2, 3, 41, 5, 1, 9, 2, 50, 4, 17, 3]  # long-tailed
+# Packed rows longer than data.packing.MIN_ROWS, of several lengths: the pipeline stages
+# exchange their shapes (and the interleaved schedule over gloo pads them to one).
+FORWARD_BUDGET, TRAIN_BUDGET = 90, 70
 # (arch, tp, pp, vpp); DP is what the world leaves. GPT-2's learned positions read the
 # position ids (a llama's rotary positions restart from cu_seqlens).
 LAYOUTS = {1: [("llama", 1, 1, 1), ("gpt2", 1, 1, 1)],
