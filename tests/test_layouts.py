@@ -192,9 +192,10 @@ def test_each_role_at_its_own_layout_matches_one_process(role_results, name, lay
 
 @pytest.mark.slow
 def test_score_cli_packed_equals_padded(tmp_path):
-    """``megarlhf score --max-tokens``: packed sequences (one process, data-parallel
-    shares balanced by tokens at DP=2, pipeline shapes exchanged at PP=2) give the padded
-    run's log-probs and entropies, and a value model's values (the last position's too)."""
+    """``megarlhf score --max-tokens``: packed sequences (one process, and data-parallel
+    shares balanced by tokens at DP=2; the other layouts: tests/test_packing.py) give the
+    padded run's log-probs and entropies, and a value model's values (the last position's
+    too); a sequence over the budget is refused before any work."""
     seqs = tmp_path / "seqs.jsonl"
     write_sequences(seqs)
     longest = max(len(r["tokens"]) for r in read_rows(seqs))
@@ -203,8 +204,6 @@ def test_score_cli_packed_equals_padded(tmp_path):
     outs = {}
     for name, nprocs, extra in [("padded", 1, []), ("packed", 1, ["--max-tokens", "80"]),
                                 ("packed_dp2", 2, ["--max-tokens", "80"]),
-                                ("packed_pp2", 2, ["--max-tokens", "80",
-                                                   "parallel.pipeline_model_parallel_size=2"]),
                                 ("value_padded", 1, ["--role", "value",
                                                      "model.value_head_init=normal"]),
                                 ("value_packed", 1, ["--role", "value", "--max-tokens", "80",
@@ -216,7 +215,7 @@ def test_score_cli_packed_equals_padded(tmp_path):
         else:
             torchrun(argv, nprocs)
         outs[name] = read_rows(out)
-    pairs = [("padded", n, k) for n in ("packed", "packed_dp2", "packed_pp2")
+    pairs = [("padded", n, k) for n in ("packed", "packed_dp2")
              for k in ("logprobs", "entropy")] + [("value_padded", "value_packed", "values")]
     for ref, name, key in pairs:
         for a, b in zip(outs[ref], outs[name], strict=True):
