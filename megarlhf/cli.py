@@ -316,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--max-tokens", type=int, default=None,
                        help="pack the sequences instead: each forward pass takes whole "
                             "sequences back to back, at most this many tokens (at least the "
-                            "longest sequence); no padding is computed")
+                            "longest sequence; a row under 65 tokens is topped up to 65)")
     score.add_argument("--temperature", type=float, default=1.0)
     score.add_argument("--ckpt-role", default=None,
                        help="role to read from checkpoint.load (default: its only role)")

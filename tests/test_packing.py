@@ -95,6 +95,7 @@ def test_packed_row_by_hand():
     assert lm["tokens"][0, 10:].eq(0).all()  # the padding segment
     assert lm["cu_seqlens"].tolist() == [0, 5, 8, 10, L]
     assert lm["position_ids"][0, :10].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1]
+    assert lm["position_ids"][0, 10:].eq(0).all()  # padding: inside any position table
     # the outputs that predict each response token: 12 -> 13, 13 -> 14, 14 -> 15, 31 -> 32
     assert lm["keep"][:4].tolist() == [1, 2, 3, 8]
     assert lm["targets"][0, :4].tolist() == [13, 14, 15, 32]
@@ -121,7 +122,7 @@ def test_pad_packed_adds_one_segment():
     padded = pad_packed(batch, 90)
     assert padded["tokens"].shape == (1, 90)
     assert padded["cu_seqlens"].tolist() == batch["cu_seqlens"].tolist() + [90]
-    assert padded["position_ids"][0, 74:].tolist() == list(range(16))
+    assert padded["position_ids"][0, 74:].eq(0).all()
 
 
 def test_min_rows_is_above_the_short_matmul_way():
@@ -156,6 +157,14 @@ def test_budget_below_the_longest_sample_is_refused_before_any_work():
                              "rollout.reward_fn=a:b"])
     with pytest.raises(ConfigError, match="forward_micro_batch_size has no effect"):
         check_ppo(cfg, Written(frozenset({"rollout.forward_micro_batch_size"})))
+    # the experience passes inherit the updates' budget
+    cfg = load_config(None, ["ppo.max_tokens_per_micro_batch=512",
+                             "rollout.forward_micro_batch_size=4", "ppo.sft_checkpoint=/x",
+                             "rollout.reward_fn=a:b"])
+    with pytest.raises(ConfigError, match=r"no effect: the experience passes are packed "
+                                          r"\(ppo.max_tokens_per_micro_batch is set\)"):
+        check_ppo(cfg, Written(frozenset({"rollout.forward_micro_batch_size",
+                                          "ppo.max_tokens_per_micro_batch"})))
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
         load_config(None, ["ppo.max_tokens_per_micro_batch=0"])
 

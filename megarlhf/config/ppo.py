@@ -21,7 +21,8 @@ class PPOConfig:
     max_tokens_per_micro_batch: int | None = None
     """Pack the updates' micro-batches: each forward/backward pass takes whole samples,
     their real prompt and response tokens concatenated into one row (each attends to itself
-    only), at most this many tokens; every data-parallel rank gets a share of each
+    only), at most this many tokens (a row under 65 tokens is topped up to 65, see
+    data.packing); every data-parallel rank gets a share of each
     mini-batch with balanced token counts. Losses equal the padded computation's. Must
     hold the longest sample (data.max_prompt_len + rollout.max_new_tokens); verl's
     ppo_max_token_len_per_gpu, slime's --max-tokens-per-gpu. None: padded micro-batches of

@@ -264,10 +264,13 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
                 f"rollout.max_new_tokens = {longest} tokens: a packed micro-batch takes whole "
                 f"samples, and one over the budget would break the memory bound it sets. "
                 f"Set it to at least {longest}")
-    if rollout.forward_max_tokens_per_micro_batch is not None \
-            and said("rollout", "forward_micro_batch_size"):
-        raise ConfigError("rollout.forward_micro_batch_size has no effect with "
-                          "rollout.forward_max_tokens_per_micro_batch set (packed passes)")
+    packing = [f for f in ("rollout.forward_max_tokens_per_micro_batch",
+                           "ppo.max_tokens_per_micro_batch") if f in written]
+    if said("rollout", "forward_micro_batch_size") and (
+            rollout.forward_max_tokens_per_micro_batch or ppo.max_tokens_per_micro_batch):
+        raise ConfigError(f"rollout.forward_micro_batch_size has no effect: the experience "
+                          f"passes are packed ({packing[0] if packing else 'a token budget'} "
+                          "is set)")
     if said("ppo", "max_sampling_rounds") and not ppo.dynamic_sampling:
         raise ConfigError("ppo.max_sampling_rounds has no effect without ppo.dynamic_sampling")
     if said("ppo", "overlong_penalty") and not ppo.overlong_buffer:

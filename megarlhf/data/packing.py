@@ -50,7 +50,7 @@ def balance(lengths: list[int], parts: int) -> list[list[int]]:
 
 
 def budget_groups(indices: list[int], lengths: list[int], budget: int, *,
-                  what: str = "max_tokens_per_micro_batch") -> list[list[int]]:
+                  what: str = "the micro-batch token budget") -> list[list[int]]:
     """``indices`` in micro-batches of at most ``budget`` tokens each: first-fit, longest
     first (ties: the lower index), micro-batches in the order they were opened, indices
     ascending within each. A sample longer than the budget is an error: the budget is a
@@ -84,7 +84,7 @@ def pack_prompt_response(prompt_tokens_BP: torch.Tensor, prompt_mask_BP: torch.T
     ``grid`` (-1: not in it); ``targets`` (1, K) the token each lm output predicts."""
     if kind not in ("lm", "value"):
         raise ValueError(f"kind must be 'lm' or 'value', got {kind!r}")
-    B, T = response_tokens_BT.shape
+    B, T = response_tokens_BT.shape  # a row shorter than MIN_ROWS is topped up to it
     pieces, starts, keep, unpack, last_keep = [], [0], [], [], []
     for b in range(B):
         prompt = prompt_tokens_BP[b][prompt_mask_BP[b].bool()]
@@ -99,13 +99,15 @@ def pack_prompt_response(prompt_tokens_BP: torch.Tensor, prompt_mask_BP: torch.T
             unpack.append(torch.tensor([-1]))
             last_keep.append(sum(len(k) for k in keep) - 1)
         starts.append(start + p + len(cols))
-    if starts[-1] < MIN_ROWS:  # a segment of padding (see the module docstring)
-        pieces.append(torch.full((MIN_ROWS - starts[-1],), pad_id, dtype=torch.long))
+    real = starts[-1]
+    if real < MIN_ROWS:  # a segment of padding (see the module docstring)
+        pieces.append(torch.full((MIN_ROWS - real,), pad_id, dtype=torch.long))
         starts.append(MIN_ROWS)
     tokens = torch.cat(pieces).view(1, -1)
     cu = torch.tensor(starts)
     lengths = cu[1:] - cu[:-1]
     positions = torch.arange(tokens.shape[1]) - torch.repeat_interleave(cu[:-1], lengths)
+    positions[real:] = 0  # padding: inside any position table (GPT-2's learned one)
     keep, unpack = torch.cat(keep), torch.cat(unpack)
     short = max(0, MIN_ROWS - len(keep))
     keep = torch.cat([keep, keep[:1].expand(short) if len(keep) else torch.zeros(short,
@@ -132,15 +134,16 @@ def unpack(values_1K: torch.Tensor, batch: dict) -> torch.Tensor:
 
 def pad_packed(batch: dict, length: int, pad_id: int = 0) -> dict:
     """A packed micro-batch lengthened to ``length`` tokens by one more segment of
-    padding (nothing reads its outputs)."""
+    padding (nothing reads its outputs; its position ids are 0, inside any position
+    table)."""
     extra = length - batch["tokens"].shape[1]
     if extra <= 0:
         return batch
     out = dict(batch)
     out["tokens"] = torch.cat([batch["tokens"],
                                batch["tokens"].new_full((1, extra), pad_id)], dim=1)
-    out["position_ids"] = torch.cat([batch["position_ids"],
-                                     torch.arange(extra).view(1, -1)], dim=1)
+    out["position_ids"] = torch.cat([batch["position_ids"],  # padding at position 0
+                                     batch["position_ids"].new_zeros((1, extra))], dim=1)
     out["cu_seqlens"] = torch.cat([batch["cu_seqlens"], torch.tensor([length])])
     return out
 

@@ -166,7 +166,8 @@ class RoleModel(GPTModel):
     the table for TP).
 
     ``forward(input_ids, position_ids, attention_mask, ..., positions=None)``: with
-    ``positions`` (a slice of the sequence) the last stage returns (B, len, V/tp) logits
+    ``positions`` (a slice of the sequence, or an index tensor: a packed micro-batch's kept
+    positions) the last stage returns (B, len, V/tp) logits
     or (B, len, 1) values at those positions only; earlier stages ignore it. Plainly the
     whole sequence is computed and sliced; ``speedups.positions`` cuts it before the
     last layer's MLP or the head instead."""

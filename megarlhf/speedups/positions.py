@@ -26,6 +26,7 @@ without it (per-round median 4.4%).
 
 from __future__ import annotations
 
+import torch
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -41,7 +42,7 @@ class CutLayer(TransformerLayer):
     norm and residual) runs at those sequence positions only, and so does everything
     after it."""
 
-    positions: slice | None = None
+    positions: slice | torch.Tensor | None = None
 
     def _forward_mlp(self, hidden_states, *args, **kwargs):
         if self.positions is not None:
