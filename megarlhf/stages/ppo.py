@@ -233,6 +233,13 @@ class PPOSession:
                               "forward_max_tokens_per_micro_batch) do not carry a mixture of "
                               "experts' routing yet: unset them for this mixture-of-experts "
                               "actor")
+        if ppo.max_tokens_per_micro_batch and ppo.ptx_coef > 0 \
+                and (specs["actor"].layout.vpp or 1) > 1 and not torch.cuda.is_available():
+            # schedule._one_length: the interleaved schedule over gloo takes one shape, and
+            # PPO-ptx's padded rows cannot take a packed row's
+            raise ConfigError("PPO-ptx (ppo.ptx_coef > 0) with packed updates (ppo.max_tokens_"
+                              "per_micro_batch) cannot run the actor's interleaved pipeline "
+                              "(VPP) over gloo: unset one of them or the actor's VPP")
         self.cfg, self.tokenizer = cfg, tokenizer
         self.prompts = tokenize_dataset(cfg.data.train_path, "prompt", cfg.data, tokenizer)
         self.eval_prompts = tokenize_dataset(cfg.data.eval_path, "prompt", cfg.data, tokenizer) \
