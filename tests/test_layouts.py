@@ -105,6 +105,17 @@ def read_rows(path):
     return [json.loads(line) for line in open(path)]
 
 
+def score_cli(tmp_path, name: str, nprocs: int, seqs, args: list[str]) -> list[dict]:
+    """``megarlhf score`` on ``seqs`` in ``nprocs`` processes; the rows it wrote."""
+    out = tmp_path / f"{name}.jsonl"
+    argv = ["score", "--input", str(seqs), "--output", str(out), *args]
+    if nprocs == 1:
+        run_cli(*argv)
+    else:
+        torchrun(argv, nprocs)
+    return read_rows(out)
+
+
 @pytest.mark.slow
 def test_score_cli_same_logprobs_at_three_layouts(tmp_path):
     seqs = tmp_path / "seqs.jsonl"
@@ -115,13 +126,7 @@ def test_score_cli_same_logprobs_at_three_layouts(tmp_path):
     for name, nprocs, extra in [("tp1pp1", 1, []),
                                 ("tp2", 2, ["parallel.tensor_model_parallel_size=2"]),
                                 ("pp2", 2, ["parallel.pipeline_model_parallel_size=2"])]:
-        out = tmp_path / f"{name}.jsonl"
-        argv = ["score", "--input", str(seqs), "--output", str(out), *common, *extra]
-        if nprocs == 1:
-            run_cli(*argv)
-        else:
-            torchrun(argv, nprocs)
-        outs[name] = read_rows(out)
+        outs[name] = score_cli(tmp_path, name, nprocs, seqs, [*common, *extra])
     for name in ("tp2", "pp2"):
         for a, b in zip(outs["tp1pp1"], outs[name], strict=True):
             assert a["tokens"] == b["tokens"]
@@ -208,13 +213,7 @@ def test_score_cli_packed_equals_padded(tmp_path):
                                                      "model.value_head_init=normal"]),
                                 ("value_packed", 1, ["--role", "value", "--max-tokens", "80",
                                                      "model.value_head_init=normal"])]:
-        out = tmp_path / f"{name}.jsonl"
-        argv = ["score", "--input", str(seqs), "--output", str(out), *common, *extra]
-        if nprocs == 1:
-            run_cli(*argv)
-        else:
-            torchrun(argv, nprocs)
-        outs[name] = read_rows(out)
+        outs[name] = score_cli(tmp_path, name, nprocs, seqs, [*common, *extra])
     pairs = [("padded", n, k) for n in ("packed", "packed_dp2")
              for k in ("logprobs", "entropy")] + [("value_padded", "value_packed", "values")]
     for ref, name, key in pairs:

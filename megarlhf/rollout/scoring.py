@@ -134,7 +134,8 @@ def packed_batch_fn(gen: Generation, kind: str, pad_id: int = 0
 
 
 def sequence_lengths(gen: Generation) -> list[int]:
-    """Each sample's real tokens, prompt and response."""
+    """Each sample's real tokens, prompt and response (of a rollout, or of an experience
+    batch: its trained response)."""
     return (gen.prompt_mask_BP.long().sum(1) + gen.response_mask_BT.long().sum(1)).tolist()
 
 

@@ -41,7 +41,8 @@ from megarlhf.rollout.generate import SamplingParams, generate
 from megarlhf.rollout.reshard import (
     Resharder, build_inference_model, inference_layout, release_inference_weights)
 from megarlhf.rollout.sampling import Sampler, decode_sample
-from megarlhf.rollout.scoring import RewardSource, Scorer, SequenceCache, load_reward_fn
+from megarlhf.rollout.scoring import (RewardSource, Scorer, SequenceCache, load_reward_fn,
+                                      sequence_lengths)
 from megarlhf.stages.common import (MetricBands, check_writable, explain_resume, print0,
                                     progress, run_dir)
 from megarlhf.parallel import watchdog
@@ -74,18 +75,13 @@ def experience_batches(exp: algos.Experience, micro: int, pad_id: int,
     return out
 
 
-def sample_lengths(exp: algos.Experience) -> list[int]:
-    """Each sample's tokens a pass computes: its real prompt and trained response."""
-    return (exp.prompt_mask_BP.long().sum(1) + exp.response_mask_BT.long().sum(1)).tolist()
-
-
 @cpu_backend.suspended()  # batch arithmetic: no megatron code
 def packed_experience_batches(mini: algos.Experience, layout, budget: int, pad_id: int
                               ) -> list[dict]:
     """This data-parallel rank's packed micro-batches of the (global) mini-batch ``mini``:
     its share of balanced token counts (``data.packing.balance``), in micro-batches of at
     most ``budget`` tokens (``ppo.max_tokens_per_micro_batch``)."""
-    lengths = sample_lengths(mini)
+    lengths = sequence_lengths(mini)
     share = balance(lengths, layout.dp)[layout.dp_rank]
     out = []
     for group in budget_groups(share, lengths, budget, what="ppo.max_tokens_per_micro_batch"):
@@ -522,7 +518,7 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
                     share = _share(mini, role.layout)
                     batches = experience_batches(share, ppo.micro_batch_size, pad_id,
                                                  routing=role is actor)
-                    real = sum(sample_lengths(share))
+                    real = sum(sequence_lengths(share))
                 if role.layout.writes_results:
                     positions[0] += sum(int(b["tokens"].numel()) for b in batches)
                     positions[1] += real
