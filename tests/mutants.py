@@ -151,6 +151,13 @@ MUTANTS = [
            "        bounds = [0, query.shape[0]]",
            ("tests/test_packing.py::test_packed_passes_equal_the_single_process_padded_ones"
             "[llama-tp1-pp1-vpp1-dp1]",), ()),
+    Mutant("packed_reward_off_by_one", "a packed reward-model micro-batch reads each "
+           "sequence's reward one token before its last",
+           "megarlhf/stages/rm.py",
+           "    batch = pack_rows(rows, [[len(row) - 1] for row in rows], pad_id=pad_id)",
+           "    batch = pack_rows(rows, [[len(row) - 2] for row in rows], pad_id=pad_id)",
+           ("tests/test_packing.py::test_packed_supervised_losses_equal_the_padded_ones"
+            "[rm-llama-tp1-pp1-vpp1-dp1]",), ()),
 ]
 
 

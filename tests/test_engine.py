@@ -105,6 +105,38 @@ def test_rm_accuracy_on_separable_preferences(task, tmp_path):
     assert wins / len(rows) > 0.85
 
 
+@pytest.mark.slow
+def test_packed_rm_at_dp2_equals_padded_one_process(task, tmp_path):
+    """``train.max_tokens_per_micro_batch`` (issue 39): the reward model trained at DP=2 on
+    packed micro-batches (shares balanced by tokens, pairs whole), evaluated and normalised
+    packed, follows the padded single process - every loss, accuracy and margin, and the
+    normalisation's gain and bias."""
+    common = ["configs/rm_tiny.yaml", f"tokenizer.path={task['tokenizer']}",
+              f"data.train_path={task['prefs']}", f"run.output_dir={tmp_path}",
+              "logging.progress_bar=false", "train.max_steps=4", "train.eval_interval=2"]
+    run_cli("rm", *common, "run.name=padded")
+    packed = torchrun(["rm", *common, "run.name=packed",
+                       "train.max_tokens_per_micro_batch=80"], 2)
+    assert "packed micro-batches of at most 80 tokens" in packed.stdout
+    rows = {name: {} for name in ("padded", "packed")}
+    for name, merged in rows.items():
+        for r in read_metrics(os.path.join(tmp_path, name)):
+            merged.setdefault(r["step"], {}).update(r)
+    assert sorted(rows["padded"]) == sorted(rows["packed"]) == [0, 1, 2, 3, 4]
+    for step, row in rows["padded"].items():
+        for key, value in row.items():
+            if key.startswith(("train/loss", "train/margin", "eval/")):
+                assert rows["packed"][step][key] == pytest.approx(value, abs=2e-6), (step, key)
+    meta = {}
+    for name in rows:
+        ckpts = os.path.join(tmp_path, name, "checkpoints")
+        tag = open(os.path.join(ckpts, "latest")).read()
+        meta[name] = json.load(open(os.path.join(ckpts, tag, "megarlhf_meta.json")))
+    for key in ("score_gain", "score_bias"):
+        assert meta["packed"]["roles"]["reward"][key] == pytest.approx(
+            meta["padded"]["roles"]["reward"][key], rel=1e-5)
+
+
 def _copy_checkpoint(tmp_path, src_run: str, tag: str, dst_run: str) -> None:
     os.makedirs(os.path.join(tmp_path, dst_run, "checkpoints"))
     subprocess.run(["cp", "-r", os.path.join(tmp_path, src_run, "checkpoints", tag),

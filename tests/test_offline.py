@@ -206,8 +206,9 @@ def losses(out, name):
 
 @pytest.mark.slow
 def test_dpo_layouts_equal_one_process_and_cache_equals_recomputation(tiny_checkpoints):
-    """The reference cache is built at TP=2 (``megarlhf cache build``); DPO at PP=2, TP=2
-    and DP=2 reads it; each equals one process that recomputes the reference every step
+    """The reference cache is built at TP=2 (``megarlhf cache build``); DPO at PP=2 and
+    TP=2 reads it; DP=2 with packed micro-batches recomputes the reference every step; each
+    equals one padded process that recomputes the reference every step
     (dpo.use_cache=false)."""
     out = tiny_checkpoints[0]
     built = torchrun(["cache", "build", "dpo", *dpo_args(tiny_checkpoints, "dpo-build",
@@ -220,7 +221,10 @@ def test_dpo_layouts_equal_one_process_and_cache_equals_recomputation(tiny_check
     assert "complete, " in pp2.stdout and "the reference model is not resident" in pp2.stdout
     torchrun(dpo_args(tiny_checkpoints, "dpo-tp2",
                       "parallel.tensor_model_parallel_size=2"), 2)
-    torchrun(dpo_args(tiny_checkpoints, "dpo-dp2"), 2)
+    # packed (issue 39): the reference's passes and the policy's, shares balanced by tokens
+    packed = torchrun(dpo_args(tiny_checkpoints, "dpo-dp2", "dpo.use_cache=false",
+                               "train.max_tokens_per_micro_batch=96"), 2)
+    assert "packed micro-batches of at most 96 tokens" in packed.stdout
     ref = losses(out, "dpo-1")
     assert ref[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference
     for name in ("dpo-tp2", "dpo-dp2", "dpo-pp2"):

@@ -18,7 +18,7 @@ from conftest import WORKERS, torchrun
 from megarlhf import algos
 from megarlhf.config import ConfigError, load_config
 from megarlhf.data.packing import (MIN_ROWS, balance, budget_groups, pack_prompt_response,
-                                   pad_packed, unpack)
+                                   pack_rows, pack_weighted, pad_packed, unpack)
 from megarlhf.speedups.linears import FEW_ROWS
 
 # ------------------------------------------------------------------ the arithmetic
@@ -131,6 +131,27 @@ def test_min_rows_is_above_the_short_matmul_way():
     assert MIN_ROWS > FEW_ROWS
 
 
+def test_packed_rows_by_hand():
+    """``pack_rows`` (the supervised stages): kept outputs land in their row's grid
+    columns in order; ``pack_weighted`` keeps the positions of nonzero weight (each
+    predicts the next token) and carries the weights into the grid."""
+    batch = pack_rows([[1, 2, 3], [4, 5]], [[2], [0, 1]])
+    assert batch["tokens"][0, :5].tolist() == [1, 2, 3, 4, 5]
+    assert batch["cu_seqlens"].tolist() == [0, 3, 5, MIN_ROWS]
+    assert batch["keep"][:3].tolist() == [2, 3, 4] and batch["grid"] == (2, 2)
+    assert batch["unpack"][:3].tolist() == [0, 2, 3] and batch["unpack"][3:].eq(-1).all()
+    assert batch["targets"][0, :3].tolist() == [4, 5, 0]  # 3's "next" is the next row's
+    assert unpack(torch.arange(1.0, MIN_ROWS + 1).view(1, -1), batch).tolist() == \
+        [[1.0, 0.0], [2.0, 3.0]]
+    # (tokens, weights): weights[t] weighs predicting tokens[t + 1]
+    weighted = pack_weighted([([7, 8, 9, 10], [0, 1, 0.5, 0]), ([11, 12], [1, 0])])
+    assert weighted["keep"][:3].tolist() == [1, 2, 4]
+    assert weighted["targets"][0, :3].tolist() == [9, 10, 12]
+    assert weighted["loss_mask"].tolist() == [[1.0, 0.5], [1.0, 0.0]]
+    with pytest.raises(ValueError, match="outside its 2 tokens"):
+        pack_rows([[1, 2]], [[2]])
+
+
 def test_an_empty_prompt_cannot_be_packed():
     with pytest.raises(ValueError, match="empty prompt"):
         pack_prompt_response(torch.zeros(1, 2, dtype=torch.long),
@@ -167,6 +188,35 @@ def test_budget_below_the_longest_sample_is_refused_before_any_work():
                                           "ppo.max_tokens_per_micro_batch"})))
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
         load_config(None, ["ppo.max_tokens_per_micro_batch=0"])
+
+
+def test_supervised_packing_settings_are_checked_before_any_work(tmp_path):
+    """``train.max_tokens_per_micro_batch`` (sft, rm, dpo, distill): refused beside
+    data.packing (train.micro_batch_size is not: the shipped configs set it, and packed
+    it is unused, as ppo.micro_batch_size); a sample (a pair: both sequences) over
+    the budget is named with the setting; a global batch under the DP size refused."""
+    from megarlhf.config.rules import check_supervised
+    from megarlhf.stages.rm import pair_tokens
+    from megarlhf.stages.supervised import StepPlan, check_budget
+
+    with pytest.raises(ConfigError, match="both pack: choose one"):
+        check_supervised(load_config(None, ["data.packing=true",
+                                            "train.max_tokens_per_micro_batch=256"]))
+    check_supervised(load_config(None, ["train.max_tokens_per_micro_batch=256",
+                                        "train.micro_batch_size=2"]))
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
+        load_config(None, ["train.max_tokens_per_micro_batch=0"])
+    cfg = load_config(None, ["train.max_tokens_per_micro_batch=20"])
+    pairs = [([1] * 3, [2] * 4, [3] * 5), ([1] * 5, [2] * 6, [3] * 7)]  # 15 and 23 tokens
+    with pytest.raises(ValueError, match=r"=20 cannot hold training pair 2, 23 tokens.*"
+                                         r"at least 23"):
+        check_budget(cfg, pairs, pair_tokens, "training pair")
+    check_budget(cfg, pairs[:1], pair_tokens, "training pair")
+    StepPlan(4, 1, 4, 10, 1, None, max_tokens=64).validate()  # 4 samples / 4 ranks
+    with pytest.raises(ValueError, match="leaves a data-parallel rank without samples"):
+        StepPlan(3, 1, 4, 10, 1, None, max_tokens=64).validate()
+    assert "packed micro-batches of at most 64" in StepPlan(6, 1, 4, 10, 1, None,
+                                                            max_tokens=64).describe()
 
 
 def test_packed_batch_sizes_need_only_a_sample_per_rank():
@@ -247,3 +297,24 @@ def test_packed_update_at_the_old_policy_is_a_no_op(layouts, case):
     (other micro-batches, other neighbours): the ratio is exactly 1."""
     logs = layouts[case]["actor"]["packed"]["logs"]
     assert logs["approxkl_sum"] == 0.0 and logs["clipfrac_sum"] == 0.0, logs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=lambda c: IDS(*c))
+@pytest.mark.parametrize("task", ["sft", "rm", "dpo", "distill"])
+def test_packed_supervised_losses_equal_the_padded_ones(layouts, case, task):
+    """SFT, the reward model's pairwise loss, DPO and distillation on the micro-batches
+    ``stages.supervised.micro_batches`` packs (shares balanced by tokens, whole pairs per
+    micro-batch) against padded ones of 2 samples in one process: every summed log, the
+    gradient norm, and each gradient shard against the padded pass at the same layout."""
+    ref = layouts[(case[0], 1, 1, 1, 1)]["supervised"][task]
+    got = layouts[case]["supervised"][task]
+    logs, want = got["packed"]["logs"], ref["padded"]["logs"]
+    assert set(logs) == set(want)
+    count = "pairs" if "pairs" in want else "tokens"
+    assert logs[count] == want[count] > 0
+    for key, value in logs.items():
+        close(value / logs[count], want[key] / want[count], f"{task} {key}")
+    close(got["packed"]["norm"], ref["padded"]["norm"], f"{task} gradient norm")
+    assert got["grad_gap"] <= TOL * max(1.0, got["grad_scale"]), got
+    assert got["grad_scale"] > 0.01

@@ -305,6 +305,18 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
                               "and has only parameters to move; use none or all")
 
 
+def check_supervised(cfg: Config) -> None:
+    """The batch settings of the supervised stages (``sft``, ``rm``, ``dpo``,
+    ``distill``) that contradict each other."""
+    train = cfg.train
+    if train.max_tokens_per_micro_batch is None:
+        return
+    if cfg.data.packing:
+        raise ConfigError("data.packing (rows of data.max_seq_len with a block-diagonal mask) "
+                          "and train.max_tokens_per_micro_batch (packed micro-batches of "
+                          "whole samples) both pack: choose one")
+
+
 def check_roles(cfg: Config, written: Written, used: tuple[str, ...], stage: str) -> None:
     """A ``roles.<name>`` block that ``stage`` does not read is an error (it would do
     nothing), as is an optimizer on a frozen role or, for the roles that only fill the

@@ -122,6 +122,55 @@ def pack_prompt_response(prompt_tokens_BP: torch.Tensor, prompt_mask_BP: torch.T
     return out
 
 
+def pack_rows(rows: list[list[int]], keeps: list[list[int]], *, pad_id: int = 0) -> dict:
+    """Token sequences ``rows`` packed into one row, the outputs at ``keeps[b]`` (positions
+    within row ``b``) kept. ``grid`` is (B, longest keep list): kept output ``j`` of row
+    ``b`` lands in column ``j`` (``unpack``); ``targets`` (1, K) is the token after each
+    kept position (an lm output's label; the last position's is a pad). Topped up to
+    ``MIN_ROWS`` tokens and kept outputs as :func:`pack_prompt_response` is."""
+    pieces, starts, keep, where = [], [0], [], []
+    width = max(len(k) for k in keeps)
+    for b, (row, kept) in enumerate(zip(rows, keeps)):
+        if not row:
+            raise ValueError(f"row {b} of a packed micro-batch is empty")
+        if kept and not 0 <= min(kept) <= max(kept) < len(row):
+            raise ValueError(f"row {b} of a packed micro-batch keeps positions outside its "
+                             f"{len(row)} tokens")
+        pieces.append(torch.as_tensor(row, dtype=torch.long))
+        keep.append(starts[-1] + torch.as_tensor(kept, dtype=torch.long))
+        where.append(b * width + torch.arange(len(kept)))
+        starts.append(starts[-1] + len(row))
+    real = starts[-1]
+    if real < MIN_ROWS:  # a segment of padding (see the module docstring)
+        pieces.append(torch.full((MIN_ROWS - real,), pad_id, dtype=torch.long))
+        starts.append(MIN_ROWS)
+    tokens = torch.cat(pieces).view(1, -1)
+    cu = torch.tensor(starts)
+    positions = torch.arange(tokens.shape[1]) - torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
+    positions[real:] = 0
+    keep, where = torch.cat(keep), torch.cat(where)
+    short = max(0, MIN_ROWS - len(keep))
+    keep = torch.cat([keep, keep[:1].expand(short) if len(keep)
+                      else torch.zeros(short, dtype=torch.long)])
+    where = torch.cat([where, torch.full((short,), -1)])
+    return {"tokens": tokens, "position_ids": positions.view(1, -1), "cu_seqlens": cu,
+            "keep": keep, "unpack": where, "grid": (len(rows), width),
+            "targets": tokens[:, (keep + 1).clamp(max=tokens.shape[1] - 1)]}
+
+
+def pack_weighted(rows: list[tuple[list[int], list[float]]], *, pad_id: int = 0) -> dict:
+    """SFT-style rows (tokens, ``weights[t]`` weighing the prediction of token t + 1;
+    ``data.batching``) packed by :func:`pack_rows`, keeping the positions of nonzero
+    weight; ``loss_mask`` (B, width) holds their weights in the ``grid``."""
+    keeps = [[t for t, w in enumerate(weights[:len(tokens) - 1]) if w] for tokens, weights in rows]
+    batch = pack_rows([tokens for tokens, _ in rows], keeps, pad_id=pad_id)
+    mask = torch.zeros(batch["grid"])
+    for b, ((_, weights), kept) in enumerate(zip(rows, keeps)):
+        mask[b, :len(kept)] = torch.tensor([float(weights[t]) for t in kept])
+    batch["loss_mask"] = mask
+    return batch
+
+
 def unpack(values_1K: torch.Tensor, batch: dict) -> torch.Tensor:
     """Kept outputs (1, K) of a packed micro-batch in its padded (B, T) ``grid`` (zero
     where a sample has no response token). Differentiable."""

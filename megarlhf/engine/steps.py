@@ -77,20 +77,33 @@ def make_score_step(role: str, *, tp_group, true_vocab: int, temperature: float 
     return forward_step
 
 
+def weighted_logprobs(logits, batch: dict, *, tp_group, true_vocab: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, weights) of the next tokens a supervised loss reads, (B, S - 1) each of
+    a padded micro-batch (``loss_mask`` weighs each position), or of a packed one
+    (``data.packing.pack_weighted``) the kept outputs in its (B, width) ``grid``: a row's
+    weighted sum is the same either way."""
+    if "keep" in batch:
+        logprobs, _ = vocab_parallel_logprobs(logits, batch["targets"], tp_group=tp_group,
+                                              true_vocab=true_vocab)
+        return unpack(logprobs, batch), batch["loss_mask"]
+    logprobs, _ = vocab_parallel_logprobs(logits[:, :-1], batch["tokens"][:, 1:],
+                                          tp_group=tp_group, true_vocab=true_vocab)
+    return logprobs, batch["loss_mask"][:, :-1]
+
+
 def make_lm_loss_step(*, tp_group, true_vocab: int):
-    """Next-token loss weighted by ``loss_mask`` (SFT: response tokens only). The loss
-    function returns (sum, number of tokens, logs) so megatron divides by the token count
-    over every micro-batch and data-parallel rank."""
+    """Next-token loss weighted by ``loss_mask`` (SFT: response tokens only), padded or
+    packed. The loss function returns (sum, number of tokens, logs) so megatron divides by
+    the token count over every micro-batch and data-parallel rank."""
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model_forward(model, batch)
+        output = model_forward(model, batch, batch.get("keep"))
 
         def loss_func(logits_BSV, non_loss_data=False):
-            logprobs_BS, _ = vocab_parallel_logprobs(
-                logits_BSV[:, :-1], batch["tokens"][:, 1:], tp_group=tp_group,
-                true_vocab=true_vocab)
-            weights = batch["loss_mask"][:, :-1]
+            logprobs_BS, weights = weighted_logprobs(logits_BSV, batch, tp_group=tp_group,
+                                                     true_vocab=true_vocab)
             loss_sum = -(logprobs_BS * weights).sum()
             num_tokens = weights.sum()
             logs = {"loss_sum": loss_sum.detach(), "tokens": num_tokens}
@@ -103,15 +116,20 @@ def make_lm_loss_step(*, tp_group, true_vocab: int):
 
 def make_pairwise_rm_step():
     """Bradley-Terry loss -log sigmoid(r_chosen - r_rejected); rows alternate chosen,
-    rejected; the reward is the value head's output at each row's last real token."""
+    rejected; the reward is the value head's output at each row's last real token
+    (``last_index``, or packed, ``data.packing.pack_rows`` keeping only it)."""
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model_forward(model, batch)
+        packed = "keep" in batch
+        output = model_forward(model, batch, batch["keep"] if packed else None)
 
         def loss_func(values_BS1, non_loss_data=False):
-            rows = torch.arange(values_BS1.shape[0], device=values_BS1.device)
-            rewards_B = values_BS1[rows, batch["last_index"], 0].float()
+            if packed:  # (1, K, 1): each row's one kept output in column 0 of its grid
+                rewards_B = unpack(values_BS1[..., 0].float(), batch)[:, 0]
+            else:
+                rows = torch.arange(values_BS1.shape[0], device=values_BS1.device)
+                rewards_B = values_BS1[rows, batch["last_index"], 0].float()
             chosen, rejected = rewards_B[0::2], rewards_B[1::2]
             real = batch["pair_mask"].float()  # 0 for padding pairs in a short micro-batch
             loss_sum = -(torch.nn.functional.logsigmoid(chosen - rejected) * real).sum()
@@ -298,18 +316,17 @@ def make_dpo_step(*, tp_group, true_vocab: int, beta: float, loss: str,
     """DPO on micro-batches whose rows alternate chosen, rejected of one pair: the policy's
     log-probs summed over each row's response tokens (``loss_mask``; averaged for IPO)
     against the reference's (``ref``, (2B,), from the cache). Returns (loss sum, pairs,
-    logs); megatron divides by the pairs of every micro-batch and replica."""
+    logs); megatron divides by the pairs of every micro-batch and replica. Padded or packed
+    (``data.packing.pack_weighted``)."""
     from megarlhf.algos.preference import dpo_loss
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model_forward(model, batch)
+        output = model_forward(model, batch, batch.get("keep"))
 
         def loss_func(logits, non_loss_data=False):
-            logprobs_BS, _ = vocab_parallel_logprobs(
-                logits[:, :-1], batch["tokens"][:, 1:], tp_group=tp_group,
-                true_vocab=true_vocab)
-            weights = batch["loss_mask"][:, :-1]
+            logprobs_BS, weights = weighted_logprobs(logits, batch, tp_group=tp_group,
+                                                     true_vocab=true_vocab)
             seq = (logprobs_BS * weights).sum(-1)
             if loss == "ipo":
                 seq = seq / weights.sum(-1).clamp(min=1.0)
@@ -335,27 +352,31 @@ def make_distill_step(*, tp_group, true_vocab: int, divergence: str, temperature
     """Distillation on SFT-format rows: per response position (``loss_mask``), the KL
     between the teacher's cached top-k log-probs (``teacher_logprobs``/``teacher_ids``,
     (B, S, k)) and the student's log-probs of the same ids, plus ``nll_coef`` x the
-    next-token NLL. Returns (sum, tokens, logs)."""
+    next-token NLL. Returns (sum, tokens, logs). Padded, or packed
+    (``data.packing.pack_weighted``; the teacher's (1, K, k) at the kept outputs)."""
     from megarlhf.algos.preference import topk_kl
     from megarlhf.models.logprobs import vocab_parallel_gather_logprobs
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model_forward(model, batch)
+        packed = "keep" in batch
+        output = model_forward(model, batch, batch.get("keep"))
 
         def loss_func(logits, non_loss_data=False):
-            weights = batch["loss_mask"][:, :-1]
+            own = slice(None) if packed else slice(None, -1)  # positions the loss reads
             student = vocab_parallel_gather_logprobs(
-                logits[:, :-1], batch["teacher_ids"][:, :-1], tp_group=tp_group,
+                logits[:, own], batch["teacher_ids"][:, own], tp_group=tp_group,
                 temperature=temperature, true_vocab=true_vocab)
-            kl = topk_kl(student, batch["teacher_logprobs"][:, :-1], divergence)
+            kl = topk_kl(student, batch["teacher_logprobs"][:, own], divergence)
+            weights = batch["loss_mask"] if packed else batch["loss_mask"][:, :-1]
+            if packed:
+                kl = unpack(kl, batch)
             kl_sum = (kl * weights).sum()
             total = kl_sum
             logs = {"kl_sum": kl_sum.detach(), "tokens": weights.sum()}
             if nll_coef:
-                logprobs_BS, _ = vocab_parallel_logprobs(
-                    logits[:, :-1], batch["tokens"][:, 1:], tp_group=tp_group,
-                    true_vocab=true_vocab)
+                logprobs_BS, _ = weighted_logprobs(logits, batch, tp_group=tp_group,
+                                                   true_vocab=true_vocab)
                 nll_sum = -(logprobs_BS * weights).sum()
                 total = total + nll_coef * nll_sum
                 logs["nll_sum"] = nll_sum.detach()

@@ -17,6 +17,7 @@ import torch
 
 from megarlhf.config import Config, ConfigError, Written, check_roles
 from megarlhf.data.batching import batch_length, pad_batch, sft_example
+from megarlhf.data.packing import pack_weighted
 from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.logit_cache import (LogitCache, build_cache, ensure_cache, make_key)
 from megarlhf.roles.spec import frozen_role_spec
@@ -24,8 +25,8 @@ from megarlhf.roles.build import build_role
 from megarlhf.engine.steps import make_distill_step, make_dpo_step, ratio
 from megarlhf.parallel.launch import init_distributed, read_dist_env
 from megarlhf.stages.common import check_writable, print0, run_dir
-from megarlhf.stages.supervised import (SupervisedTask, run_supervised, step_plan,
-                                        supervised_spec)
+from megarlhf.stages.supervised import (SupervisedTask, check_budget, run_supervised,
+                                        step_plan, supervised_spec)
 
 
 def cache_path(cfg: Config, role: str) -> str:
@@ -115,6 +116,18 @@ def dpo_microbatches(items: list, pairs_per_micro: int, max_len: int, pad_id: in
     return out, length
 
 
+def packed_dpo_pairs(items: list, pad_id: int, ref: dict) -> dict:
+    """DPO items (index, prompt, chosen, rejected) as one packed micro-batch
+    (``data.packing.pack_weighted``): chosen, rejected of each pair, the response tokens
+    kept, with the reference's log-probs ``ref``; every pair real."""
+    batch = pack_weighted([sft_example(p, seq) for _, p, c, r in items for seq in (c, r)],
+                          pad_id=pad_id)
+    batch["ref"] = torch.tensor([x for idx, *_ in items for x in ref[idx]],
+                                dtype=torch.float64)
+    batch["pair_mask"] = torch.ones(len(items), dtype=torch.bool)
+    return batch
+
+
 def gold_evaluator(cfg: Config, tokenizer):
     """``dpo.gold_reward_fn`` on greedy samples of the policy for ``dpo.gold_eval_path``'s
     prompts: the policy is resharded into the inference layout (rollout.tensor_parallel_size)
@@ -167,8 +180,8 @@ def gold_evaluator(cfg: Config, tokenizer):
 
 def run_dpo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
     from megarlhf.engine.forward import forward_rows
-    from megarlhf.stages.rm import load_pairs
-    from megarlhf.stages.score import right_padded_batch
+    from megarlhf.stages.rm import load_pairs, pair_tokens
+    from megarlhf.stages.score import packed_batch, right_padded_batch
 
     policy, reference = dpo_specs(cfg, tokenizer, written)
     train_pairs, eval_pairs = load_pairs(cfg, tokenizer)
@@ -188,6 +201,9 @@ def run_dpo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
                                            mean))
 
     step_plan(cfg, policy, len(train_pairs))  # bad batch arithmetic: before any work
+    check_budget(cfg, train_pairs, pair_tokens, "training pair")
+    check_budget(cfg, eval_pairs, pair_tokens, "evaluation pair")
+    budget = cfg.train.max_tokens_per_micro_batch
     check_writable(cfg)
     init_distributed(cfg)
     before_batch = None
@@ -203,14 +219,23 @@ def run_dpo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
                "batch (dpo.use_cache=false)")
         from megarlhf.engine.steps import make_score_step
 
-        score = make_score_step("lm", tp_group=ref_role.layout.tp_group,
-                                true_vocab=reference.model.vocab_size)
+        from megarlhf.engine.steps import make_sequence_step
+
+        kw = dict(tp_group=ref_role.layout.tp_group, true_vocab=reference.model.vocab_size)
+        score = make_score_step("lm", **kw)
+        packed_score = make_sequence_step("lm", prompt_len=1, **kw)
 
         def before_batch(batch_items: list) -> None:
             rows = pair_rows([(p, c, r) for _, p, c, r in batch_items])
-            length = min(batch_length([len(r) for r in rows]), max_len)
-            out = forward_rows(ref_role, rows, lambda b: right_padded_batch(b, length, pad),
-                               score, micro_batch_size=cfg.cache.micro_batch_size)
+            if budget is not None:  # packed as the policy's passes are
+                out = forward_rows(ref_role, rows, lambda b: packed_batch(b, "lm"),
+                                   packed_score, micro_batch_size=1, max_tokens=budget,
+                                   lengths=[len(r) for r in rows])
+            else:
+                length = min(batch_length([len(r) for r in rows]), max_len)
+                out = forward_rows(ref_role, rows,
+                                   lambda b: right_padded_batch(b, length, pad), score,
+                                   micro_batch_size=cfg.cache.micro_batch_size)
             results = {}
             for j, (idx, *_rest) in enumerate(batch_items):
                 results[2 * idx], results[2 * idx + 1] = (out[2 * j]["logprobs"],
@@ -234,7 +259,8 @@ def run_dpo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
                                              true_vocab=policy.model.vocab_size, beta=d.beta,
                                              loss=d.loss, label_smoothing=d.label_smoothing),
         summarize=summarize, before_batch=before_batch,
-        extra_eval=gold_evaluator(cfg, tokenizer),
+        extra_eval=gold_evaluator(cfg, tokenizer), tokens=pair_tokens,
+        make_packed=lambda its: packed_dpo_pairs(its, pad, ref),
         describe=f"{d.loss} loss, beta {d.beta}"
                  + (f", label smoothing {d.label_smoothing}" if d.label_smoothing else "")),
         tokenizer)
@@ -283,6 +309,22 @@ def distill_microbatches(items: list, micro: int, max_len: int, pad_id: int,
     return out, length
 
 
+def packed_distill_rows(items: list, pad_id: int, cache: LogitCache) -> dict:
+    """Distillation items (index, tokens, weights) as one packed micro-batch
+    (``data.packing.pack_weighted``) with the teacher's top-k log-probs and ids at its
+    kept outputs, (1, K, k)."""
+    batch = pack_weighted([(t, w) for _, t, w in items], pad_id=pad_id)
+    k, length = cache.key.top_k, batch["tokens"].shape[1]
+    logprobs, ids = torch.zeros(length, k), torch.zeros(length, k, dtype=torch.long)
+    for (idx, tokens, _), start in zip(items, batch["cu_seqlens"].tolist()):
+        n = len(tokens) - 1  # the cache's positions: each predicts the next token
+        logprobs[start:start + n] = cache.topk_logprobs[idx]
+        ids[start:start + n] = cache.topk_ids[idx]
+    keep = batch["keep"]
+    batch["teacher_logprobs"], batch["teacher_ids"] = logprobs[keep][None], ids[keep][None]
+    return batch
+
+
 def run_distill(cfg: Config, tokenizer, written: Written | None = None) -> dict:
     from megarlhf.stages.sft import load_sft_data
 
@@ -291,6 +333,8 @@ def run_distill(cfg: Config, tokenizer, written: Written | None = None) -> dict:
     max_len = min(cfg.data.max_seq_len, student.model.max_position_embeddings)
     examples = train + held
     step_plan(cfg, student, len(train))
+    check_budget(cfg, train, lambda example: len(example[0]), "training sample")
+    check_budget(cfg, held, lambda example: len(example[0]), "evaluation sample")
     check_writable(cfg)
     init_distributed(cfg)
     d = cfg.distill
@@ -314,7 +358,8 @@ def run_distill(cfg: Config, tokenizer, written: Written | None = None) -> dict:
         make_step=lambda role: make_distill_step(
             tp_group=role.layout.tp_group, true_vocab=student.model.vocab_size,
             divergence=d.divergence, temperature=d.temperature, nll_coef=d.nll_coef),
-        summarize=summarize,
+        summarize=summarize, tokens=lambda item: len(item[1]),
+        make_packed=lambda its: packed_distill_rows(its, pad, cache),
         describe=f"{d.divergence} KL over the teacher's top {d.top_k} + the rest"),
         tokenizer)
 

@@ -9,6 +9,7 @@ from megarlhf.algos.rewards import fit_score_normalization
 from megarlhf.config import Config, Written
 from megarlhf.data.batching import batch_length, pad_batch, preference_batch
 from megarlhf.data.datasets import tokenize_dataset
+from megarlhf.data.packing import pack_rows, unpack
 from megarlhf.engine.forward import forward_rows, stack_results
 from megarlhf.engine.steps import make_pairwise_rm_step, model_forward, ratio
 from megarlhf.stages.common import print0
@@ -48,6 +49,23 @@ def pair_microbatches(pairs: list, pairs_per_micro: int, max_len: int, pad_id: i
     return out, length
 
 
+def pair_tokens(pair) -> int:
+    """Token count of a preference pair's two sequences (the last three fields of an
+    item: prompt, chosen, rejected)."""
+    prompt, chosen, rejected = pair[-3:]
+    return 2 * len(prompt) + len(chosen) + len(rejected)
+
+
+def packed_pairs(pairs: list, pad_id: int) -> dict:
+    """Preference pairs as one packed micro-batch (``data.packing.pack_rows``): chosen,
+    rejected of each pair back to back, only each sequence's last output kept (where the
+    reward is read); every pair real (``pair_mask``)."""
+    rows = [row for p, c, r in pairs for row in (p + c, p + r)]
+    batch = pack_rows(rows, [[len(row) - 1] for row in rows], pad_id=pad_id)
+    batch["pair_mask"] = torch.ones(len(pairs), dtype=torch.bool)
+    return batch
+
+
 def last_token_batch_fn(length: int, pad_id: int):
     """Sequences -> a right-padded micro-batch with each row's last real position."""
 
@@ -68,9 +86,24 @@ def last_value_step(data_iterator, model):
     return out, lambda v, non_loss_data=True: {"last": v[rows, batch["last_index"], 0].float()}
 
 
+def packed_last_value_step(data_iterator, model):
+    """Forward-only step on a packed micro-batch keeping each row's last output only
+    (``data.packing.pack_rows``): ``last`` per row."""
+    batch = next(data_iterator)
+    out = model_forward(model, batch, batch["keep"])
+    return out, lambda v, non_loss_data=True: {
+        "last": unpack(v[..., 0].float(), batch)[:, 0]}
+
+
 def score_last_tokens(role, seqs: list[list[int]], micro_batch_size: int, max_len: int,
-                      pad_id: int) -> torch.Tensor:
-    """Raw reward (value head at the last token) of each sequence, on every rank."""
+                      pad_id: int, max_tokens: int | None = None) -> torch.Tensor:
+    """Raw reward (value head at the last token) of each sequence, on every rank: padded
+    micro-batches of ``micro_batch_size`` rows, or packed ones of ``max_tokens``."""
+    if max_tokens is not None:
+        results = forward_rows(role, seqs, lambda rows: pack_rows(
+            rows, [[len(r) - 1] for r in rows], pad_id=pad_id), packed_last_value_step,
+            micro_batch_size=1, max_tokens=max_tokens, lengths=[len(s) for s in seqs])
+        return stack_results(results, "last").double()
     length = min(batch_length([len(s) for s in seqs]), max_len)
     results = forward_rows(role, seqs, last_token_batch_fn(length, pad_id), last_value_step,
                            micro_batch_size=micro_batch_size)
@@ -80,6 +113,7 @@ def score_last_tokens(role, seqs: list[list[int]], micro_batch_size: int, max_le
 def run_rm(cfg: Config, tokenizer, written: Written | None = None) -> dict:
     spec = supervised_spec(cfg, "reward", "value", tokenizer, written)
     pairs, eval_pairs = load_pairs(cfg, tokenizer)
+    norm_seqs, norm_source = normalization_samples(cfg, tokenizer, pairs)  # read up front
     max_len = min(cfg.data.max_seq_len, spec.model.max_position_embeddings)
     mbs, pad = cfg.train.micro_batch_size, tokenizer.pad_id
 
@@ -92,16 +126,16 @@ def run_rm(cfg: Config, tokenizer, written: Written | None = None) -> dict:
         name="rm", train_items=pairs, eval_items=eval_pairs,
         make_batches=lambda items, training: pair_microbatches(items, mbs, max_len, pad),
         rows_per_micro_batch=2 * mbs, make_step=lambda role: make_pairwise_rm_step(),
+        tokens=pair_tokens, make_packed=lambda items: packed_pairs(items, pad),
         summarize=summarize, describe="micro-batches hold chosen and rejected of each pair",
-        finish=lambda role: normalize(role, cfg, tokenizer, pairs, mbs, max_len)),
+        finish=lambda role: normalize(role, cfg, tokenizer, norm_seqs, norm_source, max_len)),
         tokenizer)
 
 
-def normalize(role, cfg: Config, tokenizer, pairs: list, micro_batch_size: int,
-              max_len: int) -> dict:
-    """Ziegler et al.: gain and bias so that scores of SFT samples have mean 0, std 1.
-    Samples come from ``train.rm_normalize_path`` (prompt, response), else the training
-    pairs' responses."""
+def normalization_samples(cfg: Config, tokenizer, pairs: list) -> tuple[list[list[int]], str]:
+    """(sequences, where they come from) that reward normalisation scores:
+    ``train.rm_normalize_path`` (prompt, response), else the training pairs' chosen and
+    rejected sequences. Read and checked before training."""
     if cfg.train.rm_normalize_path:
         data = tokenize_dataset(cfg.train.rm_normalize_path, "sft", cfg.data, tokenizer)
         seqs = [p + r for p, r in zip(data.prompts, data.responses)]
@@ -109,7 +143,21 @@ def normalize(role, cfg: Config, tokenizer, pairs: list, micro_batch_size: int,
     else:
         seqs = [p + c for p, c, _ in pairs] + [p + r for p, _, r in pairs]
         source = "training pairs (chosen and rejected)"
-    raw = score_last_tokens(role, seqs, micro_batch_size, max_len, tokenizer.pad_id)
+    budget = cfg.train.max_tokens_per_micro_batch
+    longest = max((len(seq) for seq in seqs), default=0)
+    if budget is not None and longest > budget:
+        raise ValueError(f"{source}: a sequence of {longest} tokens exceeds "
+                         f"train.max_tokens_per_micro_batch={budget}, which packs the "
+                         "normalisation pass too")
+    return seqs, source
+
+
+def normalize(role, cfg: Config, tokenizer, seqs: list[list[int]], source: str,
+              max_len: int) -> dict:
+    """Ziegler et al.: gain and bias so that scores of ``seqs`` (SFT samples,
+    :func:`normalization_samples`) have mean 0, std 1."""
+    raw = score_last_tokens(role, seqs, cfg.train.micro_batch_size, max_len, tokenizer.pad_id,
+                            cfg.train.max_tokens_per_micro_batch)
     gain, bias = fit_score_normalization(raw)
     print0(f"[rm] reward normalisation on {len(seqs)} samples from {source}: raw mean "
            f"{raw.mean():.4f} std {raw.std(unbiased=False):.4f} -> gain {gain:.4f} "

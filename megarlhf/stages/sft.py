@@ -7,6 +7,7 @@ import torch
 from megarlhf.config import Config, Written
 from megarlhf.data.batching import batch_length, pack_examples, pad_batch, stack_batches
 from megarlhf.data.datasets import TokenizedDataset, tokenize_dataset
+from megarlhf.data.packing import pack_weighted
 from megarlhf.engine.steps import make_lm_loss_step, ratio
 from megarlhf.stages.common import print0
 from megarlhf.stages.supervised import SupervisedTask, run_supervised, supervised_spec
@@ -76,4 +77,12 @@ def run_sft(cfg: Config, tokenizer, written: Written | None = None) -> dict:
         eval_items=eval_examples, make_batches=make_batches, rows_per_micro_batch=mbs,
         make_step=lambda role: make_lm_loss_step(tp_group=role.layout.tp_group,
                                                  true_vocab=role.spec.model.vocab_size),
-        summarize=summarize, describe=f"packing {'on' if cfg.data.packing else 'off'}"), tokenizer)
+        summarize=summarize, describe=describe(cfg),
+        tokens=lambda example: len(example[0]),
+        make_packed=lambda items: pack_weighted(items, pad_id=pad)), tokenizer)
+
+
+def describe(cfg: Config) -> str:
+    if cfg.train.max_tokens_per_micro_batch is not None:
+        return "packed micro-batches (train.max_tokens_per_micro_batch)"
+    return f"packing {'on: rows of data.max_seq_len' if cfg.data.packing else 'off'}"

@@ -14,12 +14,14 @@ from typing import Callable, Iterator
 import torch
 
 from megarlhf.algos.experience import exact_div
-from megarlhf.config import Config, Written
+from megarlhf.config import Config, Written, check_supervised
 from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, save_checkpoint
 from megarlhf.engine.metrics import MetricsLogger
 from megarlhf.engine.optimizer import check_runaway, train_step
+from megarlhf.data.packing import balance, budget_groups
 from megarlhf.models import moe
+from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.preemption import PreemptionGuard, mark_preempted
 from megarlhf.roles.spec import RoleSpec, check_positions, single_role_spec
 from megarlhf.roles.build import Role, build_role
@@ -33,7 +35,9 @@ from megarlhf.stages.common import (MetricBands, check_writable, explain_resume,
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Global batch -> per-rank samples -> micro-batches, by exact division."""
+    """Global batch -> per-rank samples -> micro-batches: by exact division, or packed
+    (``max_tokens``): shares of balanced token counts cut into micro-batches of at most
+    ``max_tokens`` tokens (``data.packing``)."""
 
     global_batch: int
     micro_batch: int
@@ -41,6 +45,16 @@ class StepPlan:
     num_samples: int
     num_epochs: int
     max_steps: int | None
+    max_tokens: int | None = None
+
+    def validate(self) -> None:
+        """Bad arithmetic raises (before any work)."""
+        if self.max_tokens is None:
+            _ = self.micro_batches
+        elif self.global_batch < self.dp_size:
+            raise ValueError(f"train.global_batch_size={self.global_batch} leaves a "
+                             f"data-parallel rank without samples (DP={self.dp_size})")
+        _ = self.total_steps
 
     @property
     def per_rank(self) -> int:
@@ -67,9 +81,12 @@ class StepPlan:
         return min(total, self.max_steps) if self.max_steps else total
 
     def describe(self) -> str:
+        steps = f"{self.steps_per_epoch} steps/epoch, {self.total_steps} steps"
+        if self.max_tokens is not None:
+            return (f"global batch {self.global_batch} over DP {self.dp_size} by token count, "
+                    f"packed micro-batches of at most {self.max_tokens} tokens; {steps}")
         return (f"global batch {self.global_batch} = DP {self.dp_size} x {self.micro_batches} "
-                f"micro-batches x {self.micro_batch}; {self.steps_per_epoch} steps/epoch, "
-                f"{self.total_steps} steps")
+                f"micro-batches x {self.micro_batch}; {steps}")
 
 
 def global_batches(plan: StepPlan, seed: int, start_step: int
@@ -121,12 +138,15 @@ class SupervisedTask:
     before_batch: Callable[[list], None] | None = None  # every rank, the whole global (or
     # evaluation) batch's items before they are split: e.g. a frozen model scores them
     extra_eval: Callable[[Role], dict] | None = None  # more eval/* metrics (gold score)
+    tokens: Callable[[object], int] | None = None  # an item's token count (all its rows)
+    make_packed: Callable[[list], dict] | None = None  # items -> one packed micro-batch
 
 
 def supervised_spec(cfg: Config, name: str, kind: str, tokenizer,
                     written: Written | None = None) -> RoleSpec:
     """The trained role of ``sft`` / ``rm`` (``name``: its name in checkpoints), resolved
     and checked against the launcher's world size before any process group exists."""
+    check_supervised(cfg)
     spec = single_role_spec(cfg, name=name, kind=kind, world_size=read_dist_env().world_size,
                             trained=True, tokenizer=fingerprint(tokenizer), written=written)
     check_positions(spec, cfg.data.max_seq_len, "data.max_seq_len")  # its longest sequence
@@ -140,9 +160,24 @@ def step_plan(cfg: Config, spec: RoleSpec, num_items: int) -> StepPlan:
     world = read_dist_env().world_size
     plan = StepPlan(train.global_batch_size, train.micro_batch_size,
                     spec.layout.dp(world), num_items, train.num_epochs,
-                    train.max_steps)
-    _ = (plan.micro_batches, plan.total_steps)
+                    train.max_steps, train.max_tokens_per_micro_batch)
+    plan.validate()
     return plan
+
+
+def check_budget(cfg: Config, items: list, tokens: Callable[[object], int], what: str) -> None:
+    """Every item fits ``train.max_tokens_per_micro_batch`` (when set), checked before any
+    work: a packed micro-batch takes whole items (a pair: both sequences), and one over
+    the budget would break the memory bound it sets mid-run."""
+    budget = cfg.train.max_tokens_per_micro_batch
+    if budget is None or not items:
+        return
+    longest = max(range(len(items)), key=lambda i: tokens(items[i]))
+    if tokens(items[longest]) > budget:
+        raise ValueError(f"train.max_tokens_per_micro_batch={budget} cannot hold {what} "
+                         f"{longest + 1}, {tokens(items[longest])} tokens: a packed "
+                         f"micro-batch takes whole samples. Set it to at least "
+                         f"{tokens(items[longest])}")
 
 
 def run_supervised(cfg: Config, spec: RoleSpec, task: SupervisedTask, tokenizer) -> dict:
@@ -150,6 +185,12 @@ def run_supervised(cfg: Config, spec: RoleSpec, task: SupervisedTask, tokenizer)
     layout), then global batches -> micro-batches -> one optimizer step each, with
     evaluation, metrics, progress, preemption and checkpoints."""
     plan = step_plan(cfg, spec, len(task.train_items))
+    if plan.max_tokens is not None:
+        if task.make_packed is None or task.tokens is None:
+            raise ValueError(f"{task.name} does not pack micro-batches: unset "
+                             "train.max_tokens_per_micro_batch")
+        check_budget(cfg, task.train_items, task.tokens, "training sample")
+        check_budget(cfg, task.eval_items, task.tokens, "evaluation sample")
     check_writable(cfg)
     init_distributed(cfg)
     role = build_role(spec, seed=cfg.run.seed, total_steps=plan.total_steps)
@@ -190,18 +231,38 @@ def resume(cfg: Config, role: Role, name: str) -> int:
     return start
 
 
-def _evaluate(task: SupervisedTask, role: Role, step_fn) -> dict[str, float] | None:
+def micro_batches(task: SupervisedTask, items: list, layout: RankLayout, training: bool,
+                  budget: int | None) -> tuple[list[dict], int, int]:
+    """This data-parallel rank's micro-batches of ``items`` (a global or evaluation batch,
+    every rank the same list) -> (micro-batches, sequence length, rows per micro-batch).
+    Padded: a contiguous share (training; evaluation: strided, no exact division) in
+    ``task.make_batches``' micro-batches. Packed (``budget`` tokens): a share of balanced
+    token count, first-fit into micro-batches of whole items (``data.packing``)."""
+    if budget is None:
+        share = rank_share(items, layout) if training else rank_share_strided(items, layout)
+        batches, length = task.make_batches(share, training)
+        return batches, length, task.rows_per_micro_batch
+    with cpu_backend.suspended():  # batch arithmetic: no megatron code
+        lengths = [task.tokens(item) for item in items]
+        share = balance(lengths, layout.dp)[layout.dp_rank]
+        batches = [task.make_packed([items[i] for i in group])
+                   for group in budget_groups(share, lengths, budget,
+                                              what="train.max_tokens_per_micro_batch")]
+    return batches, max((b["tokens"].shape[1] for b in batches), default=0), 1
+
+
+def _evaluate(task: SupervisedTask, role: Role, step_fn, budget: int | None
+              ) -> dict[str, float] | None:
     if not task.eval_items:
         return None
     if task.before_batch:
         task.before_batch(task.eval_items)
-    batches, length = task.make_batches(rank_share_strided(task.eval_items, role.layout), False)
+    batches, length, rows = micro_batches(task, task.eval_items, role.layout, False, budget)
     for chunk in role.model:
         chunk.eval()
     with torch.no_grad():
         logs = run_schedule(role.model, step_fn, batches, layout=role.layout, seq_length=length,
-                            micro_batch_size=task.rows_per_micro_batch,
-                            forward_only=True) if batches else []
+                            micro_batch_size=rows, forward_only=True) if batches else []
     out = {f"eval/{k}": v for k, v in task.summarize(reduce_logs(logs, role.layout)).items()}
     if task.extra_eval:
         out.update(task.extra_eval(role))
@@ -217,12 +278,13 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
           logger: MetricsLogger, bar, saved: dict) -> dict:
     """``saved``: what every checkpoint records with the role (its tokenizer)."""
     train, layout = cfg.train, role.layout
+    budget = train.max_tokens_per_micro_batch
     guard = PreemptionGuard()
     step_fn = task.make_step(role)
     bands = MetricBands(cfg)
     result: dict = {}
     if start_step == 0:
-        first = _evaluate(task, role, step_fn)
+        first = _evaluate(task, role, step_fn, budget)
         if first:
             logger.log(0, first)
             result["eval_start"] = first
@@ -231,11 +293,10 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
         started = time.perf_counter()
         if task.before_batch:
             task.before_batch([task.train_items[i] for i in indices])
-        mine = [task.train_items[i] for i in rank_share(indices, layout)]
-        batches, length = task.make_batches(mine, True)
+        batches, length, rows = micro_batches(task, [task.train_items[i] for i in indices],
+                                              layout, True, budget)
         logs, applied, grad_norm = train_step(role.trained, step_fn, batches,
-                                              seq_length=length,
-                                              micro_batch_size=task.rows_per_micro_batch)
+                                              seq_length=length, micro_batch_size=rows)
         if not applied:
             print0(f"[{role.spec.name}] step {step + 1}: skipped for non-finite gradients")
         check_runaway(role.trained, role.spec.name)
@@ -257,7 +318,7 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
         if done == plan.total_steps:
             break
         if train.eval_interval and done % train.eval_interval == 0:
-            evaluation = _evaluate(task, role, step_fn) or {}
+            evaluation = _evaluate(task, role, step_fn, budget) or {}
             logger.log(done, evaluation)
             bands.check(evaluation, f"the evaluation at step {done}")
         trainer_state = {"step": done, "skipped_steps": role.trained.num_skipped_steps}
@@ -268,7 +329,7 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
                                                    f"step_{done:07d}", trainer_state, saved),
                            guard.signalled)
             return {"preempted_at": done}
-    last = _evaluate(task, role, step_fn)
+    last = _evaluate(task, role, step_fn, budget)
     if last:
         logger.log(plan.total_steps, last)
         result["eval_end"] = last

@@ -6,7 +6,10 @@ For each layout, on one synthetic rollout of long-tailed lengths: the experience
 then one update of actor and critic on an experience batch whose old log-probs are the
 packed pass's, padded and packed (at another token budget, so the samples are regrouped):
 the reduced loss logs, the global gradient norms and the largest difference between the
-two gradients of every parameter shard. Results -> OUT/packing_world{N}.pt on rank 0.
+two gradients of every parameter shard. The same for the supervised stages' losses (SFT,
+the reward model's pairwise loss, DPO, distillation) on micro-batches that
+``stages.supervised.micro_batches`` makes, padded and packed, from the stages' own batch
+functions. Results -> OUT/packing_world{N}.pt on rank 0.
 """
 
 from __future__ import annotations
@@ -28,7 +31,15 @@ from megarlhf import algos  # noqa: E402
 from megarlhf.engine.forward import forward_rows, stack_results  # noqa: E402
 from megarlhf.engine.optimizer import forward_backward, prepare_step  # noqa: E402
 from megarlhf.engine.steps import (make_policy_step, make_sequence_step,  # noqa: E402
-                                   make_value_step, reduce_logs)
+                                   make_value_step, reduce_logs, make_lm_loss_step,
+                                   make_pairwise_rm_step, make_dpo_step, make_distill_step)
+from megarlhf.data.batching import sft_example  # noqa: E402
+from megarlhf.data.packing import pack_weighted  # noqa: E402
+from megarlhf.stages.offline import (distill_microbatches, dpo_microbatches,  # noqa: E402
+                                     packed_distill_rows, packed_dpo_pairs)
+from megarlhf.stages.rm import packed_pairs, pair_microbatches, pair_tokens  # noqa: E402
+from megarlhf.stages.sft import make_microbatches  # noqa: E402
+from megarlhf.stages.supervised import SupervisedTask, micro_batches  # noqa: E402
 from megarlhf.rollout.generate import Generation, left_pad  # noqa: E402
 from megarlhf.rollout.scoring import (packed_batch_fn, sequence_batch_fn,  # noqa: E402
                                       sequence_lengths)
@@ -113,6 +124,96 @@ def update(role, step, exp, packed: bool) -> dict:
     return {"logs": reduce_logs(logs, role.layout), "grads": grads, "norm": norm}
 
 
+SUPERVISED_BUDGET = 128  # the longest preference pair has 101 tokens; an SFT sample 55
+TOP_K = 4
+
+
+class TeacherCache:
+    """The fields of ``engine.logit_cache.LogitCache`` distillation reads: a teacher's
+    top-k log-probs and ids per position of each row (random numbers, fixed by a seed)."""
+
+    def __init__(self, rows: list[list[int]]):
+        g = torch.Generator().manual_seed(5)
+        self.key = type("Key", (), {"top_k": TOP_K})()
+        self.topk_logprobs = [torch.rand(len(r) - 1, TOP_K, generator=g).log() - 1.0
+                              for r in rows]
+        self.topk_ids = [torch.randint(0, VOCAB, (len(r) - 1, TOP_K), generator=g)
+                         for r in rows]
+
+
+def supervised_tasks() -> dict[str, SupervisedTask]:
+    """SFT, RM, DPO and distillation tasks as the stages build them (padded micro-batches
+    of 2 samples, or packed), on the worker's long-tailed prompts and responses."""
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    responses = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in RESPONSE_LENS]
+    n = len(prompts)
+    examples = [sft_example(p, r) for p, r in zip(prompts, responses)]
+    pairs = [(prompts[i], responses[i], responses[(i + 5) % n]) for i in range(n)]
+    ref = {i: tuple((torch.randn(2, generator=gen) * 3 - 40).tolist()) for i in range(n)}
+    dpo_items = [(i, *pair) for i, pair in enumerate(pairs)]
+    cache = TeacherCache([t for t, _ in examples])
+    distill_items = [(i, t, w) for i, (t, w) in enumerate(examples)]
+    length = 64  # data.max_seq_len
+    common = dict(eval_items=[], summarize=lambda t: t, make_step=None)
+    return {
+        "sft": SupervisedTask(
+            name="sft", train_items=examples, rows_per_micro_batch=2,
+            make_batches=lambda its, training: make_microbatches(
+                its, 2, packing=False, max_len=length, pad_id=0),
+            tokens=lambda e: len(e[0]), make_packed=lambda its: pack_weighted(its), **common),
+        "rm": SupervisedTask(
+            name="rm", train_items=pairs, rows_per_micro_batch=4,
+            make_batches=lambda its, training: pair_microbatches(its, 2, 2 * length, 0),
+            tokens=pair_tokens, make_packed=lambda its: packed_pairs(its, 0), **common),
+        "dpo": SupervisedTask(
+            name="dpo", train_items=dpo_items, rows_per_micro_batch=4,
+            make_batches=lambda its, training: dpo_microbatches(its, 2, 2 * length, 0, ref),
+            tokens=pair_tokens, make_packed=lambda its: packed_dpo_pairs(its, 0, ref),
+            **common),
+        "distill": SupervisedTask(
+            name="distill", train_items=distill_items, rows_per_micro_batch=2,
+            make_batches=lambda its, training: distill_microbatches(its, 2, length, 0, cache),
+            tokens=lambda item: len(item[1]),
+            make_packed=lambda its: packed_distill_rows(its, 0, cache), **common)}
+
+
+def supervised(actor, reward) -> dict:
+    """Each supervised loss padded and packed at the roles' layout: reduced logs, gradient
+    norm, and the largest gradient difference (``case``'s terms)."""
+    tp = actor.layout.tp_group
+    steps = {"sft": (actor, make_lm_loss_step(tp_group=tp, true_vocab=VOCAB)),
+             "rm": (reward, make_pairwise_rm_step()),
+             "dpo": (actor, make_dpo_step(tp_group=tp, true_vocab=VOCAB, beta=0.1,
+                                          loss="sigmoid", label_smoothing=0.0)),
+             "distill": (actor, make_distill_step(tp_group=tp, true_vocab=VOCAB,
+                                                  divergence="forward", temperature=1.0,
+                                                  nll_coef=0.5))}
+    out = {}
+    for name, task in supervised_tasks().items():
+        role, step = steps[name]
+        runs = {}
+        for budget in (None, SUPERVISED_BUDGET):
+            batches, length, rows = micro_batches(task, task.train_items, role.layout, True,
+                                                  budget)
+            logs = forward_backward(role.trained, step, batches, seq_length=length,
+                                    micro_batch_size=rows)
+            grads = [p.main_grad.detach().clone() for chunk in role.trained.model
+                     for p in chunk.parameters()]
+            _, norm = prepare_step(role.trained)
+            runs[budget is not None] = {"logs": reduce_logs(logs, role.layout), "grads": grads,
+                                        "norm": norm}
+        gap = max(float((a - b).abs().max()) for a, b in zip(runs[False]["grads"],
+                                                             runs[True]["grads"]))
+        scale = max(float(a.abs().max()) for a in runs[False]["grads"])
+        stats = torch.tensor([gap, scale])
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        out[name] = {"padded": {k: runs[False][k] for k in ("logs", "norm")},
+                     "packed": {k: runs[True][k] for k in ("logs", "norm")},
+                     "grad_gap": float(stats[0]), "grad_scale": float(stats[1])}
+    return out
+
+
 def case(arch, tp, pp, vpp) -> dict:
     # full gradients on every data-parallel rank (the distributed optimizer reduces each
     # rank's shard only), so the two updates compare parameter by parameter
@@ -142,6 +243,7 @@ def case(arch, tp, pp, vpp) -> dict:
         out[name] = {"padded": {k: padded[k] for k in ("logs", "norm")},
                      "packed": {k: packed[k] for k in ("logs", "norm")},
                      "grad_gap": float(stats[0]), "grad_scale": float(stats[1])}
+    out["supervised"] = supervised(actor, critic)
     return out
 
 
