@@ -72,8 +72,11 @@ def run_cases(out, base: list[str], cases: dict, world: int, tag: str):
 def runs(tiny_checkpoints):
     out = tiny_checkpoints[0]
     base = base_overrides(tiny_checkpoints)
+    longest = 8 + int(next(o for o in base if o.startswith("data.max_prompt_len="))
+                      .split("=")[1])
     one = run_cases(out, base, {"tp1": [], "plain_bf16": [
-        "optimizer.use_distributed_optimizer=false", "model.params_dtype=bfloat16"]}, 1, "1")
+        "optimizer.use_distributed_optimizer=false", "model.params_dtype=bfloat16"],
+        "packed": [f"ppo.max_tokens_per_micro_batch={4 * longest}"]}, 1, "1")
     two = run_cases(out, base, {
         "tp2": ["parallel.tensor_model_parallel_size=2", "rollout.tensor_parallel_size=2"],
         "pp2": ["parallel.pipeline_model_parallel_size=2", "ppo.ema_decay=0.9"],
@@ -112,6 +115,21 @@ def test_plan_equals_measured_bytes(runs, name, world):
         for phase in ("rollout", "experience", "save"):
             assert want[phase] == have[phase], (rank, phase)
         assert want["train"] == pytest.approx(have["train"], rel=0.02), rank
+
+
+def test_plan_bounds_the_activations_of_packed_micro_batches(runs):
+    """Packed micro-batches (``ppo.max_tokens_per_micro_batch``, 4 full samples' worth of
+    tokens): the plan takes every micro-batch full, with the most kept outputs its samples
+    could have, so it bounds what the run measured - and not by much; the exact parts are
+    the padded run's."""
+    result = runs("packed", 1)[0]
+    measured, planned = result["measured"], result["planned"]
+    assert exact_parts(result) == exact_parts(result, "planned")
+    keys = [k for k in measured if k.startswith("train/") and k.endswith("/activations")]
+    assert keys
+    for key in keys:
+        assert measured[key] <= planned[key] <= 1.3 * measured[key], (key, measured[key],
+                                                                      planned[key])
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from megarlhf import speedups
 from megarlhf.config import (
     Config, ConfigError, Layout, Written, check_model_layout, padded_vocab_size)
+from megarlhf.data.packing import MIN_ROWS
 from megarlhf.roles.offload import LEVEL_PARTS, OFFLOAD_LEVELS
 from megarlhf.roles.spec import RoleSpec, ppo_role_specs
 from megarlhf.models.shapes import ParamShape, rank_chunks
@@ -134,12 +135,15 @@ def kv_cache_bytes(model, *, tp: int, batch: int, seq: int) -> int:
 
 # ------------------------------------------------------------------ estimates
 
-def layer_activation_floats(model, tp: int, batch: int, seq: int) -> float:
+def layer_activation_floats(model, tp: int, batch: int, seq: int, packed: bool = False
+                            ) -> float:
     """Values one transformer layer of this implementation keeps for backward per token
     (local layers, SDPA): norms and residuals whole, attention and MLP split over TP,
     SDPA's float mask (seq per token), RoPE tables (llama). The attention half here, the
     MLP half in :func:`mlp_activation_floats`. Query-sized values are heads x head size
-    (hidden, unless ``model.head_dim`` is set)."""
+    (hidden, unless ``model.head_dim`` is set). ``packed``: one SDPA call per sample
+    (``models.spec.SDPACoreAttention.forward_packed``) keeps no mask but its own
+    contiguous copies of each sample's queries, keys and values."""
     h, heads = model.hidden_size, model.num_attention_heads
     kv = model.head_size
     q, gkv = heads * kv, model.query_groups * kv
@@ -153,6 +157,8 @@ def layer_activation_floats(model, tp: int, batch: int, seq: int) -> float:
         rope = 0.0
     if model.qk_layernorm:  # the normalised queries and keys
         split += q + gkv
+    if packed:
+        return whole + (split + q + 2 * gkv) / tp + rope + mlp_activation_floats(model, tp)
     return whole + split / tp + seq + rope + mlp_activation_floats(model, tp)
 
 
@@ -166,15 +172,20 @@ def mlp_activation_floats(model, tp: int) -> float:
 
 
 def chunk_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int,
-                           layers: int, pre: bool, post: bool) -> float:
+                           layers: int, pre: bool, post: bool, span: int | None = None
+                           ) -> float:
     """One micro-batch through one chunk, bytes saved for backward. On the last chunk the
     last layer's MLP and the head run at the ``response`` positions the PPO losses read
     with ``speedups.positions`` (the MLP not with fp8, where the head cuts instead);
-    without it everything runs at every position and the losses slice the output."""
+    without it everything runs at every position and the losses slice the output. A
+    packed micro-batch is one row (``batch`` 1) whose samples attend over at most
+    ``span`` tokens each (``seq`` when None); packed, the head always runs at the kept
+    positions only (``response`` of them)."""
     model, tokens = spec.model, batch * seq
     dsize = DTYPE_BYTES[model.params_dtype]
-    cut = speedups.enabled("positions")
-    total = layers * layer_activation_floats(model, spec.layout.tp, batch, seq) * tokens * dsize
+    cut = speedups.enabled("positions") or span is not None
+    total = layers * layer_activation_floats(model, spec.layout.tp, batch, seq,
+                                             packed=span is not None) * tokens * dsize
     if cut and post and layers and not model.fp8.enabled:
         total -= mlp_activation_floats(model, spec.layout.tp) * batch * (seq - response) * dsize
     if pre:
@@ -190,15 +201,15 @@ def chunk_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: in
 
 
 def train_activation_bytes(spec: RoleSpec, *, pp_rank: int, micro: int, micro_batches: int,
-                           seq: int, response: int) -> float:
+                           seq: int, response: int, span: int | None = None) -> float:
     """Peak activations of pipeline rank ``pp_rank``: one micro-batch without a pipeline;
     1F1B holds min(PP - stage, micro-batches); the interleaved schedule holds its warm-up
-    of chunk forwards."""
+    of chunk forwards. ``span``: packed (see :func:`chunk_activation_bytes`)."""
     pp, vpp = spec.layout.pp, spec.layout.vpp or 1
     layers = spec.model.num_layers // (pp * vpp)
     per_chunk = [chunk_activation_bytes(
         spec, batch=micro, seq=seq, response=response, layers=layers,
-        pre=pp_rank == 0 and v == 0, post=pp_rank == pp - 1 and v == vpp - 1)
+        pre=pp_rank == 0 and v == 0, post=pp_rank == pp - 1 and v == vpp - 1, span=span)
         for v in range(vpp)]
     if pp == 1:
         return max(per_chunk)
@@ -219,10 +230,24 @@ def prefill_bytes(spec: RoleSpec, *, batch: int, prompt: int) -> float:
             + 5 * batch * prompt * prompt + 5 * batch * spec.padded_vocab * 4)
 
 
-def forward_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int) -> float:
+def packed_shape(budget: int, prompt: int, response: int, kind: str) -> dict:
+    """A packed micro-batch of at most ``budget`` tokens as the estimates take it: one row
+    of ``budget`` tokens whose samples attend over at most prompt + response tokens each,
+    and its most kept outputs: a sample of length L keeps min(L - 1, response) (an LM's
+    predictions of response tokens; a value model's one more, at most L), so at most
+    ``budget`` - ceil(``budget`` / (response + 1)) (LM) or ``budget`` (value). A row, and
+    its kept outputs, are topped up to ``data.packing.MIN_ROWS`` when fewer (a budget that
+    small is a test's, not a run's)."""
+    kept = budget if kind == "value" else budget - -(-budget // (response + 1))
+    return {"batch": 1, "seq": max(budget, MIN_ROWS), "response": max(kept, MIN_ROWS),
+            "span": prompt + response}
+
+
+def forward_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int,
+                  span: int | None = None) -> float:
     """Transient buffers of a forward-only pass on the last stage: the fp32 logits at the
     response positions and their softmax (LM), or a few hidden-state copies (value
-    model)."""
+    model). ``span`` marks a packed micro-batch (:func:`packed_shape`); unused here."""
     if spec.kind == "lm":
         return 2 * batch * response * (spec.padded_vocab // spec.layout.tp) * 4
     return 4 * batch * seq * spec.model.hidden_size * DTYPE_BYTES[spec.model.params_dtype]
@@ -300,6 +325,9 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
     ema = dataclasses.replace(actor, name="ema", optimizer=None) if ppo.ema_decay else None
     samples = ppo.rollout_batch_size * ppo.group_size
     inf_dp = inference.layout.dp(world)
+    budget = ppo.max_tokens_per_micro_batch  # packed updates (None: padded)
+    forward_budget = r.forward_max_tokens_per_micro_batch or budget
+    forward_rows = r.forward_micro_batch_size or ppo.micro_batch_size
     eval_prompts = ppo.num_eval_prompts if cfg.data.eval_path else 0
     static_cache: dict = {}
 
@@ -348,9 +376,9 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
         for name, spec in specs.items():
             _, _, s = spec.layout.coordinates(rank, world)
             if s == spec.layout.pp - 1:
-                passes[name] = forward_bytes(
-                    spec, batch=cfg.rollout.forward_micro_batch_size or ppo.micro_batch_size,
-                    seq=S, response=T)
+                shape = packed_shape(forward_budget, P, T, spec.kind) if forward_budget \
+                    else {"batch": forward_rows, "seq": S, "response": T}
+                passes[name] = forward_bytes(spec, **shape)
                 by_phase["experience"][(name, "activations")] = passes[name]
         measurable["experience"] += max(frozen_on, default=0.0)
         total["experience"] += max(frozen_on, default=0.0) + max(passes.values(), default=0.0)
@@ -360,19 +388,30 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
             if spec.trained:
                 _, _, s = spec.layout.coordinates(rank, world)
                 dp = spec.layout.dp(world)
-                micro_batches = max(1, ppo.mini_batch_size // dp // ppo.micro_batch_size)
-                acts[name] = train_activation_bytes(spec, pp_rank=s, micro=ppo.micro_batch_size,
-                                                    micro_batches=micro_batches, seq=S,
-                                                    response=T)
+                if budget:  # the heaviest rank's tokens, at most full samples
+                    shape = packed_shape(budget, P, T, spec.kind)
+                    micro, micro_batches = 1, -(-(-(-ppo.mini_batch_size // dp) * S) // budget)
+                    seq, response, span = shape["seq"], shape["response"], shape["span"]
+                else:
+                    micro, seq, response, span = ppo.micro_batch_size, S, T, None
+                    micro_batches = max(1, ppo.mini_batch_size // dp // ppo.micro_batch_size)
+                acts[name] = train_activation_bytes(spec, pp_rank=s, micro=micro,
+                                                    micro_batches=micro_batches, seq=seq,
+                                                    response=response, span=span)
                 by_phase["train"][(name, "activations")] = acts[name]
         total["train"] += max(acts.values(), default=0.0)
         measurable["train"] += max(acts.values(), default=0.0)
         ranks.append(by_phase)
         totals.append(total)
         measurables.append(measurable)
-    notes = [f"sequences of {P} prompt + {T} response tokens; micro-batch "
-             f"{ppo.micro_batch_size}; {samples} rollout samples over {inf_dp} inference "
-             f"replica(s) of TP={inference.layout.tp}"]
+    micro_note = "; ".join(
+        f"{what}: " + (f"packed micro-batches of {b} tokens, each taken full, with the most "
+                       "kept outputs its samples can have" if b else f"micro-batch {rows}")
+        for what, b, rows in (("updates", budget, ppo.micro_batch_size),
+                              ("experience passes", forward_budget, forward_rows)))
+    notes = [f"sequences of {P} prompt + {T} response tokens; {micro_note}; {samples} "
+             f"rollout samples over {inf_dp} inference replica(s) of "
+             f"TP={inference.layout.tp}"]
     if eval_prompts > samples:
         notes.append(f"evaluation generates for {eval_prompts} prompts (ppo.num_eval_prompts), "
                      "more than a rollout: its KV cache is in the rollout total")
