@@ -132,10 +132,12 @@ def test_r3_replays_a_rollout_whose_router_flipped(setup):
     its log-probs drift from the rollout's; with r3 it replays the rollout's experts and
     the log-probs agree to rounding. Either way the update at the old policy is a no-op."""
     none, r3 = flip_run(setup, "rollout", "none"), flip_run(setup, "rollout", "r3")
+    # packed micro-batches (issue 39): the rollout's routing mapped onto the packed tokens
+    packed = flip_run(setup, "rollout", "r3", 1, "ppo.max_tokens_per_micro_batch=80")
     assert none["moe/routing_mismatch_frac"] > 0.1
-    assert r3["rollout/logprob_diff_max"] < 1e-4
+    assert r3["rollout/logprob_diff_max"] < 1e-4 and packed["rollout/logprob_diff_max"] < 1e-4
     assert none["rollout/logprob_diff_max"] > 100 * r3["rollout/logprob_diff_max"]
-    for got in (none, r3):
+    for got in (none, r3, packed):
         assert abs(got["ppo/policy/approxkl"]) < 1e-7 and got["ppo/policy/clipfrac"] == 0.0
 
 
@@ -144,12 +146,16 @@ def test_r2_replays_the_old_log_prob_pass_in_the_updates(setup):
     the update at the old policy already sees another policy (approx-KL > 0); with r2 the
     updates replay the old-log-prob pass's experts - gathered from both ranks of an EP=2
     run (each data-parallel replica scored half the rows) and of a PP=2 run (each stage
-    routed its own layer) - and the update is a no-op."""
+    routed its own layer; and packed, the pass's routing mapped back from the packed tokens
+    and onto the updates' other packing) - and the update is a no-op."""
     none = flip_run(setup, "train", "none")
     assert abs(none["ppo/policy/approxkl"]) > 1e-5
-    for layout in ("parallel.expert_model_parallel_size=2",
-                   "parallel.pipeline_model_parallel_size=2"):
-        r2 = flip_run(setup, "train", "r2", 2, layout)
+    for layout in (("parallel.expert_model_parallel_size=2",),
+                   ("parallel.pipeline_model_parallel_size=2",),
+                   ("ppo.max_tokens_per_micro_batch=80",
+                    "rollout.forward_max_tokens_per_micro_batch=120",
+                    "parallel.expert_model_parallel_size=2")):
+        r2 = flip_run(setup, "train", "r2", 2, *layout)
         assert abs(r2["ppo/policy/approxkl"]) < 1e-7 and r2["ppo/policy/clipfrac"] == 0.0, layout
         assert r2["moe/routing_mismatch_frac"] == 0.0  # the rollout did not flip
 

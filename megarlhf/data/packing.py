@@ -81,14 +81,20 @@ def pack_prompt_response(prompt_tokens_BP: torch.Tensor, prompt_mask_BP: torch.T
     predict its response tokens (``kind="lm"``), and for a value model (``"value"``) also
     its last token's, the state after the whole response - T_b + 1 of them, the last read
     into ``last_keep`` (B,). ``unpack`` (K,) is each kept output's flat index in the (B, T)
-    ``grid`` (-1: not in it); ``targets`` (1, K) the token each lm output predicts."""
+    ``grid`` (-1: not in it); ``targets`` (1, K) the token each lm output predicts;
+    ``source`` (L,) each packed token's flat index in the padded (B, P + T) prompt +
+    response layout (-1: the padding segment), which maps a mixture of experts' routing
+    between the two (``models.moe``)."""
     if kind not in ("lm", "value"):
         raise ValueError(f"kind must be 'lm' or 'value', got {kind!r}")
     B, T = response_tokens_BT.shape  # a row shorter than MIN_ROWS is topped up to it
-    pieces, starts, keep, unpack, last_keep = [], [0], [], [], []
+    P = prompt_tokens_BP.shape[1]
+    pieces, starts, keep, unpack, last_keep, source = [], [0], [], [], [], []
     for b in range(B):
         prompt = prompt_tokens_BP[b][prompt_mask_BP[b].bool()]
         cols = response_mask_BT[b].bool().nonzero().flatten()
+        source += [b * (P + T) + prompt_mask_BP[b].bool().nonzero().flatten(),
+                   b * (P + T) + P + cols]
         start, p = starts[-1], len(prompt)
         if p == 0:
             raise ValueError(f"sample {b} of a packed micro-batch has an empty prompt")
@@ -102,6 +108,7 @@ def pack_prompt_response(prompt_tokens_BP: torch.Tensor, prompt_mask_BP: torch.T
     real = starts[-1]
     if real < MIN_ROWS:  # a segment of padding (see the module docstring)
         pieces.append(torch.full((MIN_ROWS - real,), pad_id, dtype=torch.long))
+        source.append(torch.full((MIN_ROWS - real,), -1))
         starts.append(MIN_ROWS)
     tokens = torch.cat(pieces).view(1, -1)
     cu = torch.tensor(starts)
@@ -114,7 +121,7 @@ def pack_prompt_response(prompt_tokens_BP: torch.Tensor, prompt_mask_BP: torch.T
                                                                               dtype=torch.long)])
     unpack = torch.cat([unpack, torch.full((short,), -1)])
     out = {"tokens": tokens, "position_ids": positions.view(1, -1), "cu_seqlens": cu,
-           "keep": keep, "unpack": unpack, "grid": (B, T)}
+           "keep": keep, "unpack": unpack, "grid": (B, T), "source": torch.cat(source)}
     if kind == "lm":
         out["targets"] = tokens[:, (keep + 1).clamp(max=tokens.shape[1] - 1)]
     else:
@@ -194,6 +201,13 @@ def pad_packed(batch: dict, length: int, pad_id: int = 0) -> dict:
     out["position_ids"] = torch.cat([batch["position_ids"],  # padding at position 0
                                      batch["position_ids"].new_zeros((1, extra))], dim=1)
     out["cu_seqlens"] = torch.cat([batch["cu_seqlens"], torch.tensor([length])])
+    if "source" in batch:
+        out["source"] = torch.cat([batch["source"], torch.full((extra,), -1)])
+    if "routing" in batch:  # (1, layers, L, k): the new segment to experts 0..k-1, as
+        # models.moe.unrouted routes a position whose outputs nobody reads
+        r = batch["routing"]
+        filler = torch.arange(r.shape[3], dtype=r.dtype).expand(1, r.shape[1], extra, -1)
+        out["routing"] = torch.cat([r, filler], dim=2)
     return out
 
 

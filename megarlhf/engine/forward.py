@@ -58,26 +58,27 @@ def _forward_rows(role, rows, make_batch, forward_step, *, micro_batch_size: int
                   for k in range(0, len(padded), micro_batch_size)]
     local: dict[int, dict] = {}
     counts = (0, 0)
-    if mine:
-        with cpu_backend.suspended():  # batching and results: no megatron code
-            batches = [make_batch([rows[i] for i in idx]) for idx in groups]
-        if lengths is not None and layout.writes_results:
-            counts = padding_counts(batches, sum(lengths[i] for i in mine))
-        for chunk in role.chunks:
-            if chunk.training:  # as engine.optimizer.forward_backward
-                chunk.eval()
-        outs = forward_only(role.chunks, forward_step, batches, layout=layout,
-                            seq_length=max(b["tokens"].shape[1] for b in batches),
-                            micro_batch_size=micro_batch_size)
-        if layout.writes_results:
-            seen = set()
-            with cpu_backend.suspended():
-                for idx, out in zip(groups, outs):
-                    for b, i in enumerate(idx):
-                        if i not in seen:  # the top-up copies come last
-                            seen.add(i)
-                            local[i] = {key: value[b].detach().cpu()
-                                        for key, value in out.items()}
+    with cpu_backend.suspended():  # batching and results: no megatron code
+        batches = [make_batch([rows[i] for i in idx]) for idx in groups] if mine else []
+    if mine and lengths is not None and layout.writes_results:
+        counts = padding_counts(batches, sum(lengths[i] for i in mine))
+    for chunk in role.chunks:
+        if chunk.training:  # as engine.optimizer.forward_backward
+            chunk.eval()
+    # every rank enters the schedule: under expert parallelism the ranks agree there on
+    # their number of micro-batches (engine.schedule)
+    outs = forward_only(role.chunks, forward_step, batches, layout=layout,
+                        seq_length=max((b["tokens"].shape[1] for b in batches), default=0),
+                        micro_batch_size=micro_batch_size)
+    if mine and layout.writes_results:
+        seen = set()
+        with cpu_backend.suspended():
+            for idx, out in zip(groups, outs):
+                for b, i in enumerate(idx):
+                    if i not in seen:  # the top-up copies come last
+                        seen.add(i)
+                        local[i] = {key: value[b].detach().cpu()
+                                    for key, value in out.items()}
     if not gather:
         return local
     merged: dict[int, dict] = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megarlhf.data.packing import pad_packed
@@ -24,9 +25,13 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
                  forward_only: bool, collect_non_loss_data: bool = False) -> list:
     """Drive ``microbatches`` through the pipeline schedule of the role's ``layout`` (its
     sizes and groups; ``model_chunks`` are its VPP chunks on this rank); returns what the
-    last stage's loss functions produced (empty on other stages)."""
+    last stage's loss functions produced (empty on other stages). Under expert
+    parallelism every rank calls it, with micro-batches or none (:func:`_same_count`)."""
+    microbatches = _same_count(microbatches, layout)
     if not microbatches:
         return []
+    if layout.layout.ep > 1:  # lengthened to the expert group's (_same_count)
+        seq_length = max(seq_length, *(b["tokens"].shape[1] for b in microbatches))
     device = next(unwrap(model_chunks[0]).parameters()).device
     vpp, pp, pgc = layout.vpp or 1, layout.pp, layout.pg_collection
     assert len(model_chunks) == vpp, (len(model_chunks), layout.describe())
@@ -79,6 +84,58 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
             c.variable_seq_lengths = saved[key]
 
 
+def _same_count(microbatches: list, layout: RankLayout) -> list:
+    """Expert parallelism joins the data-parallel ranks of an expert group in every MoE
+    layer of every micro-batch, so they must run as many micro-batches - which packed
+    shares (balanced by tokens, not by count) and strided evaluation shares need not
+    have: the ranks agree on the most and the others top up with copies that carry no loss
+    weight (their outputs are ignored by the callers). On CPU the experts' dispatcher
+    gathers every rank's tokens (megatron's ``allgather``; the ``alltoall`` one on GPU
+    takes uneven counts), so the ranks also agree on each micro-batch's length and
+    lengthen theirs to it (:func:`_lengthen`)."""
+    if layout.layout.ep == 1 or layout.dp == 1:
+        return microbatches
+    counts = torch.tensor([len(microbatches), -len(microbatches)])
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=layout.dp_group)
+    most, fewest = int(counts[0]), -int(counts[1])
+    if fewest == 0 and most > 0:
+        raise ValueError(f"a data-parallel rank has no samples in a pass that others run "
+                         f"{most} micro-batch(es) of, and expert parallelism (EP="
+                         f"{layout.layout.ep}) needs every rank of an expert group in each: "
+                         f"give the pass at least {layout.dp} samples")
+    out = list(microbatches) + [weightless(microbatches[-1])] * (most - len(microbatches))
+    if torch.cuda.is_available() or not out:
+        return out
+    lengths = torch.tensor([b["tokens"].shape[1] for b in out])
+    dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=layout.dp_group)
+    return [_lengthen(b, int(n)) for b, n in zip(out, lengths)]
+
+
+def _lengthen(batch: dict, length: int) -> dict:
+    """A micro-batch ``length`` tokens long: packed, one more segment of padding
+    (``data.packing.pad_packed``); padded (right-padded rows), every (B, S, ...) field
+    extended with zeros along S - positions no loss reads - and an attention mask with
+    rows that attend to themselves only."""
+    extra = length - batch["tokens"].shape[1]
+    if extra <= 0:
+        return batch
+    if "cu_seqlens" in batch:
+        return pad_packed(batch, length)
+    B, S = batch["tokens"].shape
+    out = {}
+    for key, value in batch.items():
+        if key == "attention_mask":  # (B, 1, S, S), True = blocked
+            grown = torch.ones(B, 1, length, length, dtype=torch.bool)
+            grown[:, :, :S, :S] = value
+            grown[:, :, range(S, length), range(S, length)] = False
+            out[key] = grown
+        elif isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (B, S):
+            out[key] = torch.cat([value, value.new_zeros(B, extra, *value.shape[2:])], dim=1)
+        else:
+            out[key] = value
+    return out
+
+
 def _one_length(microbatches: list[dict]) -> list[dict]:
     """Packed micro-batches (``data.packing``) padded to the longest one's length."""
     if not all("cu_seqlens" in b for b in microbatches):
@@ -109,7 +166,7 @@ def _feed(microbatches: list, device: torch.device):
 
 
 WEIGHT_KEYS = ("loss_mask", "pair_mask", "weight_mask", "response_mask", "policy_mask",
-               "ptx_loss_mask")
+               "ptx_loss_mask", "rollout_routing_mask")
 
 
 def weightless(batch: dict) -> dict:

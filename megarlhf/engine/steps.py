@@ -30,11 +30,15 @@ def model_forward(model, batch: dict, positions: slice | torch.Tensor | None = N
             with moe.recording(model) as got:
                 out = model(batch["tokens"], batch["position_ids"], mask, positions=positions,
                             **extra)
+                recorded = got()
+                if "source" in batch:  # packed: into the padded layout of its rows
+                    B, _, S, k = batch["rollout_routing"].shape
+                    recorded = moe.from_packed(recorded, batch["source"], B, S, k)
                 if "rollout_routing" in batch:
-                    moe.count_mismatch(got(), batch["rollout_routing"],
+                    moe.count_mismatch(recorded, batch["rollout_routing"],
                                        batch["rollout_routing_mask"])
                 if "routing_rows" in batch:
-                    moe.keep_routing(batch["routing_rows"], got())
+                    moe.keep_routing(batch["routing_rows"], recorded)
             return out
         with moe.replaying(model, batch.get("routing")):
             return model(batch["tokens"], batch["position_ids"], mask, positions=positions,

@@ -299,6 +299,32 @@ def routing_of(recorded: dict, B: int, S: int, num_layers: int, k: int) -> torch
     return out
 
 
+def to_packed(routing_BLSK: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """The routing of a padded (B, L, S, k) layout for the tokens of a packed row
+    (``data.packing.pack_prompt_response``: ``source`` (N,) each token's flat index in the
+    (B, S) layout, -1 for padding) -> (1, L, N, k); padding to experts 0..k-1."""
+    B, L, S, k = routing_BLSK.shape
+    flat = routing_BLSK.permute(0, 2, 1, 3).reshape(B * S, L, k)
+    out = flat[source.clamp(min=0)]
+    out[source < 0] = unrouted(1, L, 1, k)[0, :, 0]
+    return out.permute(1, 0, 2).unsqueeze(0).contiguous()
+
+
+def from_packed(recorded: dict, source: torch.Tensor, B: int, S: int, k: int) -> dict:
+    """:func:`recording`'s ``{layer: (N, k)}`` of a packed row (``source`` as in
+    :func:`to_packed`) -> ``{layer: (S * B, k)}`` in the (sequence, batch) order of the
+    padded layout a padded pass would have recorded (positions the row did not feed: experts
+    0..k-1, see :func:`unrouted`)."""
+    real = source >= 0
+    s, b = source[real] % S, source[real] // S
+    out = {}
+    for layer, idx in recorded.items():
+        grid = torch.arange(k, dtype=idx.dtype, device=idx.device).repeat(S * B, 1)
+        grid[(s * B + b).to(idx.device)] = idx[real.to(idx.device)]
+        out[layer] = grid
+    return out
+
+
 _KEPT: list[tuple[torch.Tensor, dict]] = []  # (rows, recorded) of the passes since the take
 
 

@@ -119,16 +119,26 @@ def sequence_batch_fn(gen: Generation, pad_id: int, routing: str | None = None
     return make_batch
 
 
-def packed_batch_fn(gen: Generation, kind: str, pad_id: int = 0
-                    ) -> Callable[[list[int]], dict]:
+def packed_batch_fn(gen: Generation, kind: str, pad_id: int = 0,
+                    routing: str | None = None) -> Callable[[list[int]], dict]:
     """Row indices -> one packed micro-batch of those samples (``data.packing``): the
-    outputs a ``kind`` (lm or value) pass reads, in the (B, T) grid of the rows."""
+    outputs a ``kind`` (lm or value) pass reads, in the (B, T) grid of the rows;
+    ``routing`` as :func:`sequence_batch_fn` takes it (the rollout's routing mapped onto
+    the packed tokens and back, ``models.moe.to_packed`` / ``from_packed``)."""
 
     def make_batch(rows: list[int]) -> dict:
         idx = torch.tensor(rows)
-        return pack_prompt_response(gen.prompt_tokens_BP[idx], gen.prompt_mask_BP[idx],
-                                    gen.response_tokens_BT[idx], gen.response_mask_BT[idx],
-                                    kind=kind, pad_id=pad_id)
+        batch = pack_prompt_response(gen.prompt_tokens_BP[idx], gen.prompt_mask_BP[idx],
+                                     gen.response_tokens_BT[idx], gen.response_mask_BT[idx],
+                                     kind=kind, pad_id=pad_id)
+        if routing == "replay":
+            batch["routing"] = moe.to_packed(gen.routing_BLSK[idx], batch["source"])
+        elif routing in ("compare", "record"):
+            batch["rollout_routing"] = gen.routing_BLSK[idx]
+            batch["rollout_routing_mask"] = fed_tokens(gen)[idx]
+        if routing == "record":
+            batch["routing_rows"] = idx
+        return batch
 
     return make_batch
 
@@ -217,10 +227,7 @@ class Scorer:
             self.hooks.during_pass()
         lengths = sequence_lengths(gen)
         if self.max_tokens is not None:
-            if routing is not None:
-                raise ValueError("packed micro-batches (rollout.forward_max_tokens_per_micro_"
-                                 "batch) do not carry a mixture of experts' routing yet")
-            make_batch = packed_batch_fn(gen, role.spec.kind, self.pad_id)
+            make_batch = packed_batch_fn(gen, role.spec.kind, self.pad_id, routing)
         else:
             make_batch = sequence_batch_fn(gen, self.pad_id, routing)
         return forward_rows(role, rows, make_batch, step,

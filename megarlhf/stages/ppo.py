@@ -76,11 +76,12 @@ def experience_batches(exp: algos.Experience, micro: int, pad_id: int,
 
 
 @cpu_backend.suspended()  # batch arithmetic: no megatron code
-def packed_experience_batches(mini: algos.Experience, layout, budget: int, pad_id: int
-                              ) -> list[dict]:
+def packed_experience_batches(mini: algos.Experience, layout, budget: int, pad_id: int,
+                              routing: bool = False) -> list[dict]:
     """This data-parallel rank's packed micro-batches of the (global) mini-batch ``mini``:
     its share of balanced token counts (``data.packing.balance``), in micro-batches of at
-    most ``budget`` tokens (``ppo.max_tokens_per_micro_batch``)."""
+    most ``budget`` tokens (``ppo.max_tokens_per_micro_batch``); ``routing`` as
+    :func:`experience_batches` takes it."""
     lengths = sequence_lengths(mini)
     share = balance(lengths, layout.dp)[layout.dp_rank]
     out = []
@@ -90,6 +91,8 @@ def packed_experience_batches(mini: algos.Experience, layout, budget: int, pad_i
                                      mb.response_tokens_BT, mb.response_mask_BT, kind="lm",
                                      pad_id=pad_id)
         batch.update(_fields(mb))
+        if routing and mb.routing_BLSK is not None:  # the experts to replay (r2 / r3)
+            batch["routing"] = moe.to_packed(mb.routing_BLSK, batch["source"])
         out.append(batch)
     return out
 
@@ -223,12 +226,6 @@ class PPOSession:
                                              ppo.max_tokens_per_micro_batch).validate()
                       for name, s in specs.items() if s.trained}
         forward_budget = r.forward_max_tokens_per_micro_batch or ppo.max_tokens_per_micro_batch
-        if (forward_budget or ppo.max_tokens_per_micro_batch) \
-                and specs["actor"].model.moe.enabled:
-            raise ConfigError("packed micro-batches (ppo.max_tokens_per_micro_batch, rollout."
-                              "forward_max_tokens_per_micro_batch) do not carry a mixture of "
-                              "experts' routing yet: unset them for this mixture-of-experts "
-                              "actor")
         if ppo.max_tokens_per_micro_batch and ppo.ptx_coef > 0 \
                 and (specs["actor"].layout.vpp or 1) > 1 and not torch.cuda.is_available():
             # schedule._one_length: the interleaved schedule over gloo takes one shape, and
@@ -512,7 +509,8 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
         for mini in minis:
             for role, fwd in learners:
                 if budget is not None:
-                    batches = packed_experience_batches(mini, role.layout, budget, pad_id)
+                    batches = packed_experience_batches(mini, role.layout, budget, pad_id,
+                                                        routing=role is actor)
                     real = sum(int(b["cu_seqlens"][b["grid"][0]]) for b in batches)
                 else:
                     share = _share(mini, role.layout)

@@ -262,7 +262,7 @@ def _evaluate(task: SupervisedTask, role: Role, step_fn, budget: int | None
         chunk.eval()
     with torch.no_grad():
         logs = run_schedule(role.model, step_fn, batches, layout=role.layout, seq_length=length,
-                            micro_batch_size=rows, forward_only=True) if batches else []
+                            micro_batch_size=rows, forward_only=True)  # every rank: EP
     out = {f"eval/{k}": v for k, v in task.summarize(reduce_logs(logs, role.layout)).items()}
     if task.extra_eval:
         out.update(task.extra_eval(role))
