@@ -127,6 +127,12 @@ def test_packed_rm_at_dp2_equals_padded_one_process(task, tmp_path):
         for key, value in row.items():
             if key.startswith(("train/loss", "train/margin", "eval/")):
                 assert rows["packed"][step][key] == pytest.approx(value, abs=2e-6), (step, key)
+    # perf/padding_fraction/train: what packing saved (padded: rows to the longest pair's;
+    # packed, the top-ups of rows under data.packing.MIN_ROWS = 65 tokens only)
+    for step in range(1, 5):
+        padded, packed = (rows[name][step]["perf/padding_fraction/train"]
+                          for name in ("padded", "packed"))
+        assert 0 <= packed < padded, (step, packed, padded)
     meta = {}
     for name in rows:
         ckpts = os.path.join(tmp_path, name, "checkpoints")

@@ -22,6 +22,7 @@ from megarlhf.engine.optimizer import check_runaway, train_step
 from megarlhf.data.packing import balance, budget_groups
 from megarlhf.models import moe
 from megarlhf.parallel import cpu_backend
+from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel.preemption import PreemptionGuard, mark_preempted
 from megarlhf.roles.spec import RoleSpec, check_positions, single_role_spec
 from megarlhf.roles.build import Role, build_role
@@ -251,6 +252,14 @@ def micro_batches(task: SupervisedTask, items: list, layout: RankLayout, trainin
     return batches, max((b["tokens"].shape[1] for b in batches), default=0), 1
 
 
+def padding_fraction(batches: list[dict], real: int, layout: RankLayout) -> float:
+    """The share of the token positions a step's micro-batches (every data-parallel
+    replica's) computed that were padding, ``real`` tokens being the global batch's."""
+    mine = sum(int(b["tokens"].numel()) for b in batches) if layout.writes_results else 0
+    computed = sum(gather_objects(mine))
+    return (computed - real) / computed if computed else 0.0
+
+
 def _evaluate(task: SupervisedTask, role: Role, step_fn, budget: int | None
               ) -> dict[str, float] | None:
     if not task.eval_items:
@@ -303,6 +312,9 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
         done = step + 1
         metrics = {f"train/{k}": v for k, v in task.summarize(reduce_logs(logs, layout)).items()}
         metrics.update(moe.take_losses(role.spec.model, layout, len(batches)))
+        if task.tokens is not None:
+            metrics["perf/padding_fraction/train"] = padding_fraction(
+                batches, sum(task.tokens(task.train_items[i]) for i in indices), layout)
         metrics.update({"perf/step_seconds": time.perf_counter() - started,
                         "train/grad_norm": grad_norm,
                         "train/lr": role.trained.optimizer.param_groups[0]["lr"],
