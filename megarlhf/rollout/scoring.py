@@ -107,16 +107,25 @@ def sequence_batch_fn(gen: Generation, pad_id: int, routing: str | None = None
         batch = prompt_response_batch(gen.prompt_tokens_BP[idx], gen.prompt_mask_BP[idx],
                                       gen.response_tokens_BT[idx], gen.response_mask_BT[idx],
                                       pad_id)
-        if routing == "replay":
-            batch["routing"] = gen.routing_BLSK[idx]
-        elif routing in ("compare", "record"):
-            batch["rollout_routing"] = gen.routing_BLSK[idx]
-            batch["rollout_routing_mask"] = fed_tokens(gen)[idx]
-        if routing == "record":
-            batch["routing_rows"] = idx
-        return batch
+        return with_routing(batch, gen, idx, routing)
 
     return make_batch
+
+
+def with_routing(batch: dict, gen: Generation, idx: torch.Tensor, routing: str | None
+                 ) -> dict:
+    """``batch`` (rows ``idx`` of ``gen``, padded or packed) with what its pass needs of
+    the rollout's routing (``routing`` as :func:`sequence_batch_fn` takes it); a packed
+    batch replays it mapped onto its tokens (``models.moe.to_packed``)."""
+    if routing == "replay":
+        batch["routing"] = moe.to_packed(gen.routing_BLSK[idx], batch["source"]) \
+            if "source" in batch else gen.routing_BLSK[idx]
+    elif routing in ("compare", "record"):
+        batch["rollout_routing"] = gen.routing_BLSK[idx]
+        batch["rollout_routing_mask"] = fed_tokens(gen)[idx]
+    if routing == "record":
+        batch["routing_rows"] = idx
+    return batch
 
 
 def packed_batch_fn(gen: Generation, kind: str, pad_id: int = 0,
@@ -131,14 +140,7 @@ def packed_batch_fn(gen: Generation, kind: str, pad_id: int = 0,
         batch = pack_prompt_response(gen.prompt_tokens_BP[idx], gen.prompt_mask_BP[idx],
                                      gen.response_tokens_BT[idx], gen.response_mask_BT[idx],
                                      kind=kind, pad_id=pad_id)
-        if routing == "replay":
-            batch["routing"] = moe.to_packed(gen.routing_BLSK[idx], batch["source"])
-        elif routing in ("compare", "record"):
-            batch["rollout_routing"] = gen.routing_BLSK[idx]
-            batch["rollout_routing_mask"] = fed_tokens(gen)[idx]
-        if routing == "record":
-            batch["routing_rows"] = idx
-        return batch
+        return with_routing(batch, gen, idx, routing)
 
     return make_batch
 
