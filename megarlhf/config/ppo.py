@@ -26,7 +26,7 @@ class PPOConfig:
     mini-batch with balanced token counts. Losses equal the padded computation's. Must
     hold the longest sample (data.max_prompt_len + rollout.max_new_tokens); verl's
     ppo_max_token_len_per_gpu, slime's --max-tokens-per-gpu. None: padded micro-batches of
-    micro_batch_size rows (PPO-ptx's pretraining rows stay padded either way)."""
+    micro_batch_size rows. PPO-ptx's pretraining rows are packed the same way."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     num_iterations: int = 100

@@ -227,19 +227,24 @@ def make_policy_step(*, prompt_len: int, tp_group, true_vocab: int, temperature:
     P = prompt_len
 
     def ptx_loss(logits, batch):
-        logprobs_BS, _ = vocab_parallel_logprobs(logits[:, :-1], batch["tokens"][:, 1:],
-                                                 tp_group=tp_group, true_vocab=true_vocab)
-        weights = batch["ptx_loss_mask"][:, :-1]
+        if "keep" in batch:  # packed rows (data.packing.pack_weighted)
+            logprobs_BS, _ = vocab_parallel_logprobs(logits, batch["targets"],
+                                                     tp_group=tp_group, true_vocab=true_vocab)
+            logprobs_BS, weights = unpack(logprobs_BS, batch), batch["ptx_loss_mask"]
+        else:
+            logprobs_BS, _ = vocab_parallel_logprobs(logits[:, :-1], batch["tokens"][:, 1:],
+                                                     tp_group=tp_group, true_vocab=true_vocab)
+            weights = batch["ptx_loss_mask"][:, :-1]
         nll_sum = -(logprobs_BS * weights).sum()
         logs = {"ptx_nll_sum": nll_sum.detach(), "ptx_tokens": weights.sum()}
         return nll_sum * batch["ptx_scale"], torch.zeros((), dtype=torch.int), logs
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        ptx = "ptx_loss_mask" in batch  # pretraining rows: logits everywhere
+        ptx = "ptx_loss_mask" in batch  # pretraining rows: logits everywhere (padded)
         packed = "keep" in batch
-        output = model_forward(model, batch, None if ptx else
-                               batch["keep"] if packed else slice(P - 1, -1))
+        output = model_forward(model, batch, batch["keep"] if packed else
+                               None if ptx else slice(P - 1, -1))
 
         def loss_func(logits, non_loss_data=False):
             if ptx:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megarlhf import algos
 from megarlhf.config import Config, ConfigError, Written
 from megarlhf.data.batching import pad_batch, prompt_response_batch
-from megarlhf.data.packing import balance, budget_groups, pack_prompt_response
+from megarlhf.data.packing import balance, budget_groups, pack_prompt_response, pack_weighted
 from megarlhf.data.datasets import tokenize_dataset
 from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, load_object, save_checkpoint
@@ -110,11 +110,17 @@ class PtxData:
                                     .manual_seed(cfg.run.seed + 31)).tolist()
         self.batch_size = ppo.ptx_batch_size or ppo.mini_batch_size
         self.coef, self.micro, self.pad_id = ppo.ptx_coef, ppo.micro_batch_size, tokenizer.pad_id
+        self.budget = ppo.max_tokens_per_micro_batch  # packed as the actor's updates
         self.per_iteration = mini_batches_per_iteration * ppo.ppo_epochs
         print0(f"[ppo] ptx: {ds.report()}; {self.batch_size} samples per actor mini-batch, "
                f"coefficient {self.coef:g}")
 
     def validate(self, dp_size: int) -> None:
+        if self.budget is not None:  # shares balanced by tokens: a sample per rank
+            if self.batch_size < dp_size:
+                raise ConfigError(f"ppo.ptx_batch_size={self.batch_size} leaves a data-"
+                                  f"parallel rank of the actor (DP={dp_size}) without rows")
+            return
         per_rank = algos.exact_div(self.batch_size, dp_size, "ppo.ptx_batch_size",
                                    "the actor's data-parallel size")
         algos.exact_div(per_rank, self.micro, "ppo.ptx_batch_size per data-parallel rank",
@@ -125,7 +131,9 @@ class PtxData:
         """This rank's ptx micro-batches for mini-batch ``step`` of iteration ``it``, rows
         cut to the experience batch's ``length`` (one sequence length per pipeline
         schedule), scaled so the step's loss is PPO loss + ptx_coef x ptx NLL (the PPO
-        loss is divided by ``policy_count`` over the whole mini-batch)."""
+        loss is divided by ``policy_count`` over the whole mini-batch). Packed
+        (``ppo.max_tokens_per_micro_batch``) as the PPO rows are: shares balanced by
+        tokens, micro-batches of whole rows within the budget."""
         start = (it * self.per_iteration + step) * self.batch_size
         rows = [self.examples[self.order[(start + k) % len(self.order)]]
                 for k in range(self.batch_size)]
@@ -133,6 +141,16 @@ class PtxData:
                 else (toks, weights) for toks, weights in rows]
         tokens = sum(sum(w) for _, w in rows)
         scale = torch.tensor(self.coef * policy_count / max(tokens, 1))
+        if self.budget is not None:
+            lengths = [len(toks) for toks, _ in rows]
+            out = []
+            for group in budget_groups(balance(lengths, layout.dp)[layout.dp_rank], lengths,
+                                       self.budget, what="ppo.max_tokens_per_micro_batch"):
+                batch = pack_weighted([rows[i] for i in group], pad_id=self.pad_id)
+                batch["ptx_loss_mask"] = batch.pop("loss_mask")
+                batch["ptx_scale"] = scale
+                out.append(batch)
+            return out
         per_rank = len(rows) // layout.dp
         mine = rows[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
         out = []
@@ -226,13 +244,6 @@ class PPOSession:
                                              ppo.max_tokens_per_micro_batch).validate()
                       for name, s in specs.items() if s.trained}
         forward_budget = r.forward_max_tokens_per_micro_batch or ppo.max_tokens_per_micro_batch
-        if ppo.max_tokens_per_micro_batch and ppo.ptx_coef > 0 \
-                and (specs["actor"].layout.vpp or 1) > 1 and not torch.cuda.is_available():
-            # schedule._one_length: the interleaved schedule over gloo takes one shape, and
-            # PPO-ptx's padded rows cannot take a packed row's
-            raise ConfigError("PPO-ptx (ppo.ptx_coef > 0) with packed updates (ppo.max_tokens_"
-                              "per_micro_batch) cannot run the actor's interleaved pipeline "
-                              "(VPP) over gloo: unset one of them or the actor's VPP")
         self.cfg, self.tokenizer = cfg, tokenizer
         self.prompts = tokenize_dataset(cfg.data.train_path, "prompt", cfg.data, tokenizer)
         self.eval_prompts = tokenize_dataset(cfg.data.eval_path, "prompt", cfg.data, tokenizer) \
