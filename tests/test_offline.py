@@ -126,8 +126,9 @@ def test_topk_kl_matches_a_loop_and_full_kl_at_full_k(divergence):
 # ------------------------------------------------------------------ the cache
 
 def test_cache_equals_recomputation_and_refuses_what_is_stale(tiny_checkpoints, tmp_path):
-    """Built and read in one process: equal to scoring; a build killed before its manifest
-    (or a shard cut short) is detected; another checkpoint, data or temperature is named."""
+    """Built and read in one process: equal to scoring, padded or packed; a build killed
+    before its manifest (or a shard cut short) is detected; another checkpoint, data or
+    temperature is named."""
     from megarlhf.config import load_config
     from megarlhf.engine import logit_cache as lc
     from megarlhf.roles.spec import single_role_spec
@@ -153,6 +154,14 @@ def test_cache_equals_recomputation_and_refuses_what_is_stale(tiny_checkpoints, 
         assert cache.topk_ids[0].shape == (4, 3)
         # the cached top-1 log-prob is at least the scored token's
         assert (cache.topk_logprobs[0][:, 0] >= cache.logprobs[0] - 1e-6).all()
+        # packed (issue 39): rows back to back, the same numbers
+        lc.build_cache(role, rows, str(tmp_path / "packed"), key, micro_batch_size=2,
+                       max_len=32, max_tokens=12)
+        packed = lc.load_cache(str(tmp_path / "packed"), key)
+        for name in ("logprobs", "topk_logprobs"):
+            for a, b in zip(getattr(cache, name), getattr(packed, name), strict=True):
+                assert a.shape == b.shape and torch.allclose(a, b, atol=1e-6), name
+        assert all(torch.equal(a, b) for a, b in zip(cache.topk_ids, packed.topk_ids))
 
         assert lc.inspect(path, lc.make_key(older, "policy", rows, top_k=3))[0] == "stale"
         status, why = lc.inspect(path, lc.make_key(ckpt, "policy", rows[:2], top_k=3))
@@ -206,14 +215,16 @@ def losses(out, name):
 
 @pytest.mark.slow
 def test_dpo_layouts_equal_one_process_and_cache_equals_recomputation(tiny_checkpoints):
-    """The reference cache is built at TP=2 (``megarlhf cache build``); DPO at PP=2 and
-    TP=2 reads it; DP=2 with packed micro-batches recomputes the reference every step; each
+    """The reference cache is built at TP=2 in packed micro-batches (``megarlhf cache
+    build``); DPO at PP=2 and TP=2 reads it; DP=2 with packed micro-batches recomputes the reference every step; each
     equals one padded process that recomputes the reference every step
     (dpo.use_cache=false)."""
     out = tiny_checkpoints[0]
     built = torchrun(["cache", "build", "dpo", *dpo_args(tiny_checkpoints, "dpo-build",
-                      "roles.reference.parallel.tensor_model_parallel_size=2")[1:]], 2)
+                      "roles.reference.parallel.tensor_model_parallel_size=2",
+                      "cache.max_tokens_per_micro_batch=96")[1:]], 2)
     assert "reference at TP=2 PP=1 DP=1 scores" in built.stdout
+    assert "in packed micro-batches of 96 tokens" in built.stdout
     single = run_cli(*dpo_args(tiny_checkpoints, "dpo-1", "dpo.use_cache=false"))
     assert "reference resident" in single.stdout
     pp2 = torchrun(dpo_args(tiny_checkpoints, "dpo-pp2",

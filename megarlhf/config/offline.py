@@ -71,7 +71,15 @@ class CacheConfig:
     stop with what differs."""
     micro_batch_size: int = 8
     """Rows per forward micro-batch while building."""
+    max_tokens_per_micro_batch: int | None = None
+    """Pack the build's micro-batches instead: whole rows, at most this many tokens, each
+    data-parallel replica a share of balanced token count (data.packing). None:
+    train.max_tokens_per_micro_batch, and padded micro-batches of micro_batch_size rows
+    when that is None too. The cache holds the same numbers either way (to fp32 rounding)."""
 
     def __post_init__(self):
         require(self.micro_batch_size >= 1, "cache.micro_batch_size", self.micro_batch_size,
                 "must be >= 1")
+        if self.max_tokens_per_micro_batch is not None:
+            require(self.max_tokens_per_micro_batch >= 1, "cache.max_tokens_per_micro_batch",
+                    self.max_tokens_per_micro_batch, "must be >= 1, or null")

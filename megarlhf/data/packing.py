@@ -179,13 +179,13 @@ def pack_weighted(rows: list[tuple[list[int], list[float]]], *, pad_id: int = 0)
 
 
 def unpack(values_1K: torch.Tensor, batch: dict) -> torch.Tensor:
-    """Kept outputs (1, K) of a packed micro-batch in its padded (B, T) ``grid`` (zero
-    where a sample has no response token). Differentiable."""
-    shape = batch["grid"]
-    flat = values_1K.new_zeros(shape[0] * shape[1])
+    """Kept outputs (1, K, ...) of a packed micro-batch in its padded (B, T, ...) ``grid``
+    (zero where a sample has no response token). Differentiable."""
+    shape, rest = batch["grid"], values_1K.shape[2:]
+    flat = values_1K.new_zeros(shape[0] * shape[1], *rest)
     where = batch["unpack"] >= 0
     flat = flat.index_put((batch["unpack"][where],), values_1K[0][where])
-    return flat.view(shape)
+    return flat.view(*shape, *rest)
 
 
 def pad_packed(batch: dict, length: int, pad_id: int = 0) -> dict:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.data.batching import pad_batch
+from megarlhf.data.packing import pack_rows
 from megarlhf.engine.checkpoint import META_FILE, resolve_checkpoint
 from megarlhf.engine.forward import forward_rows
 from megarlhf.models.logprobs import vocab_parallel_logprobs, vocab_parallel_topk
@@ -171,23 +172,29 @@ def load_cache(path: str, key: CacheKey) -> LogitCache:
 # ------------------------------------------------------------------ building
 
 def _cache_step(*, tp_group, true_vocab: int, temperature: float, top_k: int):
-    """Forward-only step: per row, log-probs of tokens[1:] and (top_k > 0) the top k."""
+    """Forward-only step: per row, log-probs of tokens[1:] and (top_k > 0) the top k;
+    padded, or packed (``data.packing.pack_rows`` keeping every position but each row's
+    last), the results in the same (B, T, ...) layout."""
+    from megarlhf.data.packing import unpack
     from megarlhf.engine.steps import model_forward
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model_forward(model, batch)
+        packed = "keep" in batch
+        output = model_forward(model, batch, batch.get("keep"))
 
         def loss_func(logits, non_loss_data=True):
+            if not packed:
+                logits = logits[:, :-1]
             logprobs, _ = vocab_parallel_logprobs(
-                logits[:, :-1], batch["tokens"][:, 1:], tp_group=tp_group,
-                temperature=temperature, true_vocab=true_vocab)
+                logits, batch["targets"] if packed else batch["tokens"][:, 1:],
+                tp_group=tp_group, temperature=temperature, true_vocab=true_vocab)
             out = {"logprobs": logprobs}
             if top_k:
                 out["topk_logprobs"], out["topk_ids"] = vocab_parallel_topk(
-                    logits[:, :-1], top_k, tp_group=tp_group, temperature=temperature,
+                    logits, top_k, tp_group=tp_group, temperature=temperature,
                     true_vocab=true_vocab)
-            return out
+            return {k: unpack(v, batch) for k, v in out.items()} if packed else out
 
         return output, loss_func
 
@@ -204,10 +211,12 @@ def _barrier() -> None:
 
 
 def build_cache(role, rows: Sequence[Sequence[int]], path: str, key: CacheKey, *,
-                micro_batch_size: int, max_len: int, pad_id: int = 0) -> None:
+                micro_batch_size: int, max_len: int, pad_id: int = 0,
+                max_tokens: int | None = None) -> None:
     """Score ``rows`` with the frozen ``role`` (any layout) and write the cache at ``path``
-    atomically. Data-parallel replica d scores rows d::DP and its reporting rank writes
-    shard d; rank 0 writes the manifest and renames the folder into place."""
+    atomically. Data-parallel replica d scores rows d::DP - or packed (``max_tokens`` per
+    micro-batch), a share of balanced token count - and its reporting rank writes shard d;
+    rank 0 writes the manifest and renames the folder into place."""
     from safetensors.torch import save_file
 
     layout = role.layout
@@ -226,9 +235,15 @@ def build_cache(role, rows: Sequence[Sequence[int]], path: str, key: CacheKey, *
     length = min(max(len(r) for r in rows), max_len)
     step = _cache_step(tp_group=layout.tp_group, true_vocab=role.spec.model.vocab_size,
                        temperature=key.temperature, top_k=key.top_k)
-    local = forward_rows(role, list(rows), lambda batch: pad_batch(
-        [(list(r), []) for r in batch], length, pad_id), step,
-        micro_batch_size=micro_batch_size, gather=False)
+    if max_tokens is not None:
+        local = forward_rows(role, list(rows), lambda batch: pack_rows(
+            batch, [list(range(len(r) - 1)) for r in batch], pad_id=pad_id), step,
+            micro_batch_size=1, gather=False, max_tokens=max_tokens,
+            lengths=[len(r) for r in rows])
+    else:
+        local = forward_rows(role, list(rows), lambda batch: pad_batch(
+            [(list(r), []) for r in batch], length, pad_id), step,
+            micro_batch_size=micro_batch_size, gather=False)
     shard_name = f"shard-{layout.dp_rank:05d}-of-{layout.dp:05d}.safetensors"
     if layout.writes_results:
         ids = sorted(local)

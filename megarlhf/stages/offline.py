@@ -41,11 +41,20 @@ def frozen_cache(cfg: Config, spec, rows: list[list[int]], *, top_k: int,
                    top_k=top_k)
     path = cache_path(cfg, spec.name)
 
+    budget = cfg.cache.max_tokens_per_micro_batch or cfg.train.max_tokens_per_micro_batch
+    longest = max((len(r) for r in rows), default=0)
+    if budget is not None and longest > budget:
+        field = "cache.max_tokens_per_micro_batch" if cfg.cache.max_tokens_per_micro_batch \
+            else "train.max_tokens_per_micro_batch"
+        raise ValueError(f"{field}={budget} cannot hold a row of {longest} tokens that the "
+                         f"{spec.name}'s cache scores: a packed micro-batch takes whole rows")
+
     def build():
         role = build_role(spec, seed=cfg.run.seed)
-        print0(f"[cache] {spec.name} at {role.layout.describe()} scores {len(rows)} rows")
+        print0(f"[cache] {spec.name} at {role.layout.describe()} scores {len(rows)} rows"
+               + (f" in packed micro-batches of {budget} tokens" if budget else ""))
         build_cache(role, rows, path, key, micro_batch_size=cfg.cache.micro_batch_size,
-                    max_len=max_len, pad_id=pad_id)
+                    max_len=max_len, pad_id=pad_id, max_tokens=budget)
         del role
         gc.collect()
         if torch.cuda.is_available():
