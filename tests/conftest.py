@@ -23,15 +23,17 @@ def free_port() -> int:
 
 def torchrun(script_or_args, nprocs: int, *args: str, timeout: int = 600,
              env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``script`` (a path) or a megarlhf CLI argv (a list) under torchrun. The free
-    port is chosen before torchrun binds it, so another process can take it in between
-    (seen with two pytest workers): a start that fails with EADDRINUSE is retried on a new
-    port, at most three times."""
+    """Run ``script`` (a path) or a megarlhf CLI argv (a list) under torchrun, with a
+    standalone rendezvous: the port is the OS's pick when torchrun binds it, and the
+    rendezvous id is the job's own. (A port chosen here before torchrun bound it could be
+    taken by a concurrent job in between, seen with two pytest workers - and a worker
+    could then join the other job's rendezvous.) A start that still fails with EADDRINUSE
+    is retried, at most three times."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                 **(env or {})}
     for _ in range(3):
         base = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}",
-                f"--master-port={free_port()}"]
+                "--standalone"]
         if isinstance(script_or_args, list):
             cmd = base + ["-m", "megarlhf.cli", *script_or_args, *args]
         else:
