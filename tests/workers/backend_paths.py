@@ -95,7 +95,6 @@ def nonfinite_case(results):
     cfg = make_config("llama", 1, 1, extra=("optimizer.lr=0.01",))
     built = build(cfg, "lm", trained=True)
     layout, chunks, role = built.layout, built.chunks, built.trained
-    model, optimizer, scheduler = role.model, role.optimizer, role.scheduler
     seqs = fixed_sequences(8)
     before = [p.detach().clone() for p in chunks[0].parameters()]
     _, applied, norm = train_step(role, lm_step(layout, cfg.model.vocab_size,
@@ -175,7 +174,7 @@ def megatron_step_case(results):
     where it scales) against megatron's own ``optimizer.step()``, from the same weights
     and gradients: two steps at clip thresholds that do and do not clip, and clipping
     off, with the plain and the distributed optimizer. Every weight must be equal."""
-    from megarlhf.engine.optimizer import forward_backward, prepare_step
+    from megarlhf.engine.optimizer import forward_backward
 
     out = {}
     for distributed in ("false", "true"):
