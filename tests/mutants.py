@@ -158,6 +158,14 @@ MUTANTS = [
            "    batch = pack_rows(rows, [[len(row) - 2] for row in rows], pad_id=pad_id)",
            ("tests/test_packing.py::test_packed_supervised_losses_equal_the_padded_ones"
             "[rm-llama-tp1-pp1-vpp1-dp1]",), ()),
+    Mutant("stale_batches_not_checkpointed", "ppo.max_staleness > 0: the batches sampled "
+           "ahead are not saved with the checkpoint, so a resume samples them again with "
+           "the resumed (newer) actor",
+           "megarlhf/stages/ppo.py",
+           '                objects={"rollout_queue": session.rollouts.state_dict(),',
+           '                objects={"rollout_queue_": session.rollouts.state_dict(),',
+           ("tests/test_async.py::"
+            "test_stale_grpo_follows_the_schedule_and_resumes_exactly_after_sigkill",), ()),
 ]
 
 

@@ -236,6 +236,14 @@ def test_config_show_cli(tmp_path):
     (["ppo.policy_loss=decoupled", "rollout.recompute_logprobs=false"],
      "ppo.policy_loss=decoupled compares"),
     (["ppo.policy_loss=decoupled", "ppo.rollout_is_cap=2"], "has its own importance weight"),
+    # at ppo.max_staleness > 0 the decoupled loss is the default, and the messages say so
+    (["ppo.max_staleness=1", "ppo.rollout_is_cap=2"],
+     "ppo.policy_loss=null (decoupled: the default with ppo.max_staleness=1): the decoupled"),
+    (["ppo.max_staleness=2", "rollout.recompute_logprobs=false"],
+     "ppo.policy_loss=null (decoupled: the default with ppo.max_staleness=2) compares"),
+    (["ppo.max_staleness=-1"], "ppo.max_staleness=-1 is invalid"),
+    (["ppo.policy_loss=ppo", "ppo.max_staleness=1", "ppo.behavior_weight_cap=5"],
+     "applies to ppo.policy_loss=decoupled only (ppo.policy_loss=ppo)"),
     (["ppo.ptx_coef=0.5"], "PPO-ptx needs both ppo.ptx_coef > 0 and data.ptx_path"),
     (["data.ptx_path=x.jsonl"], "PPO-ptx needs both"),
     (["ppo.ptx_batch_size=8"], "ppo.ptx_batch_size has no effect"),
@@ -263,6 +271,8 @@ def test_ppo_settings_that_do_something_pass():
             ["ppo.advantage_estimator=grpo", "ppo.group_size=4", "ppo.kl_in_reward=true",
              "ppo.init_kl_coef=0.1", "ppo.grpo_normalization=token"],
             ["ppo.policy_loss=decoupled", "ppo.behavior_weight_cap=5"],
+            ["ppo.max_staleness=2", "ppo.behavior_weight_cap=5"],
+            ["ppo.max_staleness=1", "ppo.policy_loss=ppo", "ppo.rollout_is_cap=2"],
             ["ppo.rollout_is_cap=2", "ppo.rollout_mask_low=0.5", "ppo.rollout_mask_high=2"],
             ["ppo.ptx_coef=0.5", "data.ptx_path=x.jsonl", "ppo.ptx_batch_size=8"],
             ["ppo.advantage_estimator=rloo", "ppo.group_size=2", "ppo.dynamic_sampling=true",
@@ -271,6 +281,10 @@ def test_ppo_settings_that_do_something_pass():
     assert not load_config(None, ["ppo.advantage_estimator=grpo",
                                   "ppo.group_size=2"]).ppo.kl_reward_on
     assert load_config(None, ["ppo.advantage_estimator=rloo", "ppo.group_size=2"]).ppo.kl_reward_on
+    # the policy loss: decoupled by default once batches may be stale
+    assert not load_config(None, []).ppo.decoupled_loss
+    assert load_config(None, ["ppo.max_staleness=1"]).ppo.decoupled_loss
+    assert not load_config(None, ["ppo.max_staleness=1", "ppo.policy_loss=ppo"]).ppo.decoupled_loss
 
 
 # ------------------------------------------------------------------ provenance and aliases

@@ -115,6 +115,8 @@ class Experience:
     # a mixture of experts' routing replayed in the updates (rollout.routing_replay: r3 the
     # rollout's, r2 the old-log-prob pass's): rows, layers, the P + T columns, top_k
     routing_BLSK: torch.Tensor | None = None
+    # the policy version that sampled each response token (ppo.max_staleness), 0 on padding
+    versions_BT: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.policy_mask_BT is None:

@@ -96,11 +96,20 @@ class PPOConfig:
     (DeepSeekMath, TRL: the default, so runs compare with the paper and TRL); token = mean
     and population std over all valid tokens of the group (AReaL: long responses weigh
     more); center = score - group mean, no std (Dr. GRPO: no difficulty re-weighting)."""
-    policy_loss: Literal["ppo", "decoupled"] = "ppo"
+    policy_loss: Literal["ppo", "decoupled"] | None = None
     """ppo: clipped surrogate around the old log-probs. decoupled (AReaL): clip around the
     proximal policy (the log-probs recomputed before the update) and weight each token by
     exp(proximal - behaviour), the behaviour policy being the sampler's log-probs; needs
-    rollout.recompute_logprobs=true."""
+    rollout.recompute_logprobs=true. None: decoupled when max_staleness > 0 (the batches
+    are sampled by an older policy), ppo otherwise."""
+    max_staleness: int = 0
+    """Bounded staleness k (asynchronous RL, AReaL's max_head_offpolicyness, NeMo-RL's
+    max_trajectory_age_steps): batch i is sampled by the policy of version max(0, i - k),
+    version v being the actor after v iterations, so up to k batches are sampled ahead of
+    the update that trains them. A fixed schedule, not a race: the run is a function of
+    its seed and config, and a resume continues it exactly (the batches sampled ahead are
+    saved with the checkpoint). 0: on-policy, every batch sampled by the current actor.
+    rollout/staleness_mean and _max report each batch's versions."""
     behavior_weight_cap: float | None = None
     """Decoupled loss: drop tokens whose behaviour importance weight exceeds this (AReaL
     uses 5); None keeps every token."""
@@ -186,6 +195,8 @@ class PPOConfig:
         if self.rollout_mask_high is not None:
             require(self.rollout_mask_high > 1, "ppo.rollout_mask_high",
                     self.rollout_mask_high, "must be > 1 or null")
+        require(self.max_staleness >= 0, "ppo.max_staleness", self.max_staleness,
+                "must be >= 0 (0: on-policy)")
         require(self.max_sampling_rounds >= 1, "ppo.max_sampling_rounds",
                 self.max_sampling_rounds, "must be >= 1")
         require(self.overlong_buffer >= 0, "ppo.overlong_buffer", self.overlong_buffer,
@@ -193,6 +204,13 @@ class PPOConfig:
         require(self.overlong_penalty > 0, "ppo.overlong_penalty", self.overlong_penalty,
                 "must be > 0")
 
+
+    @property
+    def decoupled_loss(self) -> bool:
+        """Whether the policy loss is the decoupled one (``policy_loss`` resolved)."""
+        if self.policy_loss is not None:
+            return self.policy_loss == "decoupled"
+        return self.max_staleness > 0
 
     @property
     def kl_reward_on(self) -> bool:

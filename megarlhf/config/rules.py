@@ -84,14 +84,21 @@ def _ppo(ppo: PPOConfig) -> None:
             f"KL is not in the reward (ppo.kl_in_reward={ppo.kl_in_reward}, estimator "
             f"{ppo.advantage_estimator}): set ppo.kl_in_reward=true or "
             "ppo.kl_controller=fixed")
-    if ppo.policy_loss == "decoupled":
-        require(ppo.dual_clip is None and ppo.rollout_is_cap is None,
-               "ppo.policy_loss", ppo.policy_loss,
-               "the decoupled loss has its own importance weight and no dual clip: "
-               "leave ppo.rollout_is_cap and ppo.dual_clip null")
+    if ppo.decoupled_loss and (ppo.dual_clip is not None or ppo.rollout_is_cap is not None):
+        raise ConfigError(f"ppo.policy_loss={_loss_name(ppo)}: the decoupled loss has its own "
+                          "importance weight and no dual clip: leave ppo.rollout_is_cap and "
+                          "ppo.dual_clip null (or set ppo.policy_loss=ppo)")
     if ppo.advantage_estimator in ("grpo", "rloo"):
         require(ppo.group_size >= 2, "ppo.group_size", ppo.group_size,
                f"must be >= 2 for ppo.advantage_estimator={ppo.advantage_estimator}")
+
+
+def _loss_name(ppo: PPOConfig) -> str:
+    """``ppo.policy_loss`` as written, or what null resolved to and why."""
+    if ppo.policy_loss is not None:
+        return ppo.policy_loss
+    return f"null (decoupled: the default with ppo.max_staleness={ppo.max_staleness})" \
+        if ppo.decoupled_loss else "null (ppo)"
 
 
 def _dpo(dpo: DPOConfig) -> None:
@@ -235,12 +242,13 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
     if ppo.advantage_estimator != "grpo" and said("ppo", "grpo_normalization"):
         raise ConfigError(f"ppo.grpo_normalization has no effect with "
                          f"ppo.advantage_estimator={ppo.advantage_estimator}")
-    if ppo.policy_loss != "decoupled" and ppo.behavior_weight_cap is not None:
-        raise ConfigError("ppo.behavior_weight_cap applies to ppo.policy_loss=decoupled only")
+    if not ppo.decoupled_loss and ppo.behavior_weight_cap is not None:
+        raise ConfigError("ppo.behavior_weight_cap applies to ppo.policy_loss=decoupled only "
+                          f"(ppo.policy_loss={_loss_name(ppo)})")
     correction = [name for name in ("rollout_is_cap", "rollout_mask_low", "rollout_mask_high")
                   if getattr(ppo, name) is not None]
-    if ppo.policy_loss == "decoupled":
-        correction.append("policy_loss=decoupled")
+    if ppo.decoupled_loss:
+        correction.append(f"policy_loss={_loss_name(ppo)}")
     if correction and not rollout.recompute_logprobs:
         raise ConfigError(
             f"ppo.{correction[0]} compares the trainer's log-probs with the sampler's, but "

@@ -255,7 +255,7 @@ def make_policy_step(*, prompt_len: int, tp_group, true_vocab: int, temperature:
             if packed:  # (1, K) -> the padded (B, T) grid every loss reads
                 logprobs_BT, entropy_BT = unpack(logprobs_BT, batch), unpack(entropy_BT, batch)
             mask = batch["policy_mask"]
-            if ppo.policy_loss == "decoupled":
+            if ppo.decoupled_loss:
                 total, count, stats = decoupled_policy_loss(
                     logprobs_BT, batch["old_logprobs"], batch["rollout_logprobs"],
                     batch["advantages"], mask, ppo.clip_eps, ppo.behavior_weight_cap,

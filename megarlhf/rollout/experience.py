@@ -8,6 +8,7 @@ samples with the reward (``rollout.scoring``) and the score rules, keep informat
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -25,6 +26,34 @@ from megarlhf.rollout.scoring import Scorer, fed_tokens
 
 
 @dataclass
+class Sampled:
+    """A sampled batch before its experience passes: the generation (cut after each stop
+    token), whether each row stopped, the shaped scores, the sampling's metrics, and the
+    token positions its reward-model passes computed (``Scorer.padding``). A batch sampled
+    ahead of its update (``ppo.max_staleness``) waits as one of these; it is saved with
+    the checkpoint as :meth:`state_dict`."""
+
+    gen: Generation
+    has_stop: torch.Tensor
+    scores: torch.Tensor
+    metrics: dict
+    padding: dict
+
+    def state_dict(self) -> dict:
+        """Tensors, numbers and strings only (a checkpoint loads them with
+        ``weights_only``)."""
+        return {"gen": {f.name: getattr(self.gen, f.name) for f in dataclasses.fields(self.gen)},
+                "has_stop": self.has_stop, "scores": self.scores,
+                "metrics": dict(self.metrics), "padding": dict(self.padding)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "Sampled":
+        return cls(gen=Generation(**state["gen"]), has_stop=state["has_stop"],
+                   scores=state["scores"], metrics=dict(state["metrics"]),
+                   padding=dict(state["padding"]))
+
+
+@dataclass
 class ExperienceMaker:
     cfg: Config
     sampler: Sampler
@@ -34,8 +63,17 @@ class ExperienceMaker:
              refill: Callable[[int], list[list[int]]] | None = None
              ) -> tuple[algos.Experience, Generation, dict]:
         """One experience batch from ``prompts`` (each repeated ``group_size`` times, one
-        group after the other). ``refill(round)`` gives more prompts for dynamic sampling."""
-        ppo, r = self.cfg.ppo, self.cfg.rollout
+        group after the other), sampled by the current actor. ``refill(round)`` gives more
+        prompts for dynamic sampling."""
+        return self.score(self.sample(prompts, seed=seed, refill=refill), kl_coef=kl_coef)
+
+    def sample(self, prompts: list[list[int]], *, seed: int,
+               refill: Callable[[int], list[list[int]]] | None = None,
+               version: int = 0) -> Sampled:
+        """Steps 1-2 of :meth:`make`: sample ``prompts`` with the actor as it is now (policy
+        ``version``, recorded on every response token), score the samples with the reward
+        and keep informative groups (DAPO)."""
+        ppo = self.cfg.ppo
         t0 = time.perf_counter()
         self.scorer.take_padding_fraction()  # count this batch's passes only
         # 1. sample and score the samples
@@ -52,6 +90,20 @@ class ExperienceMaker:
         # sampling only; the reward model's passes are timing/reward (+ _refills)
         metrics["timing/rollout"] = (time.perf_counter() - t0 - metrics["timing/reward"]
                                      - metrics.get("timing/reward_refills", 0.0))
+        gen = dataclasses.replace(gen, versions_BT=gen.response_mask_BT.long() * version)
+        padding = dict(self.scorer.padding)
+        self.scorer.padding.clear()
+        return Sampled(gen, has_stop, scores, metrics, padding)
+
+    def score(self, sampled: Sampled, *, kl_coef: float
+              ) -> tuple[algos.Experience, Generation, dict]:
+        """Steps 3-6 of :meth:`make`: the experience passes of the current reference, actor
+        and critic over a sampled batch, and the learning targets."""
+        ppo, r = self.cfg.ppo, self.cfg.rollout
+        gen, has_stop, scores = sampled.gen, sampled.has_stop, sampled.scores
+        metrics = dict(sampled.metrics)
+        self.scorer.padding.clear()  # the batch's reward passes, then its passes here
+        self.scorer.padding.update(sampled.padding)
         t1 = time.perf_counter()
         # 3. the trained tokens: DeepSpeed-Chat drops responses of <= 1 token; here they stay
         # in the batch (fixed batch arithmetic) with no trainable tokens
@@ -98,7 +150,7 @@ class ExperienceMaker:
                 rollout_logprobs_BT=rollout_lp, old_logprobs_BT=old_lp, ref_logprobs_BT=ref_lp,
                 values_BT=values, scores_B=scores, policy_mask_BT=policy_mask,
                 is_weights_BT=is_weights,
-                routing_BLSK=routing, **targets)
+                routing_BLSK=routing, versions_BT=gen.versions_BT, **targets)
         # 6. what it was
         metrics.update(rollout_metrics(exp, gen, has_stop, short, rollout_lp, old_lp,
                                        self.scorer.ref_cache))

@@ -47,6 +47,9 @@ class Generation:
     finished_B: torch.Tensor  # ended with a stop token
     # a mixture of experts' choices (rows, layers, the P + T columns, top_k), when recorded
     routing_BLSK: torch.Tensor | None = None
+    # the policy version that sampled each response token (0 on padding), when recorded:
+    # see rollout.schedule
+    versions_BT: torch.Tensor | None = None
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ trained role takes its own data-parallel share when it learns.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -93,10 +94,10 @@ class Sampler:
         stops = sorted(set(self.stop_token_ids) | {self.eos_id})
         tokens, mask, has_stop = algos.truncate_after_stop(
             gen.response_tokens_BT, gen.response_mask_BT, stops, self.pad_id)
-        return Generation(prompt_tokens_BP=gen.prompt_tokens_BP,
-                          prompt_mask_BP=gen.prompt_mask_BP, response_tokens_BT=tokens,
-                          response_mask_BT=mask, logprobs_BT=gen.logprobs_BT * mask,
-                          finished_B=has_stop, routing_BLSK=gen.routing_BLSK), has_stop
+        return dataclasses.replace(
+            gen, response_tokens_BT=tokens, response_mask_BT=mask,
+            logprobs_BT=gen.logprobs_BT * mask, finished_B=has_stop,
+            versions_BT=None if gen.versions_BT is None else gen.versions_BT * mask), has_stop
 
 
 def dynamic_sampling(gen: Generation, has_stop: torch.Tensor, scores: torch.Tensor, *,
@@ -192,7 +193,9 @@ def merge_rows(rows: list[tuple[Generation, int]], pad_id: int) -> Generation:
         response_mask_BT=take("response_mask_BT", T, False),
         logprobs_BT=take("logprobs_BT", T, False),
         finished_B=torch.stack([part.finished_B[j] for part, j in rows]),
-        routing_BLSK=merge_routing(rows, P, T))
+        routing_BLSK=merge_routing(rows, P, T),
+        versions_BT=None if any(part.versions_BT is None for part, _ in rows)
+        else take("versions_BT", T, False))
 
 
 def merge_routing(rows: list[tuple[Generation, int]], P: int, T: int) -> torch.Tensor | None:

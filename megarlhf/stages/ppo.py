@@ -36,11 +36,12 @@ from megarlhf.engine.steps import make_policy_step, make_value_step, ratio, redu
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel.launch import init_distributed, read_dist_env
-from megarlhf.rollout.experience import ExperienceMaker
+from megarlhf.rollout.experience import ExperienceMaker, Sampled
 from megarlhf.rollout.generate import SamplingParams, generate
 from megarlhf.rollout.reshard import (
     Resharder, build_inference_model, inference_layout, release_inference_weights)
 from megarlhf.rollout.sampling import Sampler, decode_sample
+from megarlhf.rollout.schedule import StaleSchedule, staleness_metrics
 from megarlhf.rollout.scoring import (RewardSource, Scorer, SequenceCache, load_reward_fn,
                                       sequence_lengths)
 from megarlhf.stages.common import (MetricBands, check_writable, explain_resume, print0,
@@ -281,6 +282,8 @@ class PPOSession:
                              ref_cache=SequenceCache(r.ref_cache_size)
                              if r.ref_cache_size else None)
         self.maker = ExperienceMaker(cfg, self.sampler, self.scorer)
+        self.rollouts = StaleSchedule(ppo.max_staleness, ppo.num_iterations,
+                                      self.sample_batch, log=print0)
         self.kl_ctl = algos.make_kl_controller(ppo.kl_controller, ppo.init_kl_coef,
                                                ppo.kl_target, ppo.kl_horizon)
         # EMA of the actor (evaluation only): its own frozen role at the actor's layout, so
@@ -342,16 +345,25 @@ class PPOSession:
         return _prompt_batch(self.prompts.prompts, ppo.rollout_batch_size, ppo.group_size,
                              self.cfg.run.seed + 7919 * round_, it)
 
+    def sample_batch(self, batch: int, version: int) -> Sampled:
+        """Batch ``batch``'s prompts sampled (and scored by the reward) by the actor as it
+        is now, policy ``version`` (``rollout.schedule``)."""
+        return self.maker.sample(self.prompt_batch(batch), seed=self.cfg.run.seed + batch,
+                                 refill=lambda round_: self.prompt_batch(batch, round_),
+                                 version=version)
+
     def iteration(self, it: int) -> tuple[dict, algos.Experience, object]:
         """One PPO iteration: (metrics, experience, generation)."""
         cfg, ppo = self.cfg, self.cfg.ppo
         t_iter = time.perf_counter()
         if self.tracker is not None:
             self.tracker.begin_iteration()
-        # 1-2. rollout and experience
-        exp, gen, metrics = self.maker.make(self.prompt_batch(it), seed=cfg.run.seed + it,
-                                            kl_coef=self.kl_ctl.value,
-                                            refill=lambda round_: self.prompt_batch(it, round_))
+        # 1-2. rollout (batch it, sampled by version max(0, it - k): ppo.max_staleness)
+        # and experience
+        sampled = self.rollouts.take(it)
+        exp, gen, metrics = self.maker.score(sampled, kl_coef=self.kl_ctl.value)
+        metrics.update(staleness_metrics(exp.versions_BT, exp.response_mask_BT, it,
+                                         ppo.max_staleness))
         # 3. PPO epochs over shuffled mini-batches
         t_train = time.perf_counter()
         train_critic_only = it < ppo.critic_warmup_iterations
@@ -399,6 +411,8 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
             saved_cache = None
         if cache is not None and saved_cache is not None:
             cache.load_state_dict(saved_cache)
+        waiting, why = _waiting_batches(ckpt_dir)
+        session.rollouts.load_state_dict(waiting, start=start, why=why)
         print0(f"[ppo] resumed {meta['tag']} at iteration {start}")
     logger = MetricsLogger(run_dir(cfg), tensorboard=cfg.logging.tensorboard,
                            wandb_project=cfg.logging.wandb_project,
@@ -445,7 +459,8 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
                 trainer_state={"iteration": done, "kl_controller": kl_ctl.state_dict()},
                 config=dataclasses.asdict(cfg), layout=session.layouts,
                 keep_last=cfg.checkpoint.keep_last,
-                objects={"ref_cache": cache.state_dict()} if cache is not None else None)
+                objects={"rollout_queue": session.rollouts.state_dict(),
+                         **({"ref_cache": cache.state_dict()} if cache is not None else {})})
             if preempted:
                 mark_preempted(run_dir(cfg), path, guard.signalled)
                 bar.close()
@@ -469,6 +484,17 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
     print0("[ppo] done: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()
                                        if k.startswith(("eval/", "objective/"))))
     return result
+
+
+def _waiting_batches(ckpt_dir: str) -> tuple[dict | None, str]:
+    """The batches sampled ahead that a checkpoint holds (``ppo.max_staleness``), and why
+    there are none when it holds none."""
+    try:
+        state = load_object(ckpt_dir, "rollout_queue")
+    except ValueError as err:
+        print0(f"[ppo] warning: {err}")
+        return None, "unreadable"
+    return state, "saved before ppo.max_staleness existed" if state is None else ""
 
 
 def _prompt_batch(prompts: list, size: int, group: int, seed: int, it: int) -> list:
@@ -571,7 +597,7 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
                     "objective/entropy": ratio(pol, "entropy_sum", "tokens")})
         if ppo.kl_loss_coef:
             out["ppo/policy/kl_loss"] = ratio(pol, "kl_loss_sum", "tokens")
-        if ppo.policy_loss == "decoupled":
+        if ppo.decoupled_loss:
             out["ppo/policy/behavior_weight"] = ratio(
                 pol, "behavior_weight_sum", "tokens") / max(
                 1.0 - ratio(pol, "behavior_capped_sum", "tokens"), 1e-12)
