@@ -223,7 +223,22 @@ class PPOConfig:
 @dataclass(kw_only=True, frozen=True)
 class RolloutConfig:
     tensor_parallel_size: int = 1
-    """TP of the inference layout; data-parallel replicas follow from the world size."""
+    """TP of the inference layout; data-parallel replicas follow from the world size (of
+    the rollout ranks, under placement=split)."""
+    placement: Literal["colocated", "split"] = "colocated"
+    """colocated: every process samples, then scores, then trains. split: the last
+    rollout.ranks processes of the job only sample (the actor at the rollout layout, its
+    weights sent by the training processes after each update, versioned); the others hold
+    the actor, critic, reference and reward model and do the rest. With ppo.max_staleness
+    k >= 1 the rollout ranks sample batch i + k while the training ranks train batch i;
+    the schedule is the same as colocated, so are the results. One torchrun or Slurm job."""
+    ranks: int | None = None
+    """placement=split: the processes that sample (the job's last ones); a multiple of
+    tensor_parallel_size. Unset otherwise."""
+    weight_checksum: bool = False
+    """placement=split: after every weight sync each rollout rank compares a SHA-256 of
+    the weights it now holds with the sender's, and stops the run on a mismatch (a pass
+    over the weights on both sides)."""
     max_new_tokens: int = 32
     """Longest response."""
     temperature: float = 1.0
@@ -283,6 +298,17 @@ class RolloutConfig:
     def __post_init__(self):
         require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size",
                 self.tensor_parallel_size, "must be >= 1")
+        if self.placement == "split":
+            require(self.ranks is not None and self.ranks >= 1, "rollout.ranks", self.ranks,
+                    "must be >= 1 with rollout.placement=split (the processes that sample)")
+            require(self.ranks % self.tensor_parallel_size == 0, "rollout.ranks", self.ranks,
+                    f"must be a multiple of rollout.tensor_parallel_size="
+                    f"{self.tensor_parallel_size}")
+        else:
+            require(self.ranks is None and not self.weight_checksum,
+                    "rollout.placement", self.placement,
+                    "has no rollout ranks: rollout.ranks and rollout.weight_checksum apply "
+                    "to rollout.placement=split only")
         require(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens,
                 "must be >= 1")
         require(self.temperature > 0, "rollout.temperature", self.temperature,

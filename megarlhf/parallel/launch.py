@@ -44,9 +44,26 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + first
 
 
+_WORLD: list[DistEnv] = []  # this process's world when it is a part of the job's
+
+
 def read_dist_env(environ: dict | None = None) -> DistEnv:
     """torchrun's variables win; ``srun`` without torchrun provides SLURM_*; otherwise a
-    single process."""
+    single process. Once :func:`use_part` named a part of the job as this process's world
+    (``parallel.placement``), that part."""
+    if environ is None and _WORLD:
+        return _WORLD[0]
+    return read_job_env(environ)
+
+
+def use_part(env: DistEnv) -> None:
+    """From now on :func:`read_dist_env` gives ``env``: the part of the job (its ranks and
+    size) whose default process group this process joins."""
+    _WORLD[:] = [env]
+
+
+def read_job_env(environ: dict | None = None) -> DistEnv:
+    """The whole job, as the launcher told it (see :func:`read_dist_env`)."""
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return DistEnv(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
@@ -117,11 +134,15 @@ def to_device(batch: dict, device: torch.device) -> dict:
             for k, v in batch.items()}
 
 
-def init_distributed(cfg: Config, env: DistEnv | None = None) -> DistEnv:
+def init_distributed(cfg: Config, env: DistEnv | None = None, *, store=None,
+                     job: DistEnv | None = None) -> DistEnv:
     """Start the default process group (NCCL with CUDA, gloo without) and seed every RNG.
     Layouts and their groups come later, per role (``parallel.layout.build_layout``); the
-    config is validated before this is called."""
+    config is validated before this is called. ``store`` (with ``env`` a part of the job
+    ``job``, see ``parallel.placement``): the group meets there, and the watchdog watches
+    the whole job."""
     env = env or read_dist_env()
+    job = job or env
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     if cfg.run.deterministic:
@@ -142,11 +163,12 @@ def init_distributed(cfg: Config, env: DistEnv | None = None) -> DistEnv:
             # another CLI run) must not inherit it and bind the same port.
             os.environ.setdefault("MASTER_ADDR", env.master_addr)
             os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        where = {"store": store} if store is not None else \
+            {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
         dist.init_process_group(
             backend=backend, rank=env.rank, world_size=env.world_size,
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
-            timeout=datetime.timedelta(minutes=cfg.parallel.timeout_minutes))
-    watchdog.start(env.rank, env.world_size, env.master_addr, env.master_port,
+            timeout=datetime.timedelta(minutes=cfg.parallel.timeout_minutes), **where)
+    watchdog.start(job.rank, job.world_size, job.master_addr, job.master_port,
                    cfg.parallel.timeout_minutes)
     seed_everything(cfg.run.seed)
     return env
@@ -158,3 +180,4 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     reset_layouts()
+    _WORLD.clear()

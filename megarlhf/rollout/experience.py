@@ -58,6 +58,8 @@ class ExperienceMaker:
     cfg: Config
     sampler: Sampler
     scorer: Scorer
+    # rollout.placement=split: the rollout ranks sample (rollout.remote.RemoteRollout)
+    remote: object | None = None
 
     def make(self, prompts: list[list[int]], *, seed: int, kl_coef: float,
              refill: Callable[[int], list[list[int]]] | None = None
@@ -69,15 +71,16 @@ class ExperienceMaker:
 
     def sample(self, prompts: list[list[int]], *, seed: int,
                refill: Callable[[int], list[list[int]]] | None = None,
-               version: int = 0) -> Sampled:
+               version: int = 0, sampled: tuple[Generation, dict] | None = None) -> Sampled:
         """Steps 1-2 of :meth:`make`: sample ``prompts`` with the actor as it is now (policy
         ``version``, recorded on every response token), score the samples with the reward
-        and keep informative groups (DAPO)."""
+        and keep informative groups (DAPO). ``sampled``: the (generation, metrics) of the
+        first round, already sampled (by the rollout ranks)."""
         ppo = self.cfg.ppo
         t0 = time.perf_counter()
         self.scorer.take_padding_fraction()  # count this batch's passes only
         # 1. sample and score the samples
-        gen, has_stop, scores, metrics = self._sample(prompts, seed)
+        gen, has_stop, scores, metrics = self._sample(prompts, seed, sampled)
         # 2. DAPO's dynamic sampling: informative groups only
         if ppo.dynamic_sampling:
             if refill is None:
@@ -158,10 +161,14 @@ class ExperienceMaker:
         metrics["timing/experience"] = time.perf_counter() - t1
         return exp, gen, metrics
 
-    def _sample(self, prompts: list[list[int]], seed: int
+    def _sample(self, prompts: list[list[int]], seed: int,
+                sampled: tuple[Generation, dict] | None = None
                 ) -> tuple[Generation, torch.Tensor, torch.Tensor, dict]:
-        """Rollout, truncation and the shaped score: (generation, has_stop, score, timings)."""
-        gen, metrics = self.sampler.rollout(prompts, seed)
+        """Rollout (unless ``sampled``), truncation and the shaped score: (generation,
+        has_stop, score, timings)."""
+        if sampled is None:
+            sampled = (self.remote or self.sampler).rollout(prompts, seed)
+        gen, metrics = sampled
         gen, has_stop = self.sampler.finalize(gen)
         ppo = self.cfg.ppo
         start = time.perf_counter()

@@ -46,9 +46,7 @@ class Sampler:
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        """Every token that ends a response besides EOS: rollout.stop_token_ids and the
-        model's end tokens."""
-        return tuple(dict.fromkeys((*self.cfg.rollout.stop_token_ids, *self.end_ids)))
+        return stop_tokens(self.cfg, self.end_ids)
 
     def __post_init__(self):
         self.resharder = Resharder(self.actor.chunks, self.inference_model)
@@ -61,21 +59,16 @@ class Sampler:
         indices = list(range(inf.dp_rank, len(prompts), inf.dp))
         mine = [prompts[i] for i in indices]
         r = self.cfg.rollout
-        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                top_k=r.top_k, top_p=r.top_p, greedy=r.greedy,
-                                stop_token_ids=self.stop_token_ids)
-        # One seed per (iteration, prompt): samples do not depend on the layout, and TP
-        # peers of a replica (same gathered logits) draw the same tokens.
         if self.hooks is not None:
             self.hooks.before_generate()
         start = time.perf_counter()
         gen_stats: dict = {}
         with watchdog.phase("generation"):
-            gen = generate(self.inference_model, mine, params, eos_id=self.eos_id,
-                           pad_id=self.pad_id, true_vocab=self.actor.spec.model.vocab_size,
-                           stop_at_eos=r.stop_at_eos,
-                           row_seeds=[seed * 1000003 + i for i in indices], stats=gen_stats,
-                           record_routing=self.actor.spec.model.moe.enabled)
+            gen = generate(self.inference_model, mine, sampling_params(self.cfg, self.end_ids),
+                           eos_id=self.eos_id, pad_id=self.pad_id,
+                           true_vocab=self.actor.spec.model.vocab_size,
+                           stop_at_eos=r.stop_at_eos, row_seeds=row_seeds(seed, indices),
+                           stats=gen_stats, record_routing=self.actor.spec.model.moe.enabled)
         seconds = time.perf_counter() - start
         if self.hooks is not None:
             self.hooks.after_generate(gen_stats["kv_cache_bytes"])
@@ -98,6 +91,27 @@ class Sampler:
             gen, response_tokens_BT=tokens, response_mask_BT=mask,
             logprobs_BT=gen.logprobs_BT * mask, finished_B=has_stop,
             versions_BT=None if gen.versions_BT is None else gen.versions_BT * mask), has_stop
+
+
+def stop_tokens(cfg: Config, end_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """Every token that ends a response besides EOS: rollout.stop_token_ids and the
+    model's end tokens (``data.tokenizer.Tokenizer.end_ids``)."""
+    return tuple(dict.fromkeys((*cfg.rollout.stop_token_ids, *end_ids)))
+
+
+def sampling_params(cfg: Config, end_ids: tuple[int, ...]) -> SamplingParams:
+    """The rollout's sampling settings (``rollout.*``)."""
+    r = cfg.rollout
+    return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                          top_k=r.top_k, top_p=r.top_p, greedy=r.greedy,
+                          stop_token_ids=stop_tokens(cfg, end_ids))
+
+
+def row_seeds(seed: int, indices: list[int]) -> list[int]:
+    """One seed per (batch seed, prompt index): samples do not depend on the layout or on
+    which process samples them, and TP peers of a replica (same gathered logits) draw the
+    same tokens."""
+    return [seed * 1000003 + i for i in indices]
 
 
 def dynamic_sampling(gen: Generation, has_stop: torch.Tensor, scores: torch.Tensor, *,

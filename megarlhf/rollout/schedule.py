@@ -23,6 +23,14 @@ import torch
 from megarlhf.rollout.experience import Sampled
 
 
+class Later:
+    """A batch being sampled elsewhere (the rollout ranks of a split job): ``finish()``
+    waits for it and returns it, scored by the reward."""
+
+    def __init__(self, finish: Callable[[], Sampled]):
+        self.finish = finish
+
+
 def sampling_version(batch: int, k: int) -> int:
     """The policy version that samples batch ``batch`` under staleness ``k``."""
     return max(0, batch - k)
@@ -31,30 +39,42 @@ def sampling_version(batch: int, k: int) -> int:
 class StaleSchedule:
     """The batches of a run of ``num_batches`` iterations under staleness ``k``;
     ``sample(batch, version)`` samples batch ``batch`` with the actor as it is (version
-    ``version``)."""
+    ``version``), or starts sampling it elsewhere and returns a :class:`Later`. At most
+    one batch is sampled elsewhere at a time: the next waits until it is in."""
 
-    def __init__(self, k: int, num_batches: int, sample: Callable[[int, int], Sampled],
+    def __init__(self, k: int, num_batches: int,
+                 sample: Callable[[int, int], Sampled | Later],
                  log: Callable[[str], None] = print):
         self.k, self.num_batches, self.sample, self.log = k, num_batches, sample, log
-        self.waiting: dict[int, Sampled] = {}
+        self.waiting: dict[int, Sampled | Later] = {}
 
     def take(self, it: int) -> Sampled:
         """Batch ``it``, at the start of iteration ``it`` (the actor is version ``it``):
-        first every batch up to ``it + k`` that is not sampled yet is sampled now."""
+        first every batch up to ``it + k`` that is not sampled yet is sampled now (the
+        last of them may still be sampling elsewhere when this returns)."""
         last = max(it, min(it + self.k, self.num_batches - 1))
         late = []
         for batch in range(it, last + 1):
             if batch not in self.waiting:
                 if sampling_version(batch, self.k) != it:
                     late.append(batch)
+                self.settle()
                 self.waiting[batch] = self.sample(batch, it)
         if late:  # a resume without the waiting batches (see load_state_dict)
             self.log(f"[ppo] batches {late} sampled by version {it}, not by the schedule's "
                      f"versions {[sampling_version(b, self.k) for b in late]}: less stale, "
                      "not the uninterrupted run's")
-        return self.waiting.pop(it)
+        got = self.waiting.pop(it)
+        return got.finish() if isinstance(got, Later) else got
+
+    def settle(self) -> None:
+        """Wait for the batch being sampled elsewhere, if any."""
+        for batch, entry in self.waiting.items():
+            if isinstance(entry, Later):
+                self.waiting[batch] = entry.finish()
 
     def state_dict(self) -> dict:
+        self.settle()
         return {"k": self.k, "batches": {str(b): s.state_dict()
                                          for b, s in sorted(self.waiting.items())}}
 

@@ -35,13 +35,16 @@ from megarlhf.roles.build import build_role
 from megarlhf.engine.steps import make_policy_step, make_value_step, ratio, reduce_logs
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
+from megarlhf.parallel import placement
 from megarlhf.parallel.launch import init_distributed, read_dist_env
+from megarlhf.parallel.placement import Split
 from megarlhf.rollout.experience import ExperienceMaker, Sampled
 from megarlhf.rollout.generate import SamplingParams, generate
 from megarlhf.rollout.reshard import (
     Resharder, build_inference_model, inference_layout, release_inference_weights)
 from megarlhf.rollout.sampling import Sampler, decode_sample
-from megarlhf.rollout.schedule import StaleSchedule, staleness_metrics
+from megarlhf.rollout.remote import RemoteRollout, serve
+from megarlhf.rollout.schedule import Later, StaleSchedule, staleness_metrics
 from megarlhf.rollout.scoring import (RewardSource, Scorer, SequenceCache, load_reward_fn,
                                       sequence_lengths)
 from megarlhf.stages.common import (MetricBands, check_writable, explain_resume, print0,
@@ -232,7 +235,8 @@ class PPOSession:
     stages 1-3 plus the KL update. ``run_ppo`` adds evaluation, logging and checkpoints;
     benchmarks step it directly."""
 
-    def __init__(self, cfg: Config, tokenizer, written: Written | None = None):
+    def __init__(self, cfg: Config, tokenizer, written: Written | None = None,
+                 split: Split | None = None):
         ppo, r = cfg.ppo, cfg.rollout
         world = read_dist_env().world_size
         self.tokenizer_fingerprint = fingerprint(tokenizer)
@@ -281,7 +285,9 @@ class PPOSession:
                              or ppo.micro_batch_size, max_tokens=forward_budget,
                              ref_cache=SequenceCache(r.ref_cache_size)
                              if r.ref_cache_size else None)
-        self.maker = ExperienceMaker(cfg, self.sampler, self.scorer)
+        # rollout.placement=split: the rollout ranks sample, this world scores and trains
+        self.remote = RemoteRollout(cfg, split, self.sampler) if split is not None else None
+        self.maker = ExperienceMaker(cfg, self.sampler, self.scorer, remote=self.remote)
         self.rollouts = StaleSchedule(ppo.max_staleness, ppo.num_iterations,
                                       self.sample_batch, log=print0)
         self.kl_ctl = algos.make_kl_controller(ppo.kl_controller, ppo.init_kl_coef,
@@ -345,12 +351,17 @@ class PPOSession:
         return _prompt_batch(self.prompts.prompts, ppo.rollout_batch_size, ppo.group_size,
                              self.cfg.run.seed + 7919 * round_, it)
 
-    def sample_batch(self, batch: int, version: int) -> Sampled:
+    def sample_batch(self, batch: int, version: int) -> Sampled | Later:
         """Batch ``batch``'s prompts sampled (and scored by the reward) by the actor as it
-        is now, policy ``version`` (``rollout.schedule``)."""
-        return self.maker.sample(self.prompt_batch(batch), seed=self.cfg.run.seed + batch,
-                                 refill=lambda round_: self.prompt_batch(batch, round_),
-                                 version=version)
+        is now, policy ``version`` (``rollout.schedule``); split, by the rollout ranks, in
+        the background (:class:`~megarlhf.rollout.schedule.Later`)."""
+        prompts = self.prompt_batch(batch)
+        how = dict(seed=self.cfg.run.seed + batch, version=version,
+                   refill=lambda round_: self.prompt_batch(batch, round_))
+        if self.remote is None:
+            return self.maker.sample(prompts, **how)
+        pending = self.remote.submit(prompts, how["seed"], version)
+        return Later(lambda: self.maker.sample(prompts, **how, sampled=pending.receive()))
 
     def iteration(self, it: int) -> tuple[dict, algos.Experience, object]:
         """One PPO iteration: (metrics, experience, generation)."""
@@ -372,6 +383,7 @@ class PPOSession:
                                train_critic_only, self.ema, self.ptx, meters))
         self.hooks.after_train()
         metrics["timing/train"] = time.perf_counter() - t_train
+        self.rollouts.settle()  # split: the batch the rollout ranks sampled meanwhile
         if metrics["ppo/skipped_steps"]:
             print0(f"[ppo] iteration {it + 1}: {metrics['ppo/skipped_steps']} optimizer step(s) "
                    "skipped for non-finite gradients")
@@ -388,13 +400,22 @@ class PPOSession:
 
     def close(self) -> None:
         self.scorer.restore_frozen_models()
+        if self.remote is not None:
+            self.remote.close()
 
 
 def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
     ppo = cfg.ppo
     gold_fn = load_reward_fn(ppo.gold_reward_fn) if ppo.gold_reward_fn else None
+    split = placement.start(cfg)  # rollout.placement=split: this process's part of the job
+    if split is not None and not split.training:
+        actor = ppo_role_specs(cfg, split.training_world, fingerprint(tokenizer),
+                               written=written)["actor"]
+        return {"batches_sampled": serve(cfg, tokenizer, split, actor)}
     check_writable(cfg)
-    session = PPOSession(cfg, tokenizer, written)
+    session = PPOSession(cfg, tokenizer, written, split)
+    if split is not None:
+        print0(f"[ppo] {split.describe()}")
     kl_ctl, cache = session.kl_ctl, session.scorer.ref_cache
     ckpt_dir = os.path.join(run_dir(cfg), "checkpoints")
     start = 0
