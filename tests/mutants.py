@@ -166,6 +166,13 @@ MUTANTS = [
            '                objects={"rollout_queue_": session.rollouts.state_dict(),',
            ("tests/test_async.py::"
             "test_stale_grpo_follows_the_schedule_and_resumes_exactly_after_sigkill",), ()),
+    Mutant("split_weights_sent_once", "rollout.placement=split: the weights are sent to the "
+           "rollout ranks at the first request only, so they sample every later batch with "
+           "the initial actor",
+           "megarlhf/rollout/remote.py",
+           "        sync = version != self.held",
+           "        sync = self.held is None",
+           ("tests/test_async.py::test_split_placement_equals_colocated[1]",), ()),
 ]
 
 

@@ -13,6 +13,7 @@
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,6 +129,19 @@ def _cli(setup, name, k, extra=()):
             *extra]
 
 
+_MADE: set[str] = set()  # the run directories this session wrote
+
+
+def _fresh(tiny, name: str) -> str:
+    """``name``'s run directory removed, the first time this session uses it: a run left
+    by an earlier session (MEGARLHF_TINY_DIR keeps them; tests/mutants.py shares one)
+    would be resumed, not run."""
+    if name not in _MADE:
+        shutil.rmtree(tiny[0] / name, ignore_errors=True)
+        _MADE.add(name)
+    return name
+
+
 def _records(out, name):
     from megarlhf.engine.metrics import read_metrics
     return {r["step"]: r for r in read_metrics(os.path.join(out, name))}
@@ -144,7 +158,7 @@ def _same(one: dict, two: dict, steps) -> None:
 def test_stale_grpo_follows_the_schedule_and_resumes_exactly_after_sigkill(tiny_checkpoints):
     out = tiny_checkpoints[0]
     k = 2
-    run_cli(*_cli(tiny_checkpoints, "async_full", k))
+    run_cli(*_cli(tiny_checkpoints, _fresh(tiny_checkpoints, "async_full"), k))
     got = _records(out, "async_full")
     assert sorted(got) == [0, 1, 2, 3, 4]
     for step in (1, 2, 3, 4):  # iteration it trains batch it, sampled by max(0, it - k)
@@ -162,8 +176,8 @@ def test_stale_grpo_follows_the_schedule_and_resumes_exactly_after_sigkill(tiny_
     assert got[1]["ppo/policy/approxkl"] == 0.0 and got[1]["ppo/policy/clipfrac"] == 0.0
 
     # killed in iteration 3's update, after the checkpoint of iteration 2
-    argv = [sys.executable, os.path.join(WORKERS, "kill_after_saves.py"), "2",
-            "update of the actor", *_cli(tiny_checkpoints, "async_killed", k)]
+    argv = [sys.executable, os.path.join(WORKERS, "halt_at.py"), "update of the actor", "3",
+            "KILL", *_cli(tiny_checkpoints, _fresh(tiny_checkpoints, "async_killed"), k)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=600)
@@ -176,3 +190,113 @@ def test_stale_grpo_follows_the_schedule_and_resumes_exactly_after_sigkill(tiny_
     again = _records(out, "async_killed")
     assert sorted(again) == [0, 1, 2, 3, 4]
     _same(got, again, (0, 1, 2, 3, 4))  # a rerun, then the resume: the same run
+
+
+# ------------------------------------------------------------------ split placement
+
+SPLIT = ["rollout.placement=split", "rollout.ranks=1", "rollout.weight_checksum=true"]
+
+
+def _split_run(tiny, name, k, extra=(), iterations=4):
+    """A 2-process job: training rank 0, rollout rank 1."""
+    return _cli(tiny, name, k, [*SPLIT, f"ppo.num_iterations={iterations}", *extra])
+
+
+def _actor_scores(tiny, name) -> str:
+    """Per-token log-probs of fixed sequences under the run's final actor (megarlhf score)."""
+    out, task, _ = tiny
+    seqs = out / "async_seqs.jsonl"
+    seqs.write_text('{"tokens": [3, 7, 9, 11, 4]}\n{"tokens": [5, 6, 7]}\n')
+    dest = out / f"score_{name}.jsonl"
+    run_cli("score", "--config", "configs/sft_tiny.yaml", "--input", str(seqs), "--output",
+            str(dest), "--ckpt-role", "actor", f"checkpoint.load={out}/{name}/checkpoints",
+            f"tokenizer.path={task['tokenizer']}")
+    return dest.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [0, 1])
+def test_split_placement_equals_colocated(tiny_checkpoints, k):
+    """1 training + 1 rollout process against 1 colocated process, 4 iterations: every
+    metric equal (not only to 1e-6: the same weights, prompts and per-prompt seeds give
+    the same samples) and the final actors score equally; the weights the rollout rank
+    held after each sync had the sender's SHA-256 (rollout.weight_checksum: a mismatch
+    stops the run), and at k = 0 its log-probs are the trainer's."""
+    from conftest import torchrun
+    out = tiny_checkpoints[0]
+    colocated = _fresh(tiny_checkpoints, f"async_coloc_k{k}")
+    split = _fresh(tiny_checkpoints, f"async_split_k{k}")
+    run_cli(*_cli(tiny_checkpoints, colocated, k))
+    proc = torchrun(_split_run(tiny_checkpoints, split, k), 2)
+    assert "placement split: training ranks 0..0 (1), rollout ranks 1..1 (1)" in proc.stdout
+    one, two = _records(out, colocated), _records(out, split)
+    assert sorted(one) == sorted(two) == [0, 1, 2, 3, 4]
+    _same(one, two, (0, 1, 2, 3, 4))
+    for step in (1, 2, 3, 4):  # the weights of each version sent once; none needed last at k=1
+        synced = two[step]["perf/weight_sync_bytes"] > 0 and two[step]["timing/weight_sync"] > 0
+        assert synced == (k == 0 or step < 4), (step, two[step])
+        assert two[step]["rollout/staleness_max"] == min(step - 1, k)
+    if k == 0:
+        assert all(two[s]["rollout/logprob_diff_max"] < 1e-5 for s in (1, 2, 3, 4))
+    assert _actor_scores(tiny_checkpoints, colocated) == _actor_scores(tiny_checkpoints, split)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("side, phase, count", [("training", "update of the actor", 3),
+                                                ("rollout", "generation", 4)])
+def test_split_job_killed_on_either_side_resumes_exactly(tiny_checkpoints, side, phase, count):
+    """k = 1: the training rank killed in iteration 3's update, or the rollout rank in
+    iteration 3's generation (its 4th: batches 0 and 1 at the start, then one per
+    iteration); torchrun ends the job, and the same command resumes from iteration 2's
+    checkpoint - the batch sampled ahead comes from it, the rollout rank gets the resumed
+    actor's weights - and gives the uninterrupted split run's metrics exactly."""
+    from conftest import torchrun
+    out = tiny_checkpoints[0]
+    full, name = "async_split_k1", _fresh(tiny_checkpoints, f"async_split_killed_{side}")
+    if full not in _MADE:  # (test_split_placement_equals_colocated[1] ran it)
+        torchrun(_split_run(tiny_checkpoints, _fresh(tiny_checkpoints, full), 1), 2)
+    killed = torchrun(os.path.join(WORKERS, "halt_at.py"), 2, phase, str(count), "KILL",
+                      "ppo", *_split_run(tiny_checkpoints, name, 1)[1:], check=False)
+    assert killed.returncode != 0 and "sends itself SIGKILL" in killed.stdout, \
+        killed.stdout[-2000:] + killed.stderr[-2000:]
+    latest = out / name / "checkpoints" / "latest"
+    assert latest.read_text().strip() == "iter_000002"
+    resumed = torchrun(_split_run(tiny_checkpoints, name, 1), 2)
+    assert "resumed iter_000002" in resumed.stdout
+    assert "sampled again" not in resumed.stdout
+    _same(_records(out, full), _records(out, name), (0, 1, 2, 3, 4))
+
+
+@pytest.mark.slow
+def test_a_stopped_rollout_rank_is_named_within_the_deadline(tiny_checkpoints):
+    """The rollout rank wedged (SIGSTOP) in its 4th generation while the training rank
+    trains: the training rank exits non-zero within parallel.timeout_minutes plus 30 s,
+    naming job rank 1; nothing hangs."""
+    import time
+    from test_run_guards import alive, ranks
+    out = tiny_checkpoints[0]
+    name, deadline_s = _fresh(tiny_checkpoints, "async_split_stopped"), 9.0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+           os.path.join(WORKERS, "halt_at.py"), "generation", "4", "STOP", "ppo",
+           *_split_run(tiny_checkpoints, name, 1, [f"parallel.timeout_minutes={deadline_s / 60}"])[1:]]
+    log_path = out / f"{name}.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    with open(log_path, "w") as log:
+        launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        pids, until = {}, time.time() + 300
+        while "sends itself" not in log_path.read_text() and time.time() < until \
+                and launcher.poll() is None:
+            pids = ranks(launcher) or pids
+            time.sleep(0.1)
+        halted = time.time()
+        assert 0 in pids and 1 in pids and launcher.poll() is None, log_path.read_text()[-3000:]
+        while alive(pids[0]) and time.time() - halted < deadline_s + 60:
+            time.sleep(0.2)
+        took = time.time() - halted
+        os.kill(pids[1], signal.SIGKILL)  # torchrun would, after its own grace period
+        launcher.wait(timeout=120)
+    text = log_path.read_text()
+    assert launcher.returncode != 0
+    assert took < deadline_s + 30, took
+    assert "rank(s) 1 (rollout rank 0, host" in text, text[-3000:]
+    assert "stopped sending heartbeats" in text and "rank 0 (training rank 0, host" in text

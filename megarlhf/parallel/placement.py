@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from megarlhf.config import Config, ConfigError
+from megarlhf.parallel import watchdog
 from megarlhf.parallel.launch import init_distributed, read_job_env, use_part
 
 
@@ -72,6 +73,8 @@ def start(cfg: Config) -> Split | None:
     use_part(part)
     name = "training" if training else "rollout"
     init_distributed(cfg, part, store=dist.PrefixStore(f"megarlhf/{name}/", store), job=job)
+    watchdog.name_ranks({r: f"training rank {r}" if r < n else f"rollout rank {r - n}"
+                         for r in range(job.world_size)})
     bridge = dist.ProcessGroupGloo(dist.PrefixStore("megarlhf/bridge/", store), job.rank,
                                    job.world_size, timeout)
     return Split(training=training, training_world=n, rollout_world=cfg.rollout.ranks,

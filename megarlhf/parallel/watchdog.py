@@ -130,10 +130,22 @@ _RESUME = ("Exiting; the last checkpoint is intact - run the same command again 
            "from it (under slurm/launch.sh the job requeues).")
 
 
+def name_ranks(names: dict[int, str]) -> None:
+    """What some job ranks are, for the messages ('rollout rank 0': parallel.placement)."""
+    _state["names"] = dict(names)
+
+
 def _who(ranks: list[int]) -> str:
-    """'1 (host node2), 3 (host node2)': ranks with the hosts they reported."""
+    """'1 (host node2), 3 (host node2)': ranks with the hosts they reported (and what they
+    are, when :func:`name_ranks` said: '1 (rollout rank 0, host node2)')."""
     hosts = _watch.hosts if _watch is not None else {}
-    return ", ".join(f"{r} (host {hosts[r]})" if r in hosts else str(r) for r in ranks)
+    names = _state.get("names") or {}
+    out = []
+    for r in ranks:
+        about = [names[r]] if r in names else []
+        about += [f"host {hosts[r]}"] if r in hosts else []
+        out.append(f"{r} ({', '.join(about)})" if about else str(r))
+    return ", ".join(out)
 
 
 def _message(rank: int, deadline: float, where: str, ranks: list[int], why: str) -> str:
@@ -236,6 +248,7 @@ def start(rank: int, world: int, master_addr: str, master_port: int,
 def stop() -> None:
     """Stop the watchdog (the process group is going away)."""
     global _watch
+    _state.pop("names", None)
     if _watch is not None:
         _watch.stop.set()
         _watch.thread.join(timeout=10)

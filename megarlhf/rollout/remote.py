@@ -119,6 +119,15 @@ class RemoteRollout:
                         for rep in range(split.rollout_world // tp)] if inf.dp_rank == 0 else []
         self.rollout_root = split.rollout_job_rank(0)
         self.rank = dist.get_rank()
+        self.syncs: dict[str, float] = {}  # since take_sync_metrics
+
+    def take_sync_metrics(self) -> dict[str, float]:
+        """The weight syncs since the last call: ``timing/weight_sync`` (seconds, the
+        reshard into the inference layout included) and ``perf/weight_sync_bytes`` (sent,
+        all ranks); 0 when there was none; counting starts again."""
+        out = {"timing/weight_sync": 0.0, "perf/weight_sync_bytes": 0.0, **self.syncs}
+        self.syncs = {}
+        return out
 
     def submit(self, prompts: list[list[int]], seed: int, version: int) -> Pending:
         """Ask for ``prompts`` sampled by policy ``version``: the actor as it is now when
@@ -130,7 +139,7 @@ class RemoteRollout:
                 send_object(bridge, {"cmd": "generate", "prompts": prompts, "seed": seed,
                                      "version": version, "sync": sync}, self.rollout_root,
                             REQUEST)
-        metrics: dict = {}
+        metrics: dict = {}  # this batch's
         if sync:
             hooks = self.sampler.hooks
             if hooks is not None:
@@ -154,9 +163,11 @@ class RemoteRollout:
                 dist.all_reduce(total)
             if hooks is not None:
                 hooks.after_generate(0)
-            metrics = {"timing/weight_sync": time.perf_counter() - start,
-                       "timing/reshard": stats.seconds, "perf/reshard_bytes": stats.bytes_received,
-                       "perf/weight_sync_bytes": float(total)}
+            metrics = {"timing/reshard": stats.seconds,
+                       "perf/reshard_bytes": stats.bytes_received}
+            for key, value in (("timing/weight_sync", time.perf_counter() - start),
+                               ("perf/weight_sync_bytes", float(total))):
+                self.syncs[key] = self.syncs.get(key, 0.0) + value
             self.held = version
         return Pending(self, version, metrics)
 

@@ -384,6 +384,8 @@ class PPOSession:
         self.hooks.after_train()
         metrics["timing/train"] = time.perf_counter() - t_train
         self.rollouts.settle()  # split: the batch the rollout ranks sampled meanwhile
+        if self.remote is not None:
+            metrics.update(self.remote.take_sync_metrics())
         if metrics["ppo/skipped_steps"]:
             print0(f"[ppo] iteration {it + 1}: {metrics['ppo/skipped_steps']} optimizer step(s) "
                    "skipped for non-finite gradients")
