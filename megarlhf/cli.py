@@ -72,8 +72,10 @@ def _resolved_roles(cfg: Config, written, world_size: int) -> str:
 
     import yaml
 
+    from megarlhf.config import check_placement
     from megarlhf.roles.spec import ppo_role_specs
 
+    job, world_size = world_size, check_placement(cfg, world_size)
     if cfg.tokenizer.path is not None and cfg.model.vocab_size is None:
         from megarlhf.data.tokenizer import load_tokenizer
         cfg = _with_vocab(cfg, load_tokenizer(cfg.tokenizer).vocab_size)
@@ -90,7 +92,10 @@ def _resolved_roles(cfg: Config, written, world_size: int) -> str:
         if spec.optimizer is not None:
             entry["optimizer"] = dataclasses.asdict(spec.optimizer)
         view[name] = entry
-    return (f"# resolved roles at world size {world_size} (models from their checkpoints, "
+    where = f"world size {world_size}" if job == world_size else \
+        (f"world size {world_size}: the training processes of a job of {job}, whose last "
+         f"{job - world_size} only sample (rollout.placement=split)")
+    return (f"# resolved roles at {where} (models from their checkpoints, "
             "layouts defaulting to the actor's):\n"
             + yaml.safe_dump({"resolved_roles": view}, sort_keys=False))
 

@@ -300,3 +300,25 @@ def test_a_stopped_rollout_rank_is_named_within_the_deadline(tiny_checkpoints):
     assert took < deadline_s + 30, took
     assert "rank(s) 1 (rollout rank 0, host" in text, text[-3000:]
     assert "stopped sending heartbeats" in text and "rank 0 (training rank 0, host" in text
+
+
+def test_the_plan_of_a_split_job_puts_the_kv_cache_on_the_rollout_ranks():
+    """megarlhf plan, 16 processes, the last 4 sampling: 12 training ranks at the roles'
+    layouts (DP 3), none of them with a rollout KV cache; 4 rollout ranks holding one
+    TP=4 replica's weights in every phase and the KV cache of all 256 samples - 4 times a
+    colocated rank's, whose 4 replicas share them."""
+    from megarlhf.config import load_config
+    from megarlhf.memory.plan import plan_ppo
+    cfg = load_config("configs/plan_8b.yaml", ["rollout.placement=split", "rollout.ranks=4"])
+    split = plan_ppo(cfg, 16)
+    colocated = plan_ppo(load_config("configs/plan_8b.yaml"), 16)
+    assert split.world == 12 and split.rollout_ranks == 4 and len(split.ranks) == 16
+    assert split.specs["actor"].layout.dp(split.world) == 3
+    kv = ("inference", "kv_cache")
+    assert all(rank["rollout"].get(kv, 0.0) == 0.0 for rank in split.ranks[:12])
+    assert all(rank["rollout"][kv] == 4 * colocated.ranks[0]["rollout"][kv]
+               for rank in split.ranks[12:])
+    params = colocated.ranks[0]["rollout"][("inference", "params")]
+    assert all(rank[p][("inference", "params")] == params
+               for rank in split.ranks[12:] for p in rank)
+    assert not any(("actor", "params") in rank["train"] for rank in split.ranks[12:])

@@ -12,8 +12,8 @@ from megarlhf.config.parallel import ParallelConfig, RoleParallelConfig
 from megarlhf.config.ppo import PPOConfig, RolloutConfig
 from megarlhf.config.roles import RoleConfig, RolesConfig
 from megarlhf.config.rules import (
-    check_launch, check_model_layout, check_ppo, check_precision, check_roles, check_supervised,
-    check_rollout_layout, check_section, validate_layout)
+    check_launch, check_model_layout, check_placement, check_ppo, check_precision, check_roles,
+    check_supervised, check_rollout_layout, check_section, validate_layout)
 from megarlhf.config.run import CheckpointConfig, LoggingConfig, RunConfig
 from megarlhf.config.training import OptimizerConfig, TrainConfig
 from megarlhf.config.tree import Config
@@ -24,7 +24,7 @@ __all__ = [
     "MLAConfig", "ModelConfig", "MoEConfig", "RopeScalingConfig", "OptimizerConfig", "config_from_dict", "PPOConfig", "ParallelConfig", "RolloutConfig",
     "RunConfig", "TokenizerConfig", "TrainConfig", "dump_config", "load_config", "padded_vocab_size",
     "parse_overrides", "validate_layout", "RoleConfig", "RoleParallelConfig", "RolesConfig",
-    "check_model_layout", "check_precision", "check_rollout_layout", "overlay",
+    "check_model_layout", "check_placement", "check_precision", "check_rollout_layout", "overlay",
     "section_from_dict", "check_ppo", "check_roles", "check_supervised", "check_section", "check_launch", "ALIASES",
     "Loaded", "read_config", "Written",
 ]

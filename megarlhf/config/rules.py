@@ -351,11 +351,26 @@ def _role_block(name: str, written: Written) -> str:
     return aliases[0] if aliases and len(aliases) == len(keys) else f"roles.{name}"
 
 
+def check_placement(cfg: Config, job_world: int) -> int:
+    """The training processes of a job of ``job_world`` (``rollout.placement=split``: all
+    but the last ``rollout.ranks``), refused before any work when there are none."""
+    if cfg.rollout.placement != "split":
+        return job_world
+    r = cfg.rollout.ranks
+    if job_world - r < 1:
+        raise ConfigError(
+            f"rollout.placement=split with rollout.ranks={r} leaves no training process in a "
+            f"job of {job_world}: launch at least {r + 1} processes (torchrun "
+            f"--nproc-per-node={r + 1}, or launch.nodes x launch.tasks_per_node)")
+    return job_world - r
+
+
 def check_launch(cfg: Config) -> int:
     """The Slurm job (``launch``) holds whole copies of every role's layout and of the
     rollout layout, TP within a node; returns the job's number of processes."""
     launch = cfg.launch
-    world = launch.nodes * launch.tasks_per_node
+    job = launch.nodes * launch.tasks_per_node
+    world = check_placement(cfg, job)  # the training processes
     for where, layout in _role_layouts(cfg).items():
         tp, pp, ranks = layout.tp, layout.pp, layout.model_parallel
         if world % ranks:
@@ -368,11 +383,11 @@ def check_launch(cfg: Config) -> int:
                               f"{launch.tasks_per_node}); keep TP within a node")
     if world % cfg.rollout.tensor_parallel_size:
         raise ConfigError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} "
-                          f"does not divide the {world} processes of the job")
+                          f"does not divide the {world} training processes of the job")
     if launch.gpus_per_node and launch.tasks_per_node > launch.gpus_per_node:
         raise ConfigError(f"launch.tasks_per_node={launch.tasks_per_node} exceeds "
                           f"launch.gpus_per_node={launch.gpus_per_node} (one task per GPU)")
-    return world
+    return job
 
 
 def _role_layouts(cfg: Config) -> dict[str, Layout]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from megarlhf import speedups
 from megarlhf.config import (
-    Config, ConfigError, Layout, Written, check_model_layout, padded_vocab_size)
+    Config, ConfigError, Layout, Written, check_model_layout, check_placement, padded_vocab_size)
 from megarlhf.data.packing import MIN_ROWS
 from megarlhf.roles.offload import LEVEL_PARTS, OFFLOAD_LEVELS
 from megarlhf.roles.spec import RoleSpec, ppo_role_specs
@@ -271,6 +271,9 @@ class Plan:
     # totals as the run's tracker measures them: without the forward-only estimates
     # (generation prefill, experience passes), which only a GPU allocator sees
     measurable: list[dict[str, float]] = field(default_factory=list)
+    # rollout.placement=split: the rollout ranks, after the ``world`` training ranks in
+    # ``ranks`` and ``totals``
+    rollout_ranks: int = 0
 
     def worst(self) -> tuple[float, int, str]:
         """(bytes, rank, phase) of the largest total."""
@@ -313,8 +316,11 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
     default to the longest the config allows (data.max_prompt_len, rollout.max_new_tokens);
     a measured run passes its batch's own to compare. ``written`` as in
     ``roles.spec.ppo_role_specs``."""
-    specs = specs or ppo_role_specs(cfg, world, written=written, planning=True)
     ppo, r = cfg.ppo, cfg.rollout
+    split = r.placement == "split"  # the job's last rollout.ranks processes only sample
+    if split:
+        world = check_placement(cfg, world)
+    specs = specs or ppo_role_specs(cfg, world, written=written, planning=True)
     P = prompt_len if prompt_len is not None else cfg.data.max_prompt_len
     T = response_len if response_len is not None else r.max_new_tokens
     S = P + T
@@ -341,7 +347,8 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
     ranks, totals, measurables = [], [], []
     for rank in range(world):
         inf_replica = inference.layout.coordinates(rank, world)[1]
-        rollout_rows = len(range(inf_replica, samples, inf_dp))
+        # split: the training ranks generate for evaluation only
+        rollout_rows = 0 if split else len(range(inf_replica, samples, inf_dp))
         eval_rows = len(range(inf_replica, eval_prompts, inf_dp))
         kv = kv_cache_bytes(inference.model, tp=inference.layout.tp, batch=rollout_rows, seq=S)
         by_phase: dict[str, dict[tuple[str, str], float]] = {p: {} for p in PHASES}
@@ -409,13 +416,34 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
                        "kept outputs its samples can have" if b else f"micro-batch {rows}")
         for what, b, rows in (("updates", budget, ppo.micro_batch_size),
                               ("experience passes", forward_budget, forward_rows)))
+    sampling = f"{inf_dp} inference replica(s) of TP={inference.layout.tp}"
+    if split:
+        r_dp = r.ranks // inference.layout.tp
+        sampling = (f"{r_dp} inference replica(s) of TP={inference.layout.tp} on the "
+                    f"{r.ranks} rollout rank(s) {world}..{world + r.ranks - 1} (the training "
+                    "ranks keep a copy for the weight sync and evaluation)")
+        for rank in range(r.ranks):  # the inference model, always resident, and its KV cache
+            replica = inference.layout.coordinates(rank, r.ranks)[1]
+            rows = len(range(replica, samples, r_dp))
+            params = float(static_bytes(inference, r_dp, 0, replica)["params"])
+            by_phase = {p: {("inference", "params"): params} for p in PHASES}
+            kv = float(kv_cache_bytes(inference.model, tp=inference.layout.tp, batch=rows, seq=S))
+            by_phase["rollout"][("inference", "kv_cache")] = kv
+            prefill = prefill_bytes(inference, batch=rows, prompt=P)
+            by_phase["rollout"][("inference", "activations")] = prefill
+            total = {p: params for p in PHASES}
+            total["rollout"] += kv
+            measurables.append(dict(total))
+            total["rollout"] += prefill
+            ranks.append(by_phase)
+            totals.append(total)
     notes = [f"sequences of {P} prompt + {T} response tokens; {micro_note}; {samples} "
-             f"rollout samples over {inf_dp} inference replica(s) of "
-             f"TP={inference.layout.tp}"]
-    if eval_prompts > samples:
+             f"rollout samples over {sampling}"]
+    if eval_prompts > samples and not split:
         notes.append(f"evaluation generates for {eval_prompts} prompts (ppo.num_eval_prompts), "
                      "more than a rollout: its KV cache is in the rollout total")
-    return Plan(world, specs, inference.layout.tp, ranks, totals, notes, measurables)
+    return Plan(world, specs, inference.layout.tp, ranks, totals, notes, measurables,
+                rollout_ranks=r.ranks if split else 0)
 
 
 # ------------------------------------------------------------------ reporting
@@ -459,8 +487,10 @@ def format_plan(plan: Plan, capacity: float | None, headroom: float) -> str:
             opt = " (distributed optimizer)" if spec.optimizer.use_distributed_optimizer \
                 else " (plain optimizer)"
         lines.append(f"{name:10s} {model:34s} {layout:22s} {spec.offload}{opt}")
-    lines.append(f"inference  rollout TP={plan.rollout_tp}, "
-                 f"{plan.world // plan.rollout_tp} replica(s)")
+    replicas = (plan.rollout_ranks or plan.world) // plan.rollout_tp
+    lines.append(f"inference  rollout TP={plan.rollout_tp}, {replicas} replica(s)"
+                 + (f" on {plan.rollout_ranks} rollout rank(s) (placement split)"
+                    if plan.rollout_ranks else ""))
     lines += [f"  {n}" for n in plan.notes]
     lines.append("")
     total, rank, phase = plan.worst()

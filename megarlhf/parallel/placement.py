@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from megarlhf.config import Config, ConfigError
+from megarlhf.config import Config, check_placement
 from megarlhf.parallel import watchdog
 from megarlhf.parallel.launch import init_distributed, read_job_env, use_part
 
@@ -44,17 +44,6 @@ class Split:
                 f"{n}..{n + r - 1} ({r})")
 
 
-def check_split(cfg: Config, job_world: int) -> int:
-    """The training world of a split job of ``job_world`` processes (before any work)."""
-    r = cfg.rollout.ranks
-    if job_world - r < 1:
-        raise ConfigError(
-            f"rollout.placement=split with rollout.ranks={r} leaves no training process in a "
-            f"job of {job_world}: launch at least {r + 1} processes (torchrun "
-            f"--nproc-per-node={r + 1}, or launch.nodes x launch.tasks_per_node)")
-    return job_world - r
-
-
 def start(cfg: Config) -> Split | None:
     """Join this process's world (``rollout.placement``): None when colocated (the caller
     starts the default group as always); for split, both worlds and the bridge are up when
@@ -62,7 +51,7 @@ def start(cfg: Config) -> Split | None:
     if cfg.rollout.placement != "split":
         return None
     job = read_job_env()
-    n = check_split(cfg, job.world_size)
+    n = check_placement(cfg, job.world_size)
     training = job.rank < n
     part = dataclasses.replace(job, rank=job.rank if training else job.rank - n,
                                world_size=n if training else cfg.rollout.ranks)
