@@ -83,6 +83,56 @@ def test_kv_cache_at_rollout_tp2_holds_half_the_heads(rollout_results):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3"])
+def test_idle_decode_slots_are_the_stopped_rows_fed(rollout_results, arch):
+    """rollout/idle_decode_slots counts, at each decode step, the rows fed that had
+    stopped: a row of L tokens in a response W wide idles W - L steps, of W - 1."""
+    tail, stats = rollout_results[0][f"gen_{arch}"]["tail"]
+    lengths = tail.response_mask_BT.sum(1)
+    width = tail.response_tokens_BT.shape[1]
+    assert len(set(lengths.tolist())) > 1  # the rows stop at different columns
+    assert stats["decode_slots"] == len(lengths) * (width - 1)
+    assert stats["idle_decode_slots"] == int((width - lengths).sum()) > 0
+
+
+def _slot_schedule(lengths: list[int], slots: int) -> tuple[int, int]:
+    """(decode slots, idle ones) of continuous batching, simulated from the response
+    lengths: each step every busy slot samples a token; a slot whose row is done takes the
+    next prompt before the step's decode; a step is counted while any slot is busy."""
+    left, waiting = [None] * slots, list(range(len(lengths)))
+    for s in range(slots):
+        left[s] = lengths[waiting.pop(0)] if waiting else None
+    total = idle = 0
+    while True:
+        left = [None if x is None or x == 1 else x - 1 for x in left]
+        left = [lengths[waiting.pop(0)] if x is None and waiting else x for x in left]
+        busy = sum(x is not None for x in left)
+        if not busy:
+            return total, idle
+        total, idle = total + slots, idle + slots - busy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["greedy", "seeded"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3"])
+def test_continuous_batching_samples_what_the_static_batch_does(rollout_results, arch, how):
+    """4 prompts through 2 decode slots (rollout.decode_slots), a freed slot taking the
+    next prompt mid-stream: the same tokens, stops and log-probs (to 1e-5) as all four in
+    one static batch - greedy, and sampled from per-prompt seeds with rows stopping at
+    different columns; its idle slots are the simulated schedule's."""
+    static, continuous, stats = rollout_results[0][f"gen_{arch}"]["continuous"][how]
+    lengths = static.response_mask_BT.sum(1).tolist()
+    if how == "seeded":  # (greedy, a random model repeats itself: rows may stop alike)
+        assert len(set(lengths)) > 1
+    assert torch.equal(static.response_tokens_BT, continuous.response_tokens_BT)
+    assert torch.equal(static.response_mask_BT, continuous.response_mask_BT)
+    assert torch.equal(static.finished_B, continuous.finished_B)
+    assert torch.equal(static.prompt_tokens_BP, continuous.prompt_tokens_BP)
+    assert (static.logprobs_BT - continuous.logprobs_BT).abs().max() < 1e-5
+    assert (stats["decode_slots"], stats["idle_decode_slots"]) == _slot_schedule(lengths, 2)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_responses_are_as_wide_as_the_longest(rollout_results, arch):
     """When every row stops early the response columns end at the longest response, and

@@ -235,6 +235,15 @@ class RolloutConfig:
     ranks: int | None = None
     """placement=split: the processes that sample (the job's last ones); a multiple of
     tensor_parallel_size. Unset otherwise."""
+    decode_slots: int | None = None
+    """Continuous batching: the rows each inference replica decodes at once; a row that
+    stops hands its slot to the replica's next prompt at the next step (the prompts of a
+    GRPO group are adjacent, so they start together). The samples are those of one static
+    batch (per-prompt seeds); the KV cache holds these rows, each up to the longest prompt
+    + max_new_tokens x (prompts / slots + 1) columns. None: all of the replica's prompts in
+    one static batch, whose rows stay in it until the longest stops
+    (rollout/idle_decode_slots shows how many of them the decode steps feed after they
+    stopped). Not with a mixture-of-experts actor yet (routing is not recorded)."""
     weight_checksum: bool = False
     """placement=split: after every weight sync each rollout rank compares a SHA-256 of
     the weights it now holds with the sender's, and stops the run on a mismatch (a pass
@@ -298,6 +307,9 @@ class RolloutConfig:
     def __post_init__(self):
         require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size",
                 self.tensor_parallel_size, "must be >= 1")
+        if self.decode_slots is not None:
+            require(self.decode_slots >= 1, "rollout.decode_slots", self.decode_slots,
+                    "must be >= 1, or null for one static batch")
         if self.placement == "split":
             require(self.ranks is not None and self.ranks >= 1, "rollout.ranks", self.ranks,
                     "must be >= 1 with rollout.placement=split (the processes that sample)")

@@ -337,6 +337,15 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
     eval_prompts = ppo.num_eval_prompts if cfg.data.eval_path else 0
     static_cache: dict = {}
 
+    def rollout_kv(rows: int) -> float:
+        """A replica's KV cache for ``rows`` prompts: one static batch, or continuous
+        batching's ``rollout.decode_slots`` rows of its longer columns (rollout.continuous)."""
+        if r.decode_slots is not None and r.decode_slots < rows:
+            return float(kv_cache_bytes(inference.model, tp=inference.layout.tp,
+                                        batch=r.decode_slots,
+                                        seq=P + T * (-(-rows // r.decode_slots) + 1)))
+        return float(kv_cache_bytes(inference.model, tp=inference.layout.tp, batch=rows, seq=S))
+
     def static(spec: RoleSpec, rank: int) -> dict[str, int]:
         _, d, s = spec.layout.coordinates(rank, world)
         key = (spec.name, s, d)
@@ -350,7 +359,7 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
         # split: the training ranks generate for evaluation only
         rollout_rows = 0 if split else len(range(inf_replica, samples, inf_dp))
         eval_rows = len(range(inf_replica, eval_prompts, inf_dp))
-        kv = kv_cache_bytes(inference.model, tp=inference.layout.tp, batch=rollout_rows, seq=S)
+        kv = rollout_kv(rollout_rows)
         by_phase: dict[str, dict[tuple[str, str], float]] = {p: {} for p in PHASES}
         total: dict[str, float] = {}
         for phase in PHASES:
@@ -368,7 +377,7 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
         by_phase["rollout"][("inference", "kv_cache")] = float(kv)
         total["rollout"] += kv
         measurable = dict(total)
-        gen_rows = max(rollout_rows, eval_rows)
+        gen_rows = max(min(rollout_rows, r.decode_slots or rollout_rows), eval_rows)
         prefill = prefill_bytes(inference, batch=gen_rows, prompt=P)
         by_phase["rollout"][("inference", "activations")] = prefill
         eval_kv = kv_cache_bytes(inference.model, tp=inference.layout.tp, batch=eval_rows, seq=S)
@@ -427,9 +436,9 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
             rows = len(range(replica, samples, r_dp))
             params = float(static_bytes(inference, r_dp, 0, replica)["params"])
             by_phase = {p: {("inference", "params"): params} for p in PHASES}
-            kv = float(kv_cache_bytes(inference.model, tp=inference.layout.tp, batch=rows, seq=S))
+            kv = rollout_kv(rows)
             by_phase["rollout"][("inference", "kv_cache")] = kv
-            prefill = prefill_bytes(inference, batch=rows, prompt=P)
+            prefill = prefill_bytes(inference, batch=min(rows, r.decode_slots or rows), prompt=P)
             by_phase["rollout"][("inference", "activations")] = prefill
             total = {p: params for p in PHASES}
             total["rollout"] += kv

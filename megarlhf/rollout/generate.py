@@ -129,7 +129,9 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     generated it (PPO runs at different layouts then see the same samples). The row
     generators live on the model's device: the CPU and CUDA draw different streams, so
     samples are reproducible per device type. Everything runs on the model's device;
-    the returned tensors are on the host. ``stats`` receives ``kv_cache_bytes``.
+    the returned tensors are on the host. ``stats`` receives ``kv_cache_bytes`` and
+    ``decode_slots`` / ``idle_decode_slots``: the rows fed at each decode step, and how many
+    of them had already stopped (a long tail's cost in a static batch).
     ``use_cache=False`` recomputes the whole sequence every step (a reference for tests).
     ``record_routing``: a mixture of experts' choice of experts for every token fed, in
     ``routing_BLSK`` (the column layout of prompt and response)."""
@@ -179,6 +181,8 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
         return out[:, -1, :true_vocab].float()
 
     logits = last_logits(P, P)
+    steps, idle = 0, torch.zeros((), dtype=torch.long, device=device)  # decode steps, and
+    # the stopped rows fed in them
     for t in range(T):
         scaled = logits / params.temperature if params.temperature != 1.0 else logits
         if params.greedy:
@@ -205,6 +209,8 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
         finished = finished | (active & torch.isin(next_token, stop_tensor))
         if finished.all() or t == T - 1:
             break
+        idle += finished.sum()  # rows fed this step that have stopped (no host sync)
+        steps += 1
         col = P + t
         tokens[:, col] = next_token
         key_mask[:, col] = active
@@ -214,6 +220,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
             logits = last_logits(col + 1, 1)
     if stats is not None:
         stats["kv_cache_bytes"] = kv_cache_bytes(ctx) if ctx is not None else 0
+        stats["decode_slots"], stats["idle_decode_slots"] = B * steps, int(idle)
     # responses as wide as the longest one: when every row stopped early, the passes and
     # the training that follow pay nothing for the columns no row reached
     width = t + 1

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from megarlhf import algos
 from megarlhf.config import Config
@@ -22,6 +23,7 @@ from megarlhf.roles.build import Role
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel.layout import RankLayout
+from megarlhf.rollout.continuous import generate_continuous
 from megarlhf.rollout.generate import Generation, SamplingParams, generate
 from megarlhf.rollout.reshard import Resharder, release_inference_weights
 from megarlhf.parallel import watchdog
@@ -58,17 +60,15 @@ class Sampler:
         inf = self.inference_layout
         indices = list(range(inf.dp_rank, len(prompts), inf.dp))
         mine = [prompts[i] for i in indices]
-        r = self.cfg.rollout
         if self.hooks is not None:
             self.hooks.before_generate()
         start = time.perf_counter()
         gen_stats: dict = {}
         with watchdog.phase("generation"):
-            gen = generate(self.inference_model, mine, sampling_params(self.cfg, self.end_ids),
-                           eos_id=self.eos_id, pad_id=self.pad_id,
-                           true_vocab=self.actor.spec.model.vocab_size,
-                           stop_at_eos=r.stop_at_eos, row_seeds=row_seeds(seed, indices),
-                           stats=gen_stats, record_routing=self.actor.spec.model.moe.enabled)
+            gen = sample_share(self.cfg, self.inference_model, mine, indices, seed,
+                               eos_id=self.eos_id, pad_id=self.pad_id, end_ids=self.end_ids,
+                               true_vocab=self.actor.spec.model.vocab_size, stats=gen_stats,
+                               record_routing=self.actor.spec.model.moe.enabled)
         seconds = time.perf_counter() - start
         if self.hooks is not None:
             self.hooks.after_generate(gen_stats["kv_cache_bytes"])
@@ -77,7 +77,7 @@ class Sampler:
         with watchdog.phase("gathering the generations"):
             gen = gather_generations(gen, prompts, inf, self.pad_id)
         return gen, {"timing/reshard": stats.seconds, "perf/reshard_bytes": stats.bytes_received,
-                     "timing/generate": seconds}
+                     "timing/generate": seconds, **idle_slots(gen_stats)}
 
     def finalize(self, gen: Generation) -> tuple[Generation, torch.Tensor]:
         """Cut every response after its first stop token (the stop token stays): with
@@ -91,6 +91,33 @@ class Sampler:
             gen, response_tokens_BT=tokens, response_mask_BT=mask,
             logprobs_BT=gen.logprobs_BT * mask, finished_B=has_stop,
             versions_BT=None if gen.versions_BT is None else gen.versions_BT * mask), has_stop
+
+
+def sample_share(cfg: Config, model, prompts: list[list[int]], indices: list[int], seed: int,
+                 *, eos_id: int, pad_id: int, end_ids: tuple[int, ...], true_vocab: int,
+                 stats: dict, record_routing: bool = False) -> Generation:
+    """A replica's share ``prompts`` (the batch's prompts ``indices``) sampled as the
+    rollout samples: one static batch, or ``rollout.decode_slots`` rows at a time."""
+    r = cfg.rollout
+    params = sampling_params(cfg, end_ids)
+    seeds = row_seeds(seed, indices)
+    if r.decode_slots is not None and r.decode_slots < len(prompts):
+        return generate_continuous(model, prompts, params, slots=r.decode_slots,
+                                   eos_id=eos_id, pad_id=pad_id, true_vocab=true_vocab,
+                                   stop_at_eos=r.stop_at_eos, row_seeds=seeds, stats=stats)
+    return generate(model, prompts, params, eos_id=eos_id, pad_id=pad_id, true_vocab=true_vocab,
+                    stop_at_eos=r.stop_at_eos, row_seeds=seeds, stats=stats,
+                    record_routing=record_routing)
+
+
+def idle_slots(gen_stats: dict) -> dict[str, float]:
+    """``rollout/idle_decode_slots``: the share of the rows fed at the decode steps of
+    every replica that had already stopped (TP peers count alike, so the share is the
+    replicas'); a collective of the world the replicas are in."""
+    counts = torch.tensor([gen_stats["idle_decode_slots"], gen_stats["decode_slots"]],
+                          dtype=torch.float64)
+    dist.all_reduce(counts)
+    return {"rollout/idle_decode_slots": float(counts[0] / counts[1]) if counts[1] else 0.0}
 
 
 def stop_tokens(cfg: Config, end_ids: tuple[int, ...]) -> tuple[int, ...]:

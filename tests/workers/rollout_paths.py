@@ -21,6 +21,7 @@ from common import build, fixed_sequences, make_config  # noqa: E402
 
 from megarlhf.engine.optimizer import train_step  # noqa: E402
 from megarlhf.models.logprobs import vocab_parallel_logprobs  # noqa: E402
+from megarlhf.rollout.continuous import generate_continuous  # noqa: E402
 from megarlhf.rollout.generate import SamplingParams, generate  # noqa: E402
 from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout  # noqa: E402
 from megarlhf.stages.score import right_padded_batch, score_sequences  # noqa: E402
@@ -62,8 +63,29 @@ def generation_case(arch, results):
     stopped = generate(model, PROMPTS, SamplingParams(max_new_tokens=12, greedy=True,
                                                       temperature=0.8, stop_token_ids=stops),
                        **common)
+    # rows stopping at different columns: the decode slots they leave idle. Sampled from
+    # per-prompt seeds (greedy, a random model repeats itself): the stop tokens are tokens
+    # a first run sampled, one per row at a column further right for each row
+    seeds = [101 + i for i in range(len(PROMPTS))]
+    free = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=50, top_p=0.9)
+    probe = generate(model, PROMPTS, free, row_seeds=seeds, **common)
+    stops = tuple(sorted({int(probe.response_tokens_BT[b, min(2 + 3 * b, 11)])
+                          for b in range(len(PROMPTS))}))
+    seeded = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=50, top_p=0.9,
+                            stop_token_ids=stops)
+    tail_stats: dict = {}
+    tail = generate(model, PROMPTS, seeded, row_seeds=seeds, stats=tail_stats, **common)
+    tail_params = SamplingParams(max_new_tokens=12, greedy=True, temperature=0.8,
+                                 stop_token_ids=stops)
+    continuous = {}
+    for name, p, kw in (("greedy", tail_params, {}), ("seeded", seeded, {"row_seeds": seeds})):
+        slot_stats: dict = {}
+        continuous[name] = (generate(model, PROMPTS, p, **kw, **common),
+                            generate_continuous(model, PROMPTS, p, slots=2, stats=slot_stats,
+                                                **kw, **common), slot_stats)
     results[f"gen_{arch}"] = {"cached": cached, "full": full, "sampled": sampled,
-                              "teacher": [r["logprobs"] for r in rows], "stopped": stopped}
+                              "teacher": [r["logprobs"] for r in rows], "stopped": stopped,
+                              "tail": (tail, tail_stats), "continuous": continuous}
 
 
 def short_linears_case(arch, results):

@@ -1,0 +1,168 @@
+"""Continuous batching: at most ``slots`` rows decode at once, and a row that stops hands
+its slot to the next waiting prompt at the next step (``rollout.decode_slots``).
+
+A static batch feeds every row until the longest one stops: with long-tailed responses
+half of the rows fed at the decode steps have already stopped (``rollout/idle_decode_slots``).
+Here a freed slot takes the next prompt in order, so the prompts of a GRPO group, which
+are adjacent, start together. One megatron ``StaticInferenceContext`` of ``slots`` rows
+holds the keys and values; its columns are shared, so a prompt admitted at decode column
+c is written into its slot's columns ending at c (the columns before it, the previous
+occupant's, are masked out of its attention; positions count its own tokens). The context
+is as long as the longest schedule could need: the longest prompt plus ``max_new_tokens``
+times (prompts / slots + 1).
+
+Samples are those of :func:`~megarlhf.rollout.generate.generate` for the same per-prompt
+seeds (greedy, or ``row_seeds``: each prompt draws its own stream, one draw per token it
+samples), whichever slot and step a prompt gets; the logits of a row can differ in the
+last bits with the batch it is computed in.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.inference.contexts import StaticInferenceContext
+
+from megarlhf.memory.accounting import kv_cache_bytes
+from megarlhf.parallel import cpu_backend
+from megarlhf.rollout.generate import (Generation, SamplingParams, _attention_blocked,
+                                       filter_logits, left_pad)
+
+
+class _PromptUniforms:
+    """Each prompt's uniform draws for the Gumbel-max sampler, from its own generator
+    seeded with its seed, ``chunk`` draws at a time (the stream of per-step ``rand(V)``
+    calls, as ``generate``'s), each prompt at its own step."""
+
+    def __init__(self, seeds: list[int], vocab: int, device, chunk: int = 8):
+        self.gens = [torch.Generator(device).manual_seed(int(s)) for s in seeds]
+        self.vocab, self.device, self.chunk = vocab, device, chunk
+        self.blocks: dict[int, torch.Tensor] = {}
+        self.used = [chunk] * len(seeds)
+
+    def next(self, prompts: list[int]) -> torch.Tensor:
+        """(len(prompts), V): the next draw of each prompt."""
+        rows = []
+        for i in prompts:
+            if self.used[i] == self.chunk:
+                self.blocks[i] = torch.rand(self.chunk, self.vocab, generator=self.gens[i],
+                                            device=self.device)
+                self.used[i] = 0
+            rows.append(self.blocks[i][self.used[i]])
+            self.used[i] += 1
+        return torch.stack(rows)
+
+
+@torch.no_grad()
+@cpu_backend.suspended()  # the sampling loop names no device megatron redirects
+def generate_continuous(model, prompts: list[list[int]], params: SamplingParams, *,
+                        slots: int, eos_id: int, pad_id: int, true_vocab: int,
+                        stop_at_eos: bool = True, row_seeds: list[int] | None = None,
+                        stats: dict | None = None) -> Generation:
+    """As :func:`~megarlhf.rollout.generate.generate` (greedy or ``row_seeds``), decoding
+    at most ``slots`` rows at a time. ``stats``: ``kv_cache_bytes``, ``decode_slots`` (the
+    slots of every decode step) and ``idle_decode_slots`` (those without a row: only once
+    no prompt waits)."""
+    if not params.greedy and row_seeds is None:
+        raise ValueError("continuous batching samples with per-prompt seeds (row_seeds) or "
+                         "greedily: a shared generator's draws would depend on the schedule")
+    device = next(model.parameters()).device
+    n, T = len(prompts), params.max_new_tokens
+    S = min(slots, n)
+    P = max(len(p) for p in prompts)
+    # every column the longest schedule could reach: while prompts wait, all S slots
+    # sample, so at most n * T / S steps; then at most T more
+    L = P + T * (-(-n // S) + 1)
+    stops = set(params.stop_token_ids) | ({eos_id} if stop_at_eos else set())
+    stop_tensor = torch.tensor(sorted(stops), dtype=torch.long, device=device)
+    tokens = torch.full((S, L), pad_id, dtype=torch.long, device=device)
+    key_mask = torch.zeros(S, L, dtype=torch.long, device=device)
+    positions = torch.zeros(S, L, dtype=torch.long, device=device)
+    ctx = StaticInferenceContext(S, L)
+    draws = _PromptUniforms(row_seeds, true_vocab, device) if row_seeds else None
+    holds = [-1] * S  # the prompt each slot decodes (-1: none)
+    length = [0] * S  # tokens the slot's prompt has sampled
+    responses: list[list[int]] = [[] for _ in range(n)]
+    logprobs: list[list[float]] = [[] for _ in range(n)]
+    finished = [False] * n
+
+    def forward(rows: slice, start: int, end: int) -> torch.Tensor:
+        """Feed columns [start, end) of ``rows``; logits at column end - 1."""
+        ctx.batch_size_offset, ctx.sequence_len_offset = rows.start, start
+        blocked = _attention_blocked(key_mask[rows, :end], end - start)
+        out = model(tokens[rows, start:end].masked_fill(key_mask[rows, start:end] == 0, pad_id),
+                    positions[rows, start:end], blocked, inference_context=ctx,
+                    runtime_gather_output=True, positions=slice(-1, None))
+        ctx.enable_decode_mode()
+        return out[:, -1, :true_vocab].float()
+
+    # the first S prompts, left-padded into columns [0, P)
+    first, first_mask = (t.to(device) for t in left_pad(prompts[:S], pad_id))
+    tokens[:, P - first.shape[1]:P], key_mask[:, P - first.shape[1]:P] = first, first_mask
+    positions[:, :P] = (key_mask[:, :P].cumsum(dim=1) - 1).clamp(min=0)
+    for s in range(S):
+        holds[s] = s
+    logits = forward(slice(0, S), 0, P)
+    waiting = S  # the next prompt to admit
+    col = P  # the next column to feed
+    slot_steps = idle = 0
+    while True:
+        active = [s for s in range(S) if holds[s] >= 0]
+        rows = torch.tensor(active, device=device)
+        scaled = logits[rows] / params.temperature if params.temperature != 1.0 \
+            else logits[rows]
+        if params.greedy:
+            picked = scaled.argmax(dim=-1)
+        else:
+            filtered = filter_logits(scaled, params.top_k, params.top_p)
+            uniform = draws.next([holds[s] for s in active])
+            gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1.0 - 1e-7)))
+            picked = (filtered + gumbel).argmax(dim=-1)
+        picked_lp = torch.log_softmax(scaled, dim=-1).gather(-1, picked.unsqueeze(-1))[:, 0]
+        stopped = torch.isin(picked, stop_tensor)
+        for j, s in enumerate(active):
+            i = holds[s]
+            responses[i].append(int(picked[j]))
+            logprobs[i].append(float(picked_lp[j]))
+            length[s] += 1
+            if bool(stopped[j]) or length[s] == T:
+                finished[i] = bool(stopped[j])
+                holds[s] = -1
+            else:  # the sampled token is fed at ``col``
+                tokens[s, col], key_mask[s, col] = picked[j], 1
+                positions[s, col] = positions[s, col - 1] + 1
+        # free slots take the next prompts: their prompt ends at ``col``, its earlier
+        # tokens written now, its last fed with the others' tokens below
+        for s in range(S):
+            if holds[s] < 0 and waiting < n:
+                prompt = prompts[waiting]
+                p = len(prompt)
+                key_mask[s, :col + 1] = 0
+                tokens[s, col + 1 - p:col + 1] = torch.tensor(prompt, device=device)
+                key_mask[s, col + 1 - p:col + 1] = 1
+                positions[s, col + 1 - p:col + 1] = torch.arange(p, device=device)
+                holds[s], length[s] = waiting, 0
+                waiting += 1
+                if p > 1:
+                    forward(slice(s, s + 1), col + 1 - p, col)
+        busy = sum(h >= 0 for h in holds)
+        if not busy:
+            break
+        slot_steps += S
+        idle += S - busy
+        logits = forward(slice(0, S), col, col + 1)
+        col += 1
+    if stats is not None:
+        stats["kv_cache_bytes"] = kv_cache_bytes(ctx)
+        stats["decode_slots"], stats["idle_decode_slots"] = slot_steps, idle
+    prompt_tokens, prompt_mask = left_pad(prompts, pad_id)
+    width = max(len(r) for r in responses)
+    response = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros(n, width, dtype=torch.long)
+    lp = torch.zeros(n, width)
+    for i in range(n):
+        k = len(responses[i])
+        response[i, :k] = torch.tensor(responses[i])
+        mask[i, :k] = 1
+        lp[i, :k] = torch.tensor(logprobs[i])
+    return Generation(prompt_tokens, prompt_mask, response, mask, lp,
+                      torch.tensor(finished, dtype=torch.bool))
