@@ -32,12 +32,13 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.config import Config, ConfigError
-from megarlhf.parallel import watchdog
+from megarlhf.parallel import signals, watchdog
 from megarlhf.parallel.placement import Split
-from megarlhf.rollout.generate import Generation, generate
+from megarlhf.parallel.signals import install_handlers
+from megarlhf.rollout.generate import Generation
 from megarlhf.rollout.reshard import (build_inference_model, inference_layout,
                                       release_inference_weights)
-from megarlhf.rollout.sampling import Sampler, gather_generations, row_seeds, sampling_params
+from megarlhf.rollout.sampling import Sampler, gather_generations, idle_slots, sample_share
 
 REQUEST, WEIGHTS, RESULT = 1, 2, 3  # bridge tags
 
@@ -120,6 +121,9 @@ class RemoteRollout:
         self.rollout_root = split.rollout_job_rank(0)
         self.rank = dist.get_rank()
         self.syncs: dict[str, float] = {}  # since take_sync_metrics
+        # a rollout rank received a preemption signal (SIGUSR1 / SIGTERM: Slurm sends it to
+        # every task); the same on every training rank, as the results are shared
+        self.signalled = False
 
     def take_sync_metrics(self) -> dict[str, float]:
         """The weight syncs since the last call: ``timing/weight_sync`` (seconds, the
@@ -178,6 +182,7 @@ class RemoteRollout:
                    if self.rank == 0 else None]
             dist.broadcast_object_list(got, src=0)
         result = got[0]
+        self.signalled = self.signalled or result["signalled"]
         if result["version"] != pending.version:
             raise RuntimeError(f"the rollout ranks sampled with policy version "
                                f"{result['version']}, not the {pending.version} asked for")
@@ -204,11 +209,13 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
         raise ConfigError("rollout.placement=split does not take a mixture-of-experts actor "
                           "yet (its expert layout and router bias are not sent to the rollout "
                           "ranks): use rollout.placement=colocated")
+    # a preemption signal is the training side's to act on (it saves, then says stop):
+    # here it is only recorded and reported with the next batch
+    install_handlers()
     inf = inference_layout(cfg.rollout.tensor_parallel_size)
     model = build_inference_model(actor_spec, inf)
     shapes = [(f.dtype, f.numel()) for f in flat_weights(model)]
     sender = inf.tp_rank  # replica 0's TP rank j on the training side is job rank j
-    params = sampling_params(cfg, tokenizer.end_ids)
     bridge, rank = split.bridge, dist.get_rank()
     version, served = None, 0
     while True:
@@ -238,16 +245,21 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
         prompts = request["prompts"]
         indices = list(range(inf.dp_rank, len(prompts), inf.dp))
         start = time.perf_counter()
+        gen_stats: dict = {}
         with watchdog.phase("generation"):
-            gen = generate(model, [prompts[i] for i in indices], params, eos_id=tokenizer.eos_id,
-                           pad_id=tokenizer.pad_id, true_vocab=actor_spec.model.vocab_size,
-                           stop_at_eos=cfg.rollout.stop_at_eos,
-                           row_seeds=row_seeds(request["seed"], indices))
+            gen = sample_share(cfg, model, [prompts[i] for i in indices], indices,
+                               request["seed"], eos_id=tokenizer.eos_id,
+                               pad_id=tokenizer.pad_id, end_ids=tokenizer.end_ids,
+                               true_vocab=actor_spec.model.vocab_size, stats=gen_stats)
         seconds = time.perf_counter() - start
         with watchdog.phase("gathering the generations"):
             gen = gather_generations(gen, prompts, inf, tokenizer.pad_id)
+            metrics = {"timing/generate": seconds, **idle_slots(gen_stats)}
+            asked = torch.tensor([1.0 if signals.asked() else 0.0])
+            dist.all_reduce(asked, op=dist.ReduceOp.MAX)
         if rank == 0:
             with watchdog.phase("sending samples to the training ranks"):
                 send_object(bridge, {"gen": _gen_state(gen), "version": version,
-                                     "metrics": {"timing/generate": seconds}}, 0, RESULT)
+                                     "metrics": metrics, "signalled": bool(asked.item())},
+                            0, RESULT)
         served += 1

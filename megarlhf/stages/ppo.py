@@ -472,7 +472,9 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
         bar.set_postfix(score=f"{metrics['objective/score']:.3f}",
                         kl=f"{metrics['objective/kl']:.2f}",
                         gold=f"{metrics.get('eval/gold_score', float('nan')):.2f}")
-        preempted = done < ppo.num_iterations and guard.requested()
+        # (split: the rollout ranks report a signal with the batches they send)
+        preempted = done < ppo.num_iterations and (
+            guard.requested() or (session.remote is not None and session.remote.signalled))
         if (cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0) \
                 or done == ppo.num_iterations or preempted:
             session.sync_ema()
