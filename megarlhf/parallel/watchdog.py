@@ -18,6 +18,7 @@ evaluation).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -243,6 +244,12 @@ def start(rank: int, world: int, master_addr: str, master_port: int,
                           wait_for_workers=False)
     _watch = _Watch(store, rank, world, deadline, interval)
     _watch.thread.start()
+    # Stopped at exit too, whoever ends the process: a daemon thread still inside the
+    # store client's C++ call when the interpreter finalizes ends the process with
+    # "terminate called without an active exception" (seen in 4-process test workers that
+    # only destroyed their process group)
+    atexit.unregister(stop)
+    atexit.register(stop)
 
 
 def stop() -> None:
