@@ -140,9 +140,6 @@ def trl_grpo(folder: str, iterations: int, batch: int) -> None:
         def on_step_begin(self, *a, **k):
             clock["start"] = time.perf_counter()
 
-        def on_log(self, args, state, control, logs=None, **k):
-            clock["tokens"] = (logs or {}).get("num_tokens", clock.get("tokens"))
-
         def on_step_end(self, *a, **k):
             clock["end"] = time.perf_counter()
 

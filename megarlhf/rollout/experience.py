@@ -42,7 +42,7 @@ class Sampled:
     def state_dict(self) -> dict:
         """Tensors, numbers and strings only (a checkpoint loads them with
         ``weights_only``)."""
-        return {"gen": {f.name: getattr(self.gen, f.name) for f in dataclasses.fields(self.gen)},
+        return {"gen": self.gen.state_dict(),
                 "has_stop": self.has_stop, "scores": self.scores,
                 "metrics": dict(self.metrics), "padding": dict(self.padding)}
 

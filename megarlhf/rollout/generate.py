@@ -11,7 +11,7 @@ side recomputes, so the two can be compared.
 from __future__ import annotations
 
 import contextlib
-
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +50,11 @@ class Generation:
     # the policy version that sampled each response token (0 on padding), when recorded:
     # see rollout.schedule
     versions_BT: torch.Tensor | None = None
+
+    def state_dict(self) -> dict:
+        """The fields as plain tensors (or None): what a checkpoint or the split job's
+        bridge carries, loaded with ``weights_only``; ``Generation(**state)`` rebuilds it."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,6 @@ next). A silent peer is the watchdog's to report: every wait runs in a named pha
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import time
@@ -89,10 +88,6 @@ def digest(flats: list[torch.Tensor]) -> torch.Tensor:
     for flat in flats:
         h.update(flat.contiguous().view(torch.uint8).numpy().tobytes())
     return torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8)
-
-
-def _gen_state(gen: Generation) -> dict:
-    return {f.name: getattr(gen, f.name) for f in dataclasses.fields(gen)}
 
 
 # ------------------------------------------------------------------ the training side
@@ -259,7 +254,7 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
             dist.all_reduce(asked, op=dist.ReduceOp.MAX)
         if rank == 0:
             with watchdog.phase("sending samples to the training ranks"):
-                send_object(bridge, {"gen": _gen_state(gen), "version": version,
+                send_object(bridge, {"gen": gen.state_dict(), "version": version,
                                      "metrics": metrics, "signalled": bool(asked.item())},
                             0, RESULT)
         served += 1
