@@ -16,13 +16,18 @@ other; the first ``--warmup`` iterations are not counted. Rows:
   1 thread: process 1 samples, process 0 scores and trains; at k >= 1 they overlap;
 - ``sync-slots`` / ``split-k1-slots``: ``sync`` / ``split-k1`` with continuous batching,
   8 decode slots for the 16 samples (``rollout.decode_slots``);
+- ``split-k1-partial`` / ``split-k2-partial`` / ``split-k1-slots-partial``: with partial
+  rollouts (``rollout.partial``: each update taken by the batch being sampled, its keys
+  and values recomputed); ``split-k1-partial-keep``: the keys and values kept;
 - ``trl-grpo``: TRL's ``GRPOTrainer`` at the same shape (:func:`trl_grpo`), 2 threads.
 
 Reported per row: the median seconds per iteration, tokens (prompt + response) per second
 of wall clock, and the phases (generation: the sampler's own time, on the rollout process
 under split; wait: how long training waited for a batch; sync w: the weight sync), the
-median staleness, the share of idle decode slots (rows fed after they stopped) and the
-mean response length. The rows sample different batches (at k >= 1 an older policy
+median staleness, the share of idle decode slots (rows fed after they stopped), the
+mean response length, the share of tokens sampled after an in-flight update (partial)
+and the mean |sampler - trainer| log-prob of the batch's tokens (lp diff: a stale token
+differs by its policy's lag; a kept KV cache adds its own error). The rows sample different batches (at k >= 1 an older policy
 samples each), so their lengths differ: compare tokens per second, not seconds. From the ``sync`` row's phases
 timed alone, also the step time the same run would have with rollout and training on
 separate devices: max(generation, the rest) - the cluster case, where neither side shares
@@ -61,6 +66,16 @@ ROWS = {
     "sync-slots": (1, ["run.num_threads=2", "rollout.decode_slots=8"]),
     "split-k1-slots": (2, ["run.num_threads=1", *SPLIT, "ppo.max_staleness=1",
                            "rollout.decode_slots=8"]),
+    # partial rollouts: each update is taken by the batch being sampled, between two decode
+    # steps (the keys and values recomputed, or kept)
+    "split-k1-partial": (2, ["run.num_threads=1", *SPLIT, "ppo.max_staleness=1",
+                             "rollout.partial=true"]),
+    "split-k1-partial-keep": (2, ["run.num_threads=1", *SPLIT, "ppo.max_staleness=1",
+                                  "rollout.partial=true", "rollout.partial_kv=keep"]),
+    "split-k2-partial": (2, ["run.num_threads=1", *SPLIT, "ppo.max_staleness=2",
+                             "rollout.partial=true"]),
+    "split-k1-slots-partial": (2, ["run.num_threads=1", *SPLIT, "ppo.max_staleness=1",
+                                   "rollout.decode_slots=8", "rollout.partial=true"]),
 }
 
 
@@ -184,7 +199,7 @@ def report(rows: dict[str, list[dict]], warmup: int) -> None:
 
     print(f"{'row':10s} {'s/iter':>8s} {'tok/s':>8s} {'vs sync':>8s} {'generate':>9s} "
           f"{'wait':>7s} {'train':>7s} {'sync w':>7s} {'staleness':>9s} {'idle':>5s} "
-          f"{'resp':>5s} {'wall s':>7s}")
+          f"{'resp':>5s} {'partial':>7s} {'lp diff':>8s} {'wall s':>7s}")
     base = None
     for name in rows:
         it = med(name, "timing/iteration")
@@ -196,7 +211,9 @@ def report(rows: dict[str, list[dict]], warmup: int) -> None:
               f"{med(name, 'timing/train'):7.2f} {med(name, 'timing/weight_sync'):7.3f} "
               f"{med(name, 'rollout/staleness_mean'):9.1f} "
               f"{med(name, 'rollout/idle_decode_slots'):5.2f} "
-              f"{med(name, 'rollout/response_len_mean'):5.0f} {rows[name][0]['_wall']:7.1f}")
+              f"{med(name, 'rollout/response_len_mean'):5.0f} "
+              f"{med(name, 'rollout/partial_tokens'):7.2f} "
+              f"{med(name, 'rollout/logprob_diff_mean'):8.5f} {rows[name][0]['_wall']:7.1f}")
     if "sync" in rows:
         it = med("sync", "timing/iteration")
         gen = med("sync", "timing/generate") + med("sync", "timing/reshard")

@@ -173,6 +173,20 @@ MUTANTS = [
            "        sync = version != self.held",
            "        sync = self.held is None",
            ("tests/test_async.py::test_split_placement_equals_colocated[1]",), ()),
+    Mutant("partial_versions_not_recorded", "rollout.partial: the tokens sampled after an "
+           "in-flight update keep the version the batch started with",
+           "megarlhf/rollout/remote.py",
+           "                gen.versions_BT > 0, inflight.version or 0, version)",
+           "                gen.versions_BT > 99, inflight.version or 0, version)",
+           ("tests/test_async.py::"
+            "test_partial_rollouts_switch_weights_mid_batch_with_each_tokens_version",), ()),
+    Mutant("partial_kv_not_recomputed", "rollout.partial_kv=recompute: the old weights' keys "
+           "and values are kept after new weights arrive mid-generation",
+           "megarlhf/rollout/generate.py",
+           "            if ctx is not None and recompute_kv:",
+           "            if ctx is not None and recompute_kv and False:",
+           ("tests/test_rollout.py::test_partial_rollout_tokens_carry_their_version_and_"
+            "behaviour_logprob[recompute-static]",), ()),
 ]
 
 

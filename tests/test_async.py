@@ -12,6 +12,7 @@
   would be less stale, and the metrics would differ).
 """
 
+import json
 import os
 import shutil
 import signal
@@ -368,3 +369,71 @@ def test_a_preemption_signal_to_the_rollout_rank_checkpoints_and_resumes(tiny_ch
     resumed = torchrun(_split_run(tiny_checkpoints, name, 1), 2)
     assert "resumed iter_000001" in resumed.stdout
     _same(_records(out, full), _records(out, name), (0, 1, 2, 3, 4))
+
+
+# ------------------------------------------------------------------ partial rollouts
+
+@pytest.mark.slow
+def test_partial_rollouts_switch_weights_mid_batch_with_each_tokens_version(tiny_checkpoints):
+    """rollout.partial at k = 1, the rollout process taking each update at decode step 2
+    (tests/workers/partial_at.py fixes the step; in a run it depends on timing): every
+    update after the first batch is taken in flight (rollout/inflight_updates), the share
+    of tokens sampled after it is 1 - the batch's mean staleness (their age is 0, the
+    others' 1), and no sync is sent twice. The batch waiting in the checkpoint of
+    iteration 2 - batch 2, sampled by version 1, then 2 - against `megarlhf score` of the
+    actors of iterations 1 and 2: its first two tokens of each row carry version 1 and
+    version 1's log-probs, the rest version 2 and version 2's (within 1e-5: the keys and
+    values recomputed). Catches versions recorded at the start of the batch only, weights
+    taken but not used, and a push that is never taken."""
+    from conftest import torchrun
+    out, task, _ = tiny_checkpoints
+    name = _fresh(tiny_checkpoints, "async_partial")
+    args = _split_run(tiny_checkpoints, name, 1, ["rollout.partial=true",
+                                                  "checkpoint.keep_last=3"], iterations=3)
+    torchrun(os.path.join(WORKERS, "partial_at.py"), 2, "2", *args)
+    runs = _records(out, name)
+    assert sorted(runs) == [0, 1, 2, 3]
+    for step in (1, 2, 3):
+        m = runs[step]
+        # the updates of iterations 1 and 2 are taken by batches 2 and 3 (there is no
+        # batch 3 to take iteration 3's)
+        assert m["rollout/inflight_updates"] == (1.0 if step < 3 else 0.0), (step, m)
+        if step == 1:
+            assert m["rollout/partial_tokens"] == 0.0 and m["rollout/staleness_max"] == 0
+        else:
+            assert 0 < m["rollout/partial_tokens"] < 1, (step, m)
+            assert abs(m["rollout/staleness_mean"] - (1 - m["rollout/partial_tokens"])) < 1e-9
+    queue = torch.load(out / name / "checkpoints" / "iter_000002" / "rollout_queue.pt",
+                       weights_only=True)
+    gen = queue["batches"]["2"]["gen"]
+    mask = gen["response_mask_BT"].bool()
+    rows, versions, behaviour = [], [], []
+    for b in range(mask.shape[0]):
+        n = int(mask[b].sum())
+        prompt = gen["prompt_tokens_BP"][b][gen["prompt_mask_BP"][b].bool()].tolist()
+        rows.append((len(prompt), prompt + gen["response_tokens_BT"][b, :n].tolist()))
+        versions.append(gen["versions_BT"][b, :n])
+        behaviour.append(gen["logprobs_BT"][b, :n])
+        assert versions[-1].tolist() == [1] * min(n, 2) + [2] * max(0, n - 2), versions[-1]
+    seqs = out / "partial_seqs.jsonl"
+    seqs.write_text("".join(json.dumps({"tokens": seq}) + "\n" for _, seq in rows))
+    scored = {}
+    for version in (1, 2):
+        dest = out / f"score_partial_v{version}.jsonl"
+        run_cli("score", "--config", "configs/sft_tiny.yaml", "--input", str(seqs), "--output",
+                str(dest), "--ckpt-role", "actor",
+                f"checkpoint.load={out}/{name}/checkpoints/iter_00000{version}",
+                f"tokenizer.path={task['tokenizer']}")
+        scored[version] = [json.loads(line)["logprobs"] for line in dest.read_text().splitlines()]
+    switched = 0
+    for b, (p, _) in enumerate(rows):
+        n = len(versions[b])
+        for version in (1, 2):
+            ref = torch.tensor(scored[version][b][p - 1:p - 1 + n])
+            at = versions[b] == version
+            assert torch.allclose(behaviour[b][at], ref[at], rtol=0, atol=1e-5), (b, version)
+            if version == 2 and at.any():
+                switched += 1
+                assert (ref[at] - torch.tensor(scored[1][b][p - 1:p - 1 + n])[at]).abs().max() \
+                    > 1e-4  # the versions are told apart
+    assert switched > 0

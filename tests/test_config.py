@@ -253,6 +253,12 @@ def test_config_show_cli(tmp_path):
     (["ppo.dynamic_sampling=true"], "must be >= 2 with ppo.dynamic_sampling"),
     (["ppo.rollout_mask_high=0.5"], "ppo.rollout_mask_high=0.5 is invalid"),
     (["ppo.value_loss_coef=0"], "ppo.value_loss_coef=0.0 is invalid"),
+    # partial rollouts: rollout ranks to send weights to, and updates while they sample
+    (["rollout.partial=true"], "rollout.partial apply to rollout.placement=split only"),
+    (["rollout.placement=split", "rollout.ranks=1", "rollout.partial=true"],
+     "rollout.partial needs ppo.max_staleness >= 1"),
+    (["rollout.placement=split", "rollout.ranks=1", "ppo.max_staleness=1",
+      "rollout.partial_kv=keep"], "rollout.partial_kv has no effect without rollout.partial"),
 ])
 def test_ppo_settings_without_effect_are_errors(overrides, message):
     from megarlhf.config import check_ppo
@@ -273,6 +279,8 @@ def test_ppo_settings_that_do_something_pass():
             ["ppo.policy_loss=decoupled", "ppo.behavior_weight_cap=5"],
             ["ppo.max_staleness=2", "ppo.behavior_weight_cap=5"],
             ["ppo.max_staleness=1", "ppo.policy_loss=ppo", "ppo.rollout_is_cap=2"],
+            ["rollout.placement=split", "rollout.ranks=1", "ppo.max_staleness=1",
+             "rollout.partial=true", "rollout.partial_kv=keep"],
             ["ppo.rollout_is_cap=2", "ppo.rollout_mask_low=0.5", "ppo.rollout_mask_high=2"],
             ["ppo.ptx_coef=0.5", "data.ptx_path=x.jsonl", "ppo.ptx_batch_size=8"],
             ["ppo.advantage_estimator=rloo", "ppo.group_size=2", "ppo.dynamic_sampling=true",

@@ -241,3 +241,49 @@ def test_row_uniforms_are_per_step_draws_of_each_rows_generator():
     for _ in range(19):
         expected = torch.stack([torch.rand(vocab, generator=g) for g in gens])
         assert torch.equal(draws.next(), expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["static", "slots"])
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+def test_partial_rollout_tokens_carry_their_version_and_behaviour_logprob(rollout_results,
+                                                                          how, kv):
+    """rollout.partial: new weights arrive after the third decode step (a static batch, or
+    2 decode slots). Every token records the version that sampled it - 0 up to the
+    switch, 1 after it, never back - and its log-prob is that version's: teacher-forced
+    scoring by the old weights for version 0, by the new for version 1 when the keys and
+    values are recomputed; with them kept, a one-row loop of megatron's inference context
+    whose prefix the old weights fed (static batch). The tokens before the switch are the
+    unswapped run's. Catches a swap at the wrong step, versions recorded for the wrong
+    tokens, and a recompute that leaves the old keys and values (or a keep that drops
+    them)."""
+    cases = rollout_results[0]["partial_llama"]
+    case, unswapped = cases[(how, kv)], cases["unswapped"]
+    g = case["gen"]
+    mask = g.response_mask_BT.bool()
+    assert set(g.versions_BT[mask].tolist()) == {0, 1}
+    assert (g.versions_BT[~mask] == 0).all()
+    for b, prompt in enumerate(PROMPTS):
+        n = int(mask[b].sum())
+        versions, lp = g.versions_BT[b, :n], g.logprobs_BT[b, :n]
+        assert (versions[1:] >= versions[:-1]).all(), (b, versions)
+        if how == "static":  # the interrupt after decode step 3: tokens 0-2 were sampled
+            assert versions.tolist() == [0] * min(n, 3) + [1] * max(0, n - 3)
+        old = torch.tensor(case["old"][b][len(prompt) - 1:len(prompt) - 1 + n])
+        new = torch.tensor(case["new"][b][len(prompt) - 1:len(prompt) - 1 + n])
+        first = int((versions == 0).sum())
+        assert first == n or (versions[first:] == 1).all()
+        assert torch.allclose(lp[:first], old[:first], rtol=0, atol=1e-5), (b, lp, old)
+        # the tokens before the switch are those the old weights alone sample
+        m = min(first, int(unswapped.response_mask_BT[b].sum()))
+        assert torch.equal(g.response_tokens_BT[b, :m], unswapped.response_tokens_BT[b, :m])
+        if first == n:
+            continue
+        # the two versions' log-probs differ: the check below can tell them apart
+        assert (new[first:] - old[first:]).abs().max() > 1e-3
+        if kv == "recompute":
+            assert (lp[first:] - new[first:]).abs().max() < 1e-5, (b, lp, new)
+        elif how == "static":
+            kept = torch.tensor(case["kept"][b])
+            assert (lp - kept).abs().max() < 1e-5, (b, lp, kept)
+            assert (lp[first:] - new[first:]).abs().max() > 1e-4  # not a recompute

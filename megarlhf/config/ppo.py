@@ -248,6 +248,20 @@ class RolloutConfig:
     """placement=split: after every weight sync each rollout rank compares a SHA-256 of
     the weights it now holds with the sender's, and stops the run on a mismatch (a pass
     over the weights on both sides)."""
+    partial: bool = False
+    """Partial rollouts (placement=split, ppo.max_staleness >= 1): the weights of each
+    update are sent to the rollout ranks as soon as it ends, also while they are sampling
+    a batch; they take them between two decode steps and sample the rest of the batch
+    with them. Each token keeps the version that sampled it and its behaviour log-prob
+    (the decoupled loss weighs each by its own). Fresher tokens, but which token a
+    version samples then depends on timing: a run is not a fixed function of its seed,
+    and a resume does not repeat the uninterrupted run. rollout/partial_tokens: the share
+    of a batch's tokens sampled after such an update."""
+    partial_kv: Literal["recompute", "keep"] = "recompute"
+    """partial: the keys and values of the columns already fed when new weights arrive.
+    recompute: the new weights compute them again (one prefill of the batch, so a token
+    after the update has the new policy's probability given its prefix); keep: the old
+    weights' stay (no extra pass; the tokens that follow come from neither policy)."""
     max_new_tokens: int = 32
     """Longest response."""
     temperature: float = 1.0
@@ -317,10 +331,10 @@ class RolloutConfig:
                     f"must be a multiple of rollout.tensor_parallel_size="
                     f"{self.tensor_parallel_size}")
         else:
-            require(self.ranks is None and not self.weight_checksum,
+            require(self.ranks is None and not self.weight_checksum and not self.partial,
                     "rollout.placement", self.placement,
-                    "has no rollout ranks: rollout.ranks and rollout.weight_checksum apply "
-                    "to rollout.placement=split only")
+                    "has no rollout ranks: rollout.ranks, rollout.weight_checksum and "
+                    "rollout.partial apply to rollout.placement=split only")
         require(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens,
                 "must be >= 1")
         require(self.temperature > 0, "rollout.temperature", self.temperature,

@@ -259,6 +259,12 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
                          f"(got ppo.ptx_coef={ppo.ptx_coef}, data.ptx_path={data.ptx_path!r})")
     if ppo.ptx_batch_size is not None and ppo.ptx_coef == 0:
         raise ConfigError("ppo.ptx_batch_size has no effect with ppo.ptx_coef=0")
+    if rollout.partial and ppo.max_staleness < 1:
+        raise ConfigError("rollout.partial needs ppo.max_staleness >= 1: at 0 no update "
+                          "happens while a batch is sampled, so there is nothing to take "
+                          "in flight")
+    if said("rollout", "partial_kv") and not rollout.partial:
+        raise ConfigError("rollout.partial_kv has no effect without rollout.partial=true")
     if ppo.overlong_buffer >= rollout.max_new_tokens:
         raise ConfigError(f"ppo.overlong_buffer={ppo.overlong_buffer} must be below "
                          f"rollout.max_new_tokens={rollout.max_new_tokens}")

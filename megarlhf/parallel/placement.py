@@ -33,6 +33,9 @@ class Split:
     rollout_world: int
     job_rank: int
     bridge: object
+    # the job's rendezvous store (a prefix of its own): in-flight weight updates are
+    # agreed on through it (rollout.partial)
+    store: object = None
 
     def rollout_job_rank(self, rank: int) -> int:
         """The job rank of the rollout world's rank ``rank``."""
@@ -67,4 +70,5 @@ def start(cfg: Config) -> Split | None:
     bridge = dist.ProcessGroupGloo(dist.PrefixStore("megarlhf/bridge/", store), job.rank,
                                    job.world_size, timeout)
     return Split(training=training, training_world=n, rollout_world=cfg.rollout.ranks,
-                 job_rank=job.rank, bridge=bridge)
+                 job_rank=job.rank, bridge=bridge,
+                 store=dist.PrefixStore("megarlhf/partial/", store))

@@ -19,6 +19,8 @@ last bits with the batch it is computed in.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
@@ -57,11 +59,13 @@ class _PromptUniforms:
 def generate_continuous(model, prompts: list[list[int]], params: SamplingParams, *,
                         slots: int, eos_id: int, pad_id: int, true_vocab: int,
                         stop_at_eos: bool = True, row_seeds: list[int] | None = None,
-                        stats: dict | None = None) -> Generation:
+                        stats: dict | None = None, interrupt: Callable[[], bool] | None = None,
+                        recompute_kv: bool = True) -> Generation:
     """As :func:`~megarlhf.rollout.generate.generate` (greedy or ``row_seeds``), decoding
     at most ``slots`` rows at a time. ``stats``: ``kv_cache_bytes``, ``decode_slots`` (the
     slots of every decode step) and ``idle_decode_slots`` (those without a row: only once
-    no prompt waits)."""
+    no prompt waits). ``interrupt`` and ``recompute_kv``: as ``generate``'s (a recompute
+    feeds every slot's columns again)."""
     if not params.greedy and row_seeds is None:
         raise ValueError("continuous batching samples with per-prompt seeds (row_seeds) or "
                          "greedily: a shared generator's draws would depend on the schedule")
@@ -83,7 +87,9 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
     length = [0] * S  # tokens the slot's prompt has sampled
     responses: list[list[int]] = [[] for _ in range(n)]
     logprobs: list[list[float]] = [[] for _ in range(n)]
+    versions: list[list[int]] = [[] for _ in range(n)]  # weight swaps before each token
     finished = [False] * n
+    swaps = 0
 
     def forward(rows: slice, start: int, end: int) -> torch.Tensor:
         """Feed columns [start, end) of ``rows``; logits at column end - 1."""
@@ -123,6 +129,7 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
             i = holds[s]
             responses[i].append(int(picked[j]))
             logprobs[i].append(float(picked_lp[j]))
+            versions[i].append(swaps)
             length[s] += 1
             if bool(stopped[j]) or length[s] == T:
                 finished[i] = bool(stopped[j])
@@ -149,6 +156,13 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
             break
         slot_steps += S
         idle += S - busy
+        if interrupt is not None and interrupt():
+            swaps += 1
+            if recompute_kv:  # the new weights' keys and values of every column fed
+                ctx = StaticInferenceContext(S, L)
+                logits = forward(slice(0, S), 0, col + 1)
+                col += 1
+                continue
         logits = forward(slice(0, S), col, col + 1)
         col += 1
     if stats is not None:
@@ -159,10 +173,13 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
     response = torch.full((n, width), pad_id, dtype=torch.long)
     mask = torch.zeros(n, width, dtype=torch.long)
     lp = torch.zeros(n, width)
+    version = torch.zeros(n, width, dtype=torch.long)
     for i in range(n):
         k = len(responses[i])
         response[i, :k] = torch.tensor(responses[i])
         mask[i, :k] = 1
         lp[i, :k] = torch.tensor(logprobs[i])
+        version[i, :k] = torch.tensor(versions[i])
     return Generation(prompt_tokens, prompt_mask, response, mask, lp,
-                      torch.tensor(finished, dtype=torch.bool))
+                      torch.tensor(finished, dtype=torch.bool),
+                      versions_BT=version if interrupt is not None else None)

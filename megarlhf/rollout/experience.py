@@ -93,7 +93,11 @@ class ExperienceMaker:
         # sampling only; the reward model's passes are timing/reward (+ _refills)
         metrics["timing/rollout"] = (time.perf_counter() - t0 - metrics["timing/reward"]
                                      - metrics.get("timing/reward_refills", 0.0))
-        gen = dataclasses.replace(gen, versions_BT=gen.response_mask_BT.long() * version)
+        # every token's version: the rollout ranks record their own under rollout.partial
+        # (a batch can change weights part-way); else all are ``version``'s
+        mask = gen.response_mask_BT.long()
+        gen = dataclasses.replace(gen, versions_BT=mask * version if gen.versions_BT is None
+                                  else gen.versions_BT * mask)
         padding = dict(self.scorer.padding)
         self.scorer.padding.clear()
         return Sampled(gen, has_stop, scores, metrics, padding)

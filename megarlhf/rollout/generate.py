@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
@@ -125,7 +126,8 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
              pad_id: int, true_vocab: int, stop_at_eos: bool = True,
              generator: torch.Generator | None = None, row_seeds: list[int] | None = None,
              use_cache: bool = True, stats: dict | None = None,
-             record_routing: bool = False) -> Generation:
+             record_routing: bool = False, interrupt: Callable[[], bool] | None = None,
+             recompute_kv: bool = True) -> Generation:
     """Sample up to ``max_new_tokens`` per prompt. Every TP rank of one replica must pass
     the same prompts and an identically seeded ``generator``.
 
@@ -139,7 +141,14 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     of them had already stopped (a long tail's cost in a static batch).
     ``use_cache=False`` recomputes the whole sequence every step (a reference for tests).
     ``record_routing``: a mixture of experts' choice of experts for every token fed, in
-    ``routing_BLSK`` (the column layout of prompt and response)."""
+    ``routing_BLSK`` (the column layout of prompt and response).
+
+    ``interrupt`` (partial rollouts, ``rollout.partial``) is called between decode steps;
+    True means it has written new weights into ``model``, which then sample the tokens
+    that follow. The keys and values of the columns already fed are recomputed by the new
+    weights (``recompute_kv``: one prefill of the whole batch) or kept. ``versions_BT``
+    then counts the swaps before each token (0: the weights the generation started with);
+    without ``interrupt`` it is None."""
     device = next(model.parameters()).device
     prompt_tokens, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
     B, P = prompt_tokens.shape
@@ -188,6 +197,8 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     logits = last_logits(P, P)
     steps, idle = 0, torch.zeros((), dtype=torch.long, device=device)  # decode steps, and
     # the stopped rows fed in them
+    swaps = 0
+    versions = torch.zeros(B, T, dtype=torch.long) if interrupt is not None else None
     for t in range(T):
         scaled = logits / params.temperature if params.temperature != 1.0 else logits
         if params.greedy:
@@ -211,6 +222,8 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
         response[:, t] = next_token
         response_mask[:, t] = active  # (the bool is copied into the long tensors as 0/1)
         logprobs[:, t] = token_logprob.masked_fill(finished, 0.0)
+        if versions is not None:
+            versions[:, t] = swaps
         finished = finished | (active & torch.isin(next_token, stop_tensor))
         if finished.all() or t == T - 1:
             break
@@ -219,6 +232,12 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
         col = P + t
         tokens[:, col] = next_token
         key_mask[:, col] = active
+        if interrupt is not None and interrupt():
+            swaps += 1
+            if ctx is not None and recompute_kv:  # the new weights' keys and values
+                ctx = StaticInferenceContext(B, P + T)
+                logits = last_logits(col + 1, col + 1)
+                continue
         if ctx is None:
             logits = last_logits(col + 1, col + 1)
         else:
@@ -232,4 +251,6 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     return Generation(*(x.cpu() for x in (prompt_tokens, prompt_mask, response[:, :width],
                                           response_mask[:, :width], logprobs[:, :width],
                                           finished)),
-                      routing_BLSK=routing[:, :, :P + width] if routing is not None else None)
+                      routing_BLSK=routing[:, :, :P + width] if routing is not None else None,
+                      versions_BT=versions[:, :width] * response_mask[:, :width].cpu()
+                      if versions is not None else None)

@@ -19,13 +19,24 @@ group (``parallel.placement``), point to point:
 
 At most one request is outstanding (``rollout.schedule`` resolves one before it sends the
 next). A silent peer is the watchdog's to report: every wait runs in a named phase.
+
+Partial rollouts (``rollout.partial``): when an update ends while a request is out, the
+training side offers the new weights (:meth:`RemoteRollout.push`). Whether they are taken
+is agreed on the job's store, one key per request, set once by whoever comes first:
+``push:<version>`` by the training side, or ``done`` by rollout rank 0 once every replica
+has finished sampling. A rollout replica that sees ``push`` between two decode steps takes
+the weights there and samples the rest with them; one that finished first takes them after
+sampling. The training side posts every shard's send before it waits on any, so a replica
+still sampling never waits behind one that has finished.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -95,8 +106,10 @@ def digest(flats: list[torch.Tensor]) -> torch.Tensor:
 class Pending:
     """A batch the rollout ranks are sampling; :meth:`receive` waits for it."""
 
-    def __init__(self, remote: "RemoteRollout", version: int, metrics: dict):
+    def __init__(self, remote: "RemoteRollout", version: int, metrics: dict, request: int):
         self.remote, self.version, self.metrics = remote, version, metrics
+        self.request = request  # its number in this job (the store key of partial rollouts)
+        self.pushed = False  # newer weights were offered while it was sampled
 
     def receive(self) -> tuple[Generation, dict]:
         return self.remote.receive(self)
@@ -115,6 +128,8 @@ class RemoteRollout:
                         for rep in range(split.rollout_world // tp)] if inf.dp_rank == 0 else []
         self.rollout_root = split.rollout_job_rank(0)
         self.rank = dist.get_rank()
+        self.requests = 0  # sent so far
+        self.outstanding: Pending | None = None
         self.syncs: dict[str, float] = {}  # since take_sync_metrics
         # a rollout rank received a preemption signal (SIGUSR1 / SIGTERM: Slurm sends it to
         # every task); the same on every training rank, as the results are shared
@@ -123,8 +138,11 @@ class RemoteRollout:
     def take_sync_metrics(self) -> dict[str, float]:
         """The weight syncs since the last call: ``timing/weight_sync`` (seconds, the
         reshard into the inference layout included) and ``perf/weight_sync_bytes`` (sent,
-        all ranks); 0 when there was none; counting starts again."""
-        out = {"timing/weight_sync": 0.0, "perf/weight_sync_bytes": 0.0, **self.syncs}
+        all ranks); 0 when there was none; counting starts again. Under rollout.partial
+        also ``rollout/inflight_updates``: the weights taken by a batch being sampled."""
+        out = {"timing/weight_sync": 0.0, "perf/weight_sync_bytes": 0.0,
+               **({"rollout/inflight_updates": 0.0} if self.cfg.rollout.partial else {}),
+               **self.syncs}
         self.syncs = {}
         return out
 
@@ -132,43 +150,73 @@ class RemoteRollout:
         """Ask for ``prompts`` sampled by policy ``version``: the actor as it is now when
         that differs from what the rollout ranks hold (a collective of the training world)."""
         sync = version != self.held
-        bridge = self.split.bridge
+        request = self.requests
+        self.requests += 1
         if self.rank == 0:
             with watchdog.phase("sending a request to the rollout ranks"):
-                send_object(bridge, {"cmd": "generate", "prompts": prompts, "seed": seed,
-                                     "version": version, "sync": sync}, self.rollout_root,
-                            REQUEST)
-        metrics: dict = {}  # this batch's
-        if sync:
-            hooks = self.sampler.hooks
-            if hooks is not None:
-                hooks.before_generate()
-            start = time.perf_counter()
-            with watchdog.phase("weight sync to the rollout ranks"):
-                stats = self.sampler.resharder()
-                sent = 0
-                if self.targets:
-                    flats = flat_weights(self.sampler.inference_model)
-                    check = digest(flats) if self.cfg.rollout.weight_checksum else None
-                    for dst in self.targets:
-                        for flat in flats:
-                            bridge.send([flat], dst, WEIGHTS).wait()
-                            sent += flat.numel() * flat.element_size()
-                        if check is not None:
-                            bridge.send([check], dst, WEIGHTS).wait()
-                if self.sampler.release_inference:
-                    release_inference_weights(self.sampler.inference_model)
-                total = torch.tensor([sent], dtype=torch.float64)
-                dist.all_reduce(total)
-            if hooks is not None:
-                hooks.after_generate(0)
-            metrics = {"timing/reshard": stats.seconds,
-                       "perf/reshard_bytes": stats.bytes_received}
-            for key, value in (("timing/weight_sync", time.perf_counter() - start),
-                               ("perf/weight_sync_bytes", float(total))):
-                self.syncs[key] = self.syncs.get(key, 0.0) + value
-            self.held = version
-        return Pending(self, version, metrics)
+                send_object(self.split.bridge,
+                            {"cmd": "generate", "prompts": prompts, "seed": seed,
+                             "version": version, "sync": sync, "request": request,
+                             "partial": self.cfg.rollout.partial}, self.rollout_root, REQUEST)
+        metrics = self._send_weights(version) if sync else {}  # this batch's
+        self.outstanding = Pending(self, version, metrics, request)
+        return self.outstanding
+
+    def push(self, version: int) -> bool:
+        """rollout.partial: offer policy ``version`` (the actor as it is now) to the batch
+        being sampled, if any, once per batch (a collective of the training world). True
+        when the rollout ranks take it: they sample the rest of that batch with it."""
+        pending = self.outstanding
+        if not self.cfg.rollout.partial or pending is None or pending.pushed \
+                or version == self.held:
+            return False
+        pending.pushed = True
+        taken = torch.zeros(1)
+        if self.rank == 0:
+            offer = f"push:{version}".encode()
+            taken[0] = float(self.split.store.compare_set(str(pending.request), "", offer)
+                             == offer)
+        dist.broadcast(taken, src=0)
+        if not taken.item():  # every replica had finished: the next request syncs
+            return False
+        self._send_weights(version)  # (its reshard counts in timing/weight_sync)
+        self.syncs["rollout/inflight_updates"] = self.syncs.get("rollout/inflight_updates",
+                                                                0.0) + 1
+        return True
+
+    def _send_weights(self, version: int) -> dict:
+        """Reshard the actor into the inference layout and send it to the rollout ranks
+        (every send posted before any is waited on); the sync metrics accumulate in
+        ``self.syncs``, the reshard's are returned."""
+        hooks, bridge = self.sampler.hooks, self.split.bridge
+        if hooks is not None:
+            hooks.before_generate()
+        start = time.perf_counter()
+        with watchdog.phase("weight sync to the rollout ranks"):
+            stats = self.sampler.resharder()
+            sent, works = 0, []
+            if self.targets:
+                flats = flat_weights(self.sampler.inference_model)
+                check = digest(flats) if self.cfg.rollout.weight_checksum else None
+                for dst in self.targets:
+                    for flat in flats:
+                        works.append(bridge.send([flat], dst, WEIGHTS))
+                        sent += flat.numel() * flat.element_size()
+                    if check is not None:
+                        works.append(bridge.send([check], dst, WEIGHTS))
+                for work in works:
+                    work.wait()
+            if self.sampler.release_inference:
+                release_inference_weights(self.sampler.inference_model)
+            total = torch.tensor([sent], dtype=torch.float64)
+            dist.all_reduce(total)
+        if hooks is not None:
+            hooks.after_generate(0)
+        for key, value in (("timing/weight_sync", time.perf_counter() - start),
+                           ("perf/weight_sync_bytes", float(total))):
+            self.syncs[key] = self.syncs.get(key, 0.0) + value
+        self.held = version
+        return {"timing/reshard": stats.seconds, "perf/reshard_bytes": stats.bytes_received}
 
     def receive(self, pending: Pending) -> tuple[Generation, dict]:
         start = time.perf_counter()
@@ -177,6 +225,8 @@ class RemoteRollout:
                    if self.rank == 0 else None]
             dist.broadcast_object_list(got, src=0)
         result = got[0]
+        if self.outstanding is pending:
+            self.outstanding = None
         self.signalled = self.signalled or result["signalled"]
         if result["version"] != pending.version:
             raise RuntimeError(f"the rollout ranks sampled with policy version "
@@ -212,6 +262,25 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
     shapes = [(f.dtype, f.numel()) for f in flat_weights(model)]
     sender = inf.tp_rank  # replica 0's TP rank j on the training side is job rank j
     bridge, rank = split.bridge, dist.get_rank()
+
+    def take_weights(version: int) -> None:
+        """Receive policy ``version``'s shard into the model (and check its SHA-256)."""
+        with watchdog.phase("weight sync from the training ranks"):
+            flats = [torch.empty(n, dtype=dtype) for dtype, n in shapes]
+            for flat in flats:
+                bridge.recv([flat], sender, WEIGHTS).wait()
+            load_flat(model, flats)
+            if cfg.rollout.weight_checksum:
+                sent = torch.empty(32, dtype=torch.uint8)
+                bridge.recv([sent], sender, WEIGHTS).wait()
+                held = digest(flat_weights(model))
+                if not torch.equal(sent, held):
+                    raise RuntimeError(
+                        f"weight sync of policy version {version}: the weights rollout rank "
+                        f"{rank} (job rank {split.job_rank}) holds differ from what training "
+                        f"rank {sender} sent (SHA-256 {bytes(held).hex()[:16]} against "
+                        f"{bytes(sent).hex()[:16]})")
+
     version, served = None, 0
     while True:
         with watchdog.phase("waiting for a request from the training ranks"):
@@ -221,22 +290,10 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
         if request["cmd"] == "stop":
             return served
         if request["sync"]:
-            with watchdog.phase("weight sync from the training ranks"):
-                flats = [torch.empty(n, dtype=dtype) for dtype, n in shapes]
-                for flat in flats:
-                    bridge.recv([flat], sender, WEIGHTS).wait()
-                load_flat(model, flats)
-                if cfg.rollout.weight_checksum:
-                    sent = torch.empty(32, dtype=torch.uint8)
-                    bridge.recv([sent], sender, WEIGHTS).wait()
-                    held = digest(flat_weights(model))
-                    if not torch.equal(sent, held):
-                        raise RuntimeError(
-                            f"weight sync of policy version {request['version']}: the weights "
-                            f"rollout rank {rank} (job rank {split.job_rank}) holds differ from "
-                            f"what training rank {sender} sent (SHA-256 {bytes(held).hex()[:16]} "
-                            f"against {bytes(sent).hex()[:16]})")
+            take_weights(request["version"])
             version = request["version"]
+        inflight = InFlight(split.store, request["request"], model.pg_collection.tp,
+                            take_weights) if request["partial"] else None
         prompts = request["prompts"]
         indices = list(range(inf.dp_rank, len(prompts), inf.dp))
         start = time.perf_counter()
@@ -245,16 +302,70 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
             gen = sample_share(cfg, model, [prompts[i] for i in indices], indices,
                                request["seed"], eos_id=tokenizer.eos_id,
                                pad_id=tokenizer.pad_id, end_ids=tokenizer.end_ids,
-                               true_vocab=actor_spec.model.vocab_size, stats=gen_stats)
+                               true_vocab=actor_spec.model.vocab_size, stats=gen_stats,
+                               interrupt=inflight)
         seconds = time.perf_counter() - start
+        if inflight is not None:  # each token's version
+            gen = dataclasses.replace(gen, versions_BT=torch.where(
+                gen.versions_BT > 0, inflight.version or 0, version) * gen.response_mask_BT)
         with watchdog.phase("gathering the generations"):
             gen = gather_generations(gen, prompts, inf, tokenizer.pad_id)
             metrics = {"timing/generate": seconds, **idle_slots(gen_stats)}
             asked = torch.tensor([1.0 if signals.asked() else 0.0])
             dist.all_reduce(asked, op=dist.ReduceOp.MAX)
+        if inflight is not None:
+            version = inflight.seal(version)
+            mask = gen.response_mask_BT.bool()
+            metrics["rollout/partial_tokens"] = float(
+                (gen.versions_BT[mask] > request["version"]).double().mean()) \
+                if mask.any() else 0.0
         if rank == 0:
             with watchdog.phase("sending samples to the training ranks"):
-                send_object(bridge, {"gen": gen.state_dict(), "version": version,
+                send_object(bridge, {"gen": gen.state_dict(), "version": request["version"],
                                      "metrics": metrics, "signalled": bool(asked.item())},
                             0, RESULT)
         served += 1
+
+
+class InFlight:
+    """rollout.partial, on a rollout rank: weights offered while a batch is sampled.
+    Called between two decode steps, it looks for the request's store key (the TP peers
+    of a replica agree, so they switch at the same step) and, when the training side has
+    offered new weights, takes them: True. :meth:`seal` ends the request."""
+
+    def __init__(self, store, request: int, tp_group, take_weights: Callable[[int], None]):
+        self.store, self.key, self.tp_group = store, str(request), tp_group
+        self.take_weights = take_weights
+        self.version: int | None = None  # taken: the version now held
+
+    def offered(self) -> int | None:
+        """The version offered for this request, if any (no wait)."""
+        if not self.store.check([self.key]):
+            return None
+        value = self.store.get(self.key).decode()
+        return int(value.split(":")[1]) if value.startswith("push:") else None
+
+    def __call__(self) -> bool:
+        if self.version is not None:
+            return False  # one update per batch
+        offered = torch.tensor([-1 if (v := self.offered()) is None else v])
+        if self.tp_group.size() > 1:
+            dist.all_reduce(offered, op=dist.ReduceOp.MAX, group=self.tp_group)
+        if offered.item() < 0:
+            return False
+        self.take_weights(int(offered.item()))
+        self.version = int(offered.item())
+        return True
+
+    def seal(self, version: int) -> int:
+        """Once every replica has sampled (a collective of the rollout world): no offer is
+        taken after this; one that came first and this rank did not take yet is taken now.
+        Returns the version held."""
+        got = [None]
+        if dist.get_rank() == 0:
+            got[0] = self.store.compare_set(self.key, "", b"done").decode()
+        dist.broadcast_object_list(got, src=0)
+        if got[0].startswith("push:") and self.version is None:
+            self.version = int(got[0].split(":")[1])
+            self.take_weights(self.version)
+        return self.version if self.version is not None else version

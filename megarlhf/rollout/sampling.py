@@ -95,19 +95,23 @@ class Sampler:
 
 def sample_share(cfg: Config, model, prompts: list[list[int]], indices: list[int], seed: int,
                  *, eos_id: int, pad_id: int, end_ids: tuple[int, ...], true_vocab: int,
-                 stats: dict, record_routing: bool = False) -> Generation:
+                 stats: dict, record_routing: bool = False,
+                 interrupt: Callable[[], bool] | None = None) -> Generation:
     """A replica's share ``prompts`` (the batch's prompts ``indices``) sampled as the
-    rollout samples: one static batch, or ``rollout.decode_slots`` rows at a time."""
+    rollout samples: one static batch, or ``rollout.decode_slots`` rows at a time.
+    ``interrupt``: new weights between decode steps (``rollout.partial``)."""
     r = cfg.rollout
     params = sampling_params(cfg, end_ids)
     seeds = row_seeds(seed, indices)
+    partial = dict(interrupt=interrupt, recompute_kv=r.partial_kv == "recompute")
     if r.decode_slots is not None and r.decode_slots < len(prompts):
         return generate_continuous(model, prompts, params, slots=r.decode_slots,
                                    eos_id=eos_id, pad_id=pad_id, true_vocab=true_vocab,
-                                   stop_at_eos=r.stop_at_eos, row_seeds=seeds, stats=stats)
+                                   stop_at_eos=r.stop_at_eos, row_seeds=seeds, stats=stats,
+                                   **partial)
     return generate(model, prompts, params, eos_id=eos_id, pad_id=pad_id, true_vocab=true_vocab,
                     stop_at_eos=r.stop_at_eos, row_seeds=seeds, stats=stats,
-                    record_routing=record_routing)
+                    record_routing=record_routing, **partial)
 
 
 def idle_slots(gen_stats: dict) -> dict[str, float]:

@@ -383,6 +383,8 @@ class PPOSession:
                                train_critic_only, self.ema, self.ptx, meters))
         self.hooks.after_train()
         metrics["timing/train"] = time.perf_counter() - t_train
+        if self.remote is not None:  # rollout.partial: the batch being sampled takes the
+            self.remote.push(it + 1)  # new weights for its remaining tokens
         self.rollouts.settle()  # split: the batch the rollout ranks sampled meanwhile
         if self.remote is not None:
             metrics.update(self.remote.take_sync_metrics())

@@ -88,6 +88,100 @@ def generation_case(arch, results):
                               "tail": (tail, tail_stats), "continuous": continuous}
 
 
+def partial_case(arch, results, swap_after=3):
+    """Partial rollouts: the weights change part-way (``interrupt``), in a static batch and
+    in 2 decode slots, the keys and values recomputed or kept. Per token: the version
+    ``generate`` recorded and the sampled log-prob, against references that do not use
+    it: teacher-forced scoring by the weights of each token's version (recompute), and a
+    one-row loop of megatron's own inference context - the prefix fed by the old weights,
+    then one token at a time by the new (keep)."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    cfg = make_config(arch, 1, 1)
+    scorer = build(cfg, "lm")
+    (model,) = scorer.chunks
+    params_ = list(model.parameters())
+    old = [p.detach().clone() for p in params_]
+    gen = torch.Generator().manual_seed(11)
+    new = [v + 0.2 * v.std() * torch.randn(v.shape, generator=gen) if v.numel() > 1
+           else v.clone() for v in old]
+
+    class Weights:  # Weights.put(weights): the parameters only
+        @staticmethod
+        @torch.no_grad()
+        def put(weights):
+            for p, w in zip(params_, weights, strict=True):
+                p.copy_(w)
+    seeds = [201 + i for i in range(len(PROMPTS))]
+    params = SamplingParams(max_new_tokens=10, temperature=0.9, top_k=50, top_p=0.9)
+    common = dict(eos_id=2, pad_id=0, true_vocab=cfg.model.vocab_size, row_seeds=seeds)
+
+    def swapper():
+        calls = [0]
+
+        def interrupt():
+            calls[0] += 1
+            if calls[0] != swap_after:
+                return False
+            Weights.put(new)
+            return True
+        return interrupt
+
+    def teacher(weights, seqs):
+        Weights.put(weights)
+        rows = score_sequences(scorer, seqs, micro_batch_size=1, temperature=0.9)
+        return [r["logprobs"] for r in rows]
+
+    @torch.no_grad()
+    def kept(prompt, response, first_new):
+        """One row: the columns before response token ``first_new - 1`` fed by the old
+        weights in one prefill (they predict tokens 0 .. first_new - 1), then one column at
+        a time by the new; each response token's log-prob from the logits before it."""
+        seq = prompt + response
+        ctx = StaticInferenceContext(1, len(seq))
+        ctx.materialize_only_last_token_logits = False  # the prefill's every column
+
+        def feed(start, end):
+            q = end - start
+            blocked = torch.ones(q, end, dtype=torch.bool).triu(start + 1).view(1, 1, q, end)
+            logits = model(torch.tensor([seq[start:end]]), torch.arange(start, end)[None],
+                           blocked, inference_context=ctx, runtime_gather_output=True)
+            ctx.sequence_len_offset += q
+            ctx.enable_decode_mode()
+            return torch.log_softmax(logits[0, :, :cfg.model.vocab_size].float() / 0.9, -1)
+
+        Weights.put(old)
+        lp = feed(0, len(prompt) + first_new - 1)
+        out = [float(lp[len(prompt) - 1 + j, response[j]]) for j in range(first_new)]
+        Weights.put(new)
+        for j in range(first_new, len(response)):
+            col = len(prompt) + j - 1  # it predicts response token j
+            out.append(float(feed(col, col + 1)[-1, response[j]]))
+        return out
+
+    cases = {}
+    for how in ("static", "slots"):
+        for kv in ("recompute", "keep"):
+            Weights.put(old)
+            kw = dict(interrupt=swapper(), recompute_kv=kv == "recompute")
+            g = (generate(model, PROMPTS, params, **common, **kw) if how == "static" else
+                 generate_continuous(model, PROMPTS, params, slots=2, **common, **kw))
+            seqs, responses = [], []
+            for b, prompt in enumerate(PROMPTS):
+                n = int(g.response_mask_BT[b].sum())
+                responses.append(g.response_tokens_BT[b, :n].tolist())
+                seqs.append(prompt + responses[-1])
+            case = {"gen": g, "old": teacher(old, seqs), "new": teacher(new, seqs)}
+            if (how, kv) == ("static", "keep"):
+                case["kept"] = [kept(prompt, responses[b], swap_after) if
+                                len(responses[b]) > swap_after else None
+                                for b, prompt in enumerate(PROMPTS)]
+            cases[(how, kv)] = case
+    Weights.put(old)
+    cases["unswapped"] = generate(model, PROMPTS, params, **common)
+    results[f"partial_{arch}"] = cases
+
+
 def short_linears_case(arch, results):
     """megarlhf's short TP=1 forward of megatron's linears (speedups/linears.py) against
     megatron's own: logits bitwise equal without autograd, and with it the same loss and
@@ -205,6 +299,7 @@ def main():
         generation_case("llama", results)
         generation_case("gpt2", results)
         generation_case("qwen3", results)
+        partial_case("llama", results)
         if speedups.enabled("linears"):
             short_linears_case("llama", results)
             short_linears_case("gpt2", results)
