@@ -437,3 +437,32 @@ def test_partial_rollouts_switch_weights_mid_batch_with_each_tokens_version(tiny
                 assert (ref[at] - torch.tensor(scored[1][b][p - 1:p - 1 + n])[at]).abs().max() \
                     > 1e-4  # the versions are told apart
     assert switched > 0
+
+
+@pytest.mark.slow
+def test_split_placement_at_rollout_tp2_equals_colocated_and_switches_in_step(tiny_checkpoints):
+    """Rollout TP = 2 under split: 2 training processes (the actor data-parallel, its
+    inference copy at TP = 2) and 2 rollout processes (one replica at TP = 2, each rank
+    sent its half of every layer by the training rank of the same TP rank), k = 1, against
+    2 colocated processes at the same rollout TP: every metric equal. Then with partial
+    rollouts taken at decode step 2: the two TP ranks of the replica agree on the step
+    (else their forward passes mix versions, or one waits forever in the other's
+    collective), and tokens after it carry the new version."""
+    from conftest import torchrun
+    out = tiny_checkpoints[0]
+    tp2 = ["rollout.tensor_parallel_size=2", "ppo.num_iterations=3"]
+    split = ["rollout.placement=split", "rollout.ranks=2", "rollout.weight_checksum=true"]
+    colocated = _fresh(tiny_checkpoints, "async_coloc_tp2")
+    torchrun(_cli(tiny_checkpoints, colocated, 1, tp2), 2)
+    name = _fresh(tiny_checkpoints, "async_split_tp2")
+    proc = torchrun(_cli(tiny_checkpoints, name, 1, [*tp2, *split]), 4)
+    assert "placement split: training ranks 0..1 (2), rollout ranks 2..3 (2)" in proc.stdout
+    one, two = _records(out, colocated), _records(out, name)
+    assert sorted(one) == sorted(two) == [0, 1, 2, 3]
+    _same(one, two, (0, 1, 2, 3))
+    partial = _fresh(tiny_checkpoints, "async_partial_tp2")
+    torchrun(os.path.join(WORKERS, "partial_at.py"), 4, "2",
+             *_cli(tiny_checkpoints, partial, 1, [*tp2, *split, "rollout.partial=true"]))
+    got = _records(out, partial)
+    assert [got[s]["rollout/inflight_updates"] for s in (1, 2, 3)] == [1.0, 1.0, 0.0]
+    assert all(0 < got[s]["rollout/partial_tokens"] < 1 for s in (2, 3)), got
