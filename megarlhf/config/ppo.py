@@ -285,6 +285,31 @@ class RolloutConfig:
     """Programmatic reward 'package.module:function(prompt_text, response_text) -> float'
     (decoded text, the response without its stop token) used instead of a reward model;
     None uses the reward model."""
+    reward_url: str | None = None
+    """A reward server instead of a reward model: batches of samples are POSTed as JSON
+    {"prompts": [...], "responses": [...]} (decoded text, as reward_fn gets them) and
+    answered with {"rewards": [a number per sample]} (docs/ppo.md)."""
+    reward_workers: int = 2
+    """Processes that run reward_fn and the gold functions of evaluation, so a call that
+    hangs or crashes cannot take the trainer down; 0 calls them in the trainer's process
+    (no timeout)."""
+    reward_timeout_s: float = 60.0
+    """Seconds one reward_fn call (in a worker process) or one reward_url request may take
+    before it counts as failed (a worker is then killed and replaced)."""
+    reward_batch: int = 16
+    """Samples per message to a worker process or per reward_url request."""
+    reward_retries: int = 3
+    """reward_url: tries after the first failed request of a batch (refused, HTTP error,
+    timeout, malformed answer), waiting 0.5 s, 1 s, 2 s... in between."""
+    reward_on_error: Literal["stop", "penalty"] = "stop"
+    """A reward call that failed (timed out, raised, its process died, the server stayed
+    down, or it gave something other than a finite number): stop the run, naming the
+    function or URL and the sample (the last checkpoint is intact; the same command
+    resumes), or score the sample reward_error_score and count it (reward/failed,
+    reward/timeouts). A reward_url that fails every request of a batch stops the run
+    either way (the server is down)."""
+    reward_error_score: float = -1.0
+    """reward_on_error=penalty: the score of a sample whose reward call failed."""
     offload_frozen_models: bool = True
     """Offload reference and reward models between their scoring passes (the default of
     roles.reference.offload / roles.reward.offload)."""
@@ -337,6 +362,19 @@ class RolloutConfig:
                     "rollout.partial apply to rollout.placement=split only")
         require(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens,
                 "must be >= 1")
+        require(self.reward_workers >= 0, "rollout.reward_workers", self.reward_workers,
+                "must be >= 0 (0: in the trainer's process)")
+        require(self.reward_timeout_s > 0, "rollout.reward_timeout_s", self.reward_timeout_s,
+                "must be > 0")
+        require(self.reward_batch >= 1, "rollout.reward_batch", self.reward_batch,
+                "must be >= 1")
+        require(self.reward_retries >= 0, "rollout.reward_retries", self.reward_retries,
+                "must be >= 0")
+        if self.reward_url is not None:
+            require(self.reward_url.startswith(("http://", "https://")), "rollout.reward_url",
+                    self.reward_url, "must be an http:// or https:// URL")
+            require(self.reward_fn is None, "rollout.reward_url", self.reward_url,
+                    "and rollout.reward_fn are two reward sources: choose one")
         require(self.temperature > 0, "rollout.temperature", self.temperature,
                 "must be > 0 (use rollout.greedy=true for argmax)")
         require(self.top_k >= 0, "rollout.top_k", self.top_k, "must be >= 0")

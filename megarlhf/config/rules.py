@@ -293,20 +293,30 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
         raise ConfigError("the actor needs a checkpoint: set ppo.sft_checkpoint (or "
                           "roles.actor.checkpoint) to an SFT run's checkpoints")
     reward_model = roles.reward.checkpoint is not None
-    if not reward_model and rollout.reward_fn is None and not planning:
-        raise ConfigError("set ppo.reward_checkpoint (or roles.reward.checkpoint) or "
-                          "rollout.reward_fn")
-    if reward_model and rollout.reward_fn is not None:
-        raise ConfigError("both a reward-model checkpoint and rollout.reward_fn are set: "
-                          "choose one reward source")
+    programmatic = rollout.reward_fn or rollout.reward_url
+    if not reward_model and not programmatic and not planning:
+        raise ConfigError("set ppo.reward_checkpoint (or roles.reward.checkpoint), "
+                          "rollout.reward_fn or rollout.reward_url")
+    if reward_model and programmatic:
+        which = "rollout.reward_fn" if rollout.reward_fn else "rollout.reward_url"
+        raise ConfigError(f"both a reward-model checkpoint and {which} are set: choose one "
+                          "reward source")
+    if said("rollout", "reward_retries") and not rollout.reward_url:
+        raise ConfigError("rollout.reward_retries has no effect without rollout.reward_url")
+    if said("rollout", "reward_error_score") and rollout.reward_on_error != "penalty":
+        raise ConfigError("rollout.reward_error_score has no effect with "
+                          "rollout.reward_on_error=stop (the default): set "
+                          "rollout.reward_on_error=penalty")
     gae = ppo.advantage_estimator == "gae"
     if gae and roles.critic.checkpoint is None and ppo.critic_init == "reward" \
-            and rollout.reward_fn is not None:
+            and programmatic:
         raise ConfigError("ppo.critic_init=reward needs a reward-model checkpoint; "
-                          "with rollout.reward_fn use ppo.critic_init=sft or random")
+                          "with rollout.reward_fn or rollout.reward_url use "
+                          "ppo.critic_init=sft or random")
     absent = {"critic": None if gae else "ppo.advantage_estimator is not gae",
-              "reward": None if rollout.reward_fn is None
-              else "rollout.reward_fn replaces the reward model"}
+              "reward": None if not programmatic
+              else f"{'rollout.reward_fn' if rollout.reward_fn else 'rollout.reward_url'} "
+                   "replaces the reward model"}
     for name, why in absent.items():
         if why is not None and written.fields(f"roles.{name}"):
             raise ConfigError(f"{_role_block(name, written)} is configured but this run has "

@@ -98,6 +98,7 @@ class ExperienceMaker:
         mask = gen.response_mask_BT.long()
         gen = dataclasses.replace(gen, versions_BT=mask * version if gen.versions_BT is None
                                   else gen.versions_BT * mask)
+        metrics.update(self.scorer.reward.take_counts())  # a programmatic reward's failures
         padding = dict(self.scorer.padding)
         self.scorer.padding.clear()
         return Sampled(gen, has_stop, scores, metrics, padding)

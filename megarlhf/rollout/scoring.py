@@ -7,12 +7,12 @@ the frozen roles brought on for their pass and offloaded after it."""
 from __future__ import annotations
 
 import hashlib
-import importlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from megarlhf import algos
 from megarlhf.config import Config
@@ -26,6 +26,7 @@ from megarlhf.models import moe
 from megarlhf.parallel import cpu_backend
 from megarlhf.rollout.generate import Generation
 from megarlhf.rollout.sampling import decode_sample, gen_sequence
+from megarlhf.rollout.verifiers import RewardError
 
 
 class SequenceCache:
@@ -154,11 +155,22 @@ def sequence_lengths(gen: Generation) -> list[int]:
 @dataclass
 class RewardSource:
     """A frozen reward-model role (with the normalisation stored in its checkpoint) or a
-    programmatic reward ``fn(prompt_text, response_text) -> float`` by import path."""
+    programmatic reward: ``fn``, a :class:`~megarlhf.rollout.verifiers.Verifier` (a
+    function by import path, or a reward server) called on rank 0 only."""
 
     role: Role | None = None
     fn: Callable | None = None
     decode: Callable | None = None  # token ids -> text, for ``fn``
+    counts: dict = field(default_factory=dict)  # fn's failures since take_counts
+
+    def take_counts(self) -> dict[str, float]:
+        """``reward/failed`` and ``reward/timeouts`` since the last call (a programmatic
+        reward only); counting starts again."""
+        if self.fn is None:
+            return {}
+        out = {"reward/failed": 0.0, "reward/timeouts": 0.0, **self.counts}
+        self.counts = {}
+        return out
 
     @property
     def gain(self) -> float:
@@ -167,20 +179,6 @@ class RewardSource:
     @property
     def bias(self) -> float:
         return float(self.role.saved.get("score_bias", 0.0)) if self.role else 0.0
-
-
-def load_reward_fn(path: str) -> Callable:
-    """``package.module:function`` -> the function."""
-    if ":" not in path:
-        raise ValueError(f"reward function {path!r} must look like 'package.module:function'")
-    module, name = path.split(":", 1)
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"cannot import reward function {path!r}: {err}") from None
-    if not callable(fn):
-        raise ValueError(f"reward function {path!r} is not callable")
-    return fn
 
 
 @dataclass
@@ -316,9 +314,21 @@ class Scorer:
         """(B,) the reward model's normalised score of each sample (or the programmatic
         reward's), the reward model loaded for its pass and offloaded after it."""
         B = gen.response_tokens_BT.shape[0]
-        if self.reward.fn is not None:
-            return torch.tensor([float(self.reward.fn(*decode_sample(gen, r, self.reward.decode)))
-                                 for r in range(B)])
+        if self.reward.fn is not None:  # rank 0 calls it, every rank gets the scores
+            got: list = [None]
+            if dist.get_rank() == 0:
+                try:
+                    got[0] = self.reward.fn([decode_sample(gen, r, self.reward.decode)
+                                             for r in range(B)])
+                except RewardError as err:
+                    got[0] = str(err)
+            dist.broadcast_object_list(got, src=0)
+            if isinstance(got[0], str):
+                raise RewardError(got[0])
+            scores, counts = got[0]
+            for key, value in counts.items():
+                self.reward.counts[key] = self.reward.counts.get(key, 0.0) + value
+            return torch.tensor(scores)
         self.rm_offloader.reload()
         raw = stack_results(self.score(self.reward.role, gen, list(range(B))), "last")
         self.rm_offloader.offload()

@@ -147,11 +147,12 @@ def gold_evaluator(cfg: Config, tokenizer):
 
     from megarlhf.data.datasets import tokenize_dataset
     from megarlhf.rollout.sampling import decode_sample
-    from megarlhf.rollout.scoring import load_reward_fn
     from megarlhf.rollout.generate import SamplingParams, generate
     from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout
+    from megarlhf.rollout.verifiers import make_verifier
 
-    gold_fn = load_reward_fn(cfg.dpo.gold_reward_fn)
+    gold_fn = make_verifier(cfg.rollout, fn_path=cfg.dpo.gold_reward_fn,
+                            name="dpo.gold_reward_fn")
     prompts = tokenize_dataset(cfg.dpo.gold_eval_path, "prompt", cfg.data,
                                tokenizer).prompts[:cfg.dpo.num_gold_prompts]
     r = cfg.rollout
@@ -175,10 +176,11 @@ def gold_evaluator(cfg: Config, tokenizer):
                            eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                            true_vocab=role.spec.model.vocab_size, stop_at_eos=r.stop_at_eos)
             if layout.tp_rank == 0:
-                for b in range(len(mine)):
-                    local[0] += gold_fn(*decode_sample(gen, b, tokenizer.decode))
-                    local[1] += float(gen.response_mask_BT[b].sum())
-                    local[2] += 1
+                gold, _ = gold_fn([decode_sample(gen, b, tokenizer.decode)
+                                   for b in range(len(mine))])
+                local[0] = sum(gold)
+                local[1] = float(gen.response_mask_BT.sum())
+                local[2] = len(mine)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(local)
         return {"eval/gold_score": float(local[0] / local[2]),

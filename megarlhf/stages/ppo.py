@@ -45,8 +45,8 @@ from megarlhf.rollout.reshard import (
 from megarlhf.rollout.sampling import Sampler, decode_sample
 from megarlhf.rollout.remote import RemoteRollout, serve
 from megarlhf.rollout.schedule import Later, StaleSchedule, staleness_metrics
-from megarlhf.rollout.scoring import (RewardSource, Scorer, SequenceCache, load_reward_fn,
-                                      sequence_lengths)
+from megarlhf.rollout.scoring import RewardSource, Scorer, SequenceCache, sequence_lengths
+from megarlhf.rollout.verifiers import make_verifier
 from megarlhf.stages.common import (MetricBands, check_writable, explain_resume, print0,
                                     progress, run_dir)
 from megarlhf.parallel import watchdog
@@ -256,7 +256,9 @@ class PPOSession:
         for ds in (self.prompts, self.eval_prompts):
             if ds is not None:
                 print0(f"[ppo] {ds.report()}")
-        reward_fn = load_reward_fn(r.reward_fn) if r.reward_fn else None
+        # a programmatic reward: a function in worker processes, or a reward server
+        reward_fn = make_verifier(r, fn_path=r.reward_fn) if r.reward_fn else \
+            make_verifier(r, url=r.reward_url) if r.reward_url else None
         self.ptx = PtxData(cfg, tokenizer, self.sizes["actor"].num_mini_batches) \
             if ppo.ptx_coef > 0 else None
         if self.ptx is not None:
@@ -410,7 +412,8 @@ class PPOSession:
 
 def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
     ppo = cfg.ppo
-    gold_fn = load_reward_fn(ppo.gold_reward_fn) if ppo.gold_reward_fn else None
+    gold_fn = make_verifier(cfg.rollout, fn_path=ppo.gold_reward_fn,
+                            name="ppo.gold_reward_fn") if ppo.gold_reward_fn else None
     split = placement.start(cfg)  # rollout.placement=split: this process's part of the job
     if split is not None and not split.training:
         actor = ppo_role_specs(cfg, split.training_world, fingerprint(tokenizer),
@@ -663,11 +666,12 @@ def _evaluator(cfg, sampler, eval_ds, tokenizer, gold_fn):
             release_inference_weights(sampler.inference_model)
         local = torch.zeros(3, dtype=torch.float64)
         if inf.tp_rank == 0:
-            for b in range(len(mine_idx)):
-                prompt, response = decode_sample(gen, b, tokenizer.decode)
-                local[0] += gold_fn(prompt, response) if gold_fn else 0.0
-                local[1] += float(gen.response_mask_BT[b].sum())
-                local[2] += 1
+            if gold_fn and mine_idx:
+                gold, _ = gold_fn([decode_sample(gen, b, tokenizer.decode)
+                                   for b in range(len(mine_idx))])
+                local[0] = sum(gold)
+            local[1] = float(gen.response_mask_BT.sum())
+            local[2] = len(mine_idx)
         dist.all_reduce(local)
         out = {f"{prefix}response_len": float(local[1] / local[2])}
         if gold_fn:

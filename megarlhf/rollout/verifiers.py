@@ -1,0 +1,312 @@
+"""Programmatic rewards that cannot take the trainer down: a reward function
+(``rollout.reward_fn``, the gold functions of evaluation) in worker processes, or a reward
+server (``rollout.reward_url``).
+
+- **Worker processes** (``rollout.reward_workers`` N >= 1): N processes, each importing the
+  function once (``verifier_worker``), are sent batches of ``rollout.reward_batch``
+  (prompt, response) pairs and answer call by call. A call with no answer within
+  ``rollout.reward_timeout_s`` is a timeout: its process is killed and replaced, and the
+  rest of its batch goes on in another. A process that dies (a segfault, ``os._exit``)
+  fails the call it was on, likewise. N = 0 calls the function in the trainer's process:
+  no timeout, and a crash there is the trainer's.
+- **A reward server**: batches are POSTed as JSON ``{"prompts": [...], "responses": [...]}``
+  and answered with ``{"rewards": [...]}`` (a number per sample; docs/ppo.md). A request
+  that fails (refused, an HTTP error, no answer within ``rollout.reward_timeout_s``,
+  malformed JSON, the wrong number of rewards) is retried ``rollout.reward_retries`` times,
+  waiting 0.5 s, 1 s, 2 s... in between.
+- **What a failed call gives** (a timeout, an exception, a dead process, a server that
+  stays down, or a result that is not a finite number): ``rollout.reward_on_error=stop``
+  (the default) stops the run with a message naming the function or URL, the sample and
+  what happened - the last checkpoint is intact, and the same command resumes once the
+  cause is fixed; ``penalty`` scores the sample ``rollout.reward_error_score`` and counts it
+  (``reward/failed``, ``reward/timeouts``). A reward server that fails every request of a
+  batch stops the run either way: it is down, and a batch of penalties teaches nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import importlib
+import json
+import math
+import numbers
+import os
+import select
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from http.client import HTTPException
+from typing import Callable
+
+Pair = tuple[str, str]
+
+
+class RewardError(RuntimeError):
+    """A reward call failed and the run stops (``rollout.reward_on_error=stop``, or a batch
+    with no reward at all)."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A call that gave no reward: ``kind`` timeout or error."""
+
+    kind: str
+    message: str
+
+
+def _judge(value, where: str) -> float | Failure:
+    """A finite number, or the failure it is."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return Failure("error", f"{where} {type(value).__name__} {str(value)[:80]!r}, not a "
+                                "number")
+    if not math.isfinite(value):
+        return Failure("error", f"{where} {value}, not a finite number")
+    return float(value)
+
+
+def _chunks(n: int, size: int) -> list[list[int]]:
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+def load_reward_fn(path: str) -> Callable:
+    """``package.module:function`` -> the function."""
+    if ":" not in path:
+        raise ValueError(f"reward function {path!r} must look like 'package.module:function'")
+    module, name = path.split(":", 1)
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"cannot import reward function {path!r}: {err}") from None
+    if not callable(fn):
+        raise ValueError(f"reward function {path!r} is not callable")
+    return fn
+
+
+# ------------------------------------------------------------------ in the trainer's process
+
+class InProcess:
+    """``rollout.reward_workers=0``: the function called here, one pair at a time."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def map(self, pairs: list[Pair]) -> list[float | Failure]:
+        out = []
+        for prompt, response in pairs:
+            try:
+                out.append(_judge(self.fn(prompt, response), "returned"))
+            except Exception as err:  # the function's: reported like a worker's
+                out.append(Failure("error", f"raised {type(err).__name__}: {str(err)[:200]}"))
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------ worker processes
+
+class _Worker:
+    """One worker process and the calls it has in flight (in order)."""
+
+    def __init__(self, path: str, start_timeout_s: float):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "megarlhf.rollout.verifier_worker",
+                                      path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=env)
+        self.fd = self.proc.stdout.fileno()
+        self.buf = b""
+        self.calls: list[int] = []
+        self.started = 0.0
+        ready, _, _ = select.select([self.fd], [], [], start_timeout_s)
+        line = self.lines() if ready else None
+        if not line or json.loads(line[0]) != {"ready": True}:
+            self.kill()
+            raise RewardError(f"reward function {path!r}: its worker process did not start "
+                              f"(exit code {self.proc.poll()}; its error is above)")
+
+    def send(self, calls: list[int], pairs: list[Pair]) -> None:
+        self.calls = list(calls)
+        self.proc.stdin.write(json.dumps([pairs[i] for i in calls]).encode() + b"\n")
+        self.proc.stdin.flush()
+        self.started = time.monotonic()
+
+    def lines(self) -> list[str] | None:
+        """The complete lines read now; None at end of file (the process is gone)."""
+        data = os.read(self.fd, 1 << 16)
+        if not data:
+            return None
+        self.buf += data
+        *done, self.buf = self.buf.split(b"\n")
+        return [line.decode() for line in done]
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            stream.close()
+
+
+class WorkerPool:
+    """``rollout.reward_workers`` processes running the function ``path``."""
+
+    def __init__(self, path: str, workers: int, timeout_s: float, batch: int):
+        self.path, self.size, self.timeout_s, self.batch = path, workers, timeout_s, batch
+        self.workers: list[_Worker] = []  # started on first use
+        atexit.register(self.close)
+
+    def _spawn(self) -> _Worker:
+        return _Worker(self.path, max(60.0, self.timeout_s))
+
+    def map(self, pairs: list[Pair]) -> list[float | Failure]:
+        out: list[float | Failure | None] = [None] * len(pairs)
+        todo = collections.deque(_chunks(len(pairs), self.batch))
+        while len(self.workers) < min(self.size, len(todo)):
+            self.workers.append(self._spawn())
+        idle, busy = list(self.workers), {}
+
+        def replace(worker: _Worker, failure: Failure) -> None:
+            out[worker.calls.pop(0)] = failure
+            if worker.calls:
+                todo.appendleft(worker.calls)
+            worker.kill()
+            fresh = self._spawn()
+            self.workers[self.workers.index(worker)] = fresh
+            del busy[worker.fd]
+            idle.append(fresh)
+
+        while todo or busy:
+            while todo and idle:
+                worker = idle.pop()
+                worker.send(todo.popleft(), pairs)
+                busy[worker.fd] = worker
+            wait = min(w.started + self.timeout_s for w in busy.values()) - time.monotonic()
+            ready, _, _ = select.select(list(busy), [], [], max(0.0, wait))
+            for fd in ready:
+                worker = busy[fd]
+                lines = worker.lines()
+                if lines is None:
+                    code = worker.proc.wait()
+                    replace(worker, Failure("error", f"its worker process died (exit code "
+                                                     f"{code}) on this call"))
+                    continue
+                for line in lines:
+                    msg = json.loads(line)
+                    out[worker.calls.pop(0)] = _judge(msg["value"], "returned") \
+                        if "value" in msg else Failure("error", msg["error"])
+                    worker.started = time.monotonic()
+                if not worker.calls:
+                    del busy[fd]
+                    idle.append(worker)
+            now = time.monotonic()
+            for worker in [w for w in busy.values() if now - w.started >= self.timeout_s]:
+                replace(worker, Failure("timeout", f"gave no result within "
+                                                   f"rollout.reward_timeout_s={self.timeout_s:g}"))
+        return out
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.kill()
+        self.workers = []
+
+
+# ------------------------------------------------------------------ a reward server
+
+class RewardServer:
+    """Batched JSON requests to ``url``, retried with back-off."""
+
+    def __init__(self, url: str, timeout_s: float, retries: int, batch: int,
+                 backoff_s: float = 0.5):
+        self.url, self.timeout_s, self.retries, self.batch = url, timeout_s, retries, batch
+        self.backoff_s = backoff_s
+
+    def _request(self, chunk: list[Pair]) -> list:
+        body = json.dumps({"prompts": [p for p, _ in chunk],
+                           "responses": [r for _, r in chunk]}).encode()
+        request = urllib.request.Request(self.url, data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
+            payload = json.loads(answer.read())
+        rewards = payload.get("rewards") if isinstance(payload, dict) else None
+        if not isinstance(rewards, list) or len(rewards) != len(chunk):
+            raise ValueError(f'the answer is not {{"rewards": [{len(chunk)} numbers]}}: '
+                             f"{json.dumps(payload)[:120]}")
+        return rewards
+
+    def map(self, pairs: list[Pair]) -> list[float | Failure]:
+        out: list[float | Failure] = []
+        for calls in _chunks(len(pairs), self.batch):
+            chunk = [pairs[i] for i in calls]
+            rewards, last = None, None
+            for attempt in range(self.retries + 1):
+                if attempt:
+                    time.sleep(self.backoff_s * 2 ** (attempt - 1))
+                try:
+                    rewards = self._request(chunk)
+                    break
+                except (OSError, ValueError, HTTPException) as err:  # refused, HTTP error,
+                    last = err  # timed out, malformed
+            if rewards is None:
+                timeout = isinstance(last, TimeoutError) or "timed out" in str(last)
+                out += [Failure("timeout" if timeout else "error",
+                                f"failed {self.retries + 1} times, last: "
+                                f"{type(last).__name__}: {last}")] * len(chunk)
+            else:
+                out += [_judge(v, "returned") for v in rewards]
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------ what the run calls
+
+class Verifier:
+    """A reward source (``map``) under the run's failure rule: ``__call__(pairs)`` gives
+    each pair's score and the counts ``reward/failed`` and ``reward/timeouts``."""
+
+    def __init__(self, name: str, source, on_error: str, error_score: float,
+                 down_when_all_fail: bool = False):
+        self.name, self.source = name, source
+        self.on_error, self.error_score = on_error, error_score
+        self.down_when_all_fail = down_when_all_fail  # a server: every call failed = down
+
+    def __call__(self, pairs: list[Pair]) -> tuple[list[float], dict[str, float]]:
+        values = self.source.map(pairs)
+        failed = [(i, v) for i, v in enumerate(values) if isinstance(v, Failure)]
+        counts = {"reward/failed": float(len(failed)),
+                  "reward/timeouts": float(sum(v.kind == "timeout" for _, v in failed))}
+        down = self.down_when_all_fail and len(failed) == len(values) > 0
+        if failed and (self.on_error == "stop" or down):
+            i, first = failed[0]
+            more = f" ({len(failed) - 1} more of the batch's {len(values)} failed too)" \
+                if len(failed) > 1 else ""
+            why = ("every request of the batch failed: the server is down" if down and
+                   self.on_error == "penalty" else
+                   "rollout.reward_on_error=penalty would score such samples "
+                   f"rollout.reward_error_score={self.error_score:g} instead")
+            raise RewardError(f"{self.name}: sample {i} (response {pairs[i][1][:60]!r}): "
+                              f"{first.message}{more}; the run stops ({why})")
+        return [self.error_score if isinstance(v, Failure) else v for v in values], counts
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def make_verifier(rollout, *, fn_path: str | None = None, url: str | None = None,
+                  name: str = "rollout.reward_fn") -> Verifier:
+    """The reward function ``fn_path`` (imported here first, so a bad path fails before any
+    work) or the server ``url``, under ``rollout``'s settings (``RolloutConfig``)."""
+    if url is not None:
+        return Verifier(f"rollout.reward_url={url}",
+                        RewardServer(url, rollout.reward_timeout_s, rollout.reward_retries,
+                                     rollout.reward_batch),
+                        rollout.reward_on_error, rollout.reward_error_score,
+                        down_when_all_fail=True)
+    fn = load_reward_fn(fn_path)
+    source = WorkerPool(fn_path, rollout.reward_workers, rollout.reward_timeout_s,
+                        rollout.reward_batch) if rollout.reward_workers else InProcess(fn)
+    return Verifier(f"{name}={fn_path}", source, rollout.reward_on_error,
+                    rollout.reward_error_score)
