@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from http.client import HTTPException
 from typing import Callable
 
+from megarlhf.config import RolloutConfig
+
 Pair = tuple[str, str]
 
 
@@ -295,7 +297,7 @@ class Verifier:
         self.source.close()
 
 
-def make_verifier(rollout, *, fn_path: str | None = None, url: str | None = None,
+def make_verifier(rollout: RolloutConfig, *, fn_path: str | None = None, url: str | None = None,
                   name: str = "rollout.reward_fn") -> Verifier:
     """The reward function ``fn_path`` (imported here first, so a bad path fails before any
     work) or the server ``url``, under ``rollout``'s settings (``RolloutConfig``)."""
