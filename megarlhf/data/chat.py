@@ -48,11 +48,15 @@ class ChatTemplate:
         self.special_tokens = special_tokens
         self.kwargs = dict(kwargs or {})  # tokenizer.chat_template_kwargs, every render
 
-    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool,
+               tools: list[dict] | None = None) -> str:
+        """The conversation's text; ``tools`` (JSON schemas, ``megarlhf.data.tools``) is
+        the template's ``tools`` variable, None when there are none - as transformers'
+        ``apply_chat_template(..., tools=...)`` passes it."""
         from jinja2.exceptions import TemplateError
 
         try:
-            return self.template.render(messages=messages,
+            return self.template.render(messages=messages, tools=tools,
                                         add_generation_prompt=add_generation_prompt,
                                         **self.special_tokens, **self.kwargs)
         except TemplateError as err:
@@ -74,9 +78,16 @@ def check_messages(messages, where: str, *, needs_assistant: bool,
         role, content = msg["role"], msg["content"]
         if role not in ROLES:
             raise ValueError(f"{turn}: unknown role {role!r} (use one of {', '.join(ROLES)})")
-        if not isinstance(content, str) or not content.strip():
+        calls = msg.get("tool_calls")
+        if calls is not None:  # an assistant's tool calls: its text may be empty
+            if role != "assistant":
+                raise ValueError(f"{turn} ({role}): only an assistant turn has tool_calls")
+            from megarlhf.data.tools import check_tool_calls
+            calls = check_tool_calls(calls, turn)
+        if not isinstance(content, str) or (not content.strip() and not calls):
             raise ValueError(f"{turn} ({role}): empty content")
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": content, **({"tool_calls": calls} if calls
+                                                         else {})})
     if needs_assistant and not any(m["role"] == "assistant" for m in out):
         raise ValueError(f"{where}: no assistant turn to train on")
     if ends_with_assistant and out[-1]["role"] != "assistant":
