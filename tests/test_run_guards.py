@@ -4,6 +4,7 @@ is refused. A short run that went wrong does not end "done"; a metric out of its
 stops the run. A full disk, a damaged cache, forked writers, and the short chaos soak."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,6 +61,8 @@ def test_one_run_per_directory(tiny_checkpoints):
     lock over, says so, and resumes."""
     out = tiny_checkpoints[0]
     name = "locked"
+    shutil.rmtree(out / name, ignore_errors=True)  # one an earlier session left (shared
+    # MEGARLHF_TINY_DIR) would be resumed, not locked
     single = ppo(tiny_checkpoints, name, 40)
     single = single[:1] + single[single.index("-m", 2):]  # one process, no torchrun
     single = [a for a in single if not a.startswith("parallel.")]
@@ -290,6 +293,7 @@ def test_a_damaged_reference_cache_starts_empty(tiny_checkpoints):
     from test_reliability_runs import ppo_args
     out = tiny_checkpoints[0]
     args = ppo_args(tiny_checkpoints, "torn-cache", "checkpoint.save_interval=1")
+    shutil.rmtree(out / "torn-cache", ignore_errors=True)  # an earlier session's is resumed
     run_cli(*args, "ppo.num_iterations=1")
     cache = out / "torn-cache" / "checkpoints" / "iter_000001" / "ref_cache.pt"
     assert cache.exists()

@@ -63,6 +63,29 @@ def test_worker_pool_outlives_every_misbehaving_call():
         pool.close()
 
 
+def test_a_worker_gone_between_batches_is_replaced_and_preemption_signals_are_not_theirs():
+    """A preemption signal (SIGUSR1, SIGTERM: Slurm sends them to every process of the job
+    step; seen to kill a worker in a two-node preemption) and Ctrl-C's SIGINT leave the
+    worker processes alone; one killed while idle is replaced when the next batch comes,
+    which is scored in full."""
+    import signal
+    pool = WorkerPool("verifier_fns:judge", workers=2, timeout_s=5.0, batch=2)
+    try:
+        pairs = [(f"p{i}", "y" * i) for i in range(6)]
+        assert pool.map(pairs) == [score(*p) for p in pairs]
+        first, second = (w.proc for w in pool.workers)
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            os.kill(first.pid, sig)
+        second.kill()
+        second.wait()
+        time.sleep(0.2)
+        assert first.poll() is None  # the signals were ignored
+        assert pool.map(pairs) == [score(*p) for p in pairs]
+        assert all(w.proc.poll() is None for w in pool.workers)
+    finally:
+        pool.close()
+
+
 def test_workers_give_the_in_process_scores():
     from verifier_fns import judge
     pairs = [(f"p{i}", "x" * i) for i in range(23)]

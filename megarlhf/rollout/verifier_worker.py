@@ -10,10 +10,16 @@ from __future__ import annotations
 import importlib
 import json
 import numbers
+import signal
 import sys
 
 
 def main() -> int:
+    # The trainer's signals are the trainer's: a preemption (SIGUSR1 / SIGTERM, which
+    # Slurm sends to every process of a step), Ctrl-C. This process ends when the trainer
+    # closes its stdin, or kills it.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
     module, name = sys.argv[1].split(":", 1)
     out = sys.stdout
     sys.stdout = sys.stderr

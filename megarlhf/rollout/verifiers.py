@@ -115,9 +115,11 @@ class _Worker:
 
     def __init__(self, path: str, start_timeout_s: float):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        # a session of its own: signals sent to the trainer's process group (a terminal's
+        # Ctrl-C, a launcher's) are not its; it ends when its stdin closes
         self.proc = subprocess.Popen([sys.executable, "-m", "megarlhf.rollout.verifier_worker",
                                       path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env)
+                                     env=env, start_new_session=True)
         self.fd = self.proc.stdout.fileno()
         self.buf = b""
         self.calls: list[int] = []
@@ -129,11 +131,18 @@ class _Worker:
             raise RewardError(f"reward function {path!r}: its worker process did not start "
                               f"(exit code {self.proc.poll()}; its error is above)")
 
-    def send(self, calls: list[int], pairs: list[Pair]) -> None:
+    def send(self, calls: list[int], pairs: list[Pair]) -> bool:
+        """False when the process is gone (it died between batches: nothing was sent)."""
+        if self.proc.poll() is not None:
+            return False
+        try:
+            self.proc.stdin.write(json.dumps([pairs[i] for i in calls]).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError:  # a broken pipe: it died just now
+            return False
         self.calls = list(calls)
-        self.proc.stdin.write(json.dumps([pairs[i] for i in calls]).encode() + b"\n")
-        self.proc.stdin.flush()
         self.started = time.monotonic()
+        return True
 
     def lines(self) -> list[str] | None:
         """The complete lines read now; None at end of file (the process is gone)."""
@@ -148,7 +157,10 @@ class _Worker:
         self.proc.kill()
         self.proc.wait()
         for stream in (self.proc.stdin, self.proc.stdout):
-            stream.close()
+            try:
+                stream.close()
+            except OSError:  # unflushed input to a dead process
+                pass
 
 
 class WorkerPool:
@@ -182,7 +194,13 @@ class WorkerPool:
         while todo or busy:
             while todo and idle:
                 worker = idle.pop()
-                worker.send(todo.popleft(), pairs)
+                if not worker.send(todo[0], pairs):  # gone while idle: a fresh one takes it
+                    worker.kill()
+                    fresh = self._spawn()
+                    self.workers[self.workers.index(worker)] = fresh
+                    idle.append(fresh)
+                    continue
+                todo.popleft()
                 busy[worker.fd] = worker
             wait = min(w.started + self.timeout_s for w in busy.values()) - time.monotonic()
             ready, _, _ = select.select(list(busy), [], [], max(0.0, wait))
