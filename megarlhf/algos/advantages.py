@@ -13,18 +13,23 @@ def gae(rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor
 
     delta_t = r_t + gamma V_{t+1} - V_t;  A_t = delta_t + gamma lam A_{t+1};  R = A + V.
     Rewards and values after each response's end are zeroed first, so the value after the
-    last token is 0 (terminal) and nothing leaks across the end. Returns (advantages_BT,
-    returns_BT), both zero outside the mask.
+    last token is 0 (terminal) and nothing leaks across the end. A gap in the mask (the
+    tokens an environment wrote between two of the model's turns) is skipped: the next
+    value and the running advantage pass through it unchanged, so GAE runs over the
+    model's tokens as one sequence (what verl does for multi-turn rollouts). Returns
+    (advantages_BT, returns_BT), both zero outside the mask.
     """
     mask = mask_BT.to(rewards_BT.dtype)
     rewards, values = rewards_BT * mask, values_BT * mask
     T = rewards.shape[-1]
     last_gae = torch.zeros_like(rewards[:, 0])
+    next_value = torch.zeros_like(last_gae)
     advantages = torch.zeros_like(rewards)
     for t in reversed(range(T)):
-        next_value = values[:, t + 1] if t < T - 1 else torch.zeros_like(last_gae)
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last_gae = delta + gamma * lam * last_gae
+        here = mask[:, t]
+        last_gae = torch.where(here > 0, delta + gamma * lam * last_gae, last_gae)
+        next_value = torch.where(here > 0, values[:, t], next_value)
         advantages[:, t] = last_gae
     advantages = advantages * mask
     return advantages, (advantages + values) * mask
@@ -32,13 +37,14 @@ def gae(rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor
 
 def discounted_returns(rewards_BT: torch.Tensor, mask_BT: torch.Tensor,
                        gamma: float) -> torch.Tensor:
-    """G_t = r_t + gamma G_{t+1}, zero after each response's end."""
+    """G_t = r_t + gamma G_{t+1}, zero after each response's end; a gap in the mask (an
+    environment's tokens) is skipped, as :func:`gae` skips it."""
     mask = mask_BT.to(rewards_BT.dtype)
     rewards = rewards_BT * mask
     running = torch.zeros_like(rewards[:, 0])
     returns = torch.zeros_like(rewards)
     for t in reversed(range(rewards.shape[-1])):
-        running = rewards[:, t] + gamma * running
+        running = torch.where(mask[:, t] > 0, rewards[:, t] + gamma * running, running)
         returns[:, t] = running
     return returns * mask
 

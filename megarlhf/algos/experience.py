@@ -117,6 +117,15 @@ class Experience:
     routing_BLSK: torch.Tensor | None = None
     # the policy version that sampled each response token (ppo.max_staleness), 0 on padding
     versions_BT: torch.Tensor | None = None
+    # multi-turn rollouts: 1 on every response token the passes feed - the model's and the
+    # environment's (response_mask_BT, the trained tokens, has gaps there); None: the
+    # response mask is both
+    fed_mask_BT: torch.Tensor | None = None
+
+    @property
+    def fed_BT(self) -> torch.Tensor:
+        """1 on the response tokens a pass over these samples feeds."""
+        return self.response_mask_BT if self.fed_mask_BT is None else self.fed_mask_BT
 
     def __post_init__(self):
         if self.policy_mask_BT is None:

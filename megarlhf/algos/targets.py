@@ -16,20 +16,30 @@ def learning_targets(*, logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor
                      kl_estimator: str, kl_coef: float, clip_reward_value: float | None,
                      whiten_rewards: bool, whiten_unbiased: bool, estimator: str,
                      gamma: float, lam: float, group_size: int, whiten_advantages: bool,
-                     group_norm: str) -> dict[str, torch.Tensor]:
+                     group_norm: str, turn_rewards_BT: torch.Tensor | None = None
+                     ) -> dict[str, torch.Tensor]:
     """``kl_BT``, ``rewards_BT``, ``advantages_BT``, ``returns_BT`` of one batch.
 
     The KL of the policy that sampled (``logprobs_BT``, the old log-probs) to the
     reference, per token; rewards -``kl_coef`` x KL per token plus the (clipped) score at
     the last token (``kl_coef`` 0: the KL is not in the reward), optionally whitened
     without shifting the mean; the sequence reward (score - kl_coef x summed KL) for the
-    group baselines; then :func:`estimate_advantages`."""
+    group baselines; then :func:`estimate_advantages`.
+
+    ``turn_rewards_BT`` (multi-turn rollouts, ``rollout.environment``): the rewards of the
+    turns before the last, each at its turn's last token. They join the per-token rewards
+    (GAE, REINFORCE++) where they fell, and the sequence reward (GRPO, RLOO) as a sum;
+    ``scores_B`` is the last turn's reward."""
     mask = mask_BT
     kl = kl_per_token(logprobs_BT, ref_logprobs_BT, mask, kl_estimator)
     rewards, _ = shape_rewards(scores_B, kl, mask, kl_coef, clip_reward_value)
+    sequence_rewards = scores_B - kl_coef * kl.sum(dim=1)
+    if turn_rewards_BT is not None:
+        turns = turn_rewards_BT.to(rewards.dtype) * mask
+        rewards = rewards + turns
+        sequence_rewards = sequence_rewards + turns.sum(dim=1)
     if whiten_rewards:
         rewards = masked_whiten(rewards, mask, shift_mean=False, unbiased=whiten_unbiased) * mask
-    sequence_rewards = scores_B - kl_coef * kl.sum(dim=1)
     advantages, returns = estimate_advantages(
         estimator, scores_B=sequence_rewards, rewards_BT=rewards, values_BT=values_BT,
         mask_BT=mask, gamma=gamma, lam=lam, group_size=group_size, whiten=whiten_advantages,

@@ -48,6 +48,10 @@ class DataConfig:
     """Column holding the preferred response."""
     rejected_key: str = "rejected"
     """Column holding the dispreferred response."""
+    tools_key: str = "tools"
+    """Column holding the tools of a conversation row (JSON schemas, OpenAI shape), which
+    the chat template renders (its tools variable); rows without it, or with null, have
+    none. Also the tools an environment's episode renders (rollout.environment)."""
     messages_key: str = "messages"
     """Column holding a conversation (a list of {role, content}): SFT trains on every
     assistant turn; PPO prompts end before the assistant's answer (the generation prompt

@@ -289,8 +289,26 @@ class RolloutConfig:
     """A reward server instead of a reward model: batches of samples are POSTed as JSON
     {"prompts": [...], "responses": [...]} (decoded text, as reward_fn gets them) and
     answered with {"rewards": [a number per sample]} (docs/ppo.md)."""
+    environment: str | None = None
+    """Multi-turn rollouts: an environment 'package.module:Name' (one made per episode) with
+    reset(row) -> first messages and step(turn) -> (observation messages, reward, done).
+    Episodes are kept as tokens (the model's as sampled, observations as the chat template
+    renders them), trained on the model's tokens only; the environment's rewards are the
+    reward (no reward model or reward_fn). It runs in reward_workers processes with
+    reward_timeout_s per call and reward_on_error for a failed call (docs/multi-turn.md)."""
+    max_turns: int = 4
+    """environment: model turns per episode at most (each up to max_new_tokens)."""
+    max_observation_tokens: int | None = None
+    """environment: the tokens an episode's observations may add in all (the template's
+    text around them included); an observation past it ends the episode. None: only
+    data.max_seq_len bounds an episode."""
+    tool_format: Literal["hermes", "llama3_json"] | None = None
+    """environment: how the model writes tool calls (hermes: Qwen / Hermes <tool_call>
+    JSON blocks; llama3_json: Llama 3.1+ JSON calls); the environment gets them parsed in
+    turn["tool_calls"], and a call that does not parse is answered with an error
+    observation. None: turns are text only."""
     reward_workers: int = 2
-    """Processes that run reward_fn and the gold functions of evaluation, so a call that
+    """Processes that run reward_fn, an environment and the gold functions of evaluation, so a call that
     hangs or crashes cannot take the trainer down; 0 calls them in the trainer's process
     (no timeout)."""
     reward_timeout_s: float = 60.0
@@ -362,6 +380,21 @@ class RolloutConfig:
                     "rollout.partial apply to rollout.placement=split only")
         require(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens,
                 "must be >= 1")
+        require(self.max_turns >= 1, "rollout.max_turns", self.max_turns, "must be >= 1")
+        require(self.max_observation_tokens is None or self.max_observation_tokens >= 1,
+                "rollout.max_observation_tokens", self.max_observation_tokens,
+                "must be >= 1, or null")
+        if self.environment is not None:
+            require(":" in self.environment, "rollout.environment", self.environment,
+                    "must look like 'package.module:Name'")
+            require(self.reward_fn is None and self.reward_url is None, "rollout.environment",
+                    self.environment, "gives the rewards: unset rollout.reward_fn and "
+                    "rollout.reward_url")
+            require(self.stop_at_eos, "rollout.stop_at_eos", self.stop_at_eos,
+                    "must be true with rollout.environment (a turn ends at its stop token)")
+            require(self.decode_slots is None and not self.partial, "rollout.environment",
+                    self.environment, "samples each turn as one static batch: unset "
+                    "rollout.decode_slots and rollout.partial")
         require(self.reward_workers >= 0, "rollout.reward_workers", self.reward_workers,
                 "must be >= 0 (0: in the trainer's process)")
         require(self.reward_timeout_s > 0, "rollout.reward_timeout_s", self.reward_timeout_s,

@@ -293,12 +293,22 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
         raise ConfigError("the actor needs a checkpoint: set ppo.sft_checkpoint (or "
                           "roles.actor.checkpoint) to an SFT run's checkpoints")
     reward_model = roles.reward.checkpoint is not None
-    programmatic = rollout.reward_fn or rollout.reward_url
+    programmatic = rollout.reward_fn or rollout.reward_url or rollout.environment
+    which = "rollout.reward_fn" if rollout.reward_fn else "rollout.reward_url" \
+        if rollout.reward_url else "rollout.environment"
     if not reward_model and not programmatic and not planning:
         raise ConfigError("set ppo.reward_checkpoint (or roles.reward.checkpoint), "
-                          "rollout.reward_fn or rollout.reward_url")
+                          "rollout.reward_fn, rollout.reward_url or rollout.environment")
+    for name in ("max_turns", "max_observation_tokens", "tool_format"):
+        if said("rollout", name) and not rollout.environment:
+            raise ConfigError(f"rollout.{name} has no effect without rollout.environment")
+    if rollout.environment and rollout.routing_replay != "none":
+        raise ConfigError("rollout.routing_replay does not take rollout.environment yet (the "
+                          "turns' expert choices are not recorded)")
+    if rollout.environment and ppo.dynamic_sampling:
+        raise ConfigError("ppo.dynamic_sampling does not take rollout.environment yet (its "
+                          "refills are single-turn prompts)")
     if reward_model and programmatic:
-        which = "rollout.reward_fn" if rollout.reward_fn else "rollout.reward_url"
         raise ConfigError(f"both a reward-model checkpoint and {which} are set: choose one "
                           "reward source")
     if said("rollout", "reward_retries") and not rollout.reward_url:
@@ -310,13 +320,11 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
     gae = ppo.advantage_estimator == "gae"
     if gae and roles.critic.checkpoint is None and ppo.critic_init == "reward" \
             and programmatic:
-        raise ConfigError("ppo.critic_init=reward needs a reward-model checkpoint; "
-                          "with rollout.reward_fn or rollout.reward_url use "
-                          "ppo.critic_init=sft or random")
+        raise ConfigError(f"ppo.critic_init=reward needs a reward-model checkpoint; "
+                          f"with {which} use ppo.critic_init=sft or random")
     absent = {"critic": None if gae else "ppo.advantage_estimator is not gae",
               "reward": None if not programmatic
-              else f"{'rollout.reward_fn' if rollout.reward_fn else 'rollout.reward_url'} "
-                   "replaces the reward model"}
+              else f"{which} replaces the reward model"}
     for name, why in absent.items():
         if why is not None and written.fields(f"roles.{name}"):
             raise ConfigError(f"{_role_block(name, written)} is configured but this run has "

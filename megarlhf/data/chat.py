@@ -98,14 +98,15 @@ def check_messages(messages, where: str, *, needs_assistant: bool,
     return out
 
 
-def _assistant_turns(template: ChatTemplate, messages: list[dict], where: str):
+def _assistant_turns(template: ChatTemplate, messages: list[dict], where: str,
+                     tools: list[dict] | None = None):
     """For each assistant turn i: (i, the render of the turns before it with the generation
     prompt, the render of the conversation up to it); the second must extend the first."""
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        before = template.render(messages[:i], add_generation_prompt=True) if i else ""
-        upto = template.render(messages[:i + 1], add_generation_prompt=False)
+        before = template.render(messages[:i], add_generation_prompt=True, tools=tools) if i else ""
+        upto = template.render(messages[:i + 1], add_generation_prompt=False, tools=tools)
         if not upto.startswith(before):
             raise _not_an_extension(template, i, where)
         yield i, before, upto
@@ -117,12 +118,12 @@ def _not_an_extension(template: ChatTemplate, turn: int, where: str) -> ValueErr
                       "tokens cannot be told apart")
 
 
-def assistant_spans(template: ChatTemplate, messages: list[dict], where: str
-                    ) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(template: ChatTemplate, messages: list[dict], where: str,
+                    tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """(the whole conversation's text, the character spans of its assistant turns)."""
-    full = template.render(messages, add_generation_prompt=False)
+    full = template.render(messages, add_generation_prompt=False, tools=tools)
     spans = []
-    for i, before, upto in _assistant_turns(template, messages, where):
+    for i, before, upto in _assistant_turns(template, messages, where, tools):
         if not full.startswith(upto):
             raise _not_an_extension(template, i, where)
         if len(upto) > len(before):
@@ -130,19 +131,19 @@ def assistant_spans(template: ChatTemplate, messages: list[dict], where: str
     return full, spans
 
 
-def assistant_rows(template: ChatTemplate, messages: list[dict], where: str
-                   ) -> list[tuple[str, list[tuple[int, int]]]]:
+def assistant_rows(template: ChatTemplate, messages: list[dict], where: str,
+                   tools: list[dict] | None = None) -> list[tuple[str, list[tuple[int, int]]]]:
     """The training rows of a conversation: one (text, assistant spans) row when the template
     renders each turn as an extension of the turns before it; otherwise (Qwen3's template
     drops the think blocks of earlier assistant turns) one row per assistant turn - the
     conversation up to that turn, rendered as the model sees it when it writes that turn,
-    with that turn trained. A turn that does not even extend its own prompt is refused."""
+    with that turn trained (``tools``: the template's tools variable). A turn that does not even extend its own prompt is refused."""
     try:
-        return [assistant_spans(template, messages, where)]
+        return [assistant_spans(template, messages, where, tools)]
     except ValueError:
         pass
     return [(upto, [(len(before), len(upto))])
-            for _, before, upto in _assistant_turns(template, messages, where)
+            for _, before, upto in _assistant_turns(template, messages, where, tools)
             if len(upto) > len(before)]
 
 

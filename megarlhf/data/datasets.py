@@ -218,6 +218,7 @@ def _tokenize_texts(path, table, kind, data_cfg: DataConfig, tokenizer) -> Token
 
 def _tokenize_chats(path, table, kind, data_cfg: DataConfig, tokenizer) -> TokenizedDataset:
     from megarlhf.data.chat import assistant_rows, check_messages, tokenize_pieces
+    from megarlhf.data.tools import check_tools
 
     template = getattr(tokenizer, "chat_template", None)
     if template is None:
@@ -246,13 +247,16 @@ def _tokenize_chats(path, table, kind, data_cfg: DataConfig, tokenizer) -> Token
             else data_cfg.prompt_key
         messages = check_messages(row[column], f"{where} column '{column}'",
                                   needs_assistant=kind == "sft")
+        tools = check_tools(row.get(data_cfg.tools_key), f"{where} column "
+                            f"'{data_cfg.tools_key}'")
         if kind == "prompt":
-            text = template.render(messages, add_generation_prompt=True)
+            text = template.render(messages, add_generation_prompt=True, tools=tools)
             prompt = encode(text)
             if _keep(out, data_cfg, prompt, []):
                 _add(out, kind, prompt, [], text)
             continue
-        for text, spans in assistant_rows(template, messages, f"{where} column '{column}'"):
+        for text, spans in assistant_rows(template, messages, f"{where} column '{column}'",
+                                          tools):
             tokens, trained = tokenize_pieces(text, spans, encode)
             first = trained.index(1)
             weights = trained[1:] + [0]  # weight t: the loss of predicting token t + 1
@@ -303,6 +307,39 @@ def _preference_turns(row, data_cfg: DataConfig, where: str
         raise ValueError(f"{where}: the prompt (the turns chosen and rejected share) ends with "
                          "an assistant turn")
     return prompt, chosen, rejected
+
+
+@dataclass
+class EpisodeRows:
+    """The rows of an environment's episodes (``rollout.environment``): each row as a dict
+    of its columns, handed to the environment's ``reset``."""
+
+    prompts: list[dict]
+    source: str = ""
+    kind: str = "episode"
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def report(self) -> str:
+        return f"{self.source}: {len(self)} episode rows"
+
+
+def episode_rows(path: str, data_cfg: DataConfig) -> EpisodeRows:
+    """``path``'s rows for an environment; a ``data.tools_key`` column and a conversation
+    column (``data.messages_key``), where present, are checked now."""
+    from megarlhf.data.chat import check_messages
+    from megarlhf.data.tools import check_tools
+
+    rows = load_rows(path).to_list()
+    for row_no, row in enumerate(rows, 1):
+        where = f"dataset {path!r} row {row_no}"
+        row[data_cfg.tools_key] = check_tools(row.get(data_cfg.tools_key),
+                                              f"{where} column '{data_cfg.tools_key}'")
+        if row.get(data_cfg.messages_key) is not None:
+            check_messages(row[data_cfg.messages_key],
+                           f"{where} column '{data_cfg.messages_key}'", needs_assistant=False)
+    return EpisodeRows(prompts=rows, source=path)
 
 
 def text_lines(path: str):

@@ -101,3 +101,25 @@ def check_tool_calls(calls, where: str) -> list[dict]:
 def error_observation(err: ToolCallError) -> dict:
     """The tool message that tells the model its call failed."""
     return {"role": "tool", "content": f"Error: {err}"}
+
+
+def check_tools(value, where: str) -> list[dict] | None:
+    """A row's tools (``data.tools_key``): None, or a list of JSON schemas - OpenAI's
+    ``{"type": "function", "function": {"name", ...}}`` or the bare ``{"name", ...}`` -
+    given as a list or as its JSON text (as ToolACE / xLAM rows store them)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: tools is not valid JSON ({err})") from None
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: tools must be a list of JSON schemas, got "
+                         f"{type(value).__name__}")
+    for j, tool in enumerate(value):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"{where}: tool {j} must be a JSON schema with a 'name' (or "
+                             "{'type': 'function', 'function': {'name': ...}})")
+    return value or None

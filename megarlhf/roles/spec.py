@@ -239,7 +239,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
     actor_ckpt = roles.actor.checkpoint
     reward_ckpt = roles.reward.checkpoint
     if planning and reward_ckpt is None and cfg.rollout.reward_fn is None \
-            and cfg.rollout.reward_url is None:
+            and cfg.rollout.reward_url is None and cfg.rollout.environment is None:
         reward_ckpt = ""  # a reward model of the config's model
     actor_layout = roles.actor.parallel.over(cfg.parallel.layout)
     precision = ("model", cfg.model, PRECISION_FIELDS)

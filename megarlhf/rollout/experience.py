@@ -115,7 +115,7 @@ class ExperienceMaker:
         t1 = time.perf_counter()
         # 3. the trained tokens: DeepSpeed-Chat drops responses of <= 1 token; here they stay
         # in the batch (fixed batch arithmetic) with no trainable tokens
-        mask = gen.response_mask_BT.float()
+        mask = gen.model_mask_BT().float()  # multi-turn: not the environment's tokens
         short = mask.sum(dim=1) < r.min_response_tokens
         mask[short] = 0.0
         # 4. the reference, the actor (old log-probs: recomputed, or the sampler's) and the
@@ -147,7 +147,9 @@ class ExperienceMaker:
                 clip_reward_value=ppo.clip_reward_value, whiten_rewards=ppo.whiten_rewards,
                 whiten_unbiased=ppo.whiten_unbiased, estimator=ppo.advantage_estimator,
                 gamma=ppo.gamma, lam=ppo.lam, group_size=ppo.group_size,
-                whiten_advantages=ppo.whiten_advantages, group_norm=ppo.grpo_normalization)
+                whiten_advantages=ppo.whiten_advantages, group_norm=ppo.grpo_normalization,
+                turn_rewards_BT=None if gen.env_rewards_BT is None
+                else gen.episode_rewards()[1])
             policy_mask, is_weights, corr = algos.mismatch_correction(
                 old_lp, rollout_lp, mask, is_cap=ppo.rollout_is_cap,
                 mask_low=ppo.rollout_mask_low, mask_high=ppo.rollout_mask_high)
@@ -158,7 +160,9 @@ class ExperienceMaker:
                 rollout_logprobs_BT=rollout_lp, old_logprobs_BT=old_lp, ref_logprobs_BT=ref_lp,
                 values_BT=values, scores_B=scores, policy_mask_BT=policy_mask,
                 is_weights_BT=is_weights,
-                routing_BLSK=routing, versions_BT=gen.versions_BT, **targets)
+                routing_BLSK=routing, versions_BT=gen.versions_BT,
+                fed_mask_BT=None if gen.observation_BT is None else gen.response_mask_BT,
+                **targets)
         # 6. what it was
         metrics.update(rollout_metrics(exp, gen, has_stop, short, rollout_lp, old_lp,
                                        self.scorer.ref_cache))

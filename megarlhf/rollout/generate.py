@@ -51,6 +51,30 @@ class Generation:
     # the policy version that sampled each response token (0 on padding), when recorded:
     # see rollout.schedule
     versions_BT: torch.Tensor | None = None
+    # multi-turn rollouts (rollout.environment, ``rollout.environments``): 1 on the response
+    # tokens the environment wrote (observations, as the chat template renders them; fed,
+    # never trained), and each turn's reward at that turn's last model token
+    observation_BT: torch.Tensor | None = None
+    env_rewards_BT: torch.Tensor | None = None
+
+    def model_mask_BT(self) -> torch.Tensor:
+        """1 on the tokens the model sampled (the response but an environment's tokens)."""
+        if self.observation_BT is None:
+            return self.response_mask_BT
+        return self.response_mask_BT * (1 - self.observation_BT.to(self.response_mask_BT.dtype))
+
+    def episode_rewards(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Multi-turn: (B,) the last turn's reward (the score, at the last model token) and
+        (B, T) the earlier turns' rewards where they fell."""
+        model = self.model_mask_BT()
+        T = model.shape[1]
+        last = T - 1 - model.flip(-1).to(torch.int8).argmax(dim=-1)
+        last = torch.where(model.any(dim=-1), last, torch.zeros_like(last))
+        rows = torch.arange(model.shape[0])
+        scores = self.env_rewards_BT[rows, last].clone()
+        turns = self.env_rewards_BT.clone()
+        turns[rows, last] = 0.0
+        return scores, turns
 
     def state_dict(self) -> dict:
         """The fields as plain tensors (or None): what a checkpoint or the split job's

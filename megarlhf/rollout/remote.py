@@ -45,10 +45,12 @@ from megarlhf.config import Config, ConfigError
 from megarlhf.parallel import signals, watchdog
 from megarlhf.parallel.placement import Split
 from megarlhf.parallel.signals import install_handlers
+from megarlhf.rollout.environments import Episodes, episode_metrics
 from megarlhf.rollout.generate import Generation
 from megarlhf.rollout.reshard import (build_inference_model, inference_layout,
                                       release_inference_weights)
 from megarlhf.rollout.sampling import Sampler, gather_generations, idle_slots, sample_share
+from megarlhf.rollout.verifiers import RewardError
 
 REQUEST, WEIGHTS, RESULT = 1, 2, 3  # bridge tags
 
@@ -227,6 +229,8 @@ class RemoteRollout:
         result = got[0]
         if self.outstanding is pending:
             self.outstanding = None
+        if "error" in result:  # an environment's failed call (rollout.reward_on_error=stop)
+            raise RewardError(result["error"])
         self.signalled = self.signalled or result["signalled"]
         if result["version"] != pending.version:
             raise RuntimeError(f"the rollout ranks sampled with policy version "
@@ -281,6 +285,7 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
                         f"rank {sender} sent (SHA-256 {bytes(held).hex()[:16]} against "
                         f"{bytes(sent).hex()[:16]})")
 
+    episodes = Episodes(cfg, tokenizer) if cfg.rollout.environment else None
     version, served = None, 0
     while True:
         with watchdog.phase("waiting for a request from the training ranks"):
@@ -303,7 +308,7 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
                                request["seed"], eos_id=tokenizer.eos_id,
                                pad_id=tokenizer.pad_id, end_ids=tokenizer.end_ids,
                                true_vocab=actor_spec.model.vocab_size, stats=gen_stats,
-                               interrupt=inflight)
+                               interrupt=inflight, episodes=episodes)
         seconds = time.perf_counter() - start
         if inflight is not None:  # each token's version
             gen = dataclasses.replace(gen, versions_BT=torch.where(
@@ -311,6 +316,12 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
         with watchdog.phase("gathering the generations"):
             gen = gather_generations(gen, prompts, inf, tokenizer.pad_id)
             metrics = {"timing/generate": seconds, **idle_slots(gen_stats)}
+            failed = None
+            if episodes is not None:
+                try:
+                    metrics.update(episode_metrics(gen_stats, cfg.rollout.reward_on_error))
+                except RewardError as err:  # the training side stops with it
+                    failed = str(err)
             asked = torch.tensor([1.0 if signals.asked() else 0.0])
             dist.all_reduce(asked, op=dist.ReduceOp.MAX)
         if inflight is not None:
@@ -322,7 +333,8 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
         if rank == 0:
             with watchdog.phase("sending samples to the training ranks"):
                 send_object(bridge, {"gen": gen.state_dict(), "version": request["version"],
-                                     "metrics": metrics, "signalled": bool(asked.item())},
+                                     "metrics": metrics, "signalled": bool(asked.item()),
+                                     **({"error": failed} if failed else {})},
                             0, RESULT)
         served += 1
 

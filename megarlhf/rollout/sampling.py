@@ -24,6 +24,7 @@ from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel.layout import RankLayout
 from megarlhf.rollout.continuous import generate_continuous
+from megarlhf.rollout.environments import episode_metrics
 from megarlhf.rollout.generate import Generation, SamplingParams, generate
 from megarlhf.rollout.reshard import Resharder, release_inference_weights
 from megarlhf.parallel import watchdog
@@ -45,6 +46,8 @@ class Sampler:
     release_inference: bool = False
     # the model's own end tokens besides EOS (data.tokenizer.Tokenizer.end_ids)
     end_ids: tuple[int, ...] = ()
+    # multi-turn rollouts (rollout.environment): rollout.environments.Episodes
+    episodes: object | None = None
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -68,7 +71,8 @@ class Sampler:
             gen = sample_share(self.cfg, self.inference_model, mine, indices, seed,
                                eos_id=self.eos_id, pad_id=self.pad_id, end_ids=self.end_ids,
                                true_vocab=self.actor.spec.model.vocab_size, stats=gen_stats,
-                               record_routing=self.actor.spec.model.moe.enabled)
+                               record_routing=self.actor.spec.model.moe.enabled,
+                               episodes=self.episodes)
         seconds = time.perf_counter() - start
         if self.hooks is not None:
             self.hooks.after_generate(gen_stats["kv_cache_bytes"])
@@ -76,14 +80,19 @@ class Sampler:
             release_inference_weights(self.inference_model)
         with watchdog.phase("gathering the generations"):
             gen = gather_generations(gen, prompts, inf, self.pad_id)
-        return gen, {"timing/reshard": stats.seconds, "perf/reshard_bytes": stats.bytes_received,
-                     "timing/generate": seconds, **idle_slots(gen_stats)}
+        metrics = {"timing/reshard": stats.seconds, "perf/reshard_bytes": stats.bytes_received,
+                   "timing/generate": seconds, **idle_slots(gen_stats)}
+        if self.episodes is not None:
+            metrics.update(episode_metrics(gen_stats, self.cfg.rollout.reward_on_error))
+        return gen, metrics
 
     def finalize(self, gen: Generation) -> tuple[Generation, torch.Tensor]:
         """Cut every response after its first stop token (the stop token stays): with
         ``rollout.stop_at_eos=false`` the sampler runs past EOS to the fixed length, and the
         truncated response is what is scored, trained and shown. Returns (the truncated
         generation, ``has_stop`` (B,): a stop token occurred)."""
+        if gen.observation_BT is not None:  # multi-turn: every turn ends with its stop
+            return gen, gen.finished_B
         stops = sorted(set(self.stop_token_ids) | {self.eos_id})
         tokens, mask, has_stop = algos.truncate_after_stop(
             gen.response_tokens_BT, gen.response_mask_BT, stops, self.pad_id)
@@ -96,12 +105,17 @@ class Sampler:
 def sample_share(cfg: Config, model, prompts: list[list[int]], indices: list[int], seed: int,
                  *, eos_id: int, pad_id: int, end_ids: tuple[int, ...], true_vocab: int,
                  stats: dict, record_routing: bool = False,
-                 interrupt: Callable[[], bool] | None = None) -> Generation:
+                 interrupt: Callable[[], bool] | None = None, episodes=None) -> Generation:
     """A replica's share ``prompts`` (the batch's prompts ``indices``) sampled as the
     rollout samples: one static batch, or ``rollout.decode_slots`` rows at a time.
-    ``interrupt``: new weights between decode steps (``rollout.partial``)."""
+    ``interrupt``: new weights between decode steps (``rollout.partial``). ``episodes``
+    (``rollout.environment``): the prompts are data rows, each played as an episode
+    (``rollout.environments.Episodes``)."""
     r = cfg.rollout
     params = sampling_params(cfg, end_ids)
+    if episodes is not None:
+        return episodes.sample(model, prompts, indices, seed, params=params, eos_id=eos_id,
+                               pad_id=pad_id, true_vocab=true_vocab, stats=stats)
     seeds = row_seeds(seed, indices)
     partial = dict(interrupt=interrupt, recompute_kv=r.partial_kv == "recompute")
     if r.decode_slots is not None and r.decode_slots < len(prompts):
@@ -239,8 +253,9 @@ def merge_rows(rows: list[tuple[Generation, int]], pad_id: int) -> Generation:
         logprobs_BT=take("logprobs_BT", T, False),
         finished_B=torch.stack([part.finished_B[j] for part, j in rows]),
         routing_BLSK=merge_routing(rows, P, T),
-        versions_BT=None if any(part.versions_BT is None for part, _ in rows)
-        else take("versions_BT", T, False))
+        **{name: None if any(getattr(part, name) is None for part, _ in rows)
+           else take(name, T, False)
+           for name in ("versions_BT", "observation_BT", "env_rewards_BT")})
 
 
 def merge_routing(rows: list[tuple[Generation, int]], P: int, T: int) -> torch.Tensor | None:

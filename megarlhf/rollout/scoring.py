@@ -149,7 +149,8 @@ def packed_batch_fn(gen: Generation, kind: str, pad_id: int = 0,
 def sequence_lengths(gen: Generation) -> list[int]:
     """Each sample's real tokens, prompt and response (of a rollout, or of an experience
     batch: its trained response)."""
-    return (gen.prompt_mask_BP.long().sum(1) + gen.response_mask_BT.long().sum(1)).tolist()
+    fed = gen.fed_BT if isinstance(gen, algos.Experience) else gen.response_mask_BT
+    return (gen.prompt_mask_BP.long().sum(1) + fed.long().sum(1)).tolist()
 
 
 @dataclass
@@ -314,6 +315,8 @@ class Scorer:
         """(B,) the reward model's normalised score of each sample (or the programmatic
         reward's), the reward model loaded for its pass and offloaded after it."""
         B = gen.response_tokens_BT.shape[0]
+        if gen.env_rewards_BT is not None:  # an environment's (rollout.environment)
+            return gen.episode_rewards()[0]
         if self.reward.fn is not None:  # rank 0 calls it, every rank gets the scores
             got: list = [None]
             if dist.get_rank() == 0:

@@ -113,12 +113,13 @@ class InProcess:
 class _Worker:
     """One worker process and the calls it has in flight (in order)."""
 
-    def __init__(self, path: str, start_timeout_s: float):
+    def __init__(self, path: str, start_timeout_s: float,
+                 module: str = "megarlhf.rollout.verifier_worker", what: str = "reward function"):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         # a session of its own: signals sent to the trainer's process group (a terminal's
         # Ctrl-C, a launcher's) are not its; it ends when its stdin closes
-        self.proc = subprocess.Popen([sys.executable, "-m", "megarlhf.rollout.verifier_worker",
-                                      path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", module, path],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, start_new_session=True)
         self.fd = self.proc.stdout.fileno()
         self.buf = b""
@@ -128,15 +129,20 @@ class _Worker:
         line = self.lines() if ready else None
         if not line or json.loads(line[0]) != {"ready": True}:
             self.kill()
-            raise RewardError(f"reward function {path!r}: its worker process did not start "
+            raise RewardError(f"{what} {path!r}: its worker process did not start "
                               f"(exit code {self.proc.poll()}; its error is above)")
 
     def send(self, calls: list[int], pairs: list[Pair]) -> bool:
         """False when the process is gone (it died between batches: nothing was sent)."""
+        return self.send_payload(calls, [pairs[i] for i in calls])
+
+    def send_payload(self, calls: list[int], payload: list) -> bool:
+        """``payload`` (one JSON line, an entry per call) for the calls ``calls``; False
+        when the process is gone."""
         if self.proc.poll() is not None:
             return False
         try:
-            self.proc.stdin.write(json.dumps([pairs[i] for i in calls]).encode() + b"\n")
+            self.proc.stdin.write(json.dumps(payload).encode() + b"\n")
             self.proc.stdin.flush()
         except OSError:  # a broken pipe: it died just now
             return False

@@ -21,7 +21,7 @@ from megarlhf import algos
 from megarlhf.config import Config, ConfigError, Written
 from megarlhf.data.batching import pad_batch, prompt_response_batch
 from megarlhf.data.packing import balance, budget_groups, pack_prompt_response, pack_weighted
-from megarlhf.data.datasets import tokenize_dataset
+from megarlhf.data.datasets import episode_rows, tokenize_dataset
 from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, load_object, save_checkpoint
 from megarlhf.memory.accounting import ActivationMeter, MemoryTracker, format_table
@@ -38,6 +38,7 @@ from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel import placement
 from megarlhf.parallel.launch import init_distributed, read_dist_env
 from megarlhf.parallel.placement import Split
+from megarlhf.rollout.environments import Episodes, episode_metrics
 from megarlhf.rollout.experience import ExperienceMaker, Sampled
 from megarlhf.rollout.generate import SamplingParams, generate
 from megarlhf.rollout.reshard import (
@@ -71,7 +72,7 @@ def experience_batches(exp: algos.Experience, micro: int, pad_id: int,
     out = []
     for mb in exp.micro_batches(micro):
         batch = prompt_response_batch(mb.prompt_tokens_BP, mb.prompt_mask_BP,
-                                      mb.response_tokens_BT, mb.response_mask_BT, pad_id)
+                                      mb.response_tokens_BT, mb.fed_BT, pad_id)
         batch.update(_fields(mb))
         if routing and mb.routing_BLSK is not None:  # the experts to replay (r2 / r3)
             batch["routing"] = mb.routing_BLSK
@@ -92,7 +93,7 @@ def packed_experience_batches(mini: algos.Experience, layout, budget: int, pad_i
     for group in budget_groups(share, lengths, budget, what="ppo.max_tokens_per_micro_batch"):
         mb = mini.select(group)
         batch = pack_prompt_response(mb.prompt_tokens_BP, mb.prompt_mask_BP,
-                                     mb.response_tokens_BT, mb.response_mask_BT, kind="lm",
+                                     mb.response_tokens_BT, mb.fed_BT, kind="lm",
                                      pad_id=pad_id)
         batch.update(_fields(mb))
         if routing and mb.routing_BLSK is not None:  # the experts to replay (r2 / r3)
@@ -250,9 +251,11 @@ class PPOSession:
                       for name, s in specs.items() if s.trained}
         forward_budget = r.forward_max_tokens_per_micro_batch or ppo.max_tokens_per_micro_batch
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.prompts = tokenize_dataset(cfg.data.train_path, "prompt", cfg.data, tokenizer)
-        self.eval_prompts = tokenize_dataset(cfg.data.eval_path, "prompt", cfg.data, tokenizer) \
-            if cfg.data.eval_path else None
+        # an environment's episodes start from data rows (its reset), else from prompts
+        read = (lambda path: episode_rows(path, cfg.data)) if r.environment else \
+            (lambda path: tokenize_dataset(path, "prompt", cfg.data, tokenizer))
+        self.prompts = read(cfg.data.train_path)
+        self.eval_prompts = read(cfg.data.eval_path) if cfg.data.eval_path else None
         for ds in (self.prompts, self.eval_prompts):
             if ds is not None:
                 print0(f"[ppo] {ds.report()}")
@@ -280,7 +283,8 @@ class PPOSession:
                                build_inference_model(specs["actor"], inf_layout),
                                eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                                release_inference=r.release_inference_weights,
-                               end_ids=tokenizer.end_ids)
+                               end_ids=tokenizer.end_ids,
+                               episodes=Episodes(cfg, tokenizer) if r.environment else None)
         self.scorer = Scorer(cfg, self.actor, self.reference, reward, self.critic,
                              pad_id=tokenizer.pad_id,
                              micro_batch_size=r.forward_micro_batch_size
@@ -397,7 +401,7 @@ class PPOSession:
         self.kl_ctl.update(metrics["objective/kl"], ppo.rollout_batch_size * ppo.group_size)
         metrics["objective/kl_coef"] = self.kl_ctl.value
         metrics["timing/iteration"] = time.perf_counter() - t_iter
-        tokens = exp.response_mask_BT.sum() + exp.prompt_mask_BP.sum()
+        tokens = exp.fed_BT.sum() + exp.prompt_mask_BP.sum()
         metrics["perf/tokens_per_s"] = float(tokens) / metrics["timing/iteration"]
         metrics["perf/samples_per_s"] = len(exp) / metrics["timing/iteration"]
         if self.tracker is not None:
@@ -406,6 +410,8 @@ class PPOSession:
 
     def close(self) -> None:
         self.scorer.restore_frozen_models()
+        if self.sampler.episodes is not None:
+            self.sampler.episodes.close()
         if self.remote is not None:
             self.remote.close()
 
@@ -658,6 +664,9 @@ def _evaluator(cfg, sampler, eval_ds, tokenizer, gold_fn):
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, greedy=True,
                                 temperature=cfg.rollout.temperature,
                                 stop_token_ids=sampler.stop_token_ids)
+        if sampler.episodes is not None:  # the environment's episodes, greedy
+            return _evaluate_episodes(cfg, sampler, [prompts[i] for i in mine_idx], mine_idx,
+                                      params, tokenizer, prefix)
         gen = generate(sampler.inference_model, [prompts[i] for i in mine_idx], params,
                        eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                        true_vocab=sampler.actor.spec.model.vocab_size,
@@ -679,6 +688,33 @@ def _evaluator(cfg, sampler, eval_ds, tokenizer, gold_fn):
         return out
 
     return evaluate
+
+
+def _evaluate_episodes(cfg, sampler, rows: list, indices: list[int], params, tokenizer,
+                       prefix: str) -> dict:
+    """Greedy episodes of the environment on this replica's held-out ``rows``: the mean
+    return (every turn's reward; the environment's verdict is its gold score), the mean
+    model tokens and turns. A collective of the world."""
+    stats: dict = {}
+    inf = sampler.inference_layout
+    if rows:
+        gen = sampler.episodes.sample(sampler.inference_model, rows, indices, 0, params=params,
+                                      eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                                      true_vocab=sampler.actor.spec.model.vocab_size,
+                                      stats=stats)
+    if sampler.release_inference:
+        release_inference_weights(sampler.inference_model)
+    local = torch.zeros(3, dtype=torch.float64)
+    if inf.tp_rank == 0 and rows:
+        local[0] = float(gen.env_rewards_BT.sum())
+        local[1] = float(gen.model_mask_BT().sum())
+        local[2] = len(rows)
+    counts = episode_metrics(stats, cfg.rollout.reward_on_error)
+    dist.all_reduce(local)
+    n = max(float(local[2]), 1.0)
+    return {f"{prefix}gold_score": float(local[0]) / n,
+            f"{prefix}response_len": float(local[1]) / n,
+            f"{prefix}turns": counts["rollout/turns_mean"]}
 
 
 def _sample_table(gen, exp, tokenizer, logger, step, bar) -> None:

@@ -1,0 +1,540 @@
+"""Multi-turn rollouts with an environment (``rollout.environment``).
+
+An environment is a class (or any callable making one) named ``package.module:Name``;
+the rollout makes one per episode::
+
+    class Lookup:
+        tools = [...]                     # optional: JSON schemas the chat template renders
+        def reset(self, row: dict) -> list[dict]:
+            ...                           # the first messages (the data row's columns in)
+        def step(self, turn: dict) -> tuple[list[dict], float, bool]:
+            ...                           # (observation messages, reward, done)
+
+``turn`` is ``{"text", "tool_calls", "index"}``: the model's turn decoded without its stop
+token, the calls read from it in ``rollout.tool_format`` (``[{"name", "arguments"}]``, empty
+without a format) and its number from 0. The observation is a list of ``tool`` (or
+``user``) messages, empty when ``done``.
+
+**An episode is kept as tokens.** Its first messages are rendered with the generation
+prompt (and the tools: the row's ``data.tools_key`` column, else the environment's
+``tools``). Each model turn is sampled until its stop token; the sampled tokens are kept
+as they are - never decoded and encoded again - and so are their log-probs. The
+observation that follows is appended as the chat template renders it: the text the
+template writes after the assistant's turn (what follows its end-of-turn token), the
+observation's messages and the next generation prompt. The loss mask covers the model's
+tokens only (``Generation.observation_BT`` marks the environment's). Each step's reward
+sits at its turn's last token (``Generation.env_rewards_BT``): the last one is the sample's
+score, the earlier ones reach GAE and REINFORCE++ where they fell and GRPO / RLOO as part of
+the sequence reward (``algos.learning_targets``).
+
+**An episode ends** when the environment says done, after ``rollout.max_turns`` model
+turns, when a turn stops without its stop token (``rollout.max_new_tokens``, or the room
+left in ``data.max_seq_len``), or when an observation would pass
+``rollout.max_observation_tokens`` in all or ``data.max_seq_len``; it always ends with a
+model turn. A tool call that does not parse is answered by an error observation (the
+environment is not stepped): the model sees what was wrong, the run never crashes on it.
+
+**Where it runs.** TP rank 0 of each inference replica runs its share's episodes - in
+``rollout.reward_workers`` worker processes (an episode stays in one; a call silent past
+``rollout.reward_timeout_s`` kills its process, and the episodes held there end as failed),
+or in the trainer's process with 0 workers - and hands each step's tokens to its TP peers.
+A failed call (an exception, a timeout, a dead process, a malformed result) ends its
+episode: ``rollout.reward_on_error=stop`` stops the run naming the environment, the row
+and the error (after the batch, on every rank); ``penalty`` scores it
+``rollout.reward_error_score`` and counts it in ``reward/failed`` / ``reward/timeouts``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import math
+import numbers
+import select
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megarlhf.config import Config
+from megarlhf.data.chat import check_messages
+from megarlhf.data.tools import ToolCallError, error_observation, parse_tool_calls
+from megarlhf.parallel import cpu_backend
+from megarlhf.rollout.generate import Generation, SamplingParams, generate
+from megarlhf.rollout.verifiers import Failure, RewardError, _Worker, load_reward_fn
+
+OBSERVATION_ROLES = ("tool", "user", "system")
+
+
+# ------------------------------------------------------------------ checking what it returns
+
+def check_reset(value, tools_column) -> dict:
+    """``reset``'s first messages (and the tools to render) as the rollout takes them."""
+    msgs = check_messages(value, "reset() returned", needs_assistant=False)
+    return {"messages": msgs, "tools": tools_column}
+
+
+def check_step(value) -> dict:
+    """``step``'s (observation, reward, done), checked."""
+    if not isinstance(value, (tuple, list)) or len(value) != 3:
+        raise ValueError(f"step() must return (observation, reward, done), got "
+                         f"{type(value).__name__} {str(value)[:80]!r}")
+    obs, reward, done = value
+    if not isinstance(done, bool):
+        raise ValueError(f"step() returned done={done!r}, not a bool")
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) \
+            or not math.isfinite(reward):
+        raise ValueError(f"step() returned reward {str(reward)[:80]!r}, not a finite number")
+    if obs is None or obs == []:
+        if not done:
+            raise ValueError("step() returned no observation for an episode that goes on")
+        obs = []
+    else:
+        obs = check_messages(obs, "step() observation", needs_assistant=False)
+        for msg in obs:
+            if msg["role"] not in OBSERVATION_ROLES:
+                raise ValueError(f"step() observation: a {msg['role']!r} message (an "
+                                 f"observation is {', '.join(OBSERVATION_ROLES)} messages)")
+    return {"observation": obs, "reward": float(reward), "done": done}
+
+
+# ------------------------------------------------------------------ where episodes live
+
+class InProcessEnvs:
+    """``rollout.reward_workers=0``: the episodes' environments in this process."""
+
+    def __init__(self, path: str):
+        self.path, self.factory = path, load_reward_fn(path)
+        self.envs: dict[int, object] = {}
+
+    def call(self, calls: list[tuple[int, str, object]]) -> list[object]:
+        out = []
+        for episode, op, arg in calls:
+            try:
+                if op == "reset":
+                    env = self.envs[episode] = self.factory()
+                    out.append({"messages": env.reset(arg), "tools": getattr(env, "tools", None)})
+                elif op == "step":
+                    out.append(self.envs[episode].step(arg))
+                else:
+                    self.envs.pop(episode, None)
+                    out.append(None)
+            except Exception as err:  # the environment's: this episode's failure
+                out.append(Failure("error", f"{op}() raised {type(err).__name__}: "
+                                            f"{str(err)[:200]}"))
+        return out
+
+    def close(self) -> None:
+        self.envs = {}
+
+
+class WorkerEnvs:
+    """``rollout.reward_workers`` processes holding the episodes (episode e in process
+    e mod N). A call with no answer within ``timeout_s``, or a process that dies, fails
+    that call; the process is replaced, and the episodes it held fail at their next call
+    (their state went with it)."""
+
+    def __init__(self, path: str, workers: int, timeout_s: float):
+        self.path, self.size, self.timeout_s = path, workers, timeout_s
+        self.workers: list[_Worker | None] = [None] * workers
+        self.epoch = [0] * workers  # bumped when a process is replaced
+        self.born: dict[int, int] = {}  # episode -> its process's epoch at reset
+        atexit.register(self.close)
+
+    def _worker(self, w: int) -> _Worker:
+        if self.workers[w] is None:
+            self.workers[w] = _Worker(self.path, max(60.0, self.timeout_s),
+                                      module="megarlhf.rollout.env_worker",
+                                      what="environment")
+        return self.workers[w]
+
+    def _replace(self, w: int) -> None:
+        self.workers[w].kill()
+        self.workers[w] = None
+        self.epoch[w] += 1
+
+    def call(self, calls: list[tuple[int, str, object]]) -> list[object]:
+        out: list[object] = [None] * len(calls)
+        mine: dict[int, list[int]] = {}
+        for i, (episode, op, _) in enumerate(calls):
+            w = episode % self.size
+            if op == "reset":
+                self.born[episode] = self.epoch[w]
+            elif self.born.get(episode) != self.epoch[w]:
+                out[i] = Failure("error", "its environment's worker process was replaced "
+                                          "(another episode's call there failed): the "
+                                          "episode's state is gone") if op == "step" else None
+                continue
+            mine.setdefault(w, []).append(i)
+        busy: dict[int, tuple[int, _Worker]] = {}
+        for w, idx in mine.items():
+            worker = self._worker(w)
+            payload = [{"episode": calls[i][0], "op": calls[i][1], "arg": calls[i][2]}
+                       for i in idx]
+            if not worker.send_payload(idx, payload):  # gone while idle: a fresh one
+                self._replace(w)
+                for i in idx:
+                    out[i] = Failure("error", "its environment's worker process had died: "
+                                              "the episode's state is gone")
+                continue
+            busy[worker.fd] = (w, worker)
+
+        def fail_rest(w: int, worker: _Worker, failure: Failure) -> None:
+            out[worker.calls.pop(0)] = failure
+            for i in worker.calls:
+                out[i] = Failure("error", "its environment's worker process was replaced "
+                                          "(another episode's call there failed)")
+            worker.calls = []
+            self._replace(w)
+
+        while busy:
+            wait = min(wk.started + self.timeout_s for _, wk in busy.values()) - time.monotonic()
+            ready, _, _ = select.select(list(busy), [], [], max(0.0, wait))
+            for fd in ready:
+                w, worker = busy[fd]
+                lines = worker.lines()
+                if lines is None:
+                    code = worker.proc.wait()
+                    fail_rest(w, worker, Failure("error", f"its worker process died (exit "
+                                                          f"code {code}) on this call"))
+                    del busy[fd]
+                    continue
+                for line in lines:
+                    msg = json.loads(line)
+                    out[worker.calls.pop(0)] = msg["value"] if "value" in msg \
+                        else Failure("error", msg["error"])
+                    worker.started = time.monotonic()
+                if not worker.calls:
+                    del busy[fd]
+            now = time.monotonic()
+            for fd, (w, worker) in list(busy.items()):
+                if now - worker.started >= self.timeout_s:
+                    fail_rest(w, worker, Failure(
+                        "timeout", f"gave no result within rollout.reward_timeout_s="
+                                   f"{self.timeout_s:g}"))
+                    del busy[fd]
+        return out
+
+    def close(self) -> None:
+        for w, worker in enumerate(self.workers):
+            if worker is not None:
+                worker.kill()
+                self.workers[w] = None
+
+
+# ------------------------------------------------------------------ one episode
+
+@dataclass
+class Episode:
+    """One episode on its replica's TP rank 0 (the leader): its tokens so far, and the
+    messages the chat template renders its observations from."""
+
+    row: dict
+    prompt: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # after the prompt
+    observation: list[int] = field(default_factory=list)  # 1: the environment's token
+    logprobs: list[float] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    tools: list | None = None
+    turns: int = 0
+    obs_tokens: int = 0
+    tool_errors: int = 0  # calls that did not parse, answered with an error observation
+    stopped: bool = False  # the last model turn ended with its stop token
+    done: bool = False  # no more turns
+    env_done: bool = False  # the environment said done
+    failure: Failure | None = None
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.tokens)
+
+
+class Episodes:
+    """The multi-turn sampler of one inference replica (see the module docstring)."""
+
+    def __init__(self, cfg: Config, tokenizer):
+        r = cfg.rollout
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.template = getattr(tokenizer, "chat_template", None)
+        if self.template is None:
+            raise ValueError("rollout.environment renders conversations, but the tokenizer "
+                             "has no chat template (set tokenizer.chat_template)")
+        self.path = r.environment
+        self.host = None  # made on first use, on the leaders only
+        self.pieces = tokenizer.pieces()
+
+    def _host(self):
+        if self.host is None:
+            r = self.cfg.rollout
+            self.host = InProcessEnvs(self.path) if r.reward_workers == 0 else \
+                WorkerEnvs(self.path, r.reward_workers, r.reward_timeout_s)
+        return self.host
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
+
+    # -------------------------------------------------------------- the rendering
+
+    def observation_tokens(self, ep: Episode, turn_text: str, stop_id: int,
+                           obs: list[dict]) -> list[int]:
+        """The tokens after the model's stop token up to the next generation prompt: what
+        the template writes after the assistant's turn, the observation's messages and the
+        generation prompt."""
+        said = ep.messages + [{"role": "assistant", "content": turn_text}]
+        before = self.template.render(said, add_generation_prompt=False, tools=ep.tools)
+        after = self.template.render(said + obs, add_generation_prompt=True, tools=ep.tools)
+        if not after.startswith(before):
+            raise ValueError(f"the chat template {self.template.origin} does not render an "
+                             "observation as an extension of the conversation")
+        stop_text = self.pieces[stop_id]
+        end = before.rfind(stop_text)
+        if end < 0:
+            raise ValueError(f"the chat template {self.template.origin} does not end the "
+                             f"assistant's turn with the token the model stopped with "
+                             f"({stop_text!r})")
+        ep.messages = said + obs
+        return self.tokenizer.encode(before[end + len(stop_text):] + after[len(before):])
+
+    # -------------------------------------------------------------- the loop
+
+    @torch.no_grad()
+    def sample(self, model, rows: list[dict], indices: list[int], seed: int, *,
+               params: SamplingParams, eos_id: int, pad_id: int, true_vocab: int,
+               stats: dict) -> Generation:
+        """This replica's share ``rows`` (the batch's rows ``indices``) played to the end;
+        every TP rank of the replica calls it and returns the same generation. ``stats``
+        gets the counts :func:`episode_metrics` reduces."""
+        r, max_len = self.cfg.rollout, self.cfg.data.max_seq_len
+        group = model.pg_collection.tp
+        leader = group.rank() == 0
+        tp = group.size()
+        episodes = [Episode(row=row) for row in rows]
+        host = self._host() if leader else None
+        stops = set(params.stop_token_ids) | {eos_id}
+
+        def share(obj):
+            """The leader's ``obj`` on every TP rank of the replica."""
+            if tp == 1:
+                return obj
+            got = [obj]
+            with cpu_backend.suspended():
+                dist.broadcast_object_list(got, src=dist.get_global_rank(group, 0), group=group)
+            return got[0]
+
+        def fail(ep: Episode, failure: Failure) -> None:
+            ep.failure, ep.done = failure, True
+
+        # the first messages
+        if leader:
+            got = host.call([(j, "reset", row) for j, row in enumerate(rows)])
+            for j, (ep, value) in enumerate(zip(episodes, got)):
+                if isinstance(value, Failure):
+                    fail(ep, value)
+                    continue
+                try:
+                    first = check_reset(value["messages"], None)
+                    ep.tools = ep.row.get(self.cfg.data.tools_key) or value["tools"]
+                    ep.messages = first["messages"]
+                    text = self.template.render(ep.messages, add_generation_prompt=True,
+                                                tools=ep.tools)
+                    ep.prompt = self.tokenizer.encode(text)
+                    if len(ep.prompt) > self.cfg.data.max_prompt_len:
+                        raise ValueError(f"its first messages are {len(ep.prompt)} tokens, "
+                                         f"over data.max_prompt_len="
+                                         f"{self.cfg.data.max_prompt_len}")
+                except ValueError as err:
+                    fail(ep, Failure("error", str(err)))
+                    ep.prompt = [pad_id]
+        firsts = share([(ep.prompt, ep.done, ep.failure) for ep in episodes])
+        for ep, (prompt, ended, failure) in zip(episodes, firsts):
+            ep.prompt, ep.done, ep.failure = prompt, ended, failure
+        kv_bytes = 0
+        for turn in range(r.max_turns):
+            live = [j for j, ep in enumerate(episodes) if not ep.done]
+            if not live:
+                break
+            room = {j: max_len - len(episodes[j]) for j in live}
+            # one pass per cap on the new tokens: a row near data.max_seq_len samples no
+            # further than its room, the others their rollout.max_new_tokens
+            caps: dict[int, list[int]] = {}
+            for j in live:
+                caps.setdefault(min(params.max_new_tokens, room[j]), []).append(j)
+            turns: dict[int, tuple[list[int], list[float]]] = {}
+            for cap, rows_ in sorted(caps.items()):
+                turn_params = dataclasses.replace(params, max_new_tokens=cap)
+                turn_stats: dict = {}
+                gen = generate(model, [episodes[j].prompt + episodes[j].tokens for j in rows_],
+                               turn_params, eos_id=eos_id, pad_id=pad_id,
+                               true_vocab=true_vocab, stats=turn_stats,
+                               row_seeds=[(seed * 1000003 + indices[j]) * 64 + turn
+                                          for j in rows_])
+                kv_bytes = max(kv_bytes, turn_stats["kv_cache_bytes"])
+                for key in ("decode_slots", "idle_decode_slots"):
+                    stats[key] = stats.get(key, 0) + turn_stats[key]
+                for b, j in enumerate(rows_):
+                    n = int(gen.response_mask_BT[b].sum())
+                    turns[j] = (gen.response_tokens_BT[b, :n].tolist(),
+                                gen.logprobs_BT[b, :n].tolist())
+            stepped = []  # (episode, its turn's text, its stop token)
+            for j in live:
+                ep = episodes[j]
+                sampled, logprobs = turns[j]
+                ep.tokens += sampled
+                ep.observation += [0] * len(sampled)
+                ep.logprobs += logprobs
+                ep.rewards += [0.0] * len(sampled)
+                ep.turns += 1
+                ep.stopped = bool(sampled) and sampled[-1] in stops
+                if not ep.stopped:  # cut by max_new_tokens or by data.max_seq_len
+                    ep.done = True
+                    continue
+                stepped.append((j, sampled))
+            # the environment's answers (the leader's), every TP rank appending the same
+            answers = {}
+            if leader and stepped:
+                answers = self._step(episodes, stepped, turn, host, max_len)
+            answers = share(answers)
+            for j, _ in stepped:
+                ep, (reward, obs, done, failure) = episodes[j], answers[j]
+                ep.rewards[-1] += reward
+                if failure is not None:
+                    fail(ep, failure if isinstance(failure, Failure) else Failure(*failure))
+                    continue
+                if done == "env":
+                    ep.env_done = True
+                if done or turn == r.max_turns - 1:
+                    ep.done = True
+                    continue
+                ep.tokens += obs
+                ep.observation += [1] * len(obs)
+                ep.logprobs += [0.0] * len(obs)
+                ep.rewards += [0.0] * len(obs)
+                ep.obs_tokens += len(obs)
+        if leader:
+            host.call([(j, "close", None) for j in range(len(episodes))])
+            stats["episodes"] = stats.get("episodes", 0) + len(episodes)
+            stats["turns"] = stats.get("turns", 0) + sum(ep.turns for ep in episodes)
+            stats["env_done"] = stats.get("env_done", 0) + sum(ep.env_done for ep in episodes)
+            stats["observation_tokens"] = stats.get("observation_tokens", 0) \
+                + sum(ep.obs_tokens for ep in episodes)
+            stats["tool_errors"] = stats.get("tool_errors", 0) + sum(
+                ep.tool_errors for ep in episodes)
+            for ep, index in zip(episodes, indices):
+                if ep.failure is not None:
+                    key = "timeouts" if ep.failure.kind == "timeout" else "failed"
+                    stats[key] = stats.get(key, 0) + 1
+                    stats.setdefault("first_failure", f"rollout.environment={self.path}: "
+                                     f"sample {index}: {ep.failure.message}")
+        stats["kv_cache_bytes"] = kv_bytes
+        score = self.cfg.rollout.reward_error_score
+        return _as_generation(episodes, pad_id, score)
+
+    def _step(self, episodes: list[Episode], stepped: list, turn: int, host,
+              max_len: int) -> dict:
+        """The leader's half of a turn: each stopped episode's turn read (tool calls) and
+        stepped, the observation rendered; {episode: (reward, observation tokens, done,
+        failure)}, ``done`` "env" when the environment said so."""
+        r = self.cfg.rollout
+        out, calls, texts = {}, [], {}
+        for j, sampled in stepped:
+            ep = episodes[j]
+            text = self.tokenizer.decode(sampled[:-1])
+            texts[j] = (text, sampled[-1])
+            turn_in = {"text": text, "tool_calls": [], "index": turn}
+            if r.tool_format is not None:
+                try:
+                    _, parsed = parse_tool_calls(text, r.tool_format)
+                    turn_in["tool_calls"] = [{"name": c.name, "arguments": c.arguments}
+                                             for c in parsed]
+                except ToolCallError as err:  # answered here, the environment untouched
+                    ep.tool_errors += 1
+                    out[j] = self._observe(ep, text, sampled[-1], [error_observation(err)],
+                                           0.0, False, max_len)
+                    continue
+            calls.append((j, "step", turn_in))
+        for (j, _, _), value in zip(calls, host.call(calls) if calls else []):
+            ep = episodes[j]
+            if isinstance(value, Failure):
+                out[j] = (0.0, [], True, (value.kind, value.message))
+                continue
+            try:
+                step = check_step(value)
+            except ValueError as err:
+                out[j] = (0.0, [], True, ("error", str(err)))
+                continue
+            text, stop_id = texts[j]
+            out[j] = self._observe(ep, text, stop_id, step["observation"], step["reward"],
+                                   step["done"], max_len)
+        return out
+
+    def _observe(self, ep: Episode, text: str, stop_id: int, obs: list[dict], reward: float,
+                 done: bool, max_len: int) -> tuple:
+        """(reward, observation tokens, done, failure) of one step: the observation
+        rendered, unless the episode ends here (done, or over a budget)."""
+        r = self.cfg.rollout
+        if done:
+            return (reward, [], "env", None)
+        try:
+            tokens = self.observation_tokens(ep, text, stop_id, obs)
+        except ValueError as err:
+            return (reward, [], True, ("error", str(err)))
+        over_budget = r.max_observation_tokens is not None and \
+            ep.obs_tokens + len(tokens) > r.max_observation_tokens
+        if over_budget or len(ep) + len(tokens) >= max_len:
+            return (reward, [], True, None)  # no room for it and a turn after it
+        return (reward, tokens, False, None)
+
+
+def _as_generation(episodes: list[Episode], pad_id: int, error_score: float) -> Generation:
+    """The episodes as one generation: prompts left-padded, the turns right-padded."""
+    B = len(episodes)
+    P = max(len(ep.prompt) for ep in episodes)
+    T = max(1, max(len(ep.tokens) for ep in episodes))
+    out = {"prompt_tokens_BP": torch.full((B, P), pad_id, dtype=torch.long),
+           "prompt_mask_BP": torch.zeros(B, P, dtype=torch.long),
+           "response_tokens_BT": torch.full((B, T), pad_id, dtype=torch.long),
+           "response_mask_BT": torch.zeros(B, T, dtype=torch.long),
+           "logprobs_BT": torch.zeros(B, T),
+           "observation_BT": torch.zeros(B, T, dtype=torch.long),
+           "env_rewards_BT": torch.zeros(B, T)}
+    finished = torch.zeros(B, dtype=torch.bool)
+    for b, ep in enumerate(episodes):
+        p, n = len(ep.prompt), len(ep.tokens)
+        out["prompt_tokens_BP"][b, P - p:] = torch.tensor(ep.prompt)
+        out["prompt_mask_BP"][b, P - p:] = 1
+        if n:
+            out["response_tokens_BT"][b, :n] = torch.tensor(ep.tokens)
+            out["response_mask_BT"][b, :n] = 1
+            out["logprobs_BT"][b, :n] = torch.tensor(ep.logprobs)
+            out["observation_BT"][b, :n] = torch.tensor(ep.observation)
+            out["env_rewards_BT"][b, :n] = torch.tensor(ep.rewards)
+            if ep.failure is not None:  # penalty mode's score, at the last model token
+                last = max(t for t in range(n) if ep.observation[t] == 0)
+                out["env_rewards_BT"][b, last] = error_score
+        finished[b] = ep.stopped
+    return Generation(**out, finished_B=finished)
+
+
+def episode_metrics(stats: dict, on_error: str) -> dict[str, float]:
+    """The batch's episode counts over every replica (a collective of the sampling world),
+    and the stop a failed call asks for (``rollout.reward_on_error=stop``): raised on every
+    rank, naming the first failure."""
+    keys = ("episodes", "turns", "env_done", "observation_tokens", "tool_errors", "failed",
+            "timeouts")
+    counts = torch.tensor([float(stats.get(k, 0)) for k in keys], dtype=torch.float64)
+    dist.all_reduce(counts)
+    got = dict(zip(keys, counts.tolist()))
+    if on_error == "stop" and got["failed"] + got["timeouts"]:
+        from megarlhf.parallel.gather import gather_objects
+        first = next(m for m in gather_objects(stats.get("first_failure")) if m)
+        raise RewardError(first + " (rollout.reward_on_error=stop; set it to penalty to "
+                                  "score such episodes rollout.reward_error_score)")
+    n = max(got["episodes"], 1.0)
+    return {"rollout/turns_mean": got["turns"] / n,
+            "rollout/env_done_fraction": got["env_done"] / n,
+            "rollout/observation_tokens_mean": got["observation_tokens"] / n,
+            "rollout/tool_call_errors": got["tool_errors"],
+            "reward/failed": got["failed"], "reward/timeouts": got["timeouts"]}
