@@ -13,6 +13,7 @@ import sys
 import time
 
 from megarlhf.data.synthetic import write_task
+from megarlhf.data.tool_task import write_tool_task
 
 OUT = os.path.join("runs", "demo")
 # MEGARLHF_DEMO_QUICK=1: the same pipeline, a few steps of each stage (tests/test_commands.py
@@ -64,7 +65,19 @@ def main() -> None:
               f"checkpoint.load={OUT}/sft-tiny/checkpoints",
               f"dpo.gold_eval_path={task['eval_prompts']}", *common,
               *quick("train.max_steps=4")])
-    print("6. score held-out texts with the SFT checkpoint at three layouts")
+    print("6. multi-turn tool use: SFT on conversations that call a lookup tool 40% of the "
+          "time, then GRPO on episodes of the tool environment (configs/demo/tool_grpo.yaml)")
+    tool = write_tool_task(os.path.join(OUT, "tool-task"), seed=0)
+    tool_common = [f"tokenizer.path={tool['tokenizer']}", f"run.output_dir={OUT}",
+                   "checkpoint.resume=false"]
+    megarlhf(["sft", "configs/demo/tool_sft.yaml", f"data.train_path={tool['sft']}",
+              *tool_common, *quick("train.max_steps=8")])
+    megarlhf(["ppo", "configs/demo/tool_grpo.yaml", f"data.train_path={tool['rows']}",
+              f"data.eval_path={tool['eval_rows']}",
+              f"ppo.sft_checkpoint={OUT}/tool-sft/checkpoints", *tool_common,
+              *quick("ppo.num_iterations=2", "ppo.num_eval_prompts=8")])
+    megarlhf(["plot", os.path.join(OUT, "tool-grpo")])
+    print("7. score held-out texts with the SFT checkpoint at three layouts")
     texts = os.path.join(OUT, "texts.jsonl")
     with open(texts, "w") as f:
         for line in open(task["prompts"]).readlines()[:16]:
@@ -110,7 +123,17 @@ def main() -> None:
     dpo_gold = [r["eval/gold_score"] for r in dpo if "eval/gold_score" in r]
     print(f"DPO: gold score {dpo_gold[0]:.3f} -> {dpo_gold[-1]:.3f} (greedy, held-out prompts); "
           f"gap closed {(dpo_gold[-1] - dpo_gold[0]) / (3.0 - dpo_gold[0]):.0%}")
-    print(f"curves: {OUT}/ppo-tiny/curves.png; metrics (JSONL, TensorBoard) and checkpoints "
+    tool_rows = [json.loads(line)
+                 for line in open(os.path.join(OUT, "tool-grpo", "metrics.jsonl"))]
+    print("\nGRPO with the tool environment, held-out success rate of greedy episodes "
+          "(1 = every answer the hidden colour):")
+    print(f"  {'iter':>4} {'success':>8} {'turns':>6} {'sampled':>8}")
+    for r in tool_rows:
+        if "eval/gold_score" in r:
+            print(f"  {r['step']:>4} {r['eval/gold_score']:>8.3f} {r['eval/turns']:>6.2f} "
+                  f"{r.get('objective/score', float('nan')):>8.3f}")
+    print(f"curves: {OUT}/ppo-tiny/curves.png, {OUT}/tool-grpo/curves.png; metrics (JSONL, "
+          f"TensorBoard) and checkpoints "
           f"under {OUT}/")
     print(f"demo finished in {time.time() - start:.0f} s")
 

@@ -193,6 +193,19 @@ MUTANTS = [
            "            for worker in [w for w in busy.values() if now - w.started >= self.timeout_s]:",
            "            for worker in [w for w in busy.values() if now - w.started >= 1e9]:",
            ("tests/test_verifiers.py::test_worker_pool_outlives_every_misbehaving_call",), ()),
+    Mutant("observations_trained", "multi-turn: the environment's tokens (observations) in "
+           "the loss mask, trained as if the model had written them",
+           "megarlhf/rollout/generate.py",
+           "        return self.response_mask_BT * (1 - self.observation_BT.to(self.response_mask_BT.dtype))",
+           "        return self.response_mask_BT",
+           ("tests/test_multiturn.py::test_episode_tokens_are_the_turns_as_sampled_and_as_"
+            "the_template_renders",), ()),
+    Mutant("gae_bootstraps_across_observations", "GAE takes the value after a model turn "
+           "from the observation's (masked) token instead of the next model token's",
+           "megarlhf/algos/advantages.py",
+           "        next_value = torch.where(here > 0, values[:, t], next_value)",
+           "        next_value = values[:, t]",
+           ("tests/test_multiturn.py::test_gae_and_returns_skip_the_environments_tokens",), ()),
 ]
 
 

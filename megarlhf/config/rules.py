@@ -305,6 +305,10 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
     if rollout.environment and rollout.routing_replay != "none":
         raise ConfigError("rollout.routing_replay does not take rollout.environment yet (the "
                           "turns' expert choices are not recorded)")
+    if rollout.environment and ppo.gold_reward_fn:
+        raise ConfigError("ppo.gold_reward_fn has no effect with rollout.environment: the "
+                          "evaluation plays the environment's episodes, and their return is "
+                          "eval/gold_score")
     if rollout.environment and ppo.dynamic_sampling:
         raise ConfigError("ppo.dynamic_sampling does not take rollout.environment yet (its "
                           "refills are single-turn prompts)")

@@ -1,0 +1,304 @@
+"""Multi-turn rollouts with an environment (``rollout.environment``, issue 42): episodes
+kept as tokens, the loss on the model's tokens only, per-turn rewards in the targets, the
+no-op update, resume, layouts, and environments that fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from conftest import WORKERS, run_cli, torchrun
+from megarlhf import algos
+from megarlhf.data.synthetic import COLOURS, NOUNS, write_jsonl
+from megarlhf.data.tool_task import LOOKUP, TEMPLATE, write_tool_task
+
+ENV = {"PYTHONPATH": os.pathsep.join([WORKERS, os.environ.get("PYTHONPATH", "")])}
+
+
+def answer_of(noun: str) -> str:
+    """The test rows' colour of a noun: known from the prompt, so the test can say what
+    the environment answers without asking it."""
+    return COLOURS[(NOUNS.index(noun) + 1) % len(COLOURS)]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    """The tool task, its rows with a colour the test can compute, and a tiny SFT policy
+    that calls the tool some of the time."""
+    tmp = tmp_path_factory.mktemp("multiturn")
+    files = write_tool_task(str(tmp / "task"), seed=0, num_sft=512)
+    rows = [{"noun": n, "answer": answer_of(n)} for n in NOUNS]
+    files["rows"] = write_jsonl(str(tmp / "task" / "known_rows.jsonl"), rows)
+    run_cli("sft", "configs/demo/tool_sft.yaml", f"tokenizer.path={files['tokenizer']}",
+            f"data.train_path={files['sft']}", f"run.output_dir={tmp}",
+            "checkpoint.resume=false", "logging.progress_bar=false", "train.max_steps=120")
+    common = ["configs/demo/tool_grpo.yaml", f"tokenizer.path={files['tokenizer']}",
+              f"data.train_path={files['rows']}", "data.eval_path=null",
+              f"ppo.sft_checkpoint={tmp}/tool-sft/checkpoints", "checkpoint.resume=false",
+              "logging.progress_bar=false", "logging.sample_table_interval=0",
+              "ppo.rollout_batch_size=4", "ppo.group_size=2", "ppo.mini_batch_size=8",
+              "ppo.micro_batch_size=8", "optimizer.lr=1e-3"]
+    return {"tmp": tmp, "files": files, "common": common}
+
+
+def metrics(path) -> list[dict]:
+    return [json.loads(line) for line in open(path)]
+
+
+def ppo(task, name: str, *extra: str, check: bool = True):
+    out = task["tmp"] / name
+    return run_cli("ppo", *task["common"], f"run.output_dir={out}", *extra, check=check,
+                   env=ENV), out / "tool-grpo"
+
+
+def test_episode_tokens_are_the_turns_as_sampled_and_as_the_template_renders(task):
+    """A batch waiting in a checkpoint (ppo.max_staleness=1): each episode's text is the
+    conversation transformers renders from its turns - the model's turns as it wrote
+    them, the tool's answers the environment gives (computed here from the noun) - the
+    observations are encoded as text in one piece, every model turn but a cut last one
+    ends with <|im_end|>; the sampler's log-probs equal the trainer's over the model's
+    tokens (so the mask skips the observations, whose sampler log-prob is 0); the trained
+    tokens per sample are the model's. Catches re-tokenized turns, an observation
+    rendered otherwise than the template, observations in the loss, and misplaced
+    tokens."""
+    import transformers
+
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=os.path.join(task["files"]["tokenizer"], "tokenizer.json"),
+        chat_template=TEMPLATE, eos_token="<|im_end|>", pad_token="<pad>")
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    _, out = ppo(task, "tokens", "ppo.num_iterations=3", "ppo.max_staleness=1",
+                 "checkpoint.save_interval=1", "checkpoint.keep_last=3",
+                 "ppo.rollout_batch_size=8", "ppo.mini_batch_size=16")
+    rows = metrics(out / "metrics.jsonl")
+    assert rows[1]["rollout/logprob_diff_max"] < 1e-4, rows[1]  # (the next: one update old)
+    gens = [torch.load(out / "checkpoints" / f"iter_00000{i}" / "rollout_queue.pt",
+                       weights_only=True)["batches"][str(i)]["gen"] for i in (1, 2)]
+    multi = 0
+    for i, gen in enumerate(gens, 1):
+        obs_mask, mask = gen["observation_BT"], gen["response_mask_BT"]
+        model_tokens = float((mask - obs_mask).sum()) / mask.shape[0]
+        assert rows[i + 1]["rollout/response_len_mean"] == pytest.approx(model_tokens,
+                                                                         abs=1e-9)
+        multi += _check_episodes(gen, tok, end)
+    assert multi >= 2  # episodes with a tool call and its answer
+
+
+def _check_episodes(gen: dict, tok, end: int) -> int:
+    """The checks of the test above on one batch; returns its episodes of several turns."""
+    obs_mask, mask = gen["observation_BT"], gen["response_mask_BT"]
+    multi = 0
+    for b in range(mask.shape[0]):
+        prompt = gen["prompt_tokens_BP"][b][gen["prompt_mask_BP"][b].bool()].tolist()
+        n = int(mask[b].sum())
+        response = gen["response_tokens_BT"][b, :n].tolist()
+        kinds = obs_mask[b, :n].tolist()
+        assert (mask[b, n:] == 0).all() and (obs_mask[b, n:] == 0).all()
+        noun = re.search(r'colour of "(\w+)"', tok.decode(prompt)).group(1)
+        segments = []  # (is the environment's, tokens)
+        for token, kind in zip(response, kinds):
+            if not segments or segments[-1][0] != kind:
+                segments.append((kind, []))
+            segments[-1][1].append(token)
+        assert segments[0][0] == 0 and segments[-1][0] == 0  # model first and last
+        conv = [{"role": "user", "content": f'colour of "{noun}" ?'}]
+        assert prompt == tok.encode(tok.apply_chat_template(
+            conv, tools=[LOOKUP], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False)
+        for k, (kind, seg) in enumerate(segments):
+            if kind == 1:
+                text = tok.decode(seg)
+                assert seg == tok.encode(text, add_special_tokens=False)
+                continue
+            last = k == len(segments) - 1
+            assert seg[-1] == end or last, (b, tok.decode(seg))
+            text = tok.decode(seg[:-1] if seg[-1] == end else seg)
+            conv.append({"role": "assistant", "content": text})
+            if not last:
+                call = re.fullmatch(r'<tool_call>(.*)</tool_call>', text)
+                key = json.loads(call.group(1))["arguments"].get("key") if call else None
+                conv.append({"role": "tool", "content": answer_of(noun) if key == noun
+                             else "unknown key"})
+        multi += len(segments) > 1
+        if response[-1] != end:
+            continue  # a cut last turn: no end-of-turn to render
+        rendered = tok.apply_chat_template(conv, tools=[LOOKUP], tokenize=False)
+        assert tok.decode(prompt + response) + "\n" == rendered, (b, conv)
+    return multi
+
+
+def test_the_update_at_the_old_policy_is_a_no_op_and_a_moved_one_clips(task):
+    """One mini-batch, one epoch: the update's ratio is exactly 1 on every model token
+    (approxkl and clipfrac exactly 0). Three epochs at a tight clip: the policy moved and
+    clips. Catches old log-probs taken from other tokens or positions than the update
+    reads (the environment's tokens shifting them)."""
+    _, out = ppo(task, "noop", "ppo.num_iterations=2", "ppo.ppo_epochs=1",
+                 "ppo.rollout_batch_size=8", "ppo.mini_batch_size=16")
+    rows = metrics(out / "metrics.jsonl")[1:]
+    for r in rows:
+        assert r["ppo/policy/approxkl"] == 0.0 and r["ppo/policy/clipfrac"] == 0.0, r
+    assert max(r["rollout/turns_mean"] for r in rows) > 1.0
+    _, out = ppo(task, "moved", "ppo.num_iterations=1", "ppo.ppo_epochs=3",
+                 "ppo.clip_eps=0.02", "optimizer.lr=3e-3")
+    r = metrics(out / "metrics.jsonl")[1]
+    assert r["ppo/policy/approxkl"] > 0 and r["ppo/policy/clipfrac"] > 0, r
+
+
+def test_resume_in_the_middle_equals_the_uninterrupted_run(task):
+    """GAE with a critic and a reward per tool call (workers.envs.Reward2ndTurn): three
+    iterations in one go against two, then a resume for the third - every metric of the
+    third equal. Catches episode state or seeds that depend on the process's history."""
+    gae = ["ppo.advantage_estimator=gae", "ppo.critic_init=sft", "ppo.group_size=1",
+           "ppo.rollout_batch_size=8", "rollout.environment=envs:Reward2ndTurn",
+           "checkpoint.save_interval=1"]
+    _, whole = ppo(task, "whole", *gae, "ppo.num_iterations=3")
+    _, cut = ppo(task, "cut", *gae, "ppo.num_iterations=2")
+    run_cli("ppo", *task["common"], f"run.output_dir={task['tmp'] / 'cut'}", *gae,
+            "ppo.num_iterations=3", "checkpoint.resume=true", env=ENV)
+    a, b = metrics(whole / "metrics.jsonl")[-1], metrics(cut / "metrics.jsonl")[-1]
+    assert a["step"] == b["step"] == 3
+    keep = [k for k in a if not k.startswith(("timing/", "perf/", "memory/"))]
+    assert {k: a[k] for k in keep} == {k: b[k] for k in keep}
+    assert max(r.get("rollout/turns_mean", 0) for r in metrics(whole / "metrics.jsonl")) > 1
+
+
+def test_rollout_tp2_and_two_replicas_play_the_same_episodes(task):
+    """Two processes - the rollout at TP=2 (the leader runs the episodes and hands each
+    step to its peer), two TP=1 replicas, and split placement (one process samples the
+    episodes, one trains) - against one process: the same episodes
+    (score, turns, observation tokens exactly) and the same update (losses to float
+    noise). Catches TP peers that disagree on an observation, and replicas that play
+    other rows or seeds."""
+    one = task["tmp"] / "layout1"
+    run_cli("ppo", *task["common"], f"run.output_dir={one}", "ppo.num_iterations=1", env=ENV)
+    ref = metrics(one / "tool-grpo" / "metrics.jsonl")[1]
+    for name, extra in (("tp2", ["rollout.tensor_parallel_size=2",
+                                 "parallel.tensor_model_parallel_size=2"]),
+                        ("dp2", ["ppo.micro_batch_size=4"]),
+                        ("split", ["rollout.placement=split", "rollout.ranks=1"])):
+        out = task["tmp"] / f"layout_{name}"
+        torchrun(["ppo", *task["common"], f"run.output_dir={out}", "ppo.num_iterations=1",
+                  *extra], 2, env=ENV)
+        got = metrics(out / "tool-grpo" / "metrics.jsonl")[1]
+        for key in ("objective/score", "rollout/turns_mean", "rollout/observation_tokens_mean",
+                    "rollout/response_len_mean"):
+            assert got[key] == ref[key], (name, key)
+        for key in ("ppo/policy/loss", "objective/kl", "objective/entropy"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (name, key)
+
+
+@pytest.mark.parametrize("fail,mode,expect", [
+    ("raise", "stop", "raised ConnectionError: the sandbox is gone"),
+    ("nonsense", "stop", "step() must return (observation, reward, done)"),
+    ("raise", "penalty", "failed"),
+    ("hang", "penalty", "timeouts"),
+    ("exit", "penalty", "failed"),
+])
+def test_an_environment_that_fails(task, fail, mode, expect):
+    """workers.envs.Failing on every row: stop exits 2 naming the environment, the sample
+    and the error, after no iteration was logged; penalty scores the episodes
+    rollout.reward_error_score, counts them, and the run completes (a hang costs
+    rollout.reward_timeout_s, a process that exits is replaced)."""
+    rows = write_jsonl(str(task["tmp"] / f"fail_{fail}.jsonl"),
+                       [{"noun": n, "answer": answer_of(n), "fail": fail} for n in NOUNS])
+    extra = [f"data.train_path={rows}", "rollout.environment=envs:Failing",
+             "ppo.num_iterations=1", f"rollout.reward_on_error={mode}",
+             "rollout.reward_timeout_s=2"]
+    if mode == "penalty":
+        extra.append("rollout.reward_error_score=-2")
+    proc, out = ppo(task, f"fail_{fail}_{mode}", *extra, check=mode == "penalty")
+    if mode == "stop":
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "rollout.environment=envs:Failing: sample" in proc.stderr
+        assert expect in proc.stderr and "Traceback" not in proc.stderr
+        return
+    r = metrics(out / "metrics.jsonl")[1]
+    assert r[f"reward/{expect}"] >= 1, r
+    assert r["objective/score"] < 0  # the penalties (every row fails once it is stepped)
+
+
+# ------------------------------------------------------------------ the arithmetic
+
+def _compressed(x, mask):
+    return [[v for v, m in zip(row, mrow) if m] for row, mrow in zip(x.tolist(), mask.tolist())]
+
+
+def test_gae_and_returns_skip_the_environments_tokens():
+    """GAE and the discounted returns over a mask with gaps equal a plain loop over the
+    model's tokens alone (the gaps removed). Catches an observation token that decays
+    the advantage or bootstraps a value."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0, 0], [1, 0, 1, 1, 0, 1, 0, 0, 0.]])
+    rewards, values = torch.randn(2, 9), torch.randn(2, 9)
+    adv, ret = algos.gae(rewards, values, mask, 0.9, 0.8)
+    disc = algos.discounted_returns(rewards, mask, 0.9)
+    for b, (r, v) in enumerate(zip(_compressed(rewards, mask), _compressed(values, mask))):
+        a, g, last, run = [0.0] * len(r), [0.0] * len(r), 0.0, 0.0
+        for t in reversed(range(len(r))):
+            nxt = v[t + 1] if t + 1 < len(r) else 0.0
+            last = r[t] + 0.9 * nxt - v[t] + 0.9 * 0.8 * last
+            a[t] = last
+            run = r[t] + 0.9 * run
+            g[t] = run
+        assert _compressed(adv, mask)[b] == pytest.approx(a, abs=1e-6)
+        assert _compressed(ret, mask)[b] == pytest.approx([x + y for x, y in zip(a, v)],
+                                                          abs=1e-6)
+        assert _compressed(disc, mask)[b] == pytest.approx(g, abs=1e-6)
+    assert (adv[mask == 0] == 0).all() and (disc[mask == 0] == 0).all()
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp", "gae"])
+def test_turn_rewards_reach_every_estimator(estimator):
+    """A reward on an earlier turn: GRPO and RLOO see it in the sequence reward (its
+    sum), REINFORCE++ and GAE where it fell - the same as a batch whose score already
+    holds it (sequence estimators), or whose per-token rewards do (token estimators).
+    Catches turn rewards dropped from any estimator."""
+    mask = torch.tensor([[1, 1, 0, 1, 1.], [1, 1, 1, 0, 0], [1, 0, 1, 1, 0], [1, 1, 1, 1, 1]])
+    turns = torch.zeros(4, 5)
+    turns[0, 1], turns[2, 0] = 0.5, -0.25
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    zeros = torch.zeros(4, 5)
+    common = dict(logprobs_BT=zeros, ref_logprobs_BT=zeros, values_BT=torch.rand(4, 5),
+                  mask_BT=mask, kl_estimator="k1", kl_coef=0.0, clip_reward_value=None,
+                  whiten_rewards=False, whiten_unbiased=True, estimator=estimator, gamma=1.0,
+                  lam=0.95, group_size=4, whiten_advantages=False, group_norm="sequence")
+    got = algos.learning_targets(scores_B=scores, turn_rewards_BT=turns, **common)
+    if estimator in ("grpo", "rloo"):
+        want = algos.learning_targets(scores_B=scores + turns.sum(1), **common)
+        assert torch.allclose(got["advantages_BT"], want["advantages_BT"])
+    else:
+        assert torch.allclose(got["rewards_BT"],
+                              algos.learning_targets(scores_B=scores, **common)["rewards_BT"]
+                              + turns)
+    without = algos.learning_targets(scores_B=scores, **common)
+    assert not torch.allclose(got["advantages_BT"], without["advantages_BT"])
+
+
+def test_worker_environments_keep_episodes_and_fail_one_call_at_a_time(monkeypatch):
+    """Episodes stay in their process (e mod N); a call that hangs is cut at the timeout
+    and fails, the other episodes of that process fail as lost, the other process's go
+    on; the next reset gets a fresh process."""
+    from megarlhf.rollout.environments import WorkerEnvs
+    from megarlhf.rollout.verifiers import Failure
+
+    monkeypatch.syspath_prepend(WORKERS)
+    host = WorkerEnvs("envs:Failing", workers=2, timeout_s=1.0)
+    try:
+        rows = [{"noun": "cat", "answer": "red", "fail": f} for f in ("hang", None, None, None)]
+        got = host.call([(e, "reset", row) for e, row in enumerate(rows)])
+        assert [g["messages"][0]["content"] for g in got] == ['colour of "cat" ?'] * 4
+        assert got[0]["tools"][0]["function"]["name"] == "lookup"
+        turn = {"text": "red", "tool_calls": [], "index": 0}
+        got = host.call([(e, "step", turn) for e in range(4)])
+        assert got[1] == [[], 1.0, True] and got[3] == [[], 1.0, True]
+        assert isinstance(got[0], Failure) and got[0].kind == "timeout"
+        assert isinstance(got[2], Failure) and "replaced" in got[2].message  # lost with it
+        # episode 2 again, in a fresh process
+        assert host.call([(2, "reset", rows[2])])[0]["messages"]
+        assert host.call([(2, "step", turn)]) == [[[], 1.0, True]]
+    finally:
+        host.close()
