@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import ROOT, WORKERS
+from conftest import ROOT, WORKERS, torchrun
 from megarlhf.rollout.verifiers import (InProcess, RewardError, RewardServer, Verifier,
                                         WorkerPool)
 
@@ -306,3 +306,26 @@ def test_failing_reward_calls_stop_the_run_naming_them_and_it_resumes(tiny_check
     _ppo(tiny_checkpoints, "verify_failing", *fn, env=env)
     clean, resumed = _metrics(out, "verify_clean"), _metrics(out, "verify_failing")
     assert clean[3] == resumed[3]
+
+
+@pytest.mark.slow
+def test_a_gold_function_failing_in_evaluation_stops_every_rank_at_once(tiny_checkpoints):
+    """ppo.gold_reward_fn raises in the first evaluation, at rollout TP=2: only TP rank 0
+    calls it, yet both ranks stop with its message (exit 2), well before the watchdog
+    would name the rank left waiting in the next collective."""
+    import shutil
+    import time
+    from test_reliability_runs import ppo_args
+    out = tiny_checkpoints[0]
+    shutil.rmtree(out / "verify_gold_tp2", ignore_errors=True)
+    start = time.monotonic()
+    proc = torchrun(ppo_args(tiny_checkpoints, "verify_gold_tp2", "ppo.num_iterations=1",
+                             "ppo.gold_reward_fn=verifier_fns:never",
+                             "rollout.tensor_parallel_size=2", "rollout.reward_workers=0"),
+                    2, env={"PYTHONPATH": WORKERS}, check=False)
+    assert proc.returncode != 0
+    # both ranks name it: the one that called it and the one that did not
+    assert proc.stderr.count("megarlhf: error: ppo.gold_reward_fn=verifier_fns:never: "
+                             "sample 0") == 2, proc.stderr[-3000:]
+    assert "raised ValueError: always" in proc.stderr and "watchdog" not in proc.stderr
+    assert time.monotonic() - start < 120

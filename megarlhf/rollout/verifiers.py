@@ -321,6 +321,24 @@ class Verifier:
         self.source.close()
 
 
+def gold_on_some_ranks(gold_fn: Callable, pairs: list[Pair] | None) -> float:
+    """The sum of ``gold_fn``'s scores of ``pairs`` on the ranks that hold some (TP rank 0
+    of each inference replica; None elsewhere), and a stop on every rank when any rank's
+    call failed: a collective of the world, so no rank waits in the next collective for
+    one that stopped (the watchdog would name it, not the function)."""
+    total, error = 0.0, None
+    if pairs:
+        try:
+            total = float(sum(gold_fn(pairs)[0]))
+        except RewardError as err:
+            error = str(err)
+    from megarlhf.parallel.gather import gather_objects
+    failed = [e for e in gather_objects(error) if e]
+    if failed:
+        raise RewardError(failed[0])
+    return total
+
+
 def make_verifier(rollout: RolloutConfig, *, fn_path: str | None = None, url: str | None = None,
                   name: str = "rollout.reward_fn") -> Verifier:
     """The reward function ``fn_path`` (imported here first, so a bad path fails before any

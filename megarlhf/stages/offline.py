@@ -149,7 +149,7 @@ def gold_evaluator(cfg: Config, tokenizer):
     from megarlhf.rollout.sampling import decode_sample
     from megarlhf.rollout.generate import SamplingParams, generate
     from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout
-    from megarlhf.rollout.verifiers import make_verifier
+    from megarlhf.rollout.verifiers import gold_on_some_ranks, make_verifier
 
     gold_fn = make_verifier(cfg.rollout, fn_path=cfg.dpo.gold_reward_fn,
                             name="dpo.gold_reward_fn")
@@ -171,16 +171,16 @@ def gold_evaluator(cfg: Config, tokenizer):
         layout = built["layout"]
         mine = list(range(layout.dp_rank, len(prompts), layout.dp))
         local = torch.zeros(3, dtype=torch.float64)
+        pairs = None
         if mine:
             gen = generate(built["model"], [prompts[i] for i in mine], params,
                            eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                            true_vocab=role.spec.model.vocab_size, stop_at_eos=r.stop_at_eos)
             if layout.tp_rank == 0:
-                gold, _ = gold_fn([decode_sample(gen, b, tokenizer.decode)
-                                   for b in range(len(mine))])
-                local[0] = sum(gold)
+                pairs = [decode_sample(gen, b, tokenizer.decode) for b in range(len(mine))]
                 local[1] = float(gen.response_mask_BT.sum())
                 local[2] = len(mine)
+        local[0] = gold_on_some_ranks(gold_fn, pairs)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(local)
         return {"eval/gold_score": float(local[0] / local[2]),

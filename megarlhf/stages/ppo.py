@@ -47,7 +47,7 @@ from megarlhf.rollout.sampling import Sampler, decode_sample
 from megarlhf.rollout.remote import RemoteRollout, serve
 from megarlhf.rollout.schedule import Later, StaleSchedule, staleness_metrics
 from megarlhf.rollout.scoring import RewardSource, Scorer, SequenceCache, sequence_lengths
-from megarlhf.rollout.verifiers import make_verifier
+from megarlhf.rollout.verifiers import gold_on_some_ranks, make_verifier
 from megarlhf.stages.common import (MetricBands, check_writable, explain_resume, print0,
                                     progress, run_dir)
 from megarlhf.parallel import watchdog
@@ -675,12 +675,12 @@ def _evaluator(cfg, sampler, eval_ds, tokenizer, gold_fn):
             release_inference_weights(sampler.inference_model)
         local = torch.zeros(3, dtype=torch.float64)
         if inf.tp_rank == 0:
-            if gold_fn and mine_idx:
-                gold, _ = gold_fn([decode_sample(gen, b, tokenizer.decode)
-                                   for b in range(len(mine_idx))])
-                local[0] = sum(gold)
             local[1] = float(gen.response_mask_BT.sum())
             local[2] = len(mine_idx)
+        if gold_fn:  # every rank: a failed call stops them all
+            local[0] = gold_on_some_ranks(gold_fn, [
+                decode_sample(gen, b, tokenizer.decode) for b in range(len(mine_idx))]
+                if inf.tp_rank == 0 else None)
         dist.all_reduce(local)
         out = {f"{prefix}response_len": float(local[1] / local[2])}
         if gold_fn:
