@@ -131,17 +131,27 @@ def _check_episodes(gen: dict, tok, end: int) -> int:
     return multi
 
 
-def test_the_update_at_the_old_policy_is_a_no_op_and_a_moved_one_clips(task):
+@pytest.mark.parametrize("loss", ["ppo", "decoupled", "truncated_is"])
+def test_the_update_at_the_old_policy_is_a_no_op_and_a_moved_one_clips(task, loss):
     """One mini-batch, one epoch: the update's ratio is exactly 1 on every model token
-    (approxkl and clipfrac exactly 0). Three epochs at a tight clip: the policy moved and
-    clips. Catches old log-probs taken from other tokens or positions than the update
-    reads (the environment's tokens shifting them)."""
-    _, out = ppo(task, "noop", "ppo.num_iterations=2", "ppo.ppo_epochs=1",
-                 "ppo.rollout_batch_size=8", "ppo.mini_batch_size=16")
+    (approxkl and clipfrac exactly 0) - with the clipped loss, the decoupled loss (its
+    behaviour log-probs the sampler's, its weights 1 to float noise: the sampler's
+    log-probs are the trainer's) and truncated importance weights. Three epochs at
+    a tight clip: the policy moved and clips. Catches old or behaviour log-probs taken
+    from other tokens or positions than the update reads (the environment's tokens
+    shifting them)."""
+    extra = {"ppo": [], "decoupled": ["ppo.policy_loss=decoupled", "ppo.behavior_weight_cap=5"],
+             "truncated_is": ["ppo.rollout_is_cap=2.0"]}[loss]
+    _, out = ppo(task, f"noop_{loss}", "ppo.num_iterations=2", "ppo.ppo_epochs=1",
+                 "ppo.rollout_batch_size=8", "ppo.mini_batch_size=16", *extra)
     rows = metrics(out / "metrics.jsonl")[1:]
     for r in rows:
         assert r["ppo/policy/approxkl"] == 0.0 and r["ppo/policy/clipfrac"] == 0.0, r
+        if loss == "decoupled":
+            assert r["ppo/policy/behavior_weight"] == pytest.approx(1.0, abs=1e-5), r
     assert max(r["rollout/turns_mean"] for r in rows) > 1.0
+    if loss != "ppo":
+        return
     _, out = ppo(task, "moved", "ppo.num_iterations=1", "ppo.ppo_epochs=3",
                  "ppo.clip_eps=0.02", "optimizer.lr=3e-3")
     r = metrics(out / "metrics.jsonl")[1]
@@ -168,8 +178,9 @@ def test_resume_in_the_middle_equals_the_uninterrupted_run(task):
 
 def test_rollout_tp2_and_two_replicas_play_the_same_episodes(task):
     """Two processes - the rollout at TP=2 (the leader runs the episodes and hands each
-    step to its peer), two TP=1 replicas, and split placement (one process samples the
-    episodes, one trains) - against one process: the same episodes
+    step to its peer), two TP=1 replicas, split placement (one process samples the
+    episodes, one trains) and the actor at PP=2 - and one process packing its
+    micro-batches, against one padded process: the same episodes
     (score, turns, observation tokens exactly) and the same update (losses to float
     noise). Catches TP peers that disagree on an observation, and replicas that play
     other rows or seeds."""
@@ -179,7 +190,8 @@ def test_rollout_tp2_and_two_replicas_play_the_same_episodes(task):
     for name, extra in (("tp2", ["rollout.tensor_parallel_size=2",
                                  "parallel.tensor_model_parallel_size=2"]),
                         ("dp2", ["ppo.micro_batch_size=4"]),
-                        ("split", ["rollout.placement=split", "rollout.ranks=1"])):
+                        ("split", ["rollout.placement=split", "rollout.ranks=1"]),
+                        ("pp2", ["parallel.pipeline_model_parallel_size=2"])):
         out = task["tmp"] / f"layout_{name}"
         torchrun(["ppo", *task["common"], f"run.output_dir={out}", "ppo.num_iterations=1",
                   *extra], 2, env=ENV)
@@ -189,6 +201,14 @@ def test_rollout_tp2_and_two_replicas_play_the_same_episodes(task):
             assert got[key] == ref[key], (name, key)
         for key in ("ppo/policy/loss", "objective/kl", "objective/entropy"):
             assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (name, key)
+    packed = task["tmp"] / "layout_packed"
+    run_cli("ppo", *task["common"], f"run.output_dir={packed}", "ppo.num_iterations=1",
+            "ppo.max_tokens_per_micro_batch=512", env=ENV)
+    got = metrics(packed / "tool-grpo" / "metrics.jsonl")[1]
+    assert got["rollout/turns_mean"] == ref["rollout/turns_mean"]
+    assert got["objective/score"] == ref["objective/score"]
+    for key in ("ppo/policy/loss", "objective/kl", "objective/entropy"):
+        assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), ("packed", key)
 
 
 @pytest.mark.parametrize("fail,mode,expect", [
@@ -302,3 +322,52 @@ def test_worker_environments_keep_episodes_and_fail_one_call_at_a_time(monkeypat
         assert host.call([(2, "step", turn)]) == [[[], 1.0, True]]
     finally:
         host.close()
+
+
+def test_a_tools_column_renders_as_transformers_does(tmp_path):
+    """A ``tools`` column (JSON text, or a list) in SFT and prompt rows reaches the chat
+    template's tools variable: the texts equal transformers' apply_chat_template(...,
+    tools=...), the trained tokens are the assistant's; a malformed tools value names its
+    row and column. Catches a tools column read but not rendered, or rendered only for
+    one kind of row."""
+    import transformers
+
+    from megarlhf.config import DataConfig, TokenizerConfig
+    from megarlhf.data.datasets import episode_rows, tokenize_dataset
+    from megarlhf.data.tokenizer import load_tokenizer
+
+    files = write_tool_task(str(tmp_path / "t"), num_sft=12)
+    tok = load_tokenizer(TokenizerConfig(type="hf", path=files["tokenizer"]))
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=os.path.join(files["tokenizer"], "tokenizer.json"),
+        chat_template=TEMPLATE, eos_token="<|im_end|>", pad_token="<pad>")
+    data = DataConfig(max_prompt_len=64, max_seq_len=128)
+    rows = [json.loads(line) for line in open(files["sft"])]
+    ds = tokenize_dataset(files["sft"], "sft", data, tok)
+    for row, (tokens, weights) in zip(rows, ds.examples()):
+        want = hf.apply_chat_template(row["messages"], tools=json.loads(row["tools"]),
+                                      tokenize=False)
+        assert tok.decode(tokens) == want and "tools: lookup" in want
+        trained = tok.decode([t for t, w in zip(tokens[1:], weights) if w])
+        assert trained.replace("<|im_end|>\n", "") == "".join(
+            m["content"] + "".join(f'<tool_call>{{"name": "lookup", "arguments": '
+                                   f'{json.dumps(c["function"]["arguments"])}}}</tool_call>'
+                                   for c in m.get("tool_calls", []))
+            for m in row["messages"] if m["role"] == "assistant")
+    prompts = tmp_path / "prompts.jsonl"
+    write_jsonl(str(prompts), [{"messages": row["messages"][:1], "tools": [LOOKUP]}
+                               for row in rows[:3]] + [{"messages": rows[3]["messages"][:1]}])
+    got = tokenize_dataset(str(prompts), "prompt", data, tok).prompts
+    for row, prompt, tools in zip(rows, got, [[LOOKUP]] * 3 + [None]):
+        assert prompt == hf.encode(hf.apply_chat_template(
+            row["messages"][:1], tools=tools, add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False)
+    assert "tools:" not in tok.decode(got[3])
+    for bad, match in (("not json", "tools is not valid JSON"),
+                       ([{"type": "function"}], "tool 0 must be a JSON schema with a 'name'"),
+                       ({"name": "x"}, "tools must be a list")):
+        write_jsonl(str(prompts), [{"messages": rows[0]["messages"][:1], "tools": bad}])
+        with pytest.raises(ValueError, match=f"row 1 column 'tools': {re.escape(match)}"):
+            tokenize_dataset(str(prompts), "prompt", data, tok)
+        with pytest.raises(ValueError, match=f"row 1 column 'tools': {re.escape(match)}"):
+            episode_rows(str(prompts), data)
