@@ -217,12 +217,15 @@ def test_rollout_tp2_and_two_replicas_play_the_same_episodes(task):
     ("raise", "penalty", "failed"),
     ("hang", "penalty", "timeouts"),
     ("exit", "penalty", "failed"),
+    ("reset", "penalty", "raised KeyError: 'no such task' - and no episode of the batch "
+                         "reached its first turn"),
 ])
 def test_an_environment_that_fails(task, fail, mode, expect):
     """workers.envs.Failing on every row: stop exits 2 naming the environment, the sample
     and the error, after no iteration was logged; penalty scores the episodes
     rollout.reward_error_score, counts them, and the run completes (a hang costs
-    rollout.reward_timeout_s, a process that exits is replaced)."""
+    rollout.reward_timeout_s, a process that exits is replaced) - unless no episode of
+    the batch started (every reset failed): nothing to learn from, it stops either way."""
     rows = write_jsonl(str(task["tmp"] / f"fail_{fail}.jsonl"),
                        [{"noun": n, "answer": answer_of(n), "fail": fail} for n in NOUNS])
     extra = [f"data.train_path={rows}", "rollout.environment=envs:Failing",
@@ -230,8 +233,9 @@ def test_an_environment_that_fails(task, fail, mode, expect):
              "rollout.reward_timeout_s=2"]
     if mode == "penalty":
         extra.append("rollout.reward_error_score=-2")
-    proc, out = ppo(task, f"fail_{fail}_{mode}", *extra, check=mode == "penalty")
-    if mode == "stop":
+    proc, out = ppo(task, f"fail_{fail}_{mode}", *extra,
+                    check=mode == "penalty" and fail != "reset")
+    if mode == "stop" or fail == "reset":  # (no episode started: a stop in either mode)
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert "rollout.environment=envs:Failing: sample" in proc.stderr
         assert expect in proc.stderr and "Traceback" not in proc.stderr

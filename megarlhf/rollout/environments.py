@@ -41,7 +41,9 @@ or in the trainer's process with 0 workers - and hands each step's tokens to its
 A failed call (an exception, a timeout, a dead process, a malformed result) ends its
 episode: ``rollout.reward_on_error=stop`` stops the run naming the environment, the row
 and the error (after the batch, on every rank); ``penalty`` scores it
-``rollout.reward_error_score`` and counts it in ``reward/failed`` / ``reward/timeouts``.
+``rollout.reward_error_score`` and counts it in ``reward/failed`` / ``reward/timeouts``; a
+batch in which no episode reached its first turn stops the run either way (nothing was
+sampled to learn from).
 """
 
 from __future__ import annotations
@@ -289,7 +291,9 @@ class Episodes:
         if not after.startswith(before):
             raise ValueError(f"the chat template {self.template.origin} does not render an "
                              "observation as an extension of the conversation")
-        stop_text = self.pieces[stop_id]
+        # the stop token as the template writes it: its decoded text, or its piece for a
+        # control token a decoder leaves out (sentencepiece's </s>)
+        stop_text = self.tokenizer.decode([stop_id]) or self.pieces[stop_id]
         end = before.rfind(stop_text)
         if end < 0:
             raise ValueError(f"the chat template {self.template.origin} does not end the "
@@ -313,6 +317,8 @@ class Episodes:
         tp = group.size()
         episodes = [Episode(row=row) for row in rows]
         host = self._host() if leader else None
+        for key in ("decode_slots", "idle_decode_slots"):  # also when no turn is sampled
+            stats.setdefault(key, 0)
         stops = set(params.stop_token_ids) | {eos_id}
 
         def share(obj):
@@ -417,6 +423,7 @@ class Episodes:
             host.call([(j, "close", None) for j in range(len(episodes))])
             stats["episodes"] = stats.get("episodes", 0) + len(episodes)
             stats["turns"] = stats.get("turns", 0) + sum(ep.turns for ep in episodes)
+            stats["started"] = stats.get("started", 0) + sum(ep.turns > 0 for ep in episodes)
             stats["env_done"] = stats.get("env_done", 0) + sum(ep.env_done for ep in episodes)
             stats["observation_tokens"] = stats.get("observation_tokens", 0) \
                 + sum(ep.obs_tokens for ep in episodes)
@@ -511,9 +518,10 @@ def _as_generation(episodes: list[Episode], pad_id: int, error_score: float) -> 
             out["logprobs_BT"][b, :n] = torch.tensor(ep.logprobs)
             out["observation_BT"][b, :n] = torch.tensor(ep.observation)
             out["env_rewards_BT"][b, :n] = torch.tensor(ep.rewards)
-            if ep.failure is not None:  # penalty mode's score, at the last model token
-                last = max(t for t in range(n) if ep.observation[t] == 0)
-                out["env_rewards_BT"][b, last] = error_score
+        if ep.failure is not None:  # penalty mode's score, at the last model token (column
+            # 0 of an episode that never started: where Generation.episode_rewards reads it)
+            last = max((t for t in range(n) if ep.observation[t] == 0), default=0)
+            out["env_rewards_BT"][b, last] = error_score
         finished[b] = ep.stopped
     return Generation(**out, finished_B=finished)
 
@@ -522,16 +530,19 @@ def episode_metrics(stats: dict, on_error: str) -> dict[str, float]:
     """The batch's episode counts over every replica (a collective of the sampling world),
     and the stop a failed call asks for (``rollout.reward_on_error=stop``): raised on every
     rank, naming the first failure."""
-    keys = ("episodes", "turns", "env_done", "observation_tokens", "tool_errors", "failed",
-            "timeouts")
+    keys = ("episodes", "started", "turns", "env_done", "observation_tokens", "tool_errors",
+            "failed", "timeouts")
     counts = torch.tensor([float(stats.get(k, 0)) for k in keys], dtype=torch.float64)
     dist.all_reduce(counts)
     got = dict(zip(keys, counts.tolist()))
-    if on_error == "stop" and got["failed"] + got["timeouts"]:
+    broken = got["episodes"] > 0 and got["started"] == 0  # nothing sampled: stop either way
+    if (on_error == "stop" and got["failed"] + got["timeouts"]) or broken:
         from megarlhf.parallel.gather import gather_objects
         first = next(m for m in gather_objects(stats.get("first_failure")) if m)
-        raise RewardError(first + " (rollout.reward_on_error=stop; set it to penalty to "
-                                  "score such episodes rollout.reward_error_score)")
+        raise RewardError(first + (" - and no episode of the batch reached its first turn: "
+                                   "the environment is broken" if broken else
+                                   " (rollout.reward_on_error=stop; set it to penalty to "
+                                   "score such episodes rollout.reward_error_score)"))
     n = max(got["episodes"], 1.0)
     return {"rollout/turns_mean": got["turns"] / n,
             "rollout/env_done_fraction": got["env_done"] / n,

@@ -12,6 +12,8 @@ from megarlhf.data.tool_task import LookupEnv
 class Failing(LookupEnv):
     def reset(self, row: dict) -> list[dict]:
         self.fail = row.get("fail")
+        if self.fail == "reset":
+            raise KeyError("no such task")
         return super().reset(row)
 
     def step(self, turn: dict):
