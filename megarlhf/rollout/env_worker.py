@@ -8,37 +8,35 @@ carries only this protocol: the environment's own prints go to stderr."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import signal
 import sys
+
+from megarlhf.rollout.verifier_worker import start
+
+
+def play(envs: dict, factory, episode: int, op: str, arg):
+    """One call on the episodes ``envs`` holds: ``reset`` makes the episode's environment
+    with ``factory`` and returns {"messages", "tools"}, ``step`` returns what its step
+    returns (the caller checks it), ``close`` drops it. Here and in the trainer's process
+    (``environments.InProcessEnvs``) alike."""
+    if op == "reset":
+        env = envs[episode] = factory()
+        return {"messages": env.reset(arg), "tools": getattr(env, "tools", None)}
+    if op == "step":
+        return envs[episode].step(arg)
+    envs.pop(episode, None)
+    return None
 
 
 def main() -> int:
-    # the trainer's signals are the trainer's (see verifier_worker)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN)
-    module, name = sys.argv[1].split(":", 1)
-    out = sys.stdout
-    sys.stdout = sys.stderr
-    factory = getattr(importlib.import_module(module), name)
+    factory, out = start()
     envs: dict = {}
-    out.write(json.dumps({"ready": True}) + "\n")
-    out.flush()
     for line in sys.stdin:
         for call in json.loads(line):
-            episode, op = call["episode"], call["op"]
+            op = call["op"]
             try:
-                if op == "reset":
-                    env = envs[episode] = factory()
-                    value = {"messages": env.reset(call["arg"]),
-                             "tools": getattr(env, "tools", None)}
-                elif op == "step":
-                    value = envs[episode].step(call["arg"])
-                else:
-                    envs.pop(episode, None)
-                    value = None
-                text = json.dumps({"value": value})
+                text = json.dumps({"value": play(envs, factory, call["episode"], op,
+                                                 call["arg"])})
             except Exception as err:  # the environment's, reported for this call
                 text = json.dumps({"error": f"{op}() raised {type(err).__name__}: "
                                             f"{str(err)[:200]}"})

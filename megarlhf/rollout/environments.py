@@ -64,6 +64,7 @@ from megarlhf.config import Config
 from megarlhf.data.chat import check_messages
 from megarlhf.data.tools import ToolCallError, error_observation, parse_tool_calls
 from megarlhf.parallel import cpu_backend
+from megarlhf.rollout.env_worker import play
 from megarlhf.rollout.generate import Generation, SamplingParams, generate
 from megarlhf.rollout.verifiers import Failure, RewardError, _Worker, load_reward_fn
 
@@ -115,14 +116,7 @@ class InProcessEnvs:
         out = []
         for episode, op, arg in calls:
             try:
-                if op == "reset":
-                    env = self.envs[episode] = self.factory()
-                    out.append({"messages": env.reset(arg), "tools": getattr(env, "tools", None)})
-                elif op == "step":
-                    out.append(self.envs[episode].step(arg))
-                else:
-                    self.envs.pop(episode, None)
-                    out.append(None)
+                out.append(play(self.envs, self.factory, episode, op, arg))
             except Exception as err:  # the environment's: this episode's failure
                 out.append(Failure("error", f"{op}() raised {type(err).__name__}: "
                                             f"{str(err)[:200]}"))

@@ -14,7 +14,10 @@ import signal
 import sys
 
 
-def main() -> int:
+def start():
+    """A worker's start: the trainer's signals ignored, the callable ``package.module:name``
+    of argv[1] imported, "ready" said. Returns (the callable, the protocol's stream: stdout,
+    which from now on carries nothing else - prints go to stderr)."""
     # The trainer's signals are the trainer's: a preemption (SIGUSR1 / SIGTERM, which
     # Slurm sends to every process of a step), Ctrl-C. This process ends when the trainer
     # closes its stdin, or kills it.
@@ -26,6 +29,11 @@ def main() -> int:
     fn = getattr(importlib.import_module(module), name)
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
+    return fn, out
+
+
+def main() -> int:
+    fn, out = start()
     for line in sys.stdin:
         for prompt, response in json.loads(line):
             try:
