@@ -329,11 +329,11 @@ def test_worker_environments_keep_episodes_and_fail_one_call_at_a_time(monkeypat
 
 
 def test_a_tools_column_renders_as_transformers_does(tmp_path):
-    """A ``tools`` column (JSON text, or a list) in SFT and prompt rows reaches the chat
-    template's tools variable: the texts equal transformers' apply_chat_template(...,
+    """A ``tools`` column (JSON text, or a list) in SFT, prompt and preference rows reaches
+    the chat template's tools variable: the texts equal transformers' apply_chat_template(...,
     tools=...), the trained tokens are the assistant's; a malformed tools value names its
     row and column. Catches a tools column read but not rendered, or rendered only for
-    one kind of row."""
+    some kinds of row."""
     import transformers
 
     from megarlhf.config import DataConfig, TokenizerConfig
@@ -367,6 +367,16 @@ def test_a_tools_column_renders_as_transformers_does(tmp_path):
             row["messages"][:1], tools=tools, add_generation_prompt=True, tokenize=False),
             add_special_tokens=False)
     assert "tools:" not in tok.decode(got[3])
+    pairs = tmp_path / "pairs.jsonl"
+    user = rows[0]["messages"][:1]
+    write_jsonl(str(pairs), [{"chosen": user + [{"role": "assistant", "content": "red"}],
+                              "rejected": user + [{"role": "assistant", "content": "blue"}],
+                              "tools": [LOOKUP]}])
+    pref = tokenize_dataset(str(pairs), "preference", data, tok)
+    assert pref.prompts[0] == hf.encode(hf.apply_chat_template(
+        user, tools=[LOOKUP], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False)
+    assert tok.decode(pref.chosen[0]) == "red<|im_end|>\n"
     for bad, match in (("not json", "tools is not valid JSON"),
                        ([{"type": "function"}], "tool 0 must be a JSON schema with a 'name'"),
                        ({"name": "x"}, "tools must be a list")):

@@ -229,12 +229,15 @@ def _tokenize_chats(path, table, kind, data_cfg: DataConfig, tokenizer) -> Token
     out = TokenizedDataset(kind=kind, prompts=[], source=path)
     for row_no, row in enumerate(table, 1):
         where = f"dataset {path!r} row {row_no}"
+        tools = check_tools(row.get(data_cfg.tools_key), f"{where} column "
+                            f"'{data_cfg.tools_key}'")
         if kind == "preference":
             prompt_msgs, chosen, rejected = _preference_turns(row, data_cfg, where)
-            prompt_text = template.render(prompt_msgs, add_generation_prompt=True)
+            prompt_text = template.render(prompt_msgs, add_generation_prompt=True, tools=tools)
             answers = []
             for name, turns in (("chosen", chosen), ("rejected", rejected)):
-                full = template.render(prompt_msgs + turns, add_generation_prompt=False)
+                full = template.render(prompt_msgs + turns, add_generation_prompt=False,
+                                       tools=tools)
                 if not full.startswith(prompt_text):
                     raise ValueError(f"{where}: the chat template {template.origin} does not "
                                      f"render the {name} answer as an extension of the prompt")
@@ -247,8 +250,6 @@ def _tokenize_chats(path, table, kind, data_cfg: DataConfig, tokenizer) -> Token
             else data_cfg.prompt_key
         messages = check_messages(row[column], f"{where} column '{column}'",
                                   needs_assistant=kind == "sft")
-        tools = check_tools(row.get(data_cfg.tools_key), f"{where} column "
-                            f"'{data_cfg.tools_key}'")
         if kind == "prompt":
             text = template.render(messages, add_generation_prompt=True, tools=tools)
             prompt = encode(text)
