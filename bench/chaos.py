@@ -94,8 +94,10 @@ def kill_job(proc) -> None:
 
 
 def torchrun(args, env, wait=True):
-    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port",
-           str(random.randint(20000, 40000)), "-m", "megarlhf.cli", *args]
+    # --standalone: the rendezvous port is the OS's pick when torchrun binds it (a port
+    # chosen here could be taken by a concurrent job before torchrun binds it)
+    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+           "-m", "megarlhf.cli", *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     if wait:

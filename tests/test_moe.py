@@ -45,10 +45,15 @@ def metrics(out, name):
 
 
 def assert_same(ref, got, steps):
+    """Metric for metric within 1e-6 + 1e-6 |a| (measured: at most a few 1e-7; the EP
+    dispatch sums each token's experts in another order than one process)."""
+    worst = 0.0
     for step in steps:
         for key in KEYS:
             a, b = ref[step][key], got[step][key]
-            assert abs(a - b) <= 1e-5 + 1e-4 * abs(a), (step, key, a, b)
+            worst = max(worst, abs(a - b) / (1.0 + abs(a)))
+            assert abs(a - b) <= 1e-6 + 1e-6 * abs(a), (step, key, a, b)
+    print(f"largest |a - b| / (1 + |a|): {worst:.2e}")
 
 
 def test_an_expert_parallel_actor_follows_one_process_then_resumes_at_ep1(setup):

@@ -110,11 +110,9 @@ def test_a_signal_during_start_up_checkpoints_at_the_first_safe_point(tiny_check
 def test_signalling_torchrun_workers_checkpoints_every_rank(tiny_checkpoints):
     """The local torchrun way the help and docs/launching.md give: SIGUSR1 to torchrun's children (the
     workers), not to torchrun. Both ranks agree on one safe point, checkpoint, and exit 0."""
-    from conftest import free_port
-
     out = tiny_checkpoints[0]
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-            f"--master-port={free_port()}", "-m", "megarlhf.cli",
+            "--standalone", "-m", "megarlhf.cli",
             *ppo_args(tiny_checkpoints, "torchrun_sig", "ppo.num_iterations=30",
                       "parallel.tensor_model_parallel_size=2")]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, free_port, run_cli
+from conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.slow
 MISSING = "needs root, network namespaces and Debian's slurmctld/slurmd/slurm-client/munge " \
@@ -141,7 +141,7 @@ def one_node(stage_args, name):
     """The same layout on one node: 2 processes under torchrun here."""
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-         f"--master-port={free_port()}", "-m", "megarlhf.cli", *stage_args, f"run.name={name}"],
+         "--standalone", "-m", "megarlhf.cli", *stage_args, f"run.name={name}"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -39,7 +39,7 @@ PAIRS = [("ab", "ok"), ("ab", "hang"), ("c", "fine"), ("ab", "boom"), ("ab", "na
 
 def test_worker_pool_outlives_every_misbehaving_call():
     """Batches of 3 over 2 processes, 1 s per call: each failure is reported for its own
-    call - the hang as a timeout after 1 s (its process killed, not waited for 60 s), the
+    call - the hang as a timeout after 1 s (its process killed, not waited for 5 s), the
     exception with its type and text, NaN and a string as not finite numbers, a process
     that exits as dead with its exit code - and the other calls of the same batches are
     scored, in order. The replaced processes answer the next batch."""
@@ -50,7 +50,8 @@ def test_worker_pool_outlives_every_misbehaving_call():
         took = time.monotonic() - start
         for i in (0, 2, 7):
             assert out[i] == score(*PAIRS[i]), (i, out[i])
-        assert out[1].kind == "timeout" and "rollout.reward_timeout_s=1" in out[1].message
+        assert getattr(out[1], "kind", None) == "timeout", out[1]  # not waited for
+        assert "rollout.reward_timeout_s=1" in out[1].message
         assert out[3].kind == "error" and out[3].message == \
             "raised ZeroDivisionError: planted"
         assert out[4].message == "returned nan, not a finite number"
@@ -186,6 +187,7 @@ def test_reward_server_scores_in_batches_and_retries_a_flaky_one(server):
 def test_reward_server_failures_are_named_and_counted(server, path, kind, message):
     url = f"{server}{path}"
     out = _server(url, timeout_s=0.3, retries=1).map(PAIRS_OK[:2])
+    assert len(out) == 2, out
     assert all(f.kind == kind and message in f.message and "failed 2 times" in f.message
                for f in out), out
     # penalty: a server that fails every request of a batch is down - the run stops,

@@ -8,8 +8,8 @@ import time
 
 
 def judge(prompt: str, response: str):
-    if response.startswith("hang"):
-        time.sleep(60)
+    if response.startswith("hang"):  # 5 times the test's timeout, and a mutant's run short
+        time.sleep(5)
     if response.startswith("boom"):
         raise ZeroDivisionError("planted")
     if response.startswith("nan"):
