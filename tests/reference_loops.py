@@ -70,12 +70,15 @@ def whiten(values: list[list[float]], n: list[int], unbiased: bool, shift_mean: 
 def experience(*, old, ref, values, scores, mask, estimator: str, kl_estimator: str,
                beta: float, clip_reward: float | None, whiten_rewards: bool,
                whiten_advantages: bool, unbiased: bool, gamma: float, lam: float,
-               group_size: int, group_norm: str = "sequence") -> dict:
+               group_size: int, group_norm: str = "sequence", turn_rewards=None) -> dict:
     """Per-token KL, shaped rewards, advantages and returns of one batch, from the logged
-    log-probs, values and scores. Returns lists of rows."""
+    log-probs, values and scores. Returns lists of rows. ``turn_rewards`` (multi-turn):
+    the earlier turns' rewards where they fell, added to the per-token rewards and, summed,
+    to the sequence reward."""
     n = lengths(mask)
     old, ref, values, scores = rows(old), rows(ref), rows(values), [float(s) for s in scores]
     B, T = len(old), len(old[0])
+    turns = rows(turn_rewards) if turn_rewards is not None else [[0.0] * T for _ in range(B)]
     kl = [[kl_token(old[b][t], ref[b][t], kl_estimator) if t < n[b] else 0.0
            for t in range(T)] for b in range(B)]
     # Ziegler et al.: r_t = -beta KL_t, plus the (clipped) score at the last token
@@ -86,9 +89,11 @@ def experience(*, old, ref, values, scores, mask, estimator: str, kl_estimator: 
             if clip_reward is not None:
                 s = max(-clip_reward, min(clip_reward, s))
             rewards[b][n[b] - 1] += s
+        for t in range(n[b]):
+            rewards[b][t] += turns[b][t]
     if whiten_rewards:
         rewards = whiten(rewards, n, unbiased, shift_mean=False)
-    sequence = [scores[b] - beta * sum(kl[b]) for b in range(B)]
+    sequence = [scores[b] - beta * sum(kl[b]) + sum(turns[b][:n[b]]) for b in range(B)]
     if estimator == "gae":
         advantages, returns = [], []
         for b in range(B):
@@ -142,6 +147,43 @@ def experience(*, old, ref, values, scores, mask, estimator: str, kl_estimator: 
         advantages = whiten(advantages, n, unbiased)
     return {"kl": kl, "rewards": rewards, "advantages": advantages, "returns": returns,
             "sequence_rewards": sequence}
+
+
+def mismatch(old, rollout, mask, *, is_cap: float | None, low: float | None,
+             high: float | None) -> tuple[list[list[float]], list[list[float]]]:
+    """The rollout/training mismatch correction: each token's weight min(r, is_cap) with
+    r = p_train / p_rollout (1 without a cap, and off the mask), and the policy mask
+    without the samples whose geometric-mean ratio exp(mean log r) leaves [low, high]."""
+    old, rollout, m = rows(old), rows(rollout), rows(mask)
+    weights, policy = [], []
+    for o, r, mr in zip(old, rollout, m, strict=True):
+        logs = [(a - b) for a, b, k in zip(o, r, mr, strict=True) if k]
+        weights.append([min(math.exp(a - b), is_cap) if (k and is_cap is not None) else 1.0
+                        for a, b, k in zip(o, r, mr, strict=True)])
+        ratio = math.exp(sum(logs) / max(len(logs), 1))
+        keep = (low is None or ratio >= low) and (high is None or ratio <= high)
+        policy.append([k if keep else 0.0 for k in mr])
+    return policy, weights
+
+
+def compress(t, mask) -> list[list[float]]:
+    """Each row's entries where ``mask`` is 1 (a multi-turn episode's model tokens: the
+    environment's observations between them removed), left-aligned, zeros after."""
+    out = []
+    for row, m in zip(rows(t), rows(mask), strict=True):
+        kept = [x for x, k in zip(row, m, strict=True) if k]
+        out.append(kept + [0.0] * (len(row) - len(kept)))
+    return out
+
+
+def expand(values: list[list[float]], mask) -> list[list[float]]:
+    """The inverse of :func:`compress`: each row's values back at the mask's 1s, 0
+    elsewhere."""
+    out = []
+    for row, m in zip(values, rows(mask), strict=True):
+        it = iter(row)
+        out.append([next(it) if k else 0.0 for k in m])
+    return out
 
 
 # ------------------------------------------------------------------ the losses

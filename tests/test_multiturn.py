@@ -348,7 +348,9 @@ def test_a_tools_column_renders_as_transformers_does(tmp_path):
     data = DataConfig(max_prompt_len=64, max_seq_len=128)
     rows = [json.loads(line) for line in open(files["sft"])]
     ds = tokenize_dataset(files["sft"], "sft", data, tok)
-    for row, (tokens, weights) in zip(rows, ds.examples()):
+    examples = list(ds.examples())
+    assert len(rows) == len(examples) == 12, (len(rows), len(examples))
+    for row, (tokens, weights) in zip(rows, examples, strict=True):
         want = hf.apply_chat_template(row["messages"], tools=json.loads(row["tools"]),
                                       tokenize=False)
         assert tok.decode(tokens) == want and "tools: lookup" in want
@@ -385,3 +387,89 @@ def test_a_tools_column_renders_as_transformers_does(tmp_path):
             tokenize_dataset(str(prompts), "prompt", data, tok)
         with pytest.raises(ValueError, match=f"row 1 column 'tools': {re.escape(match)}"):
             episode_rows(str(prompts), data)
+
+
+# each estimator's settings on the tool task (configs/demo/tool_grpo.yaml, the task
+# fixture's settings, a reward of 0.25 per tool call on top of the final one, and these)
+TRACED = {
+    "grpo": {},
+    "rloo": {"ppo.advantage_estimator": "rloo"},
+    "reinforce_pp": {"ppo.advantage_estimator": "reinforce_pp", "ppo.group_size": "1",
+                     "ppo.rollout_batch_size": "8", "ppo.gamma": "0.9"},
+    "gae": {"ppo.advantage_estimator": "gae", "ppo.group_size": "1",
+            "ppo.rollout_batch_size": "8", "ppo.critic_init": "sft", "ppo.gamma": "0.9",
+            "ppo.lam": "0.8", "ppo.whiten_rewards": "true"},
+}
+
+
+def traced_overrides(task, folder, name) -> list[str]:
+    settings = dict(o.split("=", 1) for o in task["common"][1:])
+    settings.update({"run.output_dir": str(folder),
+                     "rollout.environment": "envs:Reward2ndTurn", **TRACED[name]})
+    return [f"{k}={v}" for k, v in settings.items()]
+
+
+@pytest.fixture(scope="module")
+def traced_episodes(task):
+    """One traced iteration (tests/workers/ppo_trace.py) per estimator: {estimator:
+    (its trace, its config)}."""
+    from megarlhf.config import load_config
+
+    folder = task["tmp"] / "traced"
+    folder.mkdir(exist_ok=True)
+    cases = {name: {"config": task["common"][0],
+                    "overrides": traced_overrides(task, folder, name)} for name in TRACED}
+    (folder / "cases.json").write_text(json.dumps(cases))
+    torchrun(os.path.join(WORKERS, "ppo_trace.py"), 1, str(folder / "cases.json"),
+             str(folder), env=ENV)
+    return {name: (torch.load(folder / f"{name}.pt", weights_only=False)["iterations"][0],
+                   load_config(case["config"], case["overrides"]))
+            for name, case in cases.items()}
+
+
+@pytest.mark.parametrize("estimator", list(TRACED))
+def test_multi_turn_experience_against_plain_loops(traced_episodes, estimator):
+    """A real multi-turn iteration's experience recomputed from the episode itself: the
+    trained mask is the model's tokens (the environment's out), the score is the last
+    turn's reward at the episode's last model token and every earlier turn's reward sits
+    at its turn's last token; KL, rewards, advantages and returns equal the plain loops
+    run over each episode's model tokens alone (the observations between turns removed),
+    for every estimator. Catches an observation token trained, a turn reward dropped or
+    misplaced, an estimator that decays or bootstraps across an observation."""
+    import reference_loops as loops
+
+    run, cfg = traced_episodes[estimator]
+    gen, exp = run["gen"], run["experience"]
+    ppo = cfg.ppo
+    assert ppo.advantage_estimator == estimator
+    model = gen["response_mask_BT"].float() * (1 - gen["observation_BT"].float())
+    assert torch.equal(exp["response_mask_BT"], model)
+    assert torch.equal(exp["fed_mask_BT"], gen["response_mask_BT"])
+    gaps = [row for row in loops.rows(model) if "10" in "".join(str(int(x)) for x in row)
+            .rstrip("0")]
+    assert gaps, "no episode with an observation between two model turns"
+    # the score: the last model token's reward; the earlier turns' rewards where they fell
+    env = loops.rows(gen["env_rewards_BT"])
+    scores, turns = [], []
+    for r, m in zip(env, loops.rows(model), strict=True):
+        last = max((t for t, k in enumerate(m) if k), default=0)
+        scores.append(r[last])
+        turns.append([x if t != last else 0.0 for t, x in enumerate(r)])
+    assert exp["scores_B"].tolist() == pytest.approx(scores, abs=1e-7)
+    assert any(any(row) for row in turns), "no turn reward before an episode's last turn"
+    # the learning targets over the model's tokens alone
+    squeeze = lambda t: torch.tensor(loops.compress(t, model))  # noqa: E731
+    want = loops.experience(
+        old=squeeze(exp["old_logprobs_BT"]), ref=squeeze(exp["ref_logprobs_BT"]),
+        values=squeeze(exp["values_BT"]), scores=scores,
+        mask=squeeze(model), estimator=estimator, kl_estimator=ppo.kl_estimator,
+        beta=run["kl_coef"] if ppo.kl_reward_on else 0.0,
+        clip_reward=ppo.clip_reward_value, whiten_rewards=ppo.whiten_rewards,
+        whiten_advantages=ppo.whiten_advantages, unbiased=ppo.whiten_unbiased,
+        gamma=ppo.gamma, lam=ppo.lam, group_size=ppo.group_size,
+        group_norm=ppo.grpo_normalization, turn_rewards=squeeze(torch.tensor(turns)))
+    for key in ("kl", "rewards", "advantages", "returns"):
+        got = exp[f"{key}_BT"].double()
+        expect = torch.tensor(loops.expand(want[key], model), dtype=torch.float64)
+        assert (got - expect).abs().max() <= 1e-5 * max(1.0, expect.abs().max()), key
+    assert any(any(row) for row in want["advantages"])

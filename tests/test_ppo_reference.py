@@ -21,14 +21,12 @@ calling ``megarlhf.algos``:
 
 import itertools
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import reference_loops as loops
-from conftest import ROOT, WORKERS, torchrun
+from conftest import ROOT, WORKERS, tiny_hf, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +38,12 @@ DEFAULTS = dict(estimator="gae", kl_estimator="k1", beta=0.3, clip_reward=5.0,
                 agg="token_mean", value_clip=0.2, value_coef=0.5, kl_loss_coef=0.0,
                 kl_loss_estimator="k3", entropy_coef=0.0, penalty=-1.0, mode="replace",
                 max_len=10, buffer=0, overlong=1.0, min_tokens=0, stop=True, recompute=True,
-                decoupled=False, behaviour_cap=None)
-# Each setting's config field.
+                decoupled=False, behaviour_cap=None, kl_in_reward=None, temperature=1.0,
+                top_k=0, top_p=1.0, is_cap=None, mask_low=None, mask_high=None,
+                kl_controller="adaptive", kl_target=6.0, kl_horizon=100, warmup=0,
+                staleness=0, iterations=1, prompts=None)
+# Each setting's config field (iterations and prompts are the trace's: how many iterations
+# it runs, and the first how many of the task's prompts it trains on).
 FIELDS = dict(estimator="ppo.advantage_estimator", kl_estimator="ppo.kl_estimator",
               beta="ppo.init_kl_coef", clip_reward="ppo.clip_reward_value",
               whiten_rewards="ppo.whiten_rewards", whiten_advantages="ppo.whiten_advantages",
@@ -54,10 +56,15 @@ FIELDS = dict(estimator="ppo.advantage_estimator", kl_estimator="ppo.kl_estimato
               mode="ppo.missing_stop_mode", max_len="rollout.max_new_tokens",
               buffer="ppo.overlong_buffer", overlong="ppo.overlong_penalty",
               min_tokens="rollout.min_response_tokens", stop="rollout.stop_at_eos",
-              recompute="rollout.recompute_logprobs", behaviour_cap="ppo.behavior_weight_cap")
+              recompute="rollout.recompute_logprobs", behaviour_cap="ppo.behavior_weight_cap",
+              kl_in_reward="ppo.kl_in_reward", temperature="rollout.temperature",
+              top_k="rollout.top_k", top_p="rollout.top_p", is_cap="ppo.rollout_is_cap",
+              mask_low="ppo.rollout_mask_low", mask_high="ppo.rollout_mask_high",
+              kl_controller="ppo.kl_controller", kl_target="ppo.kl_target",
+              kl_horizon="ppo.kl_horizon", warmup="ppo.critic_warmup_iterations",
+              staleness="ppo.max_staleness")
 GROUPS = dict(group_size=2, extra=["ppo.rollout_batch_size=16"])
-GRPO = dict(GROUPS, estimator="grpo", beta=0.0, extra=GROUPS["extra"] + [
-    "ppo.kl_controller=fixed"])
+GRPO = dict(GROUPS, estimator="grpo", beta=0.0, kl_controller="fixed")
 CASES = {
     "gae_k1": dict(extra=["ppo.ema_decay=0.9"]),
     "gae_k3_nostop": dict(kl_estimator="k3", stop=False, whiten_rewards=True, unbiased=False,
@@ -68,10 +75,14 @@ CASES = {
     "gae_abs_nostop": dict(kl_estimator="abs", stop=False, min_tokens=3,
                            agg="seq_mean_token_mean", buffer=4, overlong=0.5,
                            extra=["optimizer.critic_lr=2e-5"]),
+    # the log-probs of logits / temperature; the draw from the top-k / top-p tokens only
+    "gae_temperature_top": dict(temperature=0.7, top_k=6, top_p=0.9),
     "grpo_sequence": dict(GRPO, kl_loss_coef=0.5),
     "grpo_token_nostop": dict(GRPO, group_norm="token", stop=False, kl_loss_coef=0.5),
     "grpo_center": dict(GRPO, group_norm="center", kl_loss_coef=0.2, kl_loss_estimator="k2",
                         agg="seq_mean_token_sum"),
+    # GRPO with the KL in the reward (off by default for GRPO): taken off the score
+    "grpo_kl_in_reward": dict(GRPO, beta=0.2, kl_in_reward=True),
     "rloo_stop": dict(GROUPS, estimator="rloo"),
     "rloo_nostop": dict(GROUPS, estimator="rloo", stop=False),
     "rpp_stop": dict(estimator="reinforce_pp"),
@@ -79,6 +90,14 @@ CASES = {
     "bypass": dict(recompute=False),
     "decoupled": dict(decoupled=True, behaviour_cap=1.0000001,
                       extra=["ppo.policy_loss=decoupled"]),
+    # Three iterations over 40 prompts (an epoch ends inside the second batch): what one
+    # iteration hands the next - the KL controller, the critic-only warm-up, batches
+    # sampled one version behind (the mismatch correction then has a real gap to correct,
+    # with the plain PPO loss), the EMA, the data order over epochs.
+    "three_iterations": dict(iterations=3, prompts=40, staleness=1, warmup=1, kl_target=2.0,
+                             kl_horizon=40, is_cap=1.1, mask_low=0.97, mask_high=1.03,
+                             extra=["ppo.ema_decay=0.9", "ppo.policy_loss=ppo",
+                                    "optimizer.critic_lr=2e-5"]),
 }
 # MEGARLHF_TRACE_CASES=a,b runs only those cases (tests/mutants.py uses it).
 SELECTED = [c for c in os.environ.get("MEGARLHF_TRACE_CASES", "").split(",") if c] or list(CASES)
@@ -99,8 +118,15 @@ def overrides(name: str) -> list[str]:
     return out + list(s.get("extra", []))
 
 
+def kl_in_reward(s: dict) -> bool:
+    """ppo.kl_in_reward as the schema resolves None: on but for GRPO."""
+    return s["estimator"] != "grpo" if s["kl_in_reward"] is None else s["kl_in_reward"]
+
+
 @pytest.fixture(scope="module")
 def traced(tiny_checkpoints, tmp_path_factory):
+    """{case: its trace}: the trace's ``iterations`` (one dict per iteration, see
+    workers/ppo_trace.py), the tokenized ``prompts`` and the ``seed``."""
     import json
 
     out, task, common = tiny_checkpoints
@@ -110,10 +136,23 @@ def traced(tiny_checkpoints, tmp_path_factory):
             f"roles.reference.checkpoint={out}/sft-tiny/checkpoints/step_0000003",
             f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", *common,
             f"run.output_dir={folder}"]
-    cases = {name: {"overrides": base + overrides(name)} for name in SELECTED}
+    cases = {}
+    for name in SELECTED:
+        s = settings(name)
+        mine = list(base)
+        if s["prompts"]:
+            lines = open(task["prompts"]).readlines()[:s["prompts"]]
+            (folder / f"{name}-prompts.jsonl").write_text("".join(lines))
+            mine[0] = f"data.train_path={folder / f'{name}-prompts.jsonl'}"
+        cases[name] = {"overrides": mine + overrides(name), "iterations": s["iterations"]}
     (folder / "cases.json").write_text(json.dumps(cases))
     torchrun(os.path.join(WORKERS, "ppo_trace.py"), 1, str(folder / "cases.json"), str(folder))
     return {name: torch.load(folder / f"{name}.pt", weights_only=False) for name in SELECTED}
+
+
+def iterations(traced, name):
+    """(iteration, its trace) of the case."""
+    return list(enumerate(traced[name]["iterations"]))
 
 
 @pytest.fixture(scope="module")
@@ -122,19 +161,9 @@ def hf_models(tiny_checkpoints):
     transformers: the log-prob oracle."""
     transformers = pytest.importorskip("transformers")
     out = tiny_checkpoints[0]
-    models = {}
-    for name, step in (("actor", 6), ("reference", 3)):
-        dest = out / f"hf-{name}"
-        if not dest.exists():  # converted once per folder (tests/mutants.py shares one)
-            tmp = out / f".hf-{name}-{os.getpid()}"
-            subprocess.run([sys.executable, "tools/convert_megatron_to_hf.py", "--config",
-                            "configs/sft_tiny.yaml", "--out", str(tmp), "--ckpt",
-                            f"{out}/sft-tiny/checkpoints/step_{step:07d}"],
-                           check=True, capture_output=True, cwd=ROOT)
-            os.replace(tmp, dest)
-        models[name] = transformers.AutoModelForCausalLM.from_pretrained(
-            str(dest), torch_dtype=torch.float32).eval()
-    return models
+    return {name: transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_hf(out, step), torch_dtype=torch.float32).eval()
+            for name, step in (("actor", 6), ("reference", 3))}
 
 
 def close(got, want, tol=1e-6, what=""):
@@ -160,7 +189,11 @@ def test_trained_tokens_and_scores_follow_the_rules(traced, name):
     """From the sampler's own output: each response is cut after its first stop token,
     short ones train on nothing, and the score is the reward model's with the missing-stop
     rule and the overlong ramp applied."""
-    run, s = traced[name], settings(name)
+    for it, run in iterations(traced, name):
+        trained_tokens_and_scores(run, settings(name))
+
+
+def trained_tokens_and_scores(run, s):
     raw, exp = run["raw"], run["experience"]
     cut, stopped = loops.truncated_lengths(raw["response_tokens_BT"],
                                            raw["response_mask_BT"], stop_ids(run))
@@ -184,9 +217,13 @@ def test_trained_tokens_and_scores_follow_the_rules(traced, name):
         assert 0 < sum(n < s["min_tokens"] for n in cut) < B  # the case exercises it
 
 
-def hf_logprobs(model, run) -> torch.Tensor:
-    """(B, T) log-probs of every response token under ``model``, each row scored alone
-    without padding, 0 after the row's end (its stop token; short rows included)."""
+def hf_logprobs(model, run, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+                ) -> torch.Tensor:
+    """(B, T) log-probs of every response token under ``model`` at ``temperature``, each
+    row scored alone without padding, 0 after the row's end (its stop token; short rows
+    included). With ``top_k`` / ``top_p``: checks that every token the sampler drew is
+    among the ``top_k`` most likely and inside the nucleus (the tokens more likely than it
+    hold less than ``top_p``)."""
     exp = run["experience"]
     B, T = exp["response_tokens_BT"].shape
     out = torch.zeros(B, T, dtype=torch.float64)
@@ -198,9 +235,15 @@ def hf_logprobs(model, run) -> torch.Tensor:
         response = exp["response_tokens_BT"][b, :n[b]].tolist()
         with torch.no_grad():
             logits = model(torch.tensor([prompt + response])).logits[0].double()
-        logp = torch.log_softmax(logits, -1)
+        logp = torch.log_softmax(logits / temperature, -1)
         for t, tok in enumerate(response):
-            out[b, t] = logp[len(prompt) - 1 + t, tok]
+            row = logp[len(prompt) - 1 + t]
+            out[b, t] = row[tok]
+            above = row > row[tok] + 1e-6  # more likely than the drawn token, beyond rounding
+            if top_k:
+                assert int(above.sum()) < top_k, (b, t, "drawn outside the top-k")
+            if top_p < 1.0:
+                assert float(row[above].exp().sum()) < top_p + 1e-6, (b, t, "outside top-p")
     return out
 
 
@@ -208,15 +251,24 @@ def hf_logprobs(model, run) -> torch.Tensor:
 def test_logprobs_against_transformers(traced, hf_models, name):
     """The reference's log-probs are the reference checkpoint's, the old log-probs the
     actor's (recomputed, or the sampler's in bypass mode), the sampler's the actor's: all
-    against transformers on the converted checkpoints."""
-    run = traced[name]
-    exp = run["experience"]
-    actor, ref = hf_logprobs(hf_models["actor"], run), hf_logprobs(hf_models["reference"], run)
-    trained = exp["response_mask_BT"]  # short responses: no trainable token
-    close(exp["ref_logprobs_BT"], ref, 1e-5, "reference")
-    close(exp["old_logprobs_BT"], actor * trained, 1e-5, "old")
-    close(exp["rollout_logprobs_BT"], actor * trained, 1e-5, "rollout")
-    assert (actor - ref).abs().max() > 1e-2  # the two checkpoints differ
+    against transformers on the converted checkpoints, at the rollout's temperature; the
+    sampler drew only from the top-k / top-p tokens. After the first iteration the actor
+    has moved: its log-probs are checked while it is the converted step-6 checkpoint
+    (the batches that version 0 sampled, for the sampler's)."""
+    s = settings(name)
+    for it, run in iterations(traced, name):
+        exp = run["experience"]
+        T = s["temperature"]
+        trained = exp["response_mask_BT"]  # short responses: no trainable token
+        ref = hf_logprobs(hf_models["reference"], run, T)
+        close(exp["ref_logprobs_BT"], ref, 1e-5, "reference")
+        version = max(0, it - s["staleness"])  # the policy that sampled the batch
+        if version == 0:
+            actor = hf_logprobs(hf_models["actor"], run, T, s["top_k"], s["top_p"])
+            close(exp["rollout_logprobs_BT"], actor * trained, 1e-5, "rollout")
+            assert (actor - ref).abs().max() > 1e-2  # the two checkpoints differ
+        if it == 0:
+            close(exp["old_logprobs_BT"], actor * trained, 1e-5, "old")
 
 
 # ------------------------------------------------------------------ the experience
@@ -224,29 +276,67 @@ def test_logprobs_against_transformers(traced, hf_models, name):
 @by_name(CASES)
 def test_experience_against_plain_loops(traced, name):
     """KL per token, shaped rewards, advantages and returns recomputed from the logged
-    log-probs, values and scores with plain loops (float64)."""
-    run, s = traced[name], settings(name)
-    exp = run["experience"]
-    assert run["kl_coef"] == pytest.approx(s["beta"] if s["estimator"] != "grpo" else 0.0)
-    if s["estimator"] in CRITIC_FREE:
-        assert not exp["values_BT"].any()
-    else:
-        assert exp["values_BT"].abs().sum() > 0
-    want = loops.experience(
-        old=exp["old_logprobs_BT"], ref=exp["ref_logprobs_BT"], values=exp["values_BT"],
-        scores=exp["scores_B"], mask=exp["response_mask_BT"], estimator=s["estimator"],
-        kl_estimator=s["kl_estimator"], beta=s["beta"], clip_reward=s["clip_reward"],
-        whiten_rewards=s["whiten_rewards"], whiten_advantages=s["whiten_advantages"],
-        unbiased=s["unbiased"], gamma=s["gamma"], lam=s["lam"], group_size=s["group_size"],
-        group_norm=s["group_norm"])
-    close(exp["kl_BT"], want["kl"], 1e-6, "kl")
-    close(exp["rewards_BT"], want["rewards"], 1e-6, "rewards")
-    close(exp["advantages_BT"], want["advantages"], 1e-6, "advantages")
-    close(exp["returns_BT"], want["returns"], 1e-6, "returns")
-    B = len(want["kl"])
-    assert run["metrics"]["objective/kl"] == pytest.approx(
-        sum(map(sum, want["kl"])) / B, rel=1e-6, abs=1e-9)
-    assert sum(map(sum, want["kl"])) != 0 and any(map(any, want["advantages"]))
+    log-probs, values and scores with plain loops (float64), at the KL coefficient the
+    iteration started with; the mismatch correction's weights and mask from the
+    trainer/sampler ratio."""
+    s = settings(name)
+    gaps = 0
+    for it, run in iterations(traced, name):
+        exp = run["experience"]
+        if it == 0:
+            assert run["kl_coef"] == pytest.approx(s["beta"])
+        beta = run["kl_coef"] if kl_in_reward(s) else 0.0
+        if s["estimator"] in CRITIC_FREE:
+            assert not exp["values_BT"].any()
+        else:
+            assert exp["values_BT"].abs().sum() > 0
+        want = loops.experience(
+            old=exp["old_logprobs_BT"], ref=exp["ref_logprobs_BT"], values=exp["values_BT"],
+            scores=exp["scores_B"], mask=exp["response_mask_BT"], estimator=s["estimator"],
+            kl_estimator=s["kl_estimator"], beta=beta, clip_reward=s["clip_reward"],
+            whiten_rewards=s["whiten_rewards"], whiten_advantages=s["whiten_advantages"],
+            unbiased=s["unbiased"], gamma=s["gamma"], lam=s["lam"],
+            group_size=s["group_size"], group_norm=s["group_norm"])
+        close(exp["kl_BT"], want["kl"], 1e-6, "kl")
+        close(exp["rewards_BT"], want["rewards"], 1e-6, "rewards")
+        for key in ("advantages", "returns"):
+            scale = max(1.0, max(abs(x) for row in want[key] for x in row))
+            for b, tol in enumerate(row_tolerances(s, want["sequence_rewards"])):
+                close(exp[key + "_BT"][b], want[key][b], tol * scale, (key, b))
+        B = len(want["kl"])
+        assert run["metrics"]["objective/kl"] == pytest.approx(
+            sum(map(sum, want["kl"])) / B, rel=1e-6, abs=1e-9)
+        assert sum(map(sum, want["kl"])) != 0 and any(map(any, want["advantages"]))
+        mask, weights = loops.mismatch(exp["old_logprobs_BT"], exp["rollout_logprobs_BT"],
+                                       exp["response_mask_BT"], is_cap=s["is_cap"],
+                                       low=s["mask_low"], high=s["mask_high"])
+        close(exp["policy_mask_BT"], mask, 0.0, "policy mask")
+        close(exp["is_weights_BT"], weights, 1e-6, "importance weights")
+        gap = (exp["old_logprobs_BT"] - exp["rollout_logprobs_BT"]).abs().max() > 1e-3
+        if s["is_cap"] and gap:  # sampled by a policy that has moved since
+            assert any(w == s["is_cap"] for row in weights for w in row)  # the cap bites
+            assert mask != loops.rows(exp["response_mask_BT"])  # and the band drops some
+            gaps += 1
+    # three_iterations: batch 2 was sampled by version 1, before the actor's first update
+    assert gaps == (1 if s["staleness"] else 0)
+
+
+def row_tolerances(s, sequence) -> list[float]:
+    """Each row's tolerance: 1e-6, but in a GRPO group whose sequence rewards (the KL in
+    them summed in fp32) nearly tie, (s - mean) / (std + 1e-6) divides the fp32 rounding
+    of s and of the mean (a few 6e-8 |s|) by the small std: that quotient is the bound
+    (seen: 2.4e-5 where two scores of -1 differed by 3.5e-3 of KL)."""
+    out = [1e-6] * len(sequence)
+    if s["estimator"] != "grpo" or s["group_norm"] == "center" or not kl_in_reward(s):
+        return out
+    k = s["group_size"]
+    for g in range(0, len(sequence), k):
+        group = sequence[g:g + k]
+        mean = sum(group) / k
+        std = (sum((x - mean) ** 2 for x in group) / (k - 1)) ** 0.5
+        bound = 4 * 6e-8 * max(abs(x) for x in group) / (std + 1e-6)
+        out[g:g + k] = [max(1e-6, bound)] * k
+    return out
 
 
 # ------------------------------------------------------------------ the updates
@@ -340,7 +430,12 @@ def test_every_micro_batch_loss_against_a_loop(traced, name):
     computed from the experience's old log-probs (recorded once, before the update) and
     the policy's log-probs at that moment; the micro-batches carry the experience's
     values; the logged metrics are those sums' ratios."""
-    run, s = traced[name], settings(name)
+    s = settings(name)
+    for it, run in iterations(traced, name):
+        micro_batch_losses(run, s)
+
+
+def micro_batch_losses(run, s):
     exp = run["experience"]
     totals: dict = {}
     for call, i, rows, loop, _ in walk(run, s):
@@ -354,13 +449,17 @@ def test_every_micro_batch_loss_against_a_loop(traced, name):
             totals[call["role"], key] = totals.get((call["role"], key), 0.0) + value
     m = run["metrics"]
     t = lambda role, key: totals[role, key]  # noqa: E731
-    assert m["ppo/policy/clipfrac"] == pytest.approx(t("actor", "clipfrac_sum")
-                                                     / t("actor", "tokens"), abs=1e-7)
-    assert m["ppo/policy/approxkl"] == pytest.approx(t("actor", "approxkl_sum")
-                                                     / t("actor", "tokens"), rel=1e-4, abs=1e-7)
-    assert m["ppo/policy/pg_loss"] == pytest.approx(t("actor", "pg_loss_sum")
-                                                    / t("actor", "loss_count"), rel=1e-4,
-                                                    abs=1e-6)
+    if ("actor", "tokens") in totals:
+        assert m["ppo/policy/clipfrac"] == pytest.approx(t("actor", "clipfrac_sum")
+                                                         / t("actor", "tokens"), abs=1e-7)
+        assert m["ppo/policy/approxkl"] == pytest.approx(t("actor", "approxkl_sum")
+                                                         / t("actor", "tokens"), rel=1e-4,
+                                                         abs=1e-7)
+        assert m["ppo/policy/pg_loss"] == pytest.approx(t("actor", "pg_loss_sum")
+                                                        / t("actor", "loss_count"), rel=1e-4,
+                                                        abs=1e-6)
+    else:
+        assert "ppo/policy/pg_loss" not in m  # the critic's warm-up
     if s["estimator"] not in CRITIC_FREE:
         assert m["ppo/val/loss"] == pytest.approx(t("critic", "loss_sum")
                                                   / t("critic", "loss_count"), rel=1e-4)
@@ -370,21 +469,30 @@ def test_every_micro_batch_loss_against_a_loop(traced, name):
 
 @by_name(CASES)
 def test_the_policy_moves_and_the_clip_bites(traced, name):
-    """The first micro-batch is an update at the old policy (ratio 1: approx-KL and clip
-    fraction 0; in bypass mode the sampler's log-probs are the old ones, equal to fp32
-    rounding); the later mini-batches see a policy that moved, and some of their tokens
-    are clipped - in the loop and in what the loss logged."""
-    run, s = traced[name], settings(name)
-    actor = [(c, i, loop) for c, i, _, loop, _ in walk(run, s) if c["role"] == "actor"]
-    first_call, _, first = actor[0]
-    rounding = 0.0 if s["recompute"] else 1e-5 * first["tokens"]
-    assert abs(first["approxkl_sum"]) <= rounding and first["clipfrac_sum"] == 0.0
-    assert abs(first_call["logs"][0]["approxkl_sum"]) <= rounding
-    assert first_call["logs"][0]["clipfrac_sum"] == 0.0
-    later = [(c, i, loop) for c, i, loop in actor if c is not first_call]
-    assert sum(loop["clipfrac_sum"] for _, _, loop in later) > 0
-    assert sum(c["logs"][i]["clipfrac_sum"] for c, i, _ in later) > 0
-    assert all(abs(c["logs"][i]["approxkl_sum"]) > 1e-4 for c, i, _ in later)
+    """The first micro-batch of each iteration is an update at the old policy (ratio 1:
+    approx-KL and clip fraction 0; in bypass mode the sampler's log-probs are the old
+    ones, equal to fp32 rounding); the later mini-batches see a policy that moved, and
+    some of their tokens are clipped - in the loop and in what the loss logged. (An
+    iteration of the critic's warm-up trains no actor.)"""
+    s = settings(name)
+    trained, clipped = 0, [0.0, 0.0]
+    for it, run in iterations(traced, name):
+        actor = [(c, i, loop) for c, i, _, loop, _ in walk(run, s) if c["role"] == "actor"]
+        if it < s["warmup"]:
+            assert not actor
+            continue
+        trained += 1
+        first_call, _, first = actor[0]
+        rounding = 0.0 if s["recompute"] else 1e-5 * first["tokens"]
+        assert abs(first["approxkl_sum"]) <= rounding and first["clipfrac_sum"] == 0.0
+        assert abs(first_call["logs"][0]["approxkl_sum"]) <= rounding
+        assert first_call["logs"][0]["clipfrac_sum"] == 0.0
+        later = [(c, i, loop) for c, i, loop in actor if c is not first_call]
+        clipped[0] += sum(loop["clipfrac_sum"] for _, _, loop in later)
+        clipped[1] += sum(c["logs"][i]["clipfrac_sum"] for c, i, _ in later)
+        assert all(abs(c["logs"][i]["approxkl_sum"]) > 1e-4 for c, i, _ in later)
+    assert trained == s["iterations"] - s["warmup"]
+    assert clipped[0] > 0 and clipped[1] > 0  # the loop's and the loss's
 
 
 @by_name(CASES)
@@ -392,35 +500,53 @@ def test_each_step_lowers_its_mini_batch_loss(traced, name):
     """The optimizer steps along the gradient of the loss that was logged: right after
     each step, the same mini-batch's loss (the loop's, at the new weights) is lower, for
     the actor and for the critic. Adam's first step moves every weight by about the
-    learning rate whatever its gradient's size and may overshoot, so from the second step
-    on; every step changes both models' weights."""
-    run, s = traced[name], settings(name)
-    per_call: dict = {}
-    for call, _, _, before, after in walk(run, s):
-        acc = per_call.setdefault(id(call), [call, 0.0, 0.0, 0.0])
-        acc[1] += before["loss_sum"]
-        acc[2] += after["loss_sum"]
-        acc[3] += before["loss_count"]
+    learning rate whatever its gradient's size and may overshoot, so from each role's
+    second step on; every step changes the weights of the models it trains, and the
+    critic's warm-up leaves the actor's alone."""
+    s = settings(name)
     steps: dict = {}
-    for call, before, after, count in per_call.values():
-        assert call["applied"]
-        if steps.setdefault(call["role"], 0):
-            assert after < before - 1e-6 * count, (call["role"], before, after)
-        steps[call["role"]] += 1
-    assert steps == ({"actor": 4} if s["estimator"] in CRITIC_FREE
-                     else {"actor": 4, "critic": 4})  # 2 epochs x 2 mini-batches
-    for role, snaps in run["params"].items():
-        assert len(snaps) == 5  # before the iteration, and after each step
-        for a, b in itertools.pairwise(snaps):
-            assert not torch.equal(a, b), role
+    for it, run in iterations(traced, name):
+        per_call: dict = {}
+        for call, _, _, before, after in walk(run, s):
+            acc = per_call.setdefault(id(call), [call, 0.0, 0.0, 0.0])
+            acc[1] += before["loss_sum"]
+            acc[2] += after["loss_sum"]
+            acc[3] += before["loss_count"]
+        here: dict = {}
+        for call, before, after, count in per_call.values():
+            assert call["applied"]
+            if steps.get(call["role"], 0):
+                assert after < before - 1e-6 * count, (it, call["role"], before, after)
+            steps[call["role"]] = steps.get(call["role"], 0) + 1
+            here[call["role"]] = here.get(call["role"], 0) + 1
+        warm = it < s["warmup"]
+        want = {} if warm else {"actor": 4}  # 2 epochs x 2 mini-batches
+        if s["estimator"] not in CRITIC_FREE:
+            want["critic"] = 4
+        assert here == want, (it, here)
+        for role, snaps in run["params"].items():
+            assert len(snaps) == 5  # before the iteration, and after each step
+            for a, b in itertools.pairwise(snaps):
+                assert torch.equal(a, b) == (role == "actor" and warm), (it, role)
 
 
-@by_name(["gae_k1"])
+@by_name(["gae_k1", "three_iterations"])
 def test_ema_actor_follows_a_loop_over_the_steps(traced, name):
-    run = traced[name]
-    want = loops.ema(run["params"]["actor"], 0.9)
-    close(run["ema"], want, 1e-6, "ema")
-    assert not torch.allclose(run["ema"].double(), run["params"]["actor"][-1].double())
+    """The EMA actor against a loop over the actor's weights after every step that
+    trained it, across iterations (none in the critic's warm-up)."""
+    s = settings(name)
+    snaps = []
+    for it, run in iterations(traced, name):
+        if not snaps:
+            snaps.append(run["params"]["actor"][0])
+        assert torch.equal(run["params"]["actor"][0], snaps[-1])  # carried over
+        if it >= s["warmup"]:
+            snaps += run["params"]["actor"][1:]
+        want = loops.ema(snaps, 0.9)
+        close(run["ema"], want, 1e-6, "ema")
+        if len(snaps) > 1:  # the actor stepped: the average lags behind it
+            assert not torch.allclose(run["ema"].double(), snaps[-1].double())
+    assert len(snaps) == 1 + 4 * (s["iterations"] - s["warmup"])
 
 
 @by_name(["bypass", "gae_k1", "decoupled"])
@@ -428,7 +554,7 @@ def test_old_logprobs_are_the_ones_the_mode_promises(traced, name):
     """Bypass: the sampler's log-probs are the old ones. Recompute (and the decoupled
     loss's proximal policy): the actor's own forward at its training layout before any
     update, bitwise what its first micro-batch saw."""
-    run = traced[name]
+    run = traced[name]["iterations"][0]
     exp = run["experience"]
     mask = exp["response_mask_BT"]
     sampler = run["gen"]["logprobs_BT"] * mask
@@ -440,3 +566,152 @@ def test_old_logprobs_are_the_ones_the_mode_promises(traced, name):
     rows = match_rows(run, call["batches"][0], experience_rows(run), set())
     assert torch.equal(exp["old_logprobs_BT"][rows],
                        call["before"][0]["logprobs"] * exp["response_mask_BT"][rows])
+
+
+# ------------------------------------------------------------------ across iterations
+
+@by_name(["three_iterations"])
+def test_what_one_iteration_hands_the_next(traced, name):
+    """Across three iterations: the adaptive KL controller's coefficient against Ziegler
+    et al.'s update from each iteration's logged KL; every trained token sampled by the
+    policy max(0, i - k) and tagged with that version; the batches, read back from the
+    sampler's own prompts, a stream that visits every prompt once per epoch in an order
+    that changes between epochs; the critic's warm-up."""
+    s = settings(name)
+    trace = traced[name]
+    runs = trace["iterations"]
+    beta = s["beta"]
+    n_steps = 32  # configs/demo/ppo.yaml's rollout_batch_size x group_size 1
+    for it, run in enumerate(runs):
+        assert run["kl_coef"] == pytest.approx(beta, rel=1e-6), it
+        kl = run["metrics"]["objective/kl"]
+        error = max(-0.2, min(0.2, kl / s["kl_target"] - 1.0))
+        beta = beta * (1.0 + error * n_steps / s["kl_horizon"])
+        assert run["kl_coef_after"] == pytest.approx(beta, rel=1e-6), it
+        assert run["metrics"]["objective/kl_coef"] == pytest.approx(beta, rel=1e-6)
+        exp = run["experience"]
+        version = max(0, it - s["staleness"])
+        trained = exp["response_mask_BT"] > 0
+        assert (exp["versions_BT"][trained] == version).all(), it
+    assert len({round(r["kl_coef"], 12) for r in runs}) == 3  # the controller moved
+    # the data order: the prompts each batch sampled, in order, from the raw generations
+    stream = []
+    for run in runs:
+        raw = run["raw"]
+        for toks, mask in zip(raw["prompt_tokens_BP"].tolist(),
+                              raw["prompt_mask_BP"].tolist(), strict=True):
+            stream.append(tuple(t for t, m in zip(toks, mask, strict=True) if m))
+    prompts = [tuple(p) for p in trace["prompts"]]
+    N = len(prompts)
+    assert N == s["prompts"] and len(stream) == 3 * 32 > 2 * N
+    from collections import Counter
+    epochs = [stream[e * N:(e + 1) * N] for e in range(len(stream) // N)]
+    for e, epoch in enumerate(epochs):
+        assert Counter(epoch) == Counter(prompts), f"epoch {e} is not one pass over the data"
+    assert epochs[0] != epochs[1]  # reshuffled
+
+
+# ------------------------------------------------------------------ which settings have a case
+
+# Fields of the ppo and rollout sections that do not change the arithmetic of experience or
+# of an update, each with why (and where it is checked instead). Every other field of the
+# two sections changes it, and must have a case above with a value other than the schema's
+# default - a new field fails test_every_setting_that_changes_the_math_has_a_case until it is
+# given a case, or listed here with its reason.
+NOT_MATH = {
+    "ppo.rollout_batch_size": "how many prompts, not how each is computed",
+    "ppo.mini_batch_size": "how many samples per optimizer step (the loss is each "
+                           "mini-batch's own; the cases use 16 of 32)",
+    "ppo.micro_batch_size": "gradient accumulation: the same loss in other slices "
+                            "(test_layouts, test_ppo_modes: micro-batch sizes agree)",
+    "ppo.max_tokens_per_micro_batch": "packing: the padded computation's losses "
+                                      "(test_packing)",
+    "ppo.ppo_epochs": "how many passes (the demo's 2: every case's second epoch)",
+    "ppo.num_iterations": "how many iterations (three_iterations runs 3)",
+    "ppo.critic_init": "where the critic's weights start, not what is computed with them",
+    "ppo.gold_reward_fn": "evaluation only",
+    "ppo.eval_interval": "evaluation only",
+    "ppo.num_eval_prompts": "evaluation only",
+    "ppo.ptx_coef": "PPO-ptx's next-token loss: test_ppo_modes' ptx tests against a "
+                    "loop (no traced case yet)",
+    "ppo.ptx_batch_size": "PPO-ptx's rows per mini-batch (as ppo.ptx_coef)",
+    "ppo.dynamic_sampling": "which groups are kept, not their arithmetic: test_ppo_modes' "
+                            "dynamic-sampling tests (no traced case yet)",
+    "ppo.max_sampling_rounds": "dynamic sampling's budget (as ppo.dynamic_sampling)",
+    "ppo.policy_loss": "chosen by the decoupled case and three_iterations (ppo under "
+                       "staleness); the setting 'decoupled' is the case's",
+    "ppo.ema_decay": "gae_k1 and three_iterations (0.9): the EMA test",
+    "rollout.tensor_parallel_size": "a layout: test_rollout / test_experience compare "
+                                    "layouts with one process",
+    "rollout.placement": "where the rollout runs: test_async (split equals colocated)",
+    "rollout.ranks": "as rollout.placement",
+    "rollout.decode_slots": "continuous batching: test_async / test_rollout (the static "
+                            "batch's samples)",
+    "rollout.weight_checksum": "a check, no arithmetic",
+    "rollout.partial": "timing of weight updates: test_async's partial rollouts (each "
+                       "token's version and behaviour log-prob)",
+    "rollout.partial_kv": "as rollout.partial (test_rollout)",
+    "rollout.greedy": "the draw only (the argmax), the log-probs are the full "
+                      "distribution's: test_rollout's greedy decoding against transformers",
+    "rollout.stop_token_ids": "the stop rule with other ids: test_rollout's stop tokens "
+                              "(the cases stop at EOS, rollout.stop_at_eos)",
+    "rollout.reward_fn": "where scores come from: test_verifiers (the same run from "
+                         "workers, the trainer and a server)",
+    "rollout.reward_url": "as rollout.reward_fn",
+    "rollout.reward_workers": "as rollout.reward_fn",
+    "rollout.reward_timeout_s": "as rollout.reward_fn",
+    "rollout.reward_batch": "as rollout.reward_fn",
+    "rollout.reward_retries": "as rollout.reward_fn",
+    "rollout.reward_on_error": "a failed reward's fate: test_verifiers",
+    "rollout.reward_error_score": "a failed reward's score: test_verifiers",
+    "rollout.environment": "multi-turn: test_multiturn's experience against plain loops",
+    "rollout.max_turns": "multi-turn (as rollout.environment)",
+    "rollout.max_observation_tokens": "multi-turn (as rollout.environment)",
+    "rollout.tool_format": "multi-turn (as rollout.environment)",
+    "rollout.offload_frozen_models": "where weights live: test_memory (offload changes "
+                                     "nothing)",
+    "rollout.forward_micro_batch_size": "slicing of the scoring passes (test_experience)",
+    "rollout.forward_max_tokens_per_micro_batch": "packing of the scoring passes "
+                                                  "(test_packing)",
+    "rollout.routing_replay": "mixtures of experts: test_moe (r2 and r3 against a router "
+                              "that flips)",
+    "rollout.release_inference_weights": "memory only (test_memory)",
+    "rollout.ref_cache_size": "a cache of the reference's log-probs: equal to scoring "
+                              "again (test_ppo_modes)",
+}
+
+
+def test_every_setting_that_changes_the_math_has_a_case():
+    """From the config schema: every field of ppo and rollout is either listed in NOT_MATH
+    with its reason or set by some case to a value other than its default (read back
+    from the config each case runs with, configs/demo/ppo.yaml plus its overrides), and
+    the case's setting is one the reference reads (FIELDS)."""
+    import dataclasses
+
+    from megarlhf.config import load_config
+    from megarlhf.config.ppo import PPOConfig, RolloutConfig
+
+    def default(f):
+        return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+    loaded = {name: load_config(os.path.join(ROOT, "configs/demo/ppo.yaml"), overrides(name))
+              for name in CASES}
+    read = set(FIELDS.values())
+    missing, stale = [], sorted(set(NOT_MATH) - {
+        f"{sec}.{f.name}" for sec, cls in (("ppo", PPOConfig), ("rollout", RolloutConfig))
+        for f in dataclasses.fields(cls)})
+    for section, cls in (("ppo", PPOConfig), ("rollout", RolloutConfig)):
+        for f in dataclasses.fields(cls):
+            dotted = f"{section}.{f.name}"
+            if dotted in NOT_MATH:
+                continue
+            cases = [n for n, cfg in loaded.items()
+                     if getattr(getattr(cfg, section), f.name) != default(f)]
+            if not cases or dotted not in read:
+                missing.append(f"{dotted} (default {default(f)!r}): "
+                               + ("no case sets another value" if not cases
+                                  else f"set by {cases} but the reference does not read it"))
+    assert not stale, f"NOT_MATH lists fields the schema does not have: {stale}"
+    assert not missing, "settings that change the math with no traced case:\n" + \
+        "\n".join(missing)
+    assert len(NOT_MATH) + len(read) >= 80

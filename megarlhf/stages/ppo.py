@@ -534,10 +534,18 @@ def _waiting_batches(ckpt_dir: str) -> tuple[dict | None, str]:
 
 
 def _prompt_batch(prompts: list, size: int, group: int, seed: int, it: int) -> list:
-    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(
-        seed + 104729 * (it * size // max(len(prompts), 1))))
-    start = (it * size) % len(prompts)
-    idx = [int(order[(start + k) % len(prompts)]) for k in range(size)]
+    """Iteration ``it``'s ``size`` prompts, each ``group`` times in a row: positions
+    it * size ... of one stream that visits every prompt once per epoch, epoch e in the
+    order of its own permutation (seeded by ``seed`` and e), so a batch that crosses the
+    end of an epoch continues with the next epoch's order."""
+    orders: dict[int, torch.Tensor] = {}
+    idx = []
+    for position in range(it * size, (it + 1) * size):
+        epoch, at = divmod(position, len(prompts))
+        if epoch not in orders:
+            orders[epoch] = torch.randperm(len(prompts), generator=torch.Generator()
+                                           .manual_seed(seed + 104729 * epoch))
+        idx.append(int(orders[epoch][at]))
     return [prompts[i] for i in idx for _ in range(group)]
 
 

@@ -1,13 +1,15 @@
 """PPO iterations traced step by step, for the independent references of
 tests/test_ppo_reference.py: ``ppo_trace.py CASES.json OUT_DIR`` (one process).
 
-For every case the worker builds a ``PPOSession`` from configs/demo/ppo.yaml plus the
-case's overrides, runs its iterations and writes ``OUT_DIR/<name>.pt`` with:
+For every case the worker builds a ``PPOSession`` from its ``config`` (default
+configs/demo/ppo.yaml) plus the case's overrides, runs its iterations (the case's ``iterations``, default 1) and writes
+``OUT_DIR/<name>.pt``: the tokenized prompts (``prompts``), the run's ``seed`` and, for
+each iteration, in ``iterations``:
 
 - ``raw``: the sampler's generation before truncation, ``gen``: the one trained on,
   ``raw_scores``: the reward model's normalised scores before the score rules;
-  ``kl_coef``: the KL coefficient the iteration started with; ``experience``: every field
-  of the experience batch; ``metrics``;
+  ``kl_coef``: the KL coefficient the iteration started with, ``kl_coef_after`` the one
+  the controller left; ``experience``: every field of the experience batch; ``metrics``;
 - ``calls``: one entry per ``forward_backward`` call of a trained role, in order - the
   micro-batches it was given, the logs its loss functions returned, and the role's own
   outputs on the same micro-batches at the weights it had just before (``before``) and
@@ -122,17 +124,19 @@ def main() -> None:
     for name, case in cases.items():
         if only and name not in only:
             continue
-        cfg = load_config("configs/demo/ppo.yaml", case["overrides"])
+        cfg = load_config(case.get("config", "configs/demo/ppo.yaml"), case["overrides"])
         tokenizer = load_tokenizer(cfg.tokenizer)
         session = PPOSession(cfg, tokenizer)
         sampler, scorer = session.sampler, session.scorer
-        raw: list = []
+        raw: dict = {}  # batch -> the sampler's generation (the rollout seed is seed + batch)
+        order: list = []  # the batches in the order they were sampled, each then scored
         raw_scores: list = []
         real_rollout, real_scores = sampler.rollout, scorer.reward_scores
 
         def rollout(prompts, seed):
             gen, metrics = real_rollout(prompts, seed)
-            raw.append(gen)
+            raw[seed - cfg.run.seed] = gen
+            order.append(seed - cfg.run.seed)
             return gen, metrics
 
         def scores(gen):
@@ -143,21 +147,28 @@ def main() -> None:
         # observe the sampler's output before truncation, and the reward model's scores
         # before the missing-stop rule and the overlong ramp
         sampler.rollout, scorer.reward_scores = rollout, scores
-        kl_coef = session.kl_ctl.value
-        with Tracer(session) as tracer:
-            metrics, exp, gen = session.iteration(0)
-        result = {
-            "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id, "kl_coef": kl_coef,
-            "raw": dataclasses.asdict(raw[0]) if len(raw) == 1 else None,
-            "raw_scores": raw_scores[0] if len(raw_scores) == 1 else None,
-            "gen": dataclasses.asdict(gen), "metrics": metrics,
-            "experience": {f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)},
-            "calls": tracer.calls, "params": tracer.params,
-        }
-        if session.ema is not None:
-            result["ema"] = torch.cat([a.reshape(-1) for a in session.ema.shadow])
+        iterations = []
+        for it in range(case.get("iterations", 1)):
+            kl_coef = session.kl_ctl.value
+            with Tracer(session) as tracer:
+                metrics, exp, gen = session.iteration(it)
+            assert len(order) == len(set(order)), "a batch sampled twice: trace it apart"
+            batch_raw = raw[it]
+            iterations.append({
+                "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id, "kl_coef": kl_coef,
+                "raw": dataclasses.asdict(batch_raw),
+                "raw_scores": raw_scores[order.index(it)],
+                "gen": dataclasses.asdict(gen), "metrics": metrics,
+                "experience": {f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)},
+                "calls": tracer.calls, "params": tracer.params,
+                "kl_coef_after": session.kl_ctl.value,
+            })
+            if session.ema is not None:
+                iterations[-1]["ema"] = torch.cat([a.reshape(-1) for a in session.ema.shadow])
         session.close()
-        torch.save(result, os.path.join(out_dir, f"{name}.pt"))
+        torch.save({"iterations": iterations, "prompts": session.prompts.prompts,
+                    "seed": cfg.run.seed},
+                   os.path.join(out_dir, f"{name}.pt"))
 
 
 if __name__ == "__main__":
