@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,10 +14,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class CommandFailed(Exception):
+    """A command a test ran exited non-zero when it had to succeed. Not an
+    AssertionError: tests/mutants.py counts a mutant as killed only when a test's own
+    check fails, and a command that crashed is reported as a crash."""
 
 
 def torchrun(script_or_args, nprocs: int, *args: str, timeout: int = 600,
@@ -43,8 +42,8 @@ def torchrun(script_or_args, nprocs: int, *args: str, timeout: int = 600,
         if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr:
             break
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
-                             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise CommandFailed(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                            f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
 
 
@@ -55,12 +54,80 @@ def run_cli(*argv: str, check: bool = True, timeout: int = 600,
                           text=True, timeout=timeout, cwd=ROOT,
                           env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
     if check and proc.returncode != 0:
-        raise AssertionError(f"megarlhf {' '.join(argv)} failed ({proc.returncode}):\n"
-                             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise CommandFailed(f"megarlhf {' '.join(argv)} failed ({proc.returncode}):\n"
+                            f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each failure labelled with what failed: ``check`` when the test's own check did (an
+    assertion, ``pytest.fail``), ``crash`` when anything else raised (the code under test,
+    a command that exited non-zero, a fixture, a time-out). tests/mutants.py counts only
+    checks as kills."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.excinfo is not None:
+        excinfo = call.excinfo
+        timed_out = "Timeout" in str(excinfo.value)[:40]
+        check = (report.when == "call" and not timed_out
+                 and excinfo.errisinstance((AssertionError, pytest.fail.Exception))
+                 and not excinfo.errisinstance(CommandFailed))
+        report.user_properties.append(("failure", "check" if check else "crash"))
+
+
+def outcomes(terminalreporter) -> dict[str, str]:
+    """Each test's outcome: passed, skipped, check (failed its own check) or crash."""
+    out: dict[str, str] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            when = getattr(report, "when", None)
+            if when not in ("setup", "call", "teardown"):
+                continue
+            if report.failed:
+                out[report.nodeid] = dict(report.user_properties).get("failure", "crash")
+            elif report.skipped:
+                out.setdefault(report.nodeid, "skipped")
+            elif when == "call":
+                out.setdefault(report.nodeid, "passed")
+    return out
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each test's outcome to the file ``MEGARLHF_OUTCOMES`` names (tests/mutants.py reads
+    the suite's, and its own runs'), then the seconds per test file."""
+    path = os.environ.get("MEGARLHF_OUTCOMES")
+    if path:
+        with open(path + ".tmp", "w") as f:
+            json.dump(outcomes(terminalreporter), f, indent=0, sort_keys=True)
+        os.replace(path + ".tmp", path)
+    seconds_per_file(terminalreporter)
+
+
+def seconds_per_file(terminalreporter):
+    """Seconds per test file (set-up, call and tear-down of its tests, module fixtures
+    included), slowest first, so a file that grows shows in every run's output."""
+    per_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) in ("setup", "call", "teardown"):
+                path = report.nodeid.split("::")[0]
+                per_file[path] = per_file.get(path, 0.0) + report.duration
+    if not per_file:
+        return
+    terminalreporter.section("seconds per test file")
+    for path, seconds in sorted(per_file.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:7.1f} s  {path}")
+    terminalreporter.write_line(f"{sum(per_file.values()):7.1f} s  in all (summed over "
+                                "the workers; the wall time is less)")
+
+
 def pytest_collection_modifyitems(config, items):
+    collected = os.environ.get("MEGARLHF_COLLECTED")  # tests/test_suite_lists.py
+    if collected:
+        with open(collected, "w") as f:
+            json.dump({item.nodeid: item.get_closest_marker("extended") is not None
+                       for item in items}, f)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -75,17 +142,27 @@ def tiny_checkpoints(tmp_path_factory):
     reward model: (folder, task files, the CLI arguments every run shares).
 
     ``MEGARLHF_TINY_DIR`` names a folder to keep them in and reuse when complete:
-    tests/mutants.py builds them once with the unmutated code and every mutant's run
-    reads them (nothing writes into them after they are complete)."""
+    tests/mutants.py builds them once with the unmutated code (:func:`build_tiny`) and
+    every mutant's run reads them (nothing writes into them after they are complete)."""
+    from pathlib import Path
+
+    keep = os.environ.get("MEGARLHF_TINY_DIR")
+    out = Path(keep) if keep else tmp_path_factory.mktemp("tiny")
+    task = build_tiny(out, keep=bool(keep))
+    return out, task, tiny_common(out, task)
+
+
+def build_tiny(out, keep: bool = True) -> dict:
+    """Write the synthetic task and train the tiny SFT policy and reward model into
+    ``out``; with ``keep``, a folder already complete is reused. Returns the task's files."""
     from pathlib import Path
 
     from megarlhf.data.synthetic import write_task
 
-    keep = os.environ.get("MEGARLHF_TINY_DIR")
-    out = Path(keep) if keep else tmp_path_factory.mktemp("tiny")
+    out = Path(out)
     done = out / "COMPLETE"
     if keep and done.exists():
-        return out, json.loads(done.read_text()), tiny_common(out, json.loads(done.read_text()))
+        return json.loads(done.read_text())
     task = write_task(str(out / "task"), seed=0)
     common = tiny_common(out, task)
     run_cli("sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
@@ -94,7 +171,21 @@ def tiny_checkpoints(tmp_path_factory):
             "train.max_steps=6", "checkpoint.save_interval=0", *common)
     if keep:
         done.write_text(json.dumps(task))
-    return out, task, common
+    return task
+
+
+def tiny_hf(out, step: int):
+    """The tiny SFT policy's checkpoint at ``step`` converted to Hugging Face, once per
+    folder (``out/hf-step<step>``): the folder of the converted model."""
+    dest = os.path.join(str(out), f"hf-step{step}")
+    if not os.path.exists(dest):
+        tmp = os.path.join(str(out), f".hf-step{step}-{os.getpid()}")
+        subprocess.run([sys.executable, "tools/convert_megatron_to_hf.py", "--config",
+                        "configs/sft_tiny.yaml", "--out", tmp, "--ckpt",
+                        f"{out}/sft-tiny/checkpoints/step_{step:07d}"],
+                       check=True, capture_output=True, cwd=ROOT)
+        os.replace(tmp, dest)
+    return dest
 
 
 def tiny_common(out, task) -> list[str]:

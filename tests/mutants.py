@@ -1,27 +1,36 @@
 """Mutants that must die: small, plausible bugs planted in a scratch copy of the
 repository, each run against the tests that claim to catch it.
 
-    .venv/bin/python tests/mutants.py [--jobs 2] [--only NAME ...] [--list]
+    .venv/bin/python tests/mutants.py [--fast] [--passed OUTCOMES.json] [--jobs 2]
+                                      [--only NAME ...] [--list]
 
 For each mutant the script copies the repository (tracked files) into a scratch folder,
 replaces one line (the text must occur exactly once), checks that Python imports
-``megarlhf`` from the copy, and runs the mutant's tests there with pytest. A mutant is
-killed when a test fails (pytest exit code 1); it survives when they pass, and an error
-that is not a test failure (a mutant that does not import, a collection error) is
-reported as such, not counted as a kill. Before any mutant, the same tests run on the
-unmutated copy and must pass, so a kill means the mutation, not a broken test. The tiny
-SFT policy and reward model are trained once, by the unmutated code, and shared
-(``MEGARLHF_TINY_DIR``); the PPO reference tests run only the cases a mutant names
+``megarlhf`` from the copy, and runs the mutant's tests there with pytest. Each test's
+outcome is read back (tests/conftest.py labels a failure ``check`` when the test's own
+check failed, ``crash`` when anything else raised): a mutant is **killed** when a check
+fails; a crash (the mutated code raised, a command exited non-zero, a fixture broke, a
+time-out) is reported as **CRASHED**, an error of pytest's as **ERROR**, and passing tests
+as **SURVIVED** - none of them is a kill.
+
+A kill must mean the mutation, not a broken test: the unmutated code must pass every
+killing test. ``--passed`` names the outcomes of the suite's own run on this tree
+(scripts/test.sh passes them): the killing tests that passed there are not run again; any
+other runs once on the unmutated copy first. The tiny SFT policy and reward model (and the
+policy's checkpoints converted to Hugging Face) are made once, by the unmutated code, and
+shared (``MEGARLHF_TINY_DIR``); the PPO reference tests run only the cases a mutant names
 (``MEGARLHF_TRACE_CASES``).
 
-Prints a table (mutant, killing test, seconds) and exits 1 when a mutant survives.
-``scripts/test.sh`` runs it after the suite; tests/README.md holds the last table.
+``--fast`` runs the fast subset (the fast tier of scripts/test.sh); without it, all of
+them (``scripts/test.sh --all``). Prints a table (mutant, killing test, tier, seconds)
+and exits 1 unless every mutant run was killed; tests/README.md holds the last table.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import os
 import re
 import shutil
@@ -29,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import dataclasses
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,93 +54,100 @@ class Mutant:
     new: str
     tests: tuple[str, ...]  # pytest node ids
     cases: tuple[str, ...] = ("gae_k1",)  # the PPO reference cases they need
+    fast: bool = False  # in the fast tier's subset (scripts/test.sh without --all)
 
 
 def ref(test: str, case: str = "gae_k1") -> str:
     return f"{REF}::{test}[{case}]"
 
 
+def fast(m: "Mutant") -> "Mutant":
+    """``m`` in the fast subset: its killing tests are fast-tier tests and it dies in
+    seconds (scripts/test.sh without --all runs only these)."""
+    return dataclasses.replace(m, fast=True)
+
+
 MUTANTS = [
-    Mutant("kl_arguments_swapped", "the KL penalty's arguments swapped (KL of the reference "
+    fast(Mutant("kl_arguments_swapped", "the KL penalty's arguments swapped (KL of the reference "
            "from the policy): the reward pays for moving away from the reference",
            "megarlhf/algos/targets.py",
            "kl_per_token(logprobs_BT, ref_logprobs_BT, mask, kl_estimator)",
            "kl_per_token(ref_logprobs_BT, logprobs_BT, mask, kl_estimator)",
-           (ref("test_experience_against_plain_loops"),)),
-    Mutant("loss_old_is_current", "the policy loss's old log-probs replaced by the current "
+           (ref("test_experience_against_plain_loops"),))),
+    fast(Mutant("loss_old_is_current", "the policy loss's old log-probs replaced by the current "
            "ones: the ratio is always 1 and nothing is clipped",
            "megarlhf/engine/steps.py",
            'logprobs_BT, batch["old_logprobs"], batch["advantages"], mask,',
            'logprobs_BT, logprobs_BT.detach(), batch["advantages"], mask,',
            (ref("test_every_micro_batch_loss_against_a_loop"),
-            ref("test_the_policy_moves_and_the_clip_bites"))),
-    Mutant("gae_bootstrap_dropped", "GAE without the next state's value (delta = r - V)",
+            ref("test_the_policy_moves_and_the_clip_bites")))),
+    fast(Mutant("gae_bootstrap_dropped", "GAE without the next state's value (delta = r - V)",
            "megarlhf/algos/advantages.py",
            "delta = rewards[:, t] + gamma * next_value - values[:, t]",
            "delta = rewards[:, t] - values[:, t]",
-           (ref("test_experience_against_plain_loops"),)),
-    Mutant("score_on_first_token", "the score added at the first response token instead of "
+           (ref("test_experience_against_plain_loops"),))),
+    fast(Mutant("score_on_first_token", "the score added at the first response token instead of "
            "the last", "megarlhf/algos/rewards.py",
            "rewards[rows, last[rows]] += scores[rows]", "rewards[rows, 0] += scores[rows]",
-           (ref("test_experience_against_plain_loops"),)),
-    Mutant("response_mask_shifted", "the response mask shifted one token to the right",
+           (ref("test_experience_against_plain_loops"),))),
+    fast(Mutant("response_mask_shifted", "the response mask shifted one token to the right",
            "megarlhf/rollout/experience.py", "mask = gen.model_mask_BT().float()",
            "mask = torch.roll(gen.model_mask_BT().float(), 1, dims=1)",
-           (ref("test_trained_tokens_and_scores_follow_the_rules"),)),
-    Mutant("value_clip_sign_flipped", "the clipped value moves away from the new value",
+           (ref("test_trained_tokens_and_scores_follow_the_rules"),))),
+    fast(Mutant("value_clip_sign_flipped", "the clipped value moves away from the new value",
            "megarlhf/algos/losses.py",
            "clipped = old_values_BT + (values_BT - old_values_BT).clamp(",
            "clipped = old_values_BT - (values_BT - old_values_BT).clamp(",
            (ref("test_every_micro_batch_loss_against_a_loop", "gae_abs_nostop"),
             ref("test_each_step_lowers_its_mini_batch_loss", "gae_abs_nostop")),
-           ("gae_abs_nostop",)),
-    Mutant("reference_is_the_actor", "the reference's log-probs scored with the current "
+           ("gae_abs_nostop",))),
+    fast(Mutant("reference_is_the_actor", "the reference's log-probs scored with the current "
            "actor's weights", "megarlhf/rollout/scoring.py",
            "scored = self.score(self.reference, gen, rows)",
            "scored = self.score(self.actor, gen, rows)",
-           (ref("test_logprobs_against_transformers"),)),
-    Mutant("ema_update_skipped", "the EMA actor never updated", "megarlhf/stages/ppo.py",
+           (ref("test_logprobs_against_transformers"),))),
+    fast(Mutant("ema_update_skipped", "the EMA actor never updated", "megarlhf/stages/ppo.py",
            "                ema.update(actor.parameters)", "                pass",
-           (ref("test_ema_actor_follows_a_loop_over_the_steps"),)),
-    Mutant("critic_not_stepped", "the critic's gradients computed but never applied",
+           (ref("test_ema_actor_follows_a_loop_over_the_steps"),))),
+    fast(Mutant("critic_not_stepped", "the critic's gradients computed but never applied",
            "megarlhf/stages/ppo.py",
            "ok, _ = step_together([role.trained for role, _ in learners])",
            "ok, _ = step_together([role.trained for role, _ in learners if role is actor])",
-           (ref("test_each_step_lowers_its_mini_batch_loss"),)),
+           (ref("test_each_step_lowers_its_mini_batch_loss"),))),
     # beyond the issue's list
-    Mutant("advantages_not_whitened", "GAE/RLOO advantages not whitened over the batch",
+    fast(Mutant("advantages_not_whitened", "GAE/RLOO advantages not whitened over the batch",
            "megarlhf/algos/advantages.py", 'if whiten and estimator in ("gae", "rloo"):',
-           "if False:", (ref("test_experience_against_plain_loops"),)),
-    Mutant("k3_reversed", "k3 with the ratio inverted (a KL in the other direction)",
+           "if False:", (ref("test_experience_against_plain_loops"),))),
+    fast(Mutant("k3_reversed", "k3 with the ratio inverted (a KL in the other direction)",
            "megarlhf/algos/kl.py", "kl = torch.expm1(log_r) - log_r",
            "kl = torch.expm1(-log_r) + log_r",
-           (ref("test_experience_against_plain_loops", "gae_k3_nostop"),), ("gae_k3_nostop",)),
-    Mutant("grpo_population_std", "GRPO's group std without Bessel's correction",
+           (ref("test_experience_against_plain_loops", "gae_k3_nostop"),), ("gae_k3_nostop",))),
+    fast(Mutant("grpo_population_std", "GRPO's group std without Bessel's correction",
            "megarlhf/algos/advantages.py",
            "centred = centred / (groups.std(dim=1, keepdim=True) + eps)",
            "centred = centred / (groups.std(dim=1, keepdim=True, unbiased=False) + eps)",
-           (ref("test_experience_against_plain_loops", "grpo_sequence"),), ("grpo_sequence",)),
-    Mutant("clip_upper_bound_doubled", "the ratio clipped at 1 + 2 eps above",
+           (ref("test_experience_against_plain_loops", "grpo_sequence"),), ("grpo_sequence",))),
+    fast(Mutant("clip_upper_bound_doubled", "the ratio clipped at 1 + 2 eps above",
            "megarlhf/algos/losses.py", "ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)",
            "ratio.clamp(1.0 - clip_eps, 1.0 + 2 * clip_eps)",
-           (ref("test_every_micro_batch_loss_against_a_loop"),)),
-    Mutant("behaviour_weight_inverted", "the decoupled loss's behaviour weight inverted",
+           (ref("test_every_micro_batch_loss_against_a_loop"),))),
+    fast(Mutant("behaviour_weight_inverted", "the decoupled loss's behaviour weight inverted",
            "megarlhf/algos/losses.py",
            "torch.exp(proximal_logprobs_BT - behavior_logprobs_BT)",
            "torch.exp(behavior_logprobs_BT - proximal_logprobs_BT)",
-           (ref("test_every_micro_batch_loss_against_a_loop", "decoupled"),), ("decoupled",)),
-    Mutant("missing_stop_rule_skipped", "responses without a stop token keep their score",
+           (ref("test_every_micro_batch_loss_against_a_loop", "decoupled"),), ("decoupled",))),
+    fast(Mutant("missing_stop_rule_skipped", "responses without a stop token keep their score",
            "megarlhf/algos/rewards.py", "    if missing_stop_penalty is not None:",
            "    if False:",
            (ref("test_trained_tokens_and_scores_follow_the_rules", "gae_k3_nostop"),),
-           ("gae_k3_nostop",)),
-    Mutant("entropy_bonus_sign", "the entropy bonus with the wrong sign (entropy penalised)", "megarlhf/engine/steps.py", "total = total + ent_total",
+           ("gae_k3_nostop",))),
+    fast(Mutant("entropy_bonus_sign", "the entropy bonus with the wrong sign (entropy penalised)", "megarlhf/engine/steps.py", "total = total + ent_total",
            "total = total - ent_total",
-           (ref("test_every_micro_batch_loss_against_a_loop", "gae_k2"),), ("gae_k2",)),
-    Mutant("bypass_ignored", "rollout.recompute_logprobs=false still recomputes",
+           (ref("test_every_micro_batch_loss_against_a_loop", "gae_k2"),), ("gae_k2",))),
+    fast(Mutant("bypass_ignored", "rollout.recompute_logprobs=false still recomputes",
            "megarlhf/rollout/experience.py", "if self.cfg.rollout.recompute_logprobs:",
            "if True:", (ref("test_old_logprobs_are_the_ones_the_mode_promises", "bypass"),),
-           ("bypass",)),
+           ("bypass",))),
     Mutant("old_logprobs_from_sampler", "rollout.recompute_logprobs=true, but the old "
            "log-probs are the sampler's (they agree to 1e-7 on CPU)",
            "megarlhf/rollout/experience.py",
@@ -200,12 +217,50 @@ MUTANTS = [
            "        return self.response_mask_BT",
            ("tests/test_multiturn.py::test_episode_tokens_are_the_turns_as_sampled_and_as_"
             "the_template_renders",), ()),
-    Mutant("gae_bootstraps_across_observations", "GAE takes the value after a model turn "
+    # the oracles across iterations and of the settings no case used before
+    fast(Mutant("kl_controller_error_unclipped", "the adaptive KL controller's proportional "
+                "error not clipped to +-0.2", "megarlhf/algos/kl.py",
+                "proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)",
+                "proportional_error = current_kl / self.target - 1.0",
+                (ref("test_what_one_iteration_hands_the_next", "three_iterations"),),
+                ("three_iterations",))),
+    fast(Mutant("warmup_trains_the_actor", "ppo.critic_warmup_iterations: the actor trained "
+                "in the critic's warm-up too", "megarlhf/stages/ppo.py",
+                "train_critic_only = it < ppo.critic_warmup_iterations",
+                "train_critic_only = False",
+                (ref("test_each_step_lowers_its_mini_batch_loss", "three_iterations"),),
+                ("three_iterations",))),
+    fast(Mutant("epoch_wraps_in_the_old_order", "a batch that crosses the end of an epoch "
+                "goes on in the ending epoch's order: some prompts twice in the next epoch, "
+                "some never (the bug the three-iteration trace found)",
+                "megarlhf/stages/ppo.py",
+                "        epoch, at = divmod(position, len(prompts))",
+                "        epoch, at = it * size // len(prompts), position % len(prompts)",
+                (ref("test_what_one_iteration_hands_the_next", "three_iterations"),),
+                ("three_iterations",))),
+    fast(Mutant("sampler_ignores_temperature", "rollout.temperature: the sampler draws and "
+                "scores at temperature 1", "megarlhf/rollout/generate.py",
+                "scaled = logits / params.temperature if params.temperature != 1.0 else logits",
+                "scaled = logits",
+                (ref("test_logprobs_against_transformers", "gae_temperature_top"),),
+                ("gae_temperature_top",))),
+    fast(Mutant("is_weights_not_truncated", "ppo.rollout_is_cap: the importance weights "
+                "not truncated at the cap", "megarlhf/algos/mismatch.py",
+                "weights = torch.where(valid, r.clamp(max=is_cap), weights)",
+                "weights = torch.where(valid, r, weights)",
+                (ref("test_experience_against_plain_loops", "three_iterations"),),
+                ("three_iterations",))),
+    Mutant("turn_rewards_dropped", "multi-turn: the earlier turns' rewards left out of the "
+           "per-token rewards (GAE, REINFORCE++)", "megarlhf/algos/targets.py",
+           "        rewards = rewards + turns", "        rewards = rewards",
+           ("tests/test_multiturn.py::test_multi_turn_experience_against_plain_loops[gae]",),
+           ()),
+    fast(Mutant("gae_bootstraps_across_observations", "GAE takes the value after a model turn "
            "from the observation's (masked) token instead of the next model token's",
            "megarlhf/algos/advantages.py",
            "        next_value = torch.where(here > 0, values[:, t], next_value)",
            "        next_value = values[:, t]",
-           ("tests/test_multiturn.py::test_gae_and_returns_skip_the_environments_tokens",), ()),
+           ("tests/test_multiturn.py::test_gae_and_returns_skip_the_environments_tokens",), ())),
 ]
 
 
@@ -240,24 +295,56 @@ def env_for(copy: str, tiny: str, cases) -> dict:
             "PYTHONDONTWRITEBYTECODE": "1"}
 
 
-def run_tests(copy: str, tiny: str, tests, cases, basetemp: str
-              ) -> tuple[int, str, float]:
-    env = env_for(copy, tiny, cases)
+def imports_from(copy: str, env: dict) -> None:
     where = subprocess.run([sys.executable, "-c", "import megarlhf; print(megarlhf.__file__)"],
                            cwd=copy, env=env, capture_output=True, text=True)
     if not where.stdout.strip().startswith(copy):
         raise SystemExit(f"megarlhf imports from {where.stdout.strip() or where.stderr!r}, "
                          f"not from the scratch copy {copy}")
+
+
+def build_shared(clean: str, tiny: str) -> float:
+    """The tiny SFT policy and reward model, and the policy's two checkpoints converted to
+    Hugging Face, made once by the unmutated copy for every mutant's run (seconds)."""
+    env = env_for(clean, tiny, ())
+    imports_from(clean, env)
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import conftest; conftest.build_tiny(conftest."
+                    f"os.environ['MEGARLHF_TINY_DIR']); [conftest.tiny_hf(conftest.os.environ"
+                    "['MEGARLHF_TINY_DIR'], s) for s in (3, 6)]"],
+                   cwd=os.path.join(clean, "tests"), env=env, check=True)
+    return time.perf_counter() - start
+
+
+def run_tests(copy: str, tiny: str, tests, cases, basetemp: str
+              ) -> tuple[int, dict[str, str], str, float]:
+    """pytest's exit code, each test's outcome (tests/conftest.py's ``outcomes``: passed,
+    skipped, check or crash), the output and the seconds."""
+    env = env_for(copy, tiny, cases)
+    imports_from(copy, env)
+    report = basetemp + "-outcomes.json"
+    env["MEGARLHF_OUTCOMES"] = report
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p",
                            "no:cacheprovider", f"--basetemp={basetemp}", "-n", "0", *tests],
                           cwd=copy, env=env, capture_output=True, text=True)
-    return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - start
+    seen = json.load(open(report)) if os.path.exists(report) else {}
+    return proc.returncode, seen, proc.stdout + proc.stderr, time.perf_counter() - start
 
 
-def first_failure(output: str) -> str:
-    found = re.search(r"^FAILED (\S+)", output, re.M)
-    return found.group(1).split("::", 1)[-1] if found else "?"
+def verdict(code: int, seen: dict[str, str]) -> tuple[str, str]:
+    """(verdict, the test that decided it): killed when a test's own check failed; a crash
+    (the mutated code raised, a command it ran exited non-zero, a fixture broke) and an
+    error of pytest's (collection, usage) are reported as what they are, never as kills."""
+    checks = [t for t, o in seen.items() if o == "check"]
+    crashes = [t for t, o in seen.items() if o == "crash"]
+    if checks:
+        return "killed", checks[0].split("::", 1)[-1]
+    if crashes:
+        return "CRASHED", crashes[0].split("::", 1)[-1]
+    if code == 0 and seen:
+        return "SURVIVED", "-"
+    return f"ERROR (pytest exit {code})", "-"
 
 
 def main(argv=None) -> int:
@@ -265,64 +352,78 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=2, help="mutants run at once")
     parser.add_argument("--only", nargs="*", default=None, help="mutant names")
+    parser.add_argument("--fast", action="store_true",
+                        help="only the fast subset (the fast tier of scripts/test.sh)")
+    parser.add_argument("--passed", default=None, metavar="OUTCOMES.json",
+                        help="the suite's outcomes (MEGARLHF_OUTCOMES of the pytest run on "
+                        "this tree): the killing tests that passed there are not run again "
+                        "on the unmutated copy")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--keep", default=None, help="scratch folder to keep (default: a "
                         "temporary one, removed at the end)")
     args = parser.parse_args(argv)
     if args.list:
         for m in MUTANTS:
-            print(f"{m.name:28s} {m.path}: {m.what}")
+            print(f"{m.name:34s} {'fast' if m.fast else 'ext.'} {m.path}: {m.what}")
         return 0
-    chosen = [m for m in MUTANTS if args.only is None or m.name in args.only]
     unknown = set(args.only or ()) - {m.name for m in MUTANTS}
     if unknown:
         raise SystemExit(f"unknown mutant(s): {', '.join(sorted(unknown))}")
+    chosen = [m for m in MUTANTS if (args.only is None or m.name in args.only)
+              and (m.fast or not args.fast)]
     scratch = args.keep or tempfile.mkdtemp(prefix="megarlhf-mutants-")
     os.makedirs(scratch, exist_ok=True)
     files = tracked_files()
     tiny = os.path.join(scratch, "tiny")
     try:
-        # The unmutated copy: the targeted tests pass, and the shared inputs get built.
         clean = os.path.join(scratch, "clean")
         make_copy(clean, files)
-        tests = sorted({t for m in chosen for t in m.tests})
-        cases = sorted({c for m in chosen for c in m.cases})
         start = time.perf_counter()
-        code, output, seconds = run_tests(clean, tiny, tests, cases,
-                                          os.path.join(scratch, "tmp-clean"))
-        if code != 0:
-            print(output[-6000:])
-            print(f"mutants: the unmutated code fails its mutants' tests (exit {code}): fix "
-                  "that first")
-            return 2
-        print(f"mutants: unmutated copy passes {len(tests)} tests ({seconds:.0f} s)",
+        seconds = build_shared(clean, tiny)
+        print(f"mutants: the tiny models built by the unmutated copy ({seconds:.0f} s)",
+              flush=True)
+        # The unmutated copy must pass every killing test, so that a kill means the
+        # mutation: the suite's own run on this tree says so for the tests it ran; the
+        # others run here.
+        tests = sorted({t for m in chosen for t in m.tests})
+        passed = json.load(open(args.passed)) if args.passed else {}
+        unproven = [t for t in tests if passed.get(t) != "passed"]
+        if unproven:
+            cases = sorted({c for m in chosen for c in m.cases})
+            code, seen, output, seconds = run_tests(clean, tiny, unproven, cases,
+                                                    os.path.join(scratch, "tmp-clean"))
+            if code != 0:
+                print(output[-6000:])
+                print(f"mutants: the unmutated code fails its mutants' tests (exit {code}): "
+                      "fix that first")
+                return 2
+        print(f"mutants: the unmutated code passes the {len(tests)} killing tests "
+              f"({len(tests) - len(unproven)} in the suite's run, {len(unproven)} run here)",
               flush=True)
 
         def one(m: Mutant):
             copy = os.path.join(scratch, m.name)
             make_copy(copy, files)
             mutate(copy, m)
-            code, output, seconds = run_tests(copy, tiny, m.tests, m.cases,
-                                              os.path.join(scratch, f"tmp-{m.name}"))
+            code, seen, output, seconds = run_tests(copy, tiny, m.tests, m.cases,
+                                                    os.path.join(scratch, f"tmp-{m.name}"))
             shutil.rmtree(copy, ignore_errors=True)
-            if code == 1:
-                return m, "killed", first_failure(output), seconds, output
-            verdict = "SURVIVED" if code == 0 else f"error (pytest exit {code})"
-            return m, verdict, "-", seconds, output
+            return (m, *verdict(code, seen), seconds, output)
 
         rows = []
         with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
-            for m, verdict, killer, seconds, output in pool.map(one, chosen):
-                rows.append((m, verdict, killer, seconds))
-                print(f"  {m.name:28s} {verdict:8s} {seconds:5.1f} s  {killer}", flush=True)
-                if verdict != "killed":
+            for m, result, killer, seconds, output in pool.map(one, chosen):
+                rows.append((m, result, killer, seconds))
+                print(f"  {m.name:34s} {result:8s} {seconds:5.1f} s  {killer}", flush=True)
+                if result != "killed":
                     print(output[-3000:])
         total = time.perf_counter() - start
-        print("\n| mutant | what | killed by | s |\n|---|---|---|---|")
-        for m, verdict, killer, seconds in rows:
-            mark = killer if verdict == "killed" else f"**{verdict}**"
-            print(f"| `{m.name}` | {m.what} | `{mark}` | {seconds:.0f} |")
-        alive = [m.name for m, verdict, _, _ in rows if verdict != "killed"]
+        print("\n| mutant | what | killed by | tier | s |\n|---|---|---|---|---|")
+        for m, result, killer, seconds in rows:
+            mark = f"`{killer}`" if result == "killed" else f"**{result}** `{killer}`"
+            print(f"| `{m.name}` | {m.what} | {mark} | {'fast' if m.fast else 'extended'} "
+                  f"| {seconds:.0f} |")
+        alive = [f"{m.name} ({result})" for m, result, _, _ in rows if result != "killed"]
         print(f"\nmutants: {len(rows) - len(alive)} of {len(rows)} killed in {total:.0f} s"
               + (f"; not killed: {', '.join(alive)}" if alive else ""))
         return 1 if alive else 0

@@ -216,7 +216,7 @@ def _actor_scores(tiny, name) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [0, 1])
+@pytest.mark.parametrize("k", [pytest.param(0, marks=pytest.mark.extended), 1])
 def test_split_placement_equals_colocated(tiny_checkpoints, k):
     """1 training + 1 rollout process against 1 colocated process, 4 iterations: every
     metric equal (not only to 1e-6: the same weights, prompts and per-prompt seeds give
@@ -242,6 +242,7 @@ def test_split_placement_equals_colocated(tiny_checkpoints, k):
     assert _actor_scores(tiny_checkpoints, colocated) == _actor_scores(tiny_checkpoints, split)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("side, phase, count", [("training", "update of the actor", 3),
                                                 ("rollout", "generation", 4)])
@@ -268,6 +269,7 @@ def test_split_job_killed_on_either_side_resumes_exactly(tiny_checkpoints, side,
     _same(_records(out, full), _records(out, name), (0, 1, 2, 3, 4))
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_stopped_rollout_rank_is_named_within_the_deadline(tiny_checkpoints):
     """The rollout rank wedged (SIGSTOP) in its 4th generation while the training rank
@@ -325,6 +327,7 @@ def test_the_plan_of_a_split_job_puts_the_kv_cache_on_the_rollout_ranks():
     assert not any(("actor", "params") in rank["train"] for rank in split.ranks[12:])
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_continuous_batching_trains_the_static_batchs_samples(tiny_checkpoints):
     """GRPO at k = 1, 16 samples through 3 decode slots (rollout.decode_slots) against one
@@ -348,6 +351,7 @@ def test_continuous_batching_trains_the_static_batchs_samples(tiny_checkpoints):
         assert two[step]["rollout/idle_decode_slots"] < one[step]["rollout/idle_decode_slots"]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_preemption_signal_to_the_rollout_rank_checkpoints_and_resumes(tiny_checkpoints):
     """SIGUSR1 (Slurm's preemption signal) to the rollout process only, in its second
@@ -439,6 +443,7 @@ def test_partial_rollouts_switch_weights_mid_batch_with_each_tokens_version(tiny
     assert switched > 0
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_split_placement_at_rollout_tp2_equals_colocated_and_switches_in_step(tiny_checkpoints):
     """Rollout TP = 2 under split: 2 training processes (the actor data-parallel, its

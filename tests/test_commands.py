@@ -151,6 +151,63 @@ def test_the_commands_are_found():
     assert "megarlhf sft configs/sft_tiny.yaml" in found["megarlhf --help"]
 
 
+def megarlhf_argv(command: str) -> list[str] | None:
+    """The arguments a shown command gives megarlhf (after ``megarlhf`` or ``-m
+    megarlhf.cli``, up to a pipe or redirection), or None when it runs no megarlhf command."""
+    import shlex
+
+    words = shlex.split(command)
+    for i, word in enumerate(words):
+        if word in ("megarlhf", "megarlhf.cli"):
+            argv = []
+            for w in words[i + 1:]:
+                if w in ("|", ">", ">>", "&&", ";", "<"):
+                    break
+                argv.append(w)
+            return argv
+    return None
+
+
+def test_every_shown_command_parses_and_its_config_loads():
+    """The fast tier's keeper of the commands (the extended tier runs them all): every
+    megarlhf command shown in README.md, docs/ and the help parses with the CLI's own
+    parser, and its YAML file and overrides load into a valid config where the file is
+    part of the repository (a command's config written by an earlier step is only
+    parsed). Catches a renamed command, option or config field, and a moved config."""
+    from megarlhf.cli import build_parser
+    from megarlhf.config import ConfigError, read_config
+
+    parser = build_parser()
+    problems, parsed, loaded = [], 0, 0
+    for where, commands in sources().items():
+        for command in commands:
+            argv = megarlhf_argv(command)
+            if argv is None or any(command.startswith(start) for start in NOT_RUN):
+                continue
+            try:
+                args, extra = parser.parse_known_args(argv)
+            except SystemExit:
+                problems.append(f"{where}: {command}: the CLI does not parse it")
+                continue
+            parsed += 1
+            bad = [a for a in extra if a.startswith("-") or "=" not in a]
+            if bad:
+                problems.append(f"{where}: {command}: unrecognized arguments {bad}")
+                continue
+            config = getattr(args, "config", None)
+            if config and "=" not in config and os.path.isfile(os.path.join(ROOT, config)):
+                overrides = list(getattr(args, "overrides", None) or []) + extra
+                try:
+                    read_config(os.path.join(ROOT, config), overrides)
+                    loaded += 1
+                except (ConfigError, ValueError) as err:
+                    problems.append(f"{where}: {command}: {err}")
+    assert not problems, "\n".join(problems)
+    assert parsed >= 30 and loaded >= 15, (parsed, loaded)
+    print(f"{parsed} commands parsed, {loaded} configs loaded")
+
+
+@pytest.mark.extended
 @pytest.mark.parametrize("source", ["README.md", "docs", "megarlhf --help"])
 def test_every_shown_command_runs_as_written(scratch, source):
     root, env = scratch

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, WORKERS, torchrun
+from conftest import ROOT, WORKERS, CommandFailed, torchrun
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -37,7 +37,7 @@ def tool(name, *args, check=True):
                           capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if check and proc.returncode != 0:
-        raise AssertionError(proc.stdout + proc.stderr[-4000:])
+        raise CommandFailed(proc.stdout + proc.stderr[-4000:])
     return proc
 
 
@@ -127,22 +127,64 @@ def make_hf(arch, path):
     return model.eval()
 
 
+class Converted:
+    """The families' tiny random models, converted at TP=2 and scored by megarlhf at
+    every layout (workers/converted_models.py) - each family on first use, so a run of
+    a few tests pays for a few families. Unpacks as (root, models, results); ``models``
+    and ``results`` make what they are asked for."""
+
+    def __init__(self, root):
+        self.root, self.done = root, set()
+        self.hf: dict = {}
+        self.scored: dict = {}
+        self.models = _Lazy(self, lambda arch: arch, self.hf)
+        self.results = _Lazy(self, lambda key: key[0] if key[0] != "shapes_wrong" else None,
+                             self.scored)
+
+    def __iter__(self):
+        return iter((self.root, self.models, self.results))
+
+    def ensure(self, *archs: str) -> "Converted":
+        todo = [a for a in archs if a not in self.done]
+        if not todo:
+            return self
+        for arch in todo:
+            self.hf[arch] = make_hf(arch, self.root / "hf" / arch)
+            out = tool("convert_hf_to_megatron.py", "--hf-dir", str(self.root / "hf" / arch),
+                       "--out", str(self.root / "conv" / arch), "--tp", "2",
+                       *(["--role", "reward"] if arch.endswith("_rm") else []))
+            assert "parameters:" in out.stdout and "layout: TP=2 PP=1" in out.stdout
+        batch = self.root / f"scored-{len(self.done)}"
+        batch.mkdir()
+        worker = os.path.join(WORKERS, "converted_models.py")
+        for world in (1, 2):
+            torchrun(worker, world, str(batch), str(self.root / "conv"), *todo)
+            got = torch.load(batch / f"converted_world{world}.pt", weights_only=False)
+            wrong = got.pop(("shapes_wrong", world))
+            self.scored.update(got)
+            for arch in todo:  # the planner's shapes that disagree, by family
+                self.scored[("shapes_wrong", world, arch)] = [
+                    line for line in wrong if line.startswith(arch + " ")]
+        self.done.update(todo)
+        return self
+
+
+class _Lazy:
+    def __init__(self, owner: Converted, arch_of, store: dict):
+        self.owner, self.arch_of, self.store = owner, arch_of, store
+
+    def __getitem__(self, key):
+        arch = self.arch_of(key)
+        if arch is not None:
+            self.owner.ensure(arch)
+        elif len(key) == 3:  # ("shapes_wrong", world, arch)
+            self.owner.ensure(key[2])
+        return self.store[key]
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    root = tmp_path_factory.mktemp("convert")
-    models = {}
-    for arch in ARCHS:
-        models[arch] = make_hf(arch, root / "hf" / arch)
-        out = tool("convert_hf_to_megatron.py", "--hf-dir", str(root / "hf" / arch),
-                   "--out", str(root / "conv" / arch), "--tp", "2",
-                   *(["--role", "reward"] if arch.endswith("_rm") else []))
-        assert "parameters:" in out.stdout and "layout: TP=2 PP=1" in out.stdout
-    worker = os.path.join(WORKERS, "converted_models.py")
-    torchrun(worker, 1, str(root), str(root / "conv"), *ARCHS)
-    torchrun(worker, 2, str(root), str(root / "conv"), *ARCHS)
-    results = {**torch.load(root / "converted_world1.pt", weights_only=False),
-               **torch.load(root / "converted_world2.pt", weights_only=False)}
-    return root, models, results
+    return Converted(tmp_path_factory.mktemp("convert"))
 
 
 @pytest.mark.parametrize("arch", LM_ARCHS)
@@ -176,11 +218,12 @@ def test_experts_split_over_two_ranks_match_transformers(converted, arch):
         assert (ref.squeeze(-1) - torch.tensor(ours["logprobs"][i])).abs().max() < 1e-5
 
 
+@pytest.mark.extended
 def test_experts_on_four_ranks_match_transformers(converted):
     """Qwen3-MoE on four processes: EP=2 with each expert over two tensor-parallel ranks
     (ETP=2, dense TP=2, DP=2), and EP=4: transformers' log-probs within 1e-5."""
     from workers.converted_models import SEQS
-    root, models, _ = converted
+    root, models, _ = converted.ensure("qwen3_moe")
     torchrun(os.path.join(WORKERS, "moe_four_ranks.py"), 4, str(root), str(root / "conv"),
              "qwen3_moe")
     results = torch.load(root / "moe_four_ranks.pt", weights_only=False)
@@ -229,18 +272,20 @@ def test_value_heads_match_transformers(converted, arch, layout):
         assert abs(float(ref) - values[-1]) < 1e-5
 
 
-def test_planner_parameter_shapes_equal_the_built_models(converted):
-    """models.shapes (what `megarlhf plan` counts) names and sizes every parameter of every
+@pytest.mark.parametrize("arch", ARCHS)
+def test_planner_parameter_shapes_equal_the_built_models(converted, arch):
+    """models.shapes (what `megarlhf plan` counts) names and sizes every parameter of each
     family as built, at TP=1, TP=2 and PP=2: head sizes of their own, q/k norms, tied
     embeddings, value heads."""
     _, _, results = converted
-    assert results[("shapes_wrong", 1)] == [] and results[("shapes_wrong", 2)] == []
+    assert results[("shapes_wrong", 1, arch)] == [] and results[("shapes_wrong", 2, arch)] == []
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("arch", ARCHS)
 def test_round_trip_is_bitwise(converted, arch):
     from safetensors.torch import load_file
-    root, _, _ = converted
+    root, _, _ = converted.ensure(arch)
     back = root / "back" / arch
     tool("convert_megatron_to_hf.py", "--config", str(root / "conv" / arch / "config.yaml"),
          "--out", str(back), "--shard-layers", "2")
@@ -267,7 +312,7 @@ def test_round_trip_is_bitwise(converted, arch):
 
 
 def test_bad_inputs(converted, tmp_path):
-    root, _, _ = converted
+    root, _, _ = converted.ensure("llama")
     hf = root / "hf" / "llama"
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -354,8 +399,8 @@ def test_bad_inputs(converted, tmp_path):
 def test_unsupported_options_are_refused_naming_the_key(converted, tmp_path, change, message):
     """Every option a family may carry that megarlhf does not implement: exit 2 before any
     work, the file and the key named, no output folder."""
-    root, _, _ = converted
     moe = change.get("model_type") in ("qwen3_moe", "mixtral", "deepseek_v3")
+    root, _, _ = converted.ensure(change["model_type"] if moe else "llama")
     hf = root / "hf" / (change["model_type"] if moe else "llama")
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -373,7 +418,7 @@ def test_deepseek_multi_token_prediction_layers_are_left_out(converted, tmp_path
     layer (num_hidden_layers onwards): not converted, said so, never read; the model is
     the one converted without them."""
     from safetensors.torch import load_file, save_file
-    root, _, _ = converted
+    root, _, _ = converted.ensure("deepseek_v3")
     hf = root / "hf" / "deepseek_v3"
     with_mtp = tmp_path / "mtp"
     with_mtp.mkdir()
@@ -389,7 +434,7 @@ def test_deepseek_multi_token_prediction_layers_are_left_out(converted, tmp_path
 
 def test_a_failed_conversion_leaves_no_output_and_a_full_folder_is_refused(converted, tmp_path):
     from safetensors.torch import load_file, save_file
-    root, _, _ = converted
+    root, _, _ = converted.ensure("qwen3")
     hf = root / "hf" / "qwen3"
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -410,6 +455,7 @@ def test_a_failed_conversion_leaves_no_output_and_a_full_folder_is_refused(conve
     assert os.listdir(full) == ["notes.txt"]
 
 
+@pytest.mark.extended
 def test_the_checkpoint_keeps_the_models_dtype(converted, tmp_path):
     """bf16 in, bf16 out (--dtype auto reads config.json's), and bf16 back out of the
     export; --dtype float32 on request, with the same values."""
@@ -466,6 +512,7 @@ def _checkpoint_tensors(path) -> dict:
     return state
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("arch, args", [
     ("llama3", ["--tp", "2"]), ("qwen3", ["--pp", "2"]), ("gpt2", ["--tp", "2"]),
     ("qwen3_rm", ["--role", "reward", "--pp", "2"]),
@@ -475,7 +522,7 @@ def test_streaming_conversion_equals_the_model_built_whole(converted, tmp_path, 
     the checkpoint of the model built whole and saved as a run saves it (--in-memory),
     tensor for tensor, at TP=2 and PP=2 targets; a causal LM as a critic starts a fresh,
     seeded head in both."""
-    root, _, _ = converted
+    root, _, _ = converted.ensure(arch)
     outs = {}
     for way in ("stream", "in-memory"):
         outs[way] = tmp_path / way
@@ -501,6 +548,7 @@ def _same_files(a, b):
     return names
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("arch, args", [
     ("llama3", []), ("mistral_nemo", ["--shard-layers", "1"]), ("gpt2", ["--shard-layers", "3"]),
     ("qwen2", []), ("qwen3_rm", ["--role", "reward"]), ("qwen3_moe", ["--shard-layers", "1"]),
@@ -511,7 +559,7 @@ def test_streamed_export_writes_the_bytes_of_the_in_memory_export(converted, tmp
     the model loaded whole and saved by the safetensors library (--in-memory): tied and
     untied heads, GPT-2's biases and Qwen2's, a value head, one file and sharded with an
     index."""
-    root, _, _ = converted
+    root, _, _ = converted.ensure(arch)
     config = root / "conv" / arch / "config.yaml"
     _export(config, tmp_path / "stream", *args)
     _export(config, tmp_path / "whole", "--in-memory", *args)
@@ -519,6 +567,7 @@ def test_streamed_export_writes_the_bytes_of_the_in_memory_export(converted, tmp
     assert ("model.safetensors.index.json" in names) == bool(args and args[0] == "--shard-layers")
 
 
+@pytest.mark.extended
 def test_streamed_export_reads_a_checkpoint_saved_at_tp2(tmp_path):
     """A policy trained at TP=2 is stored in halves of each layer's tensors (the gated MLP's
     halves interleaved by rank): the layer-at-a-time reads put them together as the whole

@@ -267,6 +267,7 @@ MOE_SFT = ("model.num_layers=2", "model.moe.num_experts=4", "model.moe.top_k=2",
            "optimizer.warmup_steps=0", "checkpoint.save_interval=3", "data.packing=false")
 
 
+@pytest.mark.extended
 def test_mixture_of_experts_sft_at_ep2_matches_one_process_and_resumes_at_ep1(task, tmp_path):
     """An MoE policy (4 experts, top 2, load-balancing and z losses) trained with its
     experts split over two ranks (EP=2: expert-parallel dispatch over gloo, the distributed
@@ -312,6 +313,7 @@ DEEPSEEK_SFT = ("model.num_layers=2", "model.num_query_groups=null", "model.mla.
                 "optimizer.warmup_steps=0", "checkpoint.save_interval=3", "data.packing=false")
 
 
+@pytest.mark.extended
 def test_deepseek_style_sft_at_ep2_and_pp2_matches_one_process_and_resumes(task, tmp_path):
     """A DeepSeek-V3-shaped policy trained with its experts over two ranks (EP=2, DP=2) and
     its layers over two stages (PP=2) follows the 1-process run for 3 steps;

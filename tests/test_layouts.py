@@ -116,6 +116,7 @@ def score_cli(tmp_path, name: str, nprocs: int, seqs, args: list[str]) -> list[d
     return read_rows(out)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_score_cli_same_logprobs_at_three_layouts(tmp_path):
     seqs = tmp_path / "seqs.jsonl"

@@ -56,6 +56,7 @@ def assert_same(ref, got, steps):
     print(f"largest |a - b| / (1 + |a|): {worst:.2e}")
 
 
+@pytest.mark.extended
 def test_an_expert_parallel_actor_follows_one_process_then_resumes_at_ep1(setup):
     """EP=2 (two experts per rank, tokens dispatched over gloo; the rollout's inference
     model holds every expert and is resharded from the two ranks each iteration) with a
@@ -75,6 +76,7 @@ def test_an_expert_parallel_actor_follows_one_process_then_resumes_at_ep1(setup)
     assert_same(ref, metrics(out, "ep2"), [4, 5])
 
 
+@pytest.mark.extended
 def test_packed_sft_with_experts_split_follows_the_padded_run(setup):
     """``train.max_tokens_per_micro_batch`` with a mixture of experts at EP=2 x DP=2
     (issue 39): every step's loss is the padded single process's. The load-balancing loss
@@ -131,6 +133,7 @@ def flip_run(setup, where: str, replay: str, nprocs: int = 1, *extra: str) -> di
     return metrics(out, name)[1]
 
 
+@pytest.mark.extended
 def test_r3_replays_a_rollout_whose_router_flipped(setup):
     """The rollout's router sends every third token to another expert: without replay the
     actor's old-log-prob pass routes those tokens otherwise (moe/routing_mismatch_frac) and
@@ -146,6 +149,7 @@ def test_r3_replays_a_rollout_whose_router_flipped(setup):
         assert abs(got["ppo/policy/approxkl"]) < 1e-7 and got["ppo/policy/clipfrac"] == 0.0
 
 
+@pytest.mark.extended
 def test_r2_replays_the_old_log_prob_pass_in_the_updates(setup):
     """The router flips in the updates only (the passes that build a graph): without replay
     the update at the old policy already sees another policy (approx-KL > 0); with r2 the
@@ -165,6 +169,7 @@ def test_r2_replays_the_old_log_prob_pass_in_the_updates(setup):
         assert r2["moe/routing_mismatch_frac"] == 0.0  # the rollout did not flip
 
 
+@pytest.mark.extended
 def test_a_deepseek_style_actor_rolls_out_with_the_moved_expert_bias(setup):
     """A DeepSeek-V3-shaped actor (multi-latent attention, grouped sigmoid routing, a
     shared expert, an expert bias moving 0.05 per step) in PPO at PP=2: generation through

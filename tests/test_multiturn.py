@@ -158,6 +158,7 @@ def test_the_update_at_the_old_policy_is_a_no_op_and_a_moved_one_clips(task, los
     assert r["ppo/policy/approxkl"] > 0 and r["ppo/policy/clipfrac"] > 0, r
 
 
+@pytest.mark.extended
 def test_resume_in_the_middle_equals_the_uninterrupted_run(task):
     """GAE with a critic and a reward per tool call (workers.envs.Reward2ndTurn): three
     iterations in one go against two, then a resume for the third - every metric of the
@@ -176,6 +177,7 @@ def test_resume_in_the_middle_equals_the_uninterrupted_run(task):
     assert max(r.get("rollout/turns_mean", 0) for r in metrics(whole / "metrics.jsonl")) > 1
 
 
+@pytest.mark.extended
 def test_rollout_tp2_and_two_replicas_play_the_same_episodes(task):
     """Two processes - the rollout at TP=2 (the leader runs the episodes and hands each
     step to its peer), two TP=1 replicas, split placement (one process samples the

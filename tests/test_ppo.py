@@ -35,6 +35,7 @@ def curve(out, name, key):
     return {r["step"]: r[key] for r in read_metrics(os.path.join(out, name)) if key in r}
 
 
+@pytest.mark.extended
 def test_dpo_improves_gold_reward(pipeline):
     """DPO from the SFT policy on the synthetic task's preference pairs (one epoch, the
     reference's log-probs from the cache) raises the gold reward of greedy samples."""

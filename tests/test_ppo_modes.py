@@ -343,7 +343,8 @@ def records(out, name):
     return {r["step"]: r for r in read_metrics(os.path.join(out, name))}
 
 
-@pytest.mark.parametrize("batching", ["padded", "packed"])
+@pytest.mark.parametrize("batching", [pytest.param("padded", marks=pytest.mark.extended),
+                                      "packed"])
 def test_sigkill_mid_iteration_resumes_exactly_with_ema(setup, batching):
     """Killed with SIGKILL in iteration 3 (after iteration 2's checkpoint) and rerun with the
     same command, the run continues exactly as the uninterrupted one: iteration numbers,

@@ -65,6 +65,7 @@ def assert_same(ref, got, steps):
         assert abs(a - b) <= 0.02, (step, "ppo/val/clipfrac", a, b)
 
 
+@pytest.mark.extended
 def test_roles_at_their_own_layouts_follow_one_process_then_resume_elsewhere(setup):
     out, ppo = setup
     ref = metrics(out, "single")

@@ -82,7 +82,8 @@ def test_nan_rewards_stop_the_run_and_saving_after_skipped_steps_works(tiny_chec
     assert (out / "nan_off" / "checkpoints" / "latest").read_text() == "iter_000002"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGUSR1,
+                                 pytest.param(signal.SIGINT, marks=pytest.mark.extended)])
 def test_a_signal_during_start_up_checkpoints_at_the_first_safe_point(tiny_checkpoints, sig):
     """Sent while the process is still importing and building models: the run goes on to its
     first safe point, checkpoints, leaves the requeue marker and exits 0; the same command

@@ -307,6 +307,7 @@ def test_a_damaged_reference_cache_starts_empty(tiny_checkpoints):
     assert "resumed iter_000001" in proc.stdout
 
 
+@pytest.mark.extended
 def test_chaos_soak_short(tmp_path):
     """bench/chaos.py's short version: a 2-process SFT hit by each kind of fault in turn
     (SIGKILL of the job, a save killed before its commit, SIGTERM, SIGSTOP of one rank),

@@ -178,6 +178,7 @@ def test_dry_run_renders_and_checks_fit(common):
     assert spans.returncode == 2 and "TP=2 spans nodes" in spans.stderr
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("stage", ["ppo", "sft", "rm"])
 def test_two_nodes_equal_one_node(common, two_node_runs, stage):
     """Each rank on its own host (the rendezvous, every role's process groups and the
@@ -187,6 +188,7 @@ def test_two_nodes_equal_one_node(common, two_node_runs, stage):
     assert_same_metrics(two_node_runs[stage][1], out / f"one-{stage}")
 
 
+@pytest.mark.extended
 def test_preemption_across_nodes_resumes_to_the_same_metrics(common, two_node_runs):
     """SIGUSR1 to the batch script alone (as Slurm's --signal=B: sends it): slurm/launch.sh
     forwards it through srun to the tasks on both nodes, which checkpoint together; the job
@@ -221,6 +223,7 @@ def node_tasks(node: int) -> list[int]:
     return out
 
 
+@pytest.mark.extended
 def test_a_lost_node_is_named_and_the_job_resumes(cluster, common):
     """node2's network cut mid-run: the rank on node1 exits within the deadline plus 30 s
     naming the phase, node2 and its rank; the rank on node2, cut off, exits too; Slurm

@@ -156,7 +156,7 @@ def test_generate_reads_stdin_and_refuses_what_it_cannot_do(tiny_checkpoints, tm
     assert bad.returncode == 2 and "beyond the model's 64" in bad.stderr
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+@pytest.mark.parametrize("name", ["llama3", pytest.param("qwen3", marks=pytest.mark.extended)])
 def test_a_family_directory_generates_as_transformers_and_stops_at_its_end_tokens(name, tmp_path):
     """docs/your-own-model.md's first steps with a Llama-3-shaped and a Qwen3-shaped model
     directory: convert, then ``megarlhf generate`` on chat prompts gives transformers'
@@ -202,7 +202,7 @@ def test_a_family_directory_generates_as_transformers_and_stops_at_its_end_token
     assert stopped_at[end] >= 1, stopped_at
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+@pytest.mark.parametrize("name", ["llama3", pytest.param("qwen3", marks=pytest.mark.extended)])
 def test_the_walkthrough_with_a_llama3_and_a_qwen3_directory(name, tmp_path):
     """docs/your-own-model.md's commands, shortened, on a Llama-3-shaped and a Qwen3-shaped
     model directory (their templates, end tokens, q/k norms, head sizes, RoPE scaling):

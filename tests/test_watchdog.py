@@ -26,7 +26,13 @@ PHASES = {"sampling": "generation", "experience": "forward pass of the reward",
 CAUGHT = {**PHASES, "sampling": "gathering the generations"}
 
 
-@pytest.mark.parametrize("where, sig", [(w, s) for w in PHASES for s in ("STOP", "KILL")])
+# one halt and one kill in the fast tier; every phase and both signals in the extended
+FAST_HALTS = {("update", "KILL"), ("sampling", "STOP")}
+
+
+@pytest.mark.parametrize("where, sig", [
+    pytest.param(w, s, marks=() if (w, s) in FAST_HALTS else pytest.mark.extended)
+    for w in PHASES for s in ("STOP", "KILL")])
 def test_a_halted_rank_is_named_and_the_run_resumes(tiny_checkpoints, where, sig):
     """One rank of a 2-process PPO stopped (SIGSTOP: wedged, as a lost node looks) or
     killed (SIGKILL: gone) in each of four phases: the live rank exits non-zero within the
