@@ -49,14 +49,69 @@ def torchrun(script_or_args, nprocs: int, *args: str, timeout: int = 600,
 
 def run_cli(*argv: str, check: bool = True, timeout: int = 600,
             env: dict | None = None) -> subprocess.CompletedProcess:
-    """The real CLI in a subprocess (single process)."""
-    proc = subprocess.run([sys.executable, "-m", "megarlhf.cli", *argv], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
+    """The real CLI, single process: forked from this worker's CLI server
+    (tests/cli_server.py: the imports done once) when the run's environment selects the
+    server's speed-ups; a new interpreter otherwise, or everywhere with
+    ``MEGARLHF_TEST_FORK=0``."""
+    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
+    server = _cli_server() if _forkable(full_env) else None
+    if server is None:
+        proc = subprocess.run([sys.executable, "-m", "megarlhf.cli", *argv],
+                              capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                              env=full_env)
+    else:
+        proc = server.run(list(argv), full_env, timeout)
     if check and proc.returncode != 0:
         raise CommandFailed(f"megarlhf {' '.join(argv)} failed ({proc.returncode}):\n"
                             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+def _forkable(env: dict) -> bool:
+    return os.environ.get("MEGARLHF_TEST_FORK", "1") != "0" and \
+        env.get("MEGARLHF_SPEEDUPS", "1") == os.environ.get("MEGARLHF_SPEEDUPS", "1")
+
+
+class _CLIServer:
+    """This process's tests/cli_server.py, started on first use."""
+
+    def __init__(self):
+        import tempfile
+        self.folder = tempfile.mkdtemp(prefix="megarlhf-cli-")
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "tests", "cli_server.py")], cwd=ROOT,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+        assert "ready" in json.loads(self.proc.stdout.readline() or "{}"), \
+            "tests/cli_server.py did not start"
+
+    def run(self, argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+        import select
+        out, err = os.path.join(self.folder, "out"), os.path.join(self.folder, "err")
+        self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": ROOT, "out": out,
+                                          "err": err}) + "\n")
+        self.proc.stdin.flush()
+        pid = json.loads(self.proc.stdout.readline())["pid"]
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            os.kill(pid, 9)
+            self.proc.stdout.readline()
+            raise subprocess.TimeoutExpired(["megarlhf", *argv], timeout)
+        code = json.loads(self.proc.stdout.readline())["code"]
+        read = lambda path: open(path, errors="replace").read()  # noqa: E731
+        return subprocess.CompletedProcess(["megarlhf", *argv], code, read(out), read(err))
+
+
+_server: list = []
+
+
+def _cli_server() -> _CLIServer | None:
+    if not _server:
+        try:
+            _server.append(_CLIServer())
+        except (AssertionError, OSError, ValueError):
+            _server.append(None)
+    return _server[0]
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -28,6 +28,16 @@ FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gpt2": "g
 MOE_ARCHS = [a for a, t in FAMILIES.items() if t in ("qwen3_moe", "mixtral", "deepseek_v3")]
 ARCHS = list(FAMILIES)
 LM_ARCHS = [a for a in ARCHS if not a.endswith("_rm")]
+# The fast tier's families (converted together, once): a Llama, Qwen3's head size and q/k
+# norms, a mixture of experts, DeepSeek-V3's latent attention and grouped routing, a value
+# head. The extended tier adds every other family (tests/README.md, "Tiers").
+FAST_ARCHS = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_rm")
+
+
+def tiered(archs):
+    """``archs`` as parameters, the ones outside FAST_ARCHS in the extended tier."""
+    return [pytest.param(a, marks=() if a in FAST_ARCHS else pytest.mark.extended)
+            for a in archs]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
@@ -145,6 +155,8 @@ class Converted:
         return iter((self.root, self.models, self.results))
 
     def ensure(self, *archs: str) -> "Converted":
+        if any(a in FAST_ARCHS for a in archs):  # the fast tier's families in one batch
+            archs = tuple(dict.fromkeys((*archs, *FAST_ARCHS)))
         todo = [a for a in archs if a not in self.done]
         if not todo:
             return self
@@ -187,7 +199,7 @@ def converted(tmp_path_factory):
     return Converted(tmp_path_factory.mktemp("convert"))
 
 
-@pytest.mark.parametrize("arch", LM_ARCHS)
+@pytest.mark.parametrize("arch", tiered(LM_ARCHS))
 @pytest.mark.parametrize("layout", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
 def test_logprobs_match_transformers(converted, arch, layout):
     from workers.converted_models import SEQS
@@ -200,7 +212,7 @@ def test_logprobs_match_transformers(converted, arch, layout):
         assert (ref.squeeze(-1) - torch.tensor(lp)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("arch", tiered(MOE_ARCHS))
 def test_experts_split_over_two_ranks_match_transformers(converted, arch):
     """A mixture of experts at EP=2 (two experts on each rank; tokens gathered over the
     expert-parallel group and their outputs reduced back): transformers' log-probs within
@@ -237,7 +249,7 @@ def test_experts_on_four_ranks_match_transformers(converted):
             assert (ref.squeeze(-1) - torch.tensor(lp)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("arch", LM_ARCHS)
+@pytest.mark.parametrize("arch", tiered(LM_ARCHS))
 def test_greedy_generation_matches_transformers(converted, arch):
     from workers.converted_models import PROMPTS
     _, models, results = converted
@@ -248,7 +260,7 @@ def test_greedy_generation_matches_transformers(converted, arch):
         assert ref[0, len(prompt):].tolist() == tokens
 
 
-@pytest.mark.parametrize("arch", LM_ARCHS)
+@pytest.mark.parametrize("arch", tiered(LM_ARCHS))
 def test_planner_kv_cache_equals_the_rollouts(converted, arch):
     """The planner's KV cache (key and value per query group, or multi-latent attention's
     up-projected keys and values per head) is the bytes megatron's inference context
@@ -258,7 +270,7 @@ def test_planner_kv_cache_equals_the_rollouts(converted, arch):
     assert measured > 0 and planned == measured
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHS if a.endswith("_rm")])
+@pytest.mark.parametrize("arch", tiered([a for a in ARCHS if a.endswith("_rm")]))
 @pytest.mark.parametrize("layout", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
 def test_value_heads_match_transformers(converted, arch, layout):
     """A converted *ForSequenceClassification head: megarlhf's value at each sequence's last
@@ -272,7 +284,7 @@ def test_value_heads_match_transformers(converted, arch, layout):
         assert abs(float(ref) - values[-1]) < 1e-5
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", tiered(ARCHS))
 def test_planner_parameter_shapes_equal_the_built_models(converted, arch):
     """models.shapes (what `megarlhf plan` counts) names and sizes every parameter of each
     family as built, at TP=1, TP=2 and PP=2: head sizes of their own, q/k norms, tied
@@ -381,9 +393,11 @@ def test_bad_inputs(converted, tmp_path):
      "decoder_sparse_step=2 is not supported"),
     ({"model_type": "qwen3_moe", "num_local_experts": None}, "config.json has no "
      "'num_local_experts'"),
-    ({"model_type": "mixtral", "router_jitter_noise": 0.1},
-     "router_jitter_noise=0.1 is not supported"),
-    ({"model_type": "mixtral", "sliding_window": 64}, "sliding_window=64 is not supported"),
+    # Mixtral's (its family is converted in the extended tier only)
+    pytest.param({"model_type": "mixtral", "router_jitter_noise": 0.1},
+                 "router_jitter_noise=0.1 is not supported", marks=pytest.mark.extended),
+    pytest.param({"model_type": "mixtral", "sliding_window": 64},
+                 "sliding_window=64 is not supported", marks=pytest.mark.extended),
     ({"model_type": "deepseek_v3", "rope_interleave": False},
      "rope_interleave=false is not supported"),
     ({"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8"}},

@@ -197,6 +197,7 @@ def test_each_role_at_its_own_layout_matches_one_process(role_results, name, lay
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_score_cli_packed_equals_padded(tmp_path):
     """``megarlhf score --max-tokens``: packed sequences (one process, and data-parallel
     shares balanced by tokens at DP=2; the other layouts: tests/test_packing.py) give the

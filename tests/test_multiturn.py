@@ -131,7 +131,8 @@ def _check_episodes(gen: dict, tok, end: int) -> int:
     return multi
 
 
-@pytest.mark.parametrize("loss", ["ppo", "decoupled", "truncated_is"])
+@pytest.mark.parametrize("loss", ["ppo", pytest.param("decoupled", marks=pytest.mark.extended),
+                                  pytest.param("truncated_is", marks=pytest.mark.extended)])
 def test_the_update_at_the_old_policy_is_a_no_op_and_a_moved_one_clips(task, loss):
     """One mini-batch, one epoch: the update's ratio is exactly 1 on every model token
     (approxkl and clipfrac exactly 0) - with the clipped loss, the decoupled loss (its

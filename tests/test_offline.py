@@ -214,6 +214,7 @@ def losses(out, name):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_dpo_layouts_equal_one_process_and_cache_equals_recomputation(tiny_checkpoints):
     """The reference cache is built at TP=2 in packed micro-batches (``megarlhf cache
     build``); DPO at PP=2 and TP=2 reads it; DP=2 with packed micro-batches recomputes the reference every step; each

@@ -280,6 +280,7 @@ def test_the_same_reward_from_workers_the_trainer_and_a_server_gives_the_same_ru
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_failing_reward_calls_stop_the_run_naming_them_and_it_resumes(tiny_checkpoints,
                                                                        tmp_path):
     """The reward calls start failing in iteration 3 (verifier_fns.gold_until): the run
