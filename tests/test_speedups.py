@@ -18,11 +18,15 @@ SETTINGS = ["1", "0", "-lazy_jit", "-checkpoint_queue", "-fused_adam", "-linears
 ROUNDING = {"0", "-fused_adam"}  # the settings without torch's fused Adam
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_checkpoints):
-    out, task, common = tiny_checkpoints
-    results = {}
-    for setting in SETTINGS:
+class Runs(dict):
+    """setting -> (the run's stdout, its metrics rows), each run on first use."""
+
+    def __init__(self, tiny):
+        super().__init__()
+        self.tiny = tiny
+
+    def __missing__(self, setting):
+        out, task, common = self.tiny
         name = f"speedups{setting}"
         proc = run_cli("ppo", "configs/demo/ppo.yaml", f"data.train_path={task['prompts']}",
                        f"data.eval_path={task['eval_prompts']}",
@@ -34,15 +38,23 @@ def runs(tiny_checkpoints):
                        "logging.sample_table_interval=0", "checkpoint.save_interval=2",
                        "rollout.stop_at_eos=false", env={"MEGARLHF_SPEEDUPS": setting})
         rows = [json.loads(line) for line in open(out / name / "metrics.jsonl")]
-        results[setting] = (proc.stdout, rows)
-    return results
+        self[setting] = (proc.stdout, rows)
+        return self[setting]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_checkpoints):
+    return Runs(tiny_checkpoints)
 
 
 def comparable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(("timing/", "perf/", "memory/"))}
 
 
-@pytest.mark.parametrize("setting", [s for s in SETTINGS if s != "1"])
+# all off and one off in the fast tier; each of the others in the extended
+@pytest.mark.parametrize("setting", [
+    pytest.param(s, marks=() if s in ("0", "-positions") else pytest.mark.extended)
+    for s in SETTINGS if s != "1"])
 def test_metrics_with_and_without_each_speedup(runs, setting):
     on, off = runs["1"][1], runs[setting][1]
     assert len(on) == len(off) == 4  # the evaluation before training and 3 iterations

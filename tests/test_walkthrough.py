@@ -130,6 +130,7 @@ def test_generate_at_other_layouts_equals_one_process(walk, layout):
     assert [r["response_tokens"] for r in two] == [r["response_tokens"] for r in one]
 
 
+@pytest.mark.extended
 def test_generate_reads_stdin_and_refuses_what_it_cannot_do(tiny_checkpoints, tmp_path):
     """Plain-text prompts on stdin, JSONL on stdout (the notes go to stderr), the same
     samples for the same seed; a value model, an empty prompt and a too-long prompt are
