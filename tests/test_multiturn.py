@@ -424,7 +424,7 @@ def traced_episodes(task):
                     "overrides": traced_overrides(task, folder, name)} for name in TRACED}
     (folder / "cases.json").write_text(json.dumps(cases))
     torchrun(os.path.join(WORKERS, "ppo_trace.py"), 1, str(folder / "cases.json"),
-             str(folder), env=ENV)
+             str(folder), env={**ENV, "MEGARLHF_TRACE_CASES": ""})  # (the PPO reference's)
     return {name: (torch.load(folder / f"{name}.pt", weights_only=False)["iterations"][0],
                    load_config(case["config"], case["overrides"]))
             for name, case in cases.items()}
