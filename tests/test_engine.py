@@ -106,6 +106,7 @@ def test_rm_accuracy_on_separable_preferences(task, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_packed_rm_at_dp2_equals_padded_one_process(task, tmp_path):
     """``train.max_tokens_per_micro_batch`` (issue 39): the reward model trained at DP=2 on
     packed micro-batches (shares balanced by tokens, pairs whole), evaluated and normalised

@@ -101,7 +101,7 @@ def test_packed_sft_with_experts_split_follows_the_padded_run(setup):
                                                              rel=1e-5)
 
 
-@pytest.mark.parametrize("replay", ["none", "r3"])
+@pytest.mark.parametrize("replay", ["none", pytest.param("r3", marks=pytest.mark.extended)])
 def test_update_at_the_old_policy_is_a_no_op_with_experts_split(setup, replay):
     """One epoch, one mini-batch, experts over two ranks: approx-KL and clip fraction 0,
     with the rollout's routing replayed (r3) or each pass routing by itself - where the

@@ -55,6 +55,7 @@ def test_bad_inputs_fail_before_any_work(tiny_checkpoints, extra, message):
     assert not (out / "bad" / "checkpoints").exists()
 
 
+@pytest.mark.extended
 def test_nan_rewards_stop_the_run_and_saving_after_skipped_steps_works(tiny_checkpoints):
     out = tiny_checkpoints[0]
     nan = ["ppo.reward_checkpoint=null", "rollout.reward_fn=rewards:nan_reward",

@@ -253,6 +253,7 @@ class _GoldHandler(BaseHTTPRequestHandler):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_the_same_reward_from_workers_the_trainer_and_a_server_gives_the_same_run(
         tiny_checkpoints):
     """The synthetic task's gold reward as rollout.reward_fn in 2 worker processes, in the
