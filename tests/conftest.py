@@ -81,7 +81,7 @@ class _CLIServer:
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "tests", "cli_server.py")], cwd=ROOT,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+            env={**os.environ, "PYTHONWARNINGS": "ignore"})  # threads as a new interpreter's
         assert "ready" in json.loads(self.proc.stdout.readline() or "{}"), \
             "tests/cli_server.py did not start"
 
