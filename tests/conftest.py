@@ -55,12 +55,16 @@ def run_cli(*argv: str, check: bool = True, timeout: int = 600,
     ``MEGARLHF_TEST_FORK=0``."""
     full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
     server = _cli_server() if _forkable(full_env) else None
-    if server is None:
-        proc = subprocess.run([sys.executable, "-m", "megarlhf.cli", *argv],
-                              capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                              env=full_env)
-    else:
-        proc = server.run(list(argv), full_env, timeout)
+    for _ in range(3):  # a single process picks its rendezvous port before it binds it: a
+        # concurrent job can take it in between (EADDRINUSE, seen once); start again
+        if server is None:
+            proc = subprocess.run([sys.executable, "-m", "megarlhf.cli", *argv],
+                                  capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                                  env=full_env)
+        else:
+            proc = server.run(list(argv), full_env, timeout)
+        if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr:
+            break
     if check and proc.returncode != 0:
         raise CommandFailed(f"megarlhf {' '.join(argv)} failed ({proc.returncode}):\n"
                             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
