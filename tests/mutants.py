@@ -261,6 +261,24 @@ MUTANTS = [
            "        next_value = torch.where(here > 0, values[:, t], next_value)",
            "        next_value = values[:, t]",
            ("tests/test_multiturn.py::test_gae_and_returns_skip_the_environments_tokens",), ())),
+    Mutant("ptx_scale_without_the_policy_count", "PPO-ptx: the pretraining NLL scaled by "
+           "ptx_coef over its tokens only, so against the policy loss's sum it weighs "
+           "1 / (policy tokens) of ptx_coef", "megarlhf/stages/ppo.py",
+           "scale = torch.tensor(self.coef * policy_count / max(tokens, 1))",
+           "scale = torch.tensor(self.coef / max(tokens, 1))",
+           (ref("test_ptx_rows_and_loss_against_loops", "ptx_stop_ids"),), ("ptx_stop_ids",)),
+    Mutant("dynamic_sampling_keeps_ties", "ppo.dynamic_sampling: a group whose scores all tie "
+           "counted as informative (nothing dropped, no refill)", "megarlhf/algos/rewards.py",
+           "return spread.max(dim=1).values > spread.min(dim=1).values",
+           "return spread.max(dim=1).values >= spread.min(dim=1).values",
+           (ref("test_dynamic_sampling_keeps_what_a_loop_keeps", "rloo_dynamic"),),
+           ("rloo_dynamic",)),
+    Mutant("stop_token_ids_ignored_in_scoring", "rollout.stop_token_ids: a response that ends "
+           "at one is scored as missing its stop (only EOS counts)",
+           "megarlhf/rollout/sampling.py",
+           "stops = sorted(set(self.stop_token_ids) | {self.eos_id})", "stops = [self.eos_id]",
+           (ref("test_trained_tokens_and_scores_follow_the_rules", "ptx_stop_ids"),),
+           ("ptx_stop_ids",)),
 ]
 
 

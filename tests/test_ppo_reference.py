@@ -16,7 +16,13 @@ calling ``megarlhf.algos``:
   experience's old log-probs and the policy's own log-probs before each step - after the
   policy has moved, where a loss that never clips shows;
 - that each optimizer step lowers its mini-batch's loss (actor and critic), and the EMA
-  actor against a loop over the actor's weights after every step.
+  actor against a loop over the actor's weights after every step;
+- PPO-ptx's pretraining rows, their NLL and its scale; DAPO's dynamic sampling (the
+  groups kept over rounds); stop-token ids besides EOS;
+- across three iterations, what one iteration hands the next (``three_iterations``).
+
+Every field of the ppo and rollout sections that changes the math has a case here (see
+``settings_table``; tests/README.md shows it).
 """
 
 import itertools
@@ -41,7 +47,8 @@ DEFAULTS = dict(estimator="gae", kl_estimator="k1", beta=0.3, clip_reward=5.0,
                 decoupled=False, behaviour_cap=None, kl_in_reward=None, temperature=1.0,
                 top_k=0, top_p=1.0, is_cap=None, mask_low=None, mask_high=None,
                 kl_controller="adaptive", kl_target=6.0, kl_horizon=100, warmup=0,
-                staleness=0, iterations=1, prompts=None)
+                staleness=0, ptx_coef=0.0, ptx_rows=None, stop_ids=[], dynamic=False,
+                rounds=4, iterations=1, prompts=None)
 # Each setting's config field (iterations and prompts are the trace's: how many iterations
 # it runs, and the first how many of the task's prompts it trains on).
 FIELDS = dict(estimator="ppo.advantage_estimator", kl_estimator="ppo.kl_estimator",
@@ -62,7 +69,9 @@ FIELDS = dict(estimator="ppo.advantage_estimator", kl_estimator="ppo.kl_estimato
               mask_low="ppo.rollout_mask_low", mask_high="ppo.rollout_mask_high",
               kl_controller="ppo.kl_controller", kl_target="ppo.kl_target",
               kl_horizon="ppo.kl_horizon", warmup="ppo.critic_warmup_iterations",
-              staleness="ppo.max_staleness")
+              staleness="ppo.max_staleness", ptx_coef="ppo.ptx_coef",
+              ptx_rows="ppo.ptx_batch_size", stop_ids="rollout.stop_token_ids",
+              dynamic="ppo.dynamic_sampling", rounds="ppo.max_sampling_rounds")
 GROUPS = dict(group_size=2, extra=["ppo.rollout_batch_size=16"])
 GRPO = dict(GROUPS, estimator="grpo", beta=0.0, kl_controller="fixed")
 CASES = {
@@ -90,6 +99,14 @@ CASES = {
     "bypass": dict(recompute=False),
     "decoupled": dict(decoupled=True, behaviour_cap=1.0000001,
                       extra=["ppo.policy_loss=decoupled"]),
+    # PPO-ptx (24 pretraining rows, 8 per actor mini-batch: the cursor wraps inside the
+    # iteration), and responses that also stop at "blue" or "black"
+    "ptx_stop_ids": dict(ptx_coef=0.5, ptx_rows=8, stop_ids=[5, 8]),
+    # DAPO's dynamic sampling on the synthetic task's gold reward (half-points: groups
+    # tie), with the overlong ramp: uninformative groups dropped, refilled over rounds
+    "rloo_dynamic": dict(GROUPS, estimator="rloo", dynamic=True, rounds=3, buffer=4,
+                         extra=[*GROUPS["extra"], "ppo.reward_checkpoint=null",
+                                "rollout.reward_fn=megarlhf.data.synthetic:gold_reward_pair"]),
     # Three iterations over 40 prompts (an epoch ends inside the second batch): what one
     # iteration hands the next - the KL controller, the critic-only warm-up, batches
     # sampled one version behind (the mismatch correction then has a real gap to correct,
@@ -113,6 +130,7 @@ def overrides(name: str) -> list[str]:
     for key, value in s.items():
         if key in FIELDS:
             text = "null" if value is None else str(value).lower() if isinstance(value, bool) \
+                else "[" + ",".join(map(str, value)) + "]" if isinstance(value, list) \
                 else str(value)
             out.append(f"{FIELDS[key]}={text}")
     return out + list(s.get("extra", []))
@@ -121,6 +139,12 @@ def overrides(name: str) -> list[str]:
 def kl_in_reward(s: dict) -> bool:
     """ppo.kl_in_reward as the schema resolves None: on but for GRPO."""
     return s["estimator"] != "grpo" if s["kl_in_reward"] is None else s["kl_in_reward"]
+
+
+# PPO-ptx's pretraining rows: 24 distinct (prompt, response) pairs of the task's words
+PTX_WORDS = ("blue", "river", "fast", "black", "bird", "three")
+PTX_ROWS = [{"prompt": f"words: {a} {b}", "response": f"{b} {a}"}
+            for a in PTX_WORDS for b in PTX_WORDS if a != b][:24]
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +168,10 @@ def traced(tiny_checkpoints, tmp_path_factory):
             lines = open(task["prompts"]).readlines()[:s["prompts"]]
             (folder / f"{name}-prompts.jsonl").write_text("".join(lines))
             mine[0] = f"data.train_path={folder / f'{name}-prompts.jsonl'}"
+        if s["ptx_coef"]:
+            (folder / f"{name}-ptx.jsonl").write_text(
+                "".join(json.dumps(row) + "\n" for row in PTX_ROWS))
+            mine.append(f"data.ptx_path={folder / f'{name}-ptx.jsonl'}")
         cases[name] = {"overrides": mine + overrides(name), "iterations": s["iterations"]}
     (folder / "cases.json").write_text(json.dumps(cases))
     torchrun(os.path.join(WORKERS, "ppo_trace.py"), 1, str(folder / "cases.json"), str(folder))
@@ -178,8 +206,57 @@ def by_name(names):
     return pytest.mark.parametrize("name", [n for n in names if n in SELECTED])
 
 
-def stop_ids(run) -> list[int]:
-    return [run["eos_id"]]  # no case sets rollout.stop_token_ids
+def stop_ids(run, s) -> list[int]:
+    return [run["eos_id"], *s["stop_ids"]]  # the tiny tokenizer has no other end tokens
+
+
+def sampled_rows(run, s) -> tuple[dict, list[float]]:
+    """The sampler's output behind the experience's rows, before truncation, and the raw
+    scores: the batch's (``raw``, ``raw_scores``); with dynamic sampling the rows that
+    :func:`dynamic_selection` keeps from every round."""
+    if not s["dynamic"]:
+        return run["raw"], [float(x) for x in run["raw_scores"]]
+    picked = dynamic_selection(run, s)["rows"]
+    rounds = run["samplings"]
+    out = {}
+    for key, pad in (("prompt_tokens_BP", run["pad_id"]), ("prompt_mask_BP", 0),
+                     ("response_tokens_BT", run["pad_id"]), ("response_mask_BT", 0)):
+        width = max(r["raw"][key].shape[1] for r in rounds)
+        out[key] = torch.stack([torch.nn.functional.pad(
+            rounds[i]["raw"][key][j], (0, width - rounds[i]["raw"][key].shape[1]),
+            value=pad) for i, j in picked])
+    return out, [float(rounds[i]["raw_scores"][j]) for i, j in picked]
+
+
+def dynamic_selection(run, s) -> dict:
+    """DAPO's dynamic sampling as a loop over the iteration's rollouts (``samplings``, in
+    order): each round's shaped scores from its raw output, a group kept when its scores
+    are not all equal, another round while fewer groups are kept than the batch has and
+    rounds remain; the batch is the first kept groups, topped up with dropped ones in
+    order. Returns the (round, row) of each experience row and what the metrics count."""
+    k = s["group_size"]
+    kept, dropped, seen = [], [], 0
+    rounds = run["samplings"]
+    needed = len(rounds[0]["raw_scores"]) // k
+    for i, r in enumerate(rounds):
+        cut, stopped = loops.truncated_lengths(r["raw"]["response_tokens_BT"],
+                                               r["raw"]["response_mask_BT"], stop_ids(run, s))
+        scores = [loops.shaped_score(float(x), st, n, penalty=s["penalty"], mode=s["mode"],
+                                     max_len=s["max_len"], buffer=s["buffer"],
+                                     overlong=s["overlong"])
+                  for x, st, n in zip(r["raw_scores"], stopped, cut, strict=True)]
+        for g in range(len(scores) // k):
+            group = [(i, g * k + j) for j in range(k)]
+            (kept if len(set(scores[g * k:(g + 1) * k])) > 1 else dropped).append(group)
+        seen += len(scores) // k
+        if len(kept) >= needed or i + 1 == s["rounds"]:
+            assert i + 1 == len(rounds), "sampled again after the batch was full"
+            break
+    shortfall = max(needed - len(kept), 0)
+    groups = (kept + dropped[:shortfall])[:needed]
+    return {"rows": [row for group in groups for row in group], "rounds": len(rounds),
+            "shortfall": shortfall, "seen": seen, "kept": min(len(kept), needed) / needed,
+            "dropped": len(dropped)}
 
 
 # ------------------------------------------------------------------ what is trained
@@ -194,9 +271,10 @@ def test_trained_tokens_and_scores_follow_the_rules(traced, name):
 
 
 def trained_tokens_and_scores(run, s):
-    raw, exp = run["raw"], run["experience"]
+    exp = run["experience"]
+    raw, raw_scores = sampled_rows(run, s)
     cut, stopped = loops.truncated_lengths(raw["response_tokens_BT"],
-                                           raw["response_mask_BT"], stop_ids(run))
+                                           raw["response_mask_BT"], stop_ids(run, s))
     B, T = exp["response_tokens_BT"].shape
     assert len(cut) == B
     trained = [0 if n < s["min_tokens"] else n for n in cut]
@@ -207,12 +285,17 @@ def trained_tokens_and_scores(run, s):
         assert exp["response_tokens_BT"][b, :n].tolist() == \
             raw["response_tokens_BT"][b, :n].tolist()
         assert (exp["response_tokens_BT"][b, n:] == run["pad_id"]).all()
-    want = [loops.shaped_score(float(r), st, n, penalty=s["penalty"], mode=s["mode"],
+        prompt = raw["prompt_tokens_BP"][b][raw["prompt_mask_BP"][b] == 1]
+        assert torch.equal(exp["prompt_tokens_BP"][b][exp["prompt_mask_BP"][b] == 1], prompt)
+    want = [loops.shaped_score(r, st, n, penalty=s["penalty"], mode=s["mode"],
                                max_len=s["max_len"], buffer=s["buffer"],
                                overlong=s["overlong"])
-            for r, st, n in zip(run["raw_scores"], stopped, cut, strict=True)]
+            for r, st, n in zip(raw_scores, stopped, cut, strict=True)]
     close(exp["scores_B"], want, 1e-6, "scores")
     assert any(stopped) and (s["stop"] or not all(stopped))
+    if s["stop_ids"]:  # the case exercises them: some responses end at one, not at EOS
+        last = [int(raw["response_tokens_BT"][b, n - 1]) for b, n in enumerate(cut)]
+        assert any(st and tok in s["stop_ids"] for st, tok in zip(stopped, last, strict=True))
     if s["min_tokens"]:
         assert 0 < sum(n < s["min_tokens"] for n in cut) < B  # the case exercises it
 
@@ -419,6 +502,8 @@ def walk(run, s):
         if len(seen) == B:
             seen.clear()  # the next epoch
         for i, batch in enumerate(call["batches"]):
+            if "ptx_loss_mask" in batch:  # PPO-ptx's rows: test_ptx_rows_and_loss...
+                continue
             rows = match_rows(run, batch, table, seen)
             yield (call, i, rows, loop_losses(run, s, call, rows, i, call["before"]),
                    loop_losses(run, s, call, rows, i, call["after"]))
@@ -515,6 +600,9 @@ def test_each_step_lowers_its_mini_batch_loss(traced, name):
         here: dict = {}
         for call, before, after, count in per_call.values():
             assert call["applied"]
+            if s["ptx_coef"] and call["role"] == "actor":  # + coef x the mean ptx NLL
+                before += ptx_sums(call, "ptx_before", s, count)["loss"]
+                after += ptx_sums(call, "ptx_after", s, count)["loss"]
             if steps.get(call["role"], 0):
                 assert after < before - 1e-6 * count, (it, call["role"], before, after)
             steps[call["role"]] = steps.get(call["role"], 0) + 1
@@ -528,6 +616,113 @@ def test_each_step_lowers_its_mini_batch_loss(traced, name):
             assert len(snaps) == 5  # before the iteration, and after each step
             for a, b in itertools.pairwise(snaps):
                 assert torch.equal(a, b) == (role == "actor" and warm), (it, role)
+
+
+def ptx_sums(call, which, s, policy_count) -> dict:
+    """PPO-ptx in one actor call, from the role's next-token log-probs (``which``: before
+    or after the step): per micro-batch the NLL over its weighted positions and the
+    weight's sum; the scale that makes the step's loss (policy loss sum / ``policy_count``)
+    + ptx_coef x the NLL averaged over the call's ptx tokens, and that loss's ptx part
+    times ``policy_count`` (``loss``, on the scale of the policy loss sums)."""
+    ptx = [b for b in call["batches"] if "ptx_loss_mask" in b]
+    assert len(ptx) == len(call[which]) and ptx
+    nll, tokens = [], []
+    for batch, out in zip(ptx, call[which], strict=True):
+        weights = loops.rows(batch["ptx_loss_mask"][:, :-1])
+        logp = loops.rows(out["logprobs"])
+        nll.append(-sum(w * x for wr, xr in zip(weights, logp, strict=True)
+                        for w, x in zip(wr, xr, strict=True)))
+        tokens.append(sum(map(sum, weights)))
+    scale = s["ptx_coef"] * policy_count / sum(tokens)
+    return {"nll": nll, "tokens": tokens, "scale": scale, "loss": scale * sum(nll)}
+
+
+@by_name([n for n in CASES if settings(n)["ptx_coef"]])
+def test_ptx_rows_and_loss_against_loops(traced, hf_models, tiny_checkpoints, name):
+    """PPO-ptx: the pretraining rows are the data file's, each tokenized with loss weights
+    on exactly its response and EOS; every actor mini-batch carries ``ptx_batch_size`` of
+    them, taken from one fixed shuffled order by a cursor that wraps; each ptx micro-batch
+    logs the NLL and token count of a loop over the actor's next-token log-probs (the
+    first ones also against transformers, before any step) and carries the scale that
+    makes the step's loss PPO loss + ptx_coef x the mean ptx NLL; ppo/ptx/loss is the
+    iteration's mean NLL."""
+    import sentencepiece
+
+    s = settings(name)
+    sp = sentencepiece.SentencePieceProcessor(model_file=tiny_checkpoints[1]["tokenizer"])
+    stream = []
+    for it, run in iterations(traced, name):
+        examples = run["ptx_examples"]
+        assert len(examples) == len(PTX_ROWS)
+        for (tokens, weights), row in zip(examples, PTX_ROWS, strict=True):
+            targets = [tokens[t + 1] for t, w in enumerate(weights) if w]
+            assert len(weights) == len(tokens) and targets[-1] == run["eos_id"]
+            assert sp.decode(targets[:-1]) == row["response"]
+            assert sp.decode(tokens[:len(tokens) - len(targets)]) == row["prompt"]
+        padded = {}
+        for i, (tokens, weights) in enumerate(examples):
+            padded.setdefault(tuple(tokens), []).append((i, weights))
+        nll = tokens = 0.0
+        actor_calls = [c for c in run["calls"] if c["role"] == "actor"]
+        for n_call, call in enumerate(actor_calls):
+            count = sum(loop["loss_count"] for c, _, _, loop, _ in walk(run, s) if c is call)
+            want = ptx_sums(call, "ptx_before", s, count)
+            ptx = [(b, log) for b, log in zip(call["batches"], call["logs"], strict=True)
+                   if "ptx_loss_mask" in b]
+            assert sum(b["tokens"].shape[0] for b, _ in ptx) == s["ptx_rows"]
+            for k, (batch, log) in enumerate(ptx):
+                for row, mask in zip(batch["tokens"].tolist(),
+                                     batch["ptx_loss_mask"].tolist(), strict=True):
+                    while row and row[-1] == run["pad_id"]:
+                        row.pop()
+                    (i, weights), = padded[tuple(row)]
+                    assert mask == weights + [0.0] * (len(mask) - len(weights))
+                    stream.append(i)
+                assert log["ptx_nll_sum"] == pytest.approx(want["nll"][k], rel=1e-5)
+                assert log["ptx_tokens"] == want["tokens"][k]
+                assert float(batch["ptx_scale"]) == pytest.approx(want["scale"], rel=1e-6)
+            nll, tokens = nll + sum(want["nll"]), tokens + sum(want["tokens"])
+            if it == 0 and n_call == 0:  # the step-6 checkpoint: against transformers
+                batch, out = ptx[0][0], call["ptx_before"][0]
+                for b, row in enumerate(batch["tokens"].tolist()):
+                    with torch.no_grad():
+                        logits = hf_models["actor"](torch.tensor([row])).logits[0].double()
+                    logp = torch.log_softmax(logits, -1)[:-1].gather(
+                        1, torch.tensor(row[1:])[:, None])[:, 0]
+                    weights = batch["ptx_loss_mask"][b, :-1] > 0
+                    close(out["logprobs"][b][weights], logp[weights], 1e-5, "ptx")
+        assert run["metrics"]["ppo/ptx/loss"] == pytest.approx(nll / tokens, rel=1e-5)
+    N = len(PTX_ROWS)
+    assert len(stream) > N and sorted(stream[:N]) == list(range(N))  # one pass, then
+    assert stream[N:] == stream[:len(stream) - N]  # the same order again
+    assert stream[:N] != sorted(stream[:N])  # shuffled
+
+
+@by_name([n for n in CASES if settings(n)["dynamic"]])
+def test_dynamic_sampling_keeps_what_a_loop_keeps(traced, name):
+    """DAPO's dynamic sampling: the rounds sampled, the groups kept (and topped up) and
+    the metrics, against :func:`dynamic_selection` over the rollouts' own outputs; each
+    refill round samples ``group_size`` copies of other prompts than the first round's.
+    test_trained_tokens_and_scores_follow_the_rules checks the kept rows' tokens and
+    scores, and the other tests their experience and updates."""
+    s = settings(name)
+    k = s["group_size"]
+    for it, run in iterations(traced, name):
+        want = dynamic_selection(run, s)
+        m = run["metrics"]
+        assert m["rollout/dynamic_sampling_rounds"] == want["rounds"]
+        assert m["rollout/dynamic_sampling_shortfall"] == want["shortfall"]
+        assert m["rollout/dynamic_sampling_groups_seen"] == want["seen"]
+        assert m["rollout/dynamic_sampling_kept_fraction"] == pytest.approx(want["kept"])
+        assert want["rounds"] > 1 and want["dropped"] > 0  # the case exercises it
+        prompts = []
+        for r in run["samplings"]:
+            rows = [tuple(t for t, m in zip(toks, mask, strict=True) if m) for toks, mask in
+                    zip(r["raw"]["prompt_tokens_BP"].tolist(),
+                        r["raw"]["prompt_mask_BP"].tolist(), strict=True)]
+            assert all(len(set(rows[g:g + k])) == 1 for g in range(0, len(rows), k))
+            prompts.append(rows)
+        assert all(p != prompts[0] for p in prompts[1:])
 
 
 @by_name(["gae_k1", "three_iterations"])
@@ -632,12 +827,6 @@ NOT_MATH = {
     "ppo.gold_reward_fn": "evaluation only",
     "ppo.eval_interval": "evaluation only",
     "ppo.num_eval_prompts": "evaluation only",
-    "ppo.ptx_coef": "PPO-ptx's next-token loss: test_ppo_modes' ptx tests against a "
-                    "loop (no traced case yet)",
-    "ppo.ptx_batch_size": "PPO-ptx's rows per mini-batch (as ppo.ptx_coef)",
-    "ppo.dynamic_sampling": "which groups are kept, not their arithmetic: test_ppo_modes' "
-                            "dynamic-sampling tests (no traced case yet)",
-    "ppo.max_sampling_rounds": "dynamic sampling's budget (as ppo.dynamic_sampling)",
     "ppo.policy_loss": "chosen by the decoupled case and three_iterations (ppo under "
                        "staleness); the setting 'decoupled' is the case's",
     "ppo.ema_decay": "gae_k1 and three_iterations (0.9): the EMA test",
@@ -653,8 +842,6 @@ NOT_MATH = {
     "rollout.partial_kv": "as rollout.partial (test_rollout)",
     "rollout.greedy": "the draw only (the argmax), the log-probs are the full "
                       "distribution's: test_rollout's greedy decoding against transformers",
-    "rollout.stop_token_ids": "the stop rule with other ids: test_rollout's stop tokens "
-                              "(the cases stop at EOS, rollout.stop_at_eos)",
     "rollout.reward_fn": "where scores come from: test_verifiers (the same run from "
                          "workers, the trainer and a server)",
     "rollout.reward_url": "as rollout.reward_fn",
@@ -681,11 +868,12 @@ NOT_MATH = {
 }
 
 
-def test_every_setting_that_changes_the_math_has_a_case():
-    """From the config schema: every field of ppo and rollout is either listed in NOT_MATH
-    with its reason or set by some case to a value other than its default (read back
-    from the config each case runs with, configs/demo/ppo.yaml plus its overrides), and
-    the case's setting is one the reference reads (FIELDS)."""
+def settings_table() -> tuple[dict[str, str], list[str], list[str]]:
+    """From the config schema, every field of ppo and rollout -> the cases that set it to a
+    value other than its default (read back from the config each case runs with,
+    configs/demo/ppo.yaml plus its overrides), or why it does not change the math
+    (NOT_MATH). Also the fields that change the math with no case the reference reads,
+    and the NOT_MATH entries the schema does not have."""
     import dataclasses
 
     from megarlhf.config import load_config
@@ -697,21 +885,45 @@ def test_every_setting_that_changes_the_math_has_a_case():
     loaded = {name: load_config(os.path.join(ROOT, "configs/demo/ppo.yaml"), overrides(name))
               for name in CASES}
     read = set(FIELDS.values())
-    missing, stale = [], sorted(set(NOT_MATH) - {
-        f"{sec}.{f.name}" for sec, cls in (("ppo", PPOConfig), ("rollout", RolloutConfig))
-        for f in dataclasses.fields(cls)})
-    for section, cls in (("ppo", PPOConfig), ("rollout", RolloutConfig)):
-        for f in dataclasses.fields(cls):
-            dotted = f"{section}.{f.name}"
-            if dotted in NOT_MATH:
-                continue
-            cases = [n for n, cfg in loaded.items()
-                     if getattr(getattr(cfg, section), f.name) != default(f)]
-            if not cases or dotted not in read:
-                missing.append(f"{dotted} (default {default(f)!r}): "
-                               + ("no case sets another value" if not cases
-                                  else f"set by {cases} but the reference does not read it"))
+    table, missing = {}, []
+    schema = [(section, f) for section, cls in (("ppo", PPOConfig), ("rollout", RolloutConfig))
+              for f in dataclasses.fields(cls)]
+    for section, f in schema:
+        dotted = f"{section}.{f.name}"
+        if dotted in NOT_MATH:
+            table[dotted] = "not traced: " + NOT_MATH[dotted]
+            continue
+        cases = [n for n, cfg in loaded.items()
+                 if getattr(getattr(cfg, section), f.name) != default(f)]
+        table[dotted] = ", ".join(f"`{n}`" for n in cases)
+        if not cases or dotted not in read:
+            missing.append(f"{dotted} (default {default(f)!r}): "
+                           + ("no case sets another value" if not cases
+                              else f"set by {cases} but the reference does not read it"))
+    stale = sorted(set(NOT_MATH) - {f"{sec}.{f.name}" for sec, f in schema})
+    return table, missing, stale
+
+
+def settings_markdown() -> str:
+    """The table tests/README.md shows (``python tests/test_ppo_reference.py`` prints it)."""
+    table, _, _ = settings_table()
+    return "\n".join(["| field | traced by the cases / why not |", "|---|---|",
+                      *(f"| `{k}` | {v} |" for k, v in table.items())])
+
+
+def test_every_setting_that_changes_the_math_has_a_case():
+    """From the config schema: every field of ppo and rollout is either listed in NOT_MATH
+    with its reason or set by some case to a value other than its default, and the case's
+    setting is one the reference reads (FIELDS); tests/README.md shows the table as it is."""
+    table, missing, stale = settings_table()
     assert not stale, f"NOT_MATH lists fields the schema does not have: {stale}"
     assert not missing, "settings that change the math with no traced case:\n" + \
         "\n".join(missing)
-    assert len(NOT_MATH) + len(read) >= 80
+    assert len(table) >= 80
+    readme = open(os.path.join(ROOT, "tests/README.md")).read()
+    assert settings_markdown() in readme, \
+        "tests/README.md's settings table is stale: python tests/test_ppo_reference.py prints it"
+
+
+if __name__ == "__main__":
+    print(settings_markdown())

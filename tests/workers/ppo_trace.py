@@ -8,14 +8,18 @@ each iteration, in ``iterations``:
 
 - ``raw``: the sampler's generation before truncation, ``gen``: the one trained on,
   ``raw_scores``: the reward model's normalised scores before the score rules;
+  ``samplings``: every rollout made during the iteration, in order, each with its
+  ``raw`` generation and ``raw_scores`` (dynamic sampling's rounds);
+  ``ptx_examples``: PPO-ptx's pretraining rows, (tokens, loss weights) each;
   ``kl_coef``: the KL coefficient the iteration started with, ``kl_coef_after`` the one
   the controller left; ``experience``: every field of the experience batch; ``metrics``;
 - ``calls``: one entry per ``forward_backward`` call of a trained role, in order - the
   micro-batches it was given, the logs its loss functions returned, and the role's own
   outputs on the same micro-batches at the weights it had just before (``before``) and
   just after the optimizer step that followed (``after``): log-probs and entropy for
-  the actor, values for the critic. These come from the plain forward-only scoring step,
-  not from the loss under test;
+  the actor, values for the critic; ``ptx_before`` / ``ptx_after`` the same for PPO-ptx's
+  micro-batches (next-token log-probs). These come from the plain forward-only scoring
+  step, not from the loss under test;
 - ``params``: the actor's and the critic's weights before the iteration and after every
   optimizer step; ``ema``: the EMA actor's averages at the end (when ``ppo.ema_decay``).
 
@@ -85,13 +89,20 @@ class Tracer:
         kind = "lm" if name == "actor" else "value"
         return score(role, ppo_rows, kind, P, self.session.cfg.rollout.temperature)
 
+    def ptx_outputs(self, role, batches):
+        """PPO-ptx's pretraining micro-batches: every next-token log-prob (a "prompt" of
+        one token), at temperature 1 as the ptx loss takes them."""
+        ptx_rows = [b for b in batches if "ptx_loss_mask" in b]
+        return score(role, ptx_rows, "lm", 1, 1.0) if ptx_rows else []
+
     def forward_backward(self, trained, forward_step, batches, **kw):
         name, role = self.role_of(trained)
         before = self.outputs(role, name, batches)
+        ptx_before = self.ptx_outputs(role, batches)
         logs = self.real_fb(trained, forward_step, batches, **kw)
         call = {"role": name, "batches": [dict(b) for b in batches],
                 "logs": [{k: float(v) for k, v in entry.items()} for entry in logs],
-                "before": before}
+                "before": before, "ptx_before": ptx_before}
         self.calls.append(call)
         self.pending.append(call)
         return logs
@@ -102,6 +113,7 @@ class Tracer:
             role = self.role_of(self.session.actor.trained if call["role"] == "actor"
                                 else self.session.critic.trained)[1]
             call["after"] = self.outputs(role, call["role"], call["batches"])
+            call["ptx_after"] = self.ptx_outputs(role, call["batches"])
             call["applied"] = bool(result[0])
         self.pending = []
         for name in self.params:
@@ -131,12 +143,14 @@ def main() -> None:
         raw: dict = {}  # batch -> the sampler's generation (the rollout seed is seed + batch)
         order: list = []  # the batches in the order they were sampled, each then scored
         raw_scores: list = []
+        every: list = []  # every rollout's generation in order (dynamic sampling's rounds)
         real_rollout, real_scores = sampler.rollout, scorer.reward_scores
 
         def rollout(prompts, seed):
             gen, metrics = real_rollout(prompts, seed)
             raw[seed - cfg.run.seed] = gen
             order.append(seed - cfg.run.seed)
+            every.append(dataclasses.asdict(gen))
             return gen, metrics
 
         def scores(gen):
@@ -150,6 +164,7 @@ def main() -> None:
         iterations = []
         for it in range(case.get("iterations", 1)):
             kl_coef = session.kl_ctl.value
+            first = len(every)
             with Tracer(session) as tracer:
                 metrics, exp, gen = session.iteration(it)
             assert len(order) == len(set(order)), "a batch sampled twice: trace it apart"
@@ -162,7 +177,11 @@ def main() -> None:
                 "experience": {f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)},
                 "calls": tracer.calls, "params": tracer.params,
                 "kl_coef_after": session.kl_ctl.value,
+                "samplings": [{"raw": g, "raw_scores": sc} for g, sc in
+                              zip(every[first:], raw_scores[first:], strict=True)],
             })
+            if session.ptx is not None:
+                iterations[-1]["ptx_examples"] = session.ptx.examples
             if session.ema is not None:
                 iterations[-1]["ema"] = torch.cat([a.reshape(-1) for a in session.ema.shadow])
         session.close()
