@@ -17,17 +17,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megarlhf.roles.offload import part_storages, unique_storages
+from megarlhf.roles.offload import part_storages, storage_bytes, unique_storages
 from megarlhf.parallel import cpu_backend
 
 PHASES = ("rollout", "experience", "train", "save")
 PARTS = ("params", "grads", "optimizer", "kv_cache", "activations")
 MIB = 2**20
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct live storages behind ``tensors``."""
-    return sum(s.nbytes() for s in unique_storages(tensors))
 
 
 def role_bytes(role) -> dict[str, int]:
@@ -40,13 +35,6 @@ def role_bytes(role) -> dict[str, int]:
 
 def chunks_bytes(chunks: list) -> int:
     return storage_bytes([p for chunk in chunks for p in chunk.parameters()])
-
-
-def kv_cache_bytes(context) -> int:
-    """Bytes of the key/value buffers megatron's inference context allocated."""
-    tensors = [t for kv in getattr(context, "key_value_memory_dict", {}).values()
-               for t in kv if isinstance(t, torch.Tensor)]
-    return storage_bytes(tensors)
 
 
 class _Saved:

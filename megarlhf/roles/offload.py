@@ -39,6 +39,11 @@ def unique_storages(tensors, skip: set[int] | None = None) -> list[torch.Untyped
     return out
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct live storages behind ``tensors``."""
+    return sum(s.nbytes() for s in unique_storages(tensors))
+
+
 class StorageStash:
     """The storages of a set of tensors, released and restored as one. ``keep=False``
     drops the contents instead of copying them (gradient buffers: every training step

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
-from megarlhf.memory.accounting import kv_cache_bytes
+from megarlhf.inference.kv_cache import kv_cache_bytes
 from megarlhf.parallel import cpu_backend
 from megarlhf.rollout.generate import (Generation, SamplingParams, _attention_blocked,
                                        filter_logits, left_pad)

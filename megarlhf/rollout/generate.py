@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
-from megarlhf.memory.accounting import kv_cache_bytes
+from megarlhf.inference.kv_cache import kv_cache_bytes
 from megarlhf.models import moe
 from megarlhf.models.gpt import unwrap
 from megarlhf.parallel import cpu_backend
