@@ -57,7 +57,7 @@ def main() -> None:
     from megarlhf.roles.build import build_from_config
     from megarlhf.parallel import cpu_backend
     from megarlhf.parallel.launch import init_distributed
-    from megarlhf.rollout.generate import SamplingParams, generate
+    from megarlhf.inference.generate import SamplingParams, generate
 
     cfg = load_config(os.path.join(tmp, "mrl", "config.yaml"))
     init_distributed(cfg)

@@ -128,7 +128,7 @@ def generate_vs_hf(s: dict, quick: bool) -> None:
 
     from megarlhf.config import load_config
     from megarlhf.roles.build import build_from_config
-    from megarlhf.rollout.generate import SamplingParams, generate
+    from megarlhf.inference.generate import SamplingParams, generate
 
     prompt, new = (128, 128) if not quick else (16, 16)
     tmp = tempfile.mkdtemp()
@@ -178,7 +178,7 @@ def generate_vs_hf(s: dict, quick: bool) -> None:
 def reshard(s: dict) -> None:
     from megarlhf.config import load_config
     from megarlhf.roles.build import build_from_config
-    from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout
+    from megarlhf.inference.reshard import Resharder, build_inference_model, inference_layout
 
     cfg = load_config(None, model_overrides(s) + [f"model.vocab_size={s['vocab']}"])
     start(cfg)

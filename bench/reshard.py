@@ -29,7 +29,7 @@ def worker(size: str) -> None:
     from megarlhf.engine.checkpoint import RoleState, load_checkpoint, save_checkpoint
     from megarlhf.roles.build import build_from_config
     from megarlhf.parallel.launch import init_distributed
-    from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout
+    from megarlhf.inference.reshard import Resharder, build_inference_model, inference_layout
 
     s = SIZES[size]
     rows = []

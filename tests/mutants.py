@@ -199,7 +199,7 @@ MUTANTS = [
             "test_partial_rollouts_switch_weights_mid_batch_with_each_tokens_version",), ()),
     Mutant("partial_kv_not_recomputed", "rollout.partial_kv=recompute: the old weights' keys "
            "and values are kept after new weights arrive mid-generation",
-           "megarlhf/rollout/generate.py",
+           "megarlhf/inference/generate.py",
            "            if ctx is not None and recompute_kv:",
            "            if ctx is not None and recompute_kv and False:",
            ("tests/test_rollout.py::test_partial_rollout_tokens_carry_their_version_and_"
@@ -212,7 +212,7 @@ MUTANTS = [
            ("tests/test_verifiers.py::test_worker_pool_outlives_every_misbehaving_call",), ()),
     Mutant("observations_trained", "multi-turn: the environment's tokens (observations) in "
            "the loss mask, trained as if the model had written them",
-           "megarlhf/rollout/generate.py",
+           "megarlhf/inference/generate.py",
            "        return self.response_mask_BT * (1 - self.observation_BT.to(self.response_mask_BT.dtype))",
            "        return self.response_mask_BT",
            ("tests/test_multiturn.py::test_episode_tokens_are_the_turns_as_sampled_and_as_"
@@ -239,7 +239,7 @@ MUTANTS = [
                 (ref("test_what_one_iteration_hands_the_next", "three_iterations"),),
                 ("three_iterations",))),
     fast(Mutant("sampler_ignores_temperature", "rollout.temperature: the sampler draws and "
-                "scores at temperature 1", "megarlhf/rollout/generate.py",
+                "scores at temperature 1", "megarlhf/inference/generate.py",
                 "scaled = logits / params.temperature if params.temperature != 1.0 else logits",
                 "scaled = logits",
                 (ref("test_logprobs_against_transformers", "gae_temperature_top"),),

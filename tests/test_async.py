@@ -24,7 +24,7 @@ import torch
 
 from conftest import ROOT, WORKERS, run_cli
 from megarlhf.rollout.experience import Sampled
-from megarlhf.rollout.generate import Generation
+from megarlhf.inference.generate import Generation
 from megarlhf.rollout.schedule import StaleSchedule, sampling_version, staleness_metrics
 
 

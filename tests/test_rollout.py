@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import WORKERS, torchrun
-from megarlhf.rollout.generate import filter_logits, left_pad
+from megarlhf.inference.generate import filter_logits, left_pad
 from workers.rollout_paths import PROMPTS
 
 
@@ -233,7 +233,7 @@ def test_left_pad():
 def test_row_uniforms_are_per_step_draws_of_each_rows_generator():
     """The Gumbel sampler's uniforms, drawn 8 steps at a time per row, are the stream of
     one ``rand(V)`` per step from each row's own seeded generator, across chunk ends."""
-    from megarlhf.rollout.generate import _RowUniforms
+    from megarlhf.inference.generate import _RowUniforms
 
     seeds, vocab = [3, 11, 3], 13
     draws = _RowUniforms(seeds, vocab, torch.device("cpu"))

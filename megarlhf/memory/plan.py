@@ -339,7 +339,7 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
 
     def rollout_kv(rows: int) -> float:
         """A replica's KV cache for ``rows`` prompts: one static batch, or continuous
-        batching's ``rollout.decode_slots`` rows of its longer columns (rollout.continuous)."""
+        batching's ``rollout.decode_slots`` rows of its longer columns (inference.continuous)."""
         if r.decode_slots is not None and r.decode_slots < rows:
             return float(kv_cache_bytes(inference.model, tp=inference.layout.tp,
                                         batch=r.decode_slots,

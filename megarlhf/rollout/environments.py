@@ -65,7 +65,7 @@ from megarlhf.data.chat import check_messages
 from megarlhf.data.tools import ToolCallError, error_observation, parse_tool_calls
 from megarlhf.parallel import cpu_backend
 from megarlhf.rollout.env_worker import play
-from megarlhf.rollout.generate import Generation, SamplingParams, generate
+from megarlhf.inference.generate import Generation, SamplingParams, generate
 from megarlhf.rollout.verifiers import Failure, RewardError, _Worker, load_reward_fn
 
 OBSERVATION_ROLES = ("tool", "user", "system")

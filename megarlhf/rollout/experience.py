@@ -20,7 +20,7 @@ from megarlhf import algos
 from megarlhf.config import Config
 from megarlhf.models import moe
 from megarlhf.parallel import cpu_backend
-from megarlhf.rollout.generate import Generation
+from megarlhf.inference.generate import Generation
 from megarlhf.rollout.sampling import Sampler, dynamic_sampling
 from megarlhf.rollout.scoring import Scorer, fed_tokens
 

@@ -46,8 +46,8 @@ from megarlhf.parallel import signals, watchdog
 from megarlhf.parallel.placement import Split
 from megarlhf.parallel.signals import install_handlers
 from megarlhf.rollout.environments import Episodes, episode_metrics
-from megarlhf.rollout.generate import Generation
-from megarlhf.rollout.reshard import (build_inference_model, inference_layout,
+from megarlhf.inference.generate import Generation
+from megarlhf.inference.reshard import (build_inference_model, inference_layout,
                                       release_inference_weights)
 from megarlhf.rollout.sampling import Sampler, gather_generations, idle_slots, sample_share
 from megarlhf.rollout.verifiers import RewardError

@@ -23,10 +23,10 @@ from megarlhf.roles.build import Role
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel.layout import RankLayout
-from megarlhf.rollout.continuous import generate_continuous
+from megarlhf.inference.continuous import generate_continuous
 from megarlhf.rollout.environments import episode_metrics
-from megarlhf.rollout.generate import Generation, SamplingParams, generate
-from megarlhf.rollout.reshard import Resharder, release_inference_weights
+from megarlhf.inference.generate import Generation, SamplingParams, generate
+from megarlhf.inference.reshard import Resharder, release_inference_weights
 from megarlhf.parallel import watchdog
 
 

@@ -24,7 +24,7 @@ from megarlhf.roles.build import Role
 from megarlhf.engine.steps import make_sequence_step
 from megarlhf.models import moe
 from megarlhf.parallel import cpu_backend
-from megarlhf.rollout.generate import Generation
+from megarlhf.inference.generate import Generation
 from megarlhf.rollout.sampling import decode_sample, gen_sequence
 from megarlhf.rollout.verifiers import RewardError
 

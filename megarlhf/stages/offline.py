@@ -147,8 +147,8 @@ def gold_evaluator(cfg: Config, tokenizer):
 
     from megarlhf.data.datasets import tokenize_dataset
     from megarlhf.rollout.sampling import decode_sample
-    from megarlhf.rollout.generate import SamplingParams, generate
-    from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout
+    from megarlhf.inference.generate import SamplingParams, generate
+    from megarlhf.inference.reshard import Resharder, build_inference_model, inference_layout
     from megarlhf.rollout.verifiers import gold_on_some_ranks, make_verifier
 
     gold_fn = make_verifier(cfg.rollout, fn_path=cfg.dpo.gold_reward_fn,

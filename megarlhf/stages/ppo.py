@@ -40,8 +40,8 @@ from megarlhf.parallel.launch import init_distributed, read_dist_env
 from megarlhf.parallel.placement import Split
 from megarlhf.rollout.environments import Episodes, episode_metrics
 from megarlhf.rollout.experience import ExperienceMaker, Sampled
-from megarlhf.rollout.generate import SamplingParams, generate
-from megarlhf.rollout.reshard import (
+from megarlhf.inference.generate import SamplingParams, generate
+from megarlhf.inference.reshard import (
     Resharder, build_inference_model, inference_layout, release_inference_weights)
 from megarlhf.rollout.sampling import Sampler, decode_sample
 from megarlhf.rollout.remote import RemoteRollout, serve

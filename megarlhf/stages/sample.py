@@ -78,8 +78,8 @@ def run_generate(cfg: Config, tokenizer, *, input_path: str, output_path: str,
     from megarlhf.roles.build import build_role
     from megarlhf.parallel.launch import init_distributed, read_dist_env
     from megarlhf.rollout.sampling import gather_generations
-    from megarlhf.rollout.generate import Generation, SamplingParams, generate
-    from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout
+    from megarlhf.inference.generate import Generation, SamplingParams, generate
+    from megarlhf.inference.reshard import Resharder, build_inference_model, inference_layout
 
     if batch_size < 1:
         raise ConfigError(f"--batch-size {batch_size}: must be >= 1")

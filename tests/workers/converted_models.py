@@ -20,7 +20,7 @@ from common import build  # noqa: E402
 from megarlhf.config import load_config  # noqa: E402
 from megarlhf.memory.plan import kv_cache_bytes  # noqa: E402
 from megarlhf.models.shapes import chunk_params  # noqa: E402
-from megarlhf.rollout.generate import SamplingParams, generate  # noqa: E402
+from megarlhf.inference.generate import SamplingParams, generate  # noqa: E402
 from megarlhf.stages.score import score_sequences  # noqa: E402
 
 # The last is longer than the scaled-RoPE families' original context (16 in the tests).

@@ -20,8 +20,8 @@ from common import build as build_role_from, make_config  # noqa: E402
 from megarlhf.rollout.experience import ExperienceMaker  # noqa: E402
 from megarlhf.rollout.sampling import Sampler  # noqa: E402
 from megarlhf.rollout.scoring import RewardSource, Scorer, SequenceCache  # noqa: E402
-from megarlhf.rollout.generate import Generation  # noqa: E402
-from megarlhf.rollout.reshard import build_inference_model, inference_layout  # noqa: E402
+from megarlhf.inference.generate import Generation  # noqa: E402
+from megarlhf.inference.reshard import build_inference_model, inference_layout  # noqa: E402
 
 PROMPTS = [[5, 17, 42, 8], [9, 3], [100, 101, 102, 103, 104, 105], [7], [11, 12, 13],
            [200, 3], [4, 4, 4, 4, 4], [60]]

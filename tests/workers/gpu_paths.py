@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import build, fixed_sequences, make_config  # noqa: E402
 
 from megarlhf.roles.offload import Offloader  # noqa: E402
-from megarlhf.rollout.generate import SamplingParams, generate  # noqa: E402
+from megarlhf.inference.generate import SamplingParams, generate  # noqa: E402
 from megarlhf.stages.score import score_sequences  # noqa: E402
 
 PROMPTS = [[5, 17, 42, 8], [9, 3], [100, 101, 102, 103, 104, 105], [7]]
@@ -78,7 +78,7 @@ def offload_case(role, seqs) -> dict:
 def reshard_case(results: dict) -> None:
     """A trained actor (distributed optimizer) resharded into the inference model over the
     NCCL copy service; both then score the same sequences."""
-    from megarlhf.rollout.reshard import (Resharder, build_inference_model, copy_service,
+    from megarlhf.inference.reshard import (Resharder, build_inference_model, copy_service,
                                           inference_layout)
 
     cfg = make_config("llama", 1, 1, extra=("optimizer.lr=0.01",))

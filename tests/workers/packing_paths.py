@@ -40,7 +40,7 @@ from megarlhf.stages.offline import (distill_microbatches, dpo_microbatches,  # 
 from megarlhf.stages.rm import packed_pairs, pair_microbatches, pair_tokens  # noqa: E402
 from megarlhf.stages.sft import make_microbatches  # noqa: E402
 from megarlhf.stages.supervised import SupervisedTask, micro_batches  # noqa: E402
-from megarlhf.rollout.generate import Generation, left_pad  # noqa: E402
+from megarlhf.inference.generate import Generation, left_pad  # noqa: E402
 from megarlhf.rollout.scoring import (packed_batch_fn, sequence_batch_fn,  # noqa: E402
                                       sequence_lengths)
 from megarlhf.stages.ppo import (_share, experience_batches,  # noqa: E402

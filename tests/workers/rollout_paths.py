@@ -21,9 +21,9 @@ from common import build, fixed_sequences, make_config  # noqa: E402
 
 from megarlhf.engine.optimizer import train_step  # noqa: E402
 from megarlhf.models.logprobs import vocab_parallel_logprobs  # noqa: E402
-from megarlhf.rollout.continuous import generate_continuous  # noqa: E402
-from megarlhf.rollout.generate import SamplingParams, generate  # noqa: E402
-from megarlhf.rollout.reshard import Resharder, build_inference_model, inference_layout  # noqa: E402
+from megarlhf.inference.continuous import generate_continuous  # noqa: E402
+from megarlhf.inference.generate import SamplingParams, generate  # noqa: E402
+from megarlhf.inference.reshard import Resharder, build_inference_model, inference_layout  # noqa: E402
 from megarlhf.stages.score import right_padded_batch, score_sequences  # noqa: E402
 
 PROMPTS = [[5, 17, 42, 8], [9, 3], [100, 101, 102, 103, 104, 105], [7]]

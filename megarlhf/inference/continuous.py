@@ -11,7 +11,7 @@ occupant's, are masked out of its attention; positions count its own tokens). Th
 is as long as the longest schedule could need: the longest prompt plus ``max_new_tokens``
 times (prompts / slots + 1).
 
-Samples are those of :func:`~megarlhf.rollout.generate.generate` for the same per-prompt
+Samples are those of :func:`~megarlhf.inference.generate.generate` for the same per-prompt
 seeds (greedy, or ``row_seeds``: each prompt draws its own stream, one draw per token it
 samples), whichever slot and step a prompt gets; the logits of a row can differ in the
 last bits with the batch it is computed in.
@@ -26,7 +26,7 @@ from megatron.core.inference.contexts import StaticInferenceContext
 
 from megarlhf.inference.kv_cache import kv_cache_bytes
 from megarlhf.parallel import cpu_backend
-from megarlhf.rollout.generate import (Generation, SamplingParams, _attention_blocked,
+from megarlhf.inference.generate import (Generation, SamplingParams, _attention_blocked,
                                        filter_logits, left_pad)
 
 
@@ -61,7 +61,7 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
                         stop_at_eos: bool = True, row_seeds: list[int] | None = None,
                         stats: dict | None = None, interrupt: Callable[[], bool] | None = None,
                         recompute_kv: bool = True) -> Generation:
-    """As :func:`~megarlhf.rollout.generate.generate` (greedy or ``row_seeds``), decoding
+    """As :func:`~megarlhf.inference.generate.generate` (greedy or ``row_seeds``), decoding
     at most ``slots`` rows at a time. ``stats``: ``kv_cache_bytes``, ``decode_slots`` (the
     slots of every decode step) and ``idle_decode_slots`` (those without a row: only once
     no prompt waits). ``interrupt`` and ``recompute_kv``: as ``generate``'s (a recompute
