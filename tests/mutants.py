@@ -206,7 +206,7 @@ MUTANTS = [
             "behaviour_logprob[recompute-static]",), ()),
     Mutant("reward_timeout_not_enforced", "rollout.reward_timeout_s: a reward call that hangs "
            "is waited for, however long",
-           "megarlhf/rollout/verifiers.py",
+           "megarlhf/rewards/verifiers.py",
            "            for worker in [w for w in busy.values() if now - w.started >= self.timeout_s]:",
            "            for worker in [w for w in busy.values() if now - w.started >= 1e9]:",
            ("tests/test_verifiers.py::test_worker_pool_outlives_every_misbehaving_call",), ()),

@@ -8,7 +8,7 @@ import torch
 
 from conftest import WORKERS, torchrun
 from megarlhf.rollout.scoring import SequenceCache
-from megarlhf.rollout.verifiers import load_reward_fn
+from megarlhf.rewards.verifiers import load_reward_fn
 
 pytestmark = pytest.mark.slow
 FIELDS = ["response_tokens_BT", "response_mask_BT", "rollout_logprobs_BT", "old_logprobs_BT",

@@ -309,8 +309,8 @@ def test_worker_environments_keep_episodes_and_fail_one_call_at_a_time(monkeypat
     """Episodes stay in their process (e mod N); a call that hangs is cut at the timeout
     and fails, the other episodes of that process fail as lost, the other process's go
     on; the next reset gets a fresh process."""
-    from megarlhf.rollout.environments import WorkerEnvs
-    from megarlhf.rollout.verifiers import Failure
+    from megarlhf.rewards.environments import WorkerEnvs
+    from megarlhf.rewards.verifiers import Failure
 
     monkeypatch.syspath_prepend(WORKERS)
     host = WorkerEnvs("envs:Failing", workers=2, timeout_s=1.0)

@@ -1,4 +1,4 @@
-"""Programmatic rewards that cannot take the trainer down (``rollout.verifiers``): a reward
+"""Programmatic rewards that cannot take the trainer down (``rewards.verifiers``): a reward
 function in worker processes - a call that hangs, raises, kills its process or returns
 NaN or a string - and a reward server on loopback that is down, slow, flaky, or answers
 malformed JSON or the wrong number of rewards. End to end: the same reward through
@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from conftest import ROOT, WORKERS, torchrun
-from megarlhf.rollout.verifiers import (InProcess, RewardError, RewardServer, Verifier,
+from megarlhf.rewards.verifiers import (InProcess, RewardError, RewardServer, Verifier,
                                         WorkerPool)
 
 

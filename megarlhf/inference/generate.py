@@ -51,7 +51,7 @@ class Generation:
     # the policy version that sampled each response token (0 on padding), when recorded:
     # see rollout.schedule
     versions_BT: torch.Tensor | None = None
-    # multi-turn rollouts (rollout.environment, ``rollout.environments``): 1 on the response
+    # multi-turn rollouts (rollout.environment, ``rollout.episodes``): 1 on the response
     # tokens the environment wrote (observations, as the chat template renders them; fed,
     # never trained), and each turn's reward at that turn's last model token
     observation_BT: torch.Tensor | None = None

@@ -45,12 +45,12 @@ from megarlhf.config import Config, ConfigError
 from megarlhf.parallel import signals, watchdog
 from megarlhf.parallel.placement import Split
 from megarlhf.parallel.signals import install_handlers
-from megarlhf.rollout.environments import Episodes, episode_metrics
+from megarlhf.rollout.episodes import Episodes, episode_metrics
 from megarlhf.inference.generate import Generation
 from megarlhf.inference.reshard import (build_inference_model, inference_layout,
                                       release_inference_weights)
 from megarlhf.rollout.sampling import Sampler, gather_generations, idle_slots, sample_share
-from megarlhf.rollout.verifiers import RewardError
+from megarlhf.rewards.verifiers import RewardError
 
 REQUEST, WEIGHTS, RESULT = 1, 2, 3  # bridge tags
 

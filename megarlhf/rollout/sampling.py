@@ -24,7 +24,7 @@ from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel.layout import RankLayout
 from megarlhf.inference.continuous import generate_continuous
-from megarlhf.rollout.environments import episode_metrics
+from megarlhf.rollout.episodes import episode_metrics
 from megarlhf.inference.generate import Generation, SamplingParams, generate
 from megarlhf.inference.reshard import Resharder, release_inference_weights
 from megarlhf.parallel import watchdog
@@ -46,7 +46,7 @@ class Sampler:
     release_inference: bool = False
     # the model's own end tokens besides EOS (data.tokenizer.Tokenizer.end_ids)
     end_ids: tuple[int, ...] = ()
-    # multi-turn rollouts (rollout.environment): rollout.environments.Episodes
+    # multi-turn rollouts (rollout.environment): rollout.episodes.Episodes
     episodes: object | None = None
 
     @property
@@ -110,7 +110,7 @@ def sample_share(cfg: Config, model, prompts: list[list[int]], indices: list[int
     rollout samples: one static batch, or ``rollout.decode_slots`` rows at a time.
     ``interrupt``: new weights between decode steps (``rollout.partial``). ``episodes``
     (``rollout.environment``): the prompts are data rows, each played as an episode
-    (``rollout.environments.Episodes``)."""
+    (``rollout.episodes.Episodes``)."""
     r = cfg.rollout
     params = sampling_params(cfg, end_ids)
     if episodes is not None:

@@ -26,7 +26,7 @@ from megarlhf.models import moe
 from megarlhf.parallel import cpu_backend
 from megarlhf.inference.generate import Generation
 from megarlhf.rollout.sampling import decode_sample, gen_sequence
-from megarlhf.rollout.verifiers import RewardError
+from megarlhf.rewards.verifiers import RewardError
 
 
 class SequenceCache:
@@ -156,7 +156,7 @@ def sequence_lengths(gen: Generation) -> list[int]:
 @dataclass
 class RewardSource:
     """A frozen reward-model role (with the normalisation stored in its checkpoint) or a
-    programmatic reward: ``fn``, a :class:`~megarlhf.rollout.verifiers.Verifier` (a
+    programmatic reward: ``fn``, a :class:`~megarlhf.rewards.verifiers.Verifier` (a
     function by import path, or a reward server) called on rank 0 only."""
 
     role: Role | None = None

@@ -149,7 +149,7 @@ def gold_evaluator(cfg: Config, tokenizer):
     from megarlhf.rollout.sampling import decode_sample
     from megarlhf.inference.generate import SamplingParams, generate
     from megarlhf.inference.reshard import Resharder, build_inference_model, inference_layout
-    from megarlhf.rollout.verifiers import gold_on_some_ranks, make_verifier
+    from megarlhf.rewards.verifiers import gold_on_some_ranks, make_verifier
 
     gold_fn = make_verifier(cfg.rollout, fn_path=cfg.dpo.gold_reward_fn,
                             name="dpo.gold_reward_fn")

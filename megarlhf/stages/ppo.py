@@ -38,7 +38,7 @@ from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel import placement
 from megarlhf.parallel.launch import init_distributed, read_dist_env
 from megarlhf.parallel.placement import Split
-from megarlhf.rollout.environments import Episodes, episode_metrics
+from megarlhf.rollout.episodes import Episodes, episode_metrics
 from megarlhf.rollout.experience import ExperienceMaker, Sampled
 from megarlhf.inference.generate import SamplingParams, generate
 from megarlhf.inference.reshard import (
@@ -47,7 +47,7 @@ from megarlhf.rollout.sampling import Sampler, decode_sample
 from megarlhf.rollout.remote import RemoteRollout, serve
 from megarlhf.rollout.schedule import Later, StaleSchedule, staleness_metrics
 from megarlhf.rollout.scoring import RewardSource, Scorer, SequenceCache, sequence_lengths
-from megarlhf.rollout.verifiers import gold_on_some_ranks, make_verifier
+from megarlhf.rewards.verifiers import gold_on_some_ranks, make_verifier
 from megarlhf.stages.common import (MetricBands, check_writable, explain_resume, print0,
                                     progress, run_dir)
 from megarlhf.parallel import watchdog

@@ -1,4 +1,4 @@
-"""A reward function's worker process (``rollout.verifiers``): imports
+"""A reward function's worker process (``rewards.verifiers``): imports
 ``package.module:function`` (argv[1]), says it is ready, then reads one JSON line per batch
 of [prompt, response] pairs from stdin and writes one JSON line per call as it finishes:
 ``{"value": x}`` (the function's number, NaN included: the caller judges it) or

@@ -1,4 +1,4 @@
-"""An environment's worker process (``rollout.environments``): imports the environment
+"""An environment's worker process (``rewards.environments``): imports the environment
 ``package.module:Name`` (argv[1]), says it is ready, then reads one JSON line per batch of
 calls ``{"episode", "op", "arg"}`` from stdin and writes one JSON line per call as it
 finishes: ``{"value": ...}`` or ``{"error": "..."}``. ``reset`` makes the episode's
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-from megarlhf.rollout.verifier_worker import start
+from megarlhf.rewards.verifier_worker import start
 
 
 def play(envs: dict, factory, episode: int, op: str, arg):

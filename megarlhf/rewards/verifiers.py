@@ -114,7 +114,7 @@ class _Worker:
     """One worker process and the calls it has in flight (in order)."""
 
     def __init__(self, path: str, start_timeout_s: float,
-                 module: str = "megarlhf.rollout.verifier_worker", what: str = "reward function"):
+                 module: str = "megarlhf.rewards.verifier_worker", what: str = "reward function"):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         # a session of its own: signals sent to the trainer's process group (a terminal's
         # Ctrl-C, a launcher's) are not its; it ends when its stdin closes
