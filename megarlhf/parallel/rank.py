@@ -25,3 +25,9 @@ def is_first() -> bool:
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
     return launcher_rank() == 0
+
+
+def print0(*args) -> None:
+    """Print on the job's first rank only (also before the process group exists)."""
+    if is_first():
+        print(*args, flush=True)

@@ -7,7 +7,7 @@ import os
 
 from megarlhf.config import Config
 from megarlhf.parallel import watchdog
-from megarlhf.parallel.rank import is_first, launcher_rank
+from megarlhf.parallel.rank import is_first, launcher_rank, print0
 from megarlhf.stages import runlock
 
 
@@ -32,12 +32,6 @@ def check_writable(cfg: Config) -> str:
     if launcher_rank() == 0:  # one lock per run, taken by its first rank
         runlock.acquire(path)
     return path
-
-
-def print0(*args) -> None:
-    """Print on the job's first rank only (also before the process group exists)."""
-    if is_first():
-        print(*args, flush=True)
 
 
 def progress(total: int, initial: int, desc: str, enabled: bool):

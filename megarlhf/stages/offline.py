@@ -24,7 +24,8 @@ from megarlhf.roles.spec import frozen_role_spec
 from megarlhf.roles.build import build_role
 from megarlhf.engine.steps import make_distill_step, make_dpo_step, ratio
 from megarlhf.parallel.launch import init_distributed, read_dist_env
-from megarlhf.stages.common import check_writable, print0, run_dir
+from megarlhf.parallel.rank import print0
+from megarlhf.stages.common import check_writable, run_dir
 from megarlhf.stages.supervised import (SupervisedTask, check_budget, run_supervised,
                                         step_plan, supervised_spec)
 

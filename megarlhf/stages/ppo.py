@@ -48,8 +48,9 @@ from megarlhf.rollout.remote import RemoteRollout, serve
 from megarlhf.rollout.schedule import Later, StaleSchedule, staleness_metrics
 from megarlhf.rollout.scoring import RewardSource, Scorer, SequenceCache, sequence_lengths
 from megarlhf.rewards.verifiers import gold_on_some_ranks, make_verifier
-from megarlhf.stages.common import (MetricBands, check_writable, explain_resume, print0,
-                                    progress, run_dir)
+from megarlhf.parallel.rank import print0
+from megarlhf.stages.common import (MetricBands, check_writable, explain_resume, progress,
+                                    run_dir)
 from megarlhf.parallel import watchdog
 
 

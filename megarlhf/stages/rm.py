@@ -12,7 +12,7 @@ from megarlhf.data.datasets import tokenize_dataset
 from megarlhf.data.packing import pack_rows, unpack
 from megarlhf.engine.forward import forward_rows, stack_results
 from megarlhf.engine.steps import make_pairwise_rm_step, model_forward, ratio
-from megarlhf.stages.common import print0
+from megarlhf.parallel.rank import print0
 from megarlhf.stages.supervised import SupervisedTask, run_supervised, supervised_spec
 from megarlhf.stages.sft import split_eval
 

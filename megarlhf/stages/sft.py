@@ -9,7 +9,7 @@ from megarlhf.data.batching import batch_length, pack_examples, pad_batch, stack
 from megarlhf.data.datasets import TokenizedDataset, tokenize_dataset
 from megarlhf.data.packing import pack_weighted
 from megarlhf.engine.steps import make_lm_loss_step, ratio
-from megarlhf.stages.common import print0
+from megarlhf.parallel.rank import print0
 from megarlhf.stages.supervised import SupervisedTask, run_supervised, supervised_spec
 
 

@@ -30,8 +30,9 @@ from megarlhf.engine.schedule import run_schedule
 from megarlhf.engine.steps import reduce_logs
 from megarlhf.parallel.launch import init_distributed, read_dist_env, seed_everything
 from megarlhf.parallel.layout import RankLayout
-from megarlhf.stages.common import (MetricBands, check_writable, explain_resume, print0,
-                                    progress, run_dir)
+from megarlhf.parallel.rank import print0
+from megarlhf.stages.common import (MetricBands, check_writable, explain_resume, progress,
+                                    run_dir)
 
 
 @dataclass(frozen=True)
