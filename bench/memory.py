@@ -59,7 +59,7 @@ def ppo_config(folder: str, level: str, accounting: bool = True):
 def phases(size: str, iterations: int) -> None:
     from megarlhf.data.tokenizer import load_tokenizer
     from megarlhf.memory.plan import plan_ppo
-    from megarlhf.stages.ppo import PPOSession
+    from megarlhf.ppo.session import PPOSession
 
     folder = tempfile.mkdtemp(prefix=f"bench_memory_{size}_")
     prepare(size, "fixed", folder)

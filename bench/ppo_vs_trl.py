@@ -247,7 +247,7 @@ def megarlhf_overrides(folder: str, variant: str) -> list[str]:
 def megarlhf_worker(folder: str, variant: str, overrides: list[str]) -> None:
     from megarlhf.config import load_config
     from megarlhf.data.tokenizer import load_tokenizer
-    from megarlhf.stages.ppo import PPOSession
+    from megarlhf.ppo.session import PPOSession
 
     channel = Channel()
     base = megarlhf_overrides(folder, variant)

@@ -57,7 +57,7 @@ def main() -> None:
 
     from megarlhf.config import load_config
     from megarlhf.data.tokenizer import load_tokenizer
-    from megarlhf.stages.ppo import PPOSession
+    from megarlhf.ppo.session import PPOSession
 
     folder = tempfile.mkdtemp(prefix=f"profile_ppo_{args.size}_")
     pv.prepare(args.size, args.variant, folder)

@@ -100,7 +100,7 @@ def ppo_phase(args) -> None:
 
     from megarlhf.config import load_config
     from megarlhf.data.tokenizer import load_tokenizer
-    from megarlhf.stages.ppo import PPOSession
+    from megarlhf.ppo.session import PPOSession
 
     folder = tempfile.mkdtemp(prefix=f"roofline_ppo_{args.size}_")
     pv.prepare(args.size, "fixed", folder)

@@ -135,7 +135,7 @@ def startup_worker(folder: str, variant: str) -> None:
     from megarlhf.config import load_config
     from megarlhf.data.tokenizer import load_tokenizer
     from megarlhf.engine.checkpoint import save_checkpoint
-    from megarlhf.stages.ppo import PPOSession
+    from megarlhf.ppo.session import PPOSession
     imported = time.perf_counter()
     cfg = load_config(os.path.join(folder, "policy_mrl/config.yaml"),
                       bench.megarlhf_overrides(folder, variant))

@@ -48,13 +48,13 @@ def main() -> None:
 
     from megarlhf.config import load_config
     from megarlhf.data.tokenizer import load_tokenizer
-    from megarlhf.stages import ppo
+    from megarlhf.ppo import learner, session as ppo_session
 
     folder = tempfile.mkdtemp(prefix=f"train_steps_{args.size}_")
     pv.prepare(args.size, "fixed", folder)
     cfg = load_config(os.path.join(folder, "policy_mrl/config.yaml"),
                       pv.megarlhf_overrides(folder, "fixed"))
-    session = ppo.PPOSession(cfg, load_tokenizer(cfg.tokenizer))
+    session = ppo_session.PPOSession(cfg, load_tokenizer(cfg.tokenizer))
     times = collections.defaultdict(list)
 
     def timed(name_of, fn):
@@ -67,8 +67,8 @@ def main() -> None:
 
     names = {id(session.actor.trained): "actor forward/backward",
              id(session.critic.trained): "critic forward/backward"}
-    ppo.forward_backward = timed(lambda role, *_: names[id(role)], ppo.forward_backward)
-    ppo.step_together = timed(lambda *_: "optimizer step (both)", ppo.step_together)
+    learner.forward_backward = timed(lambda role, *_: names[id(role)], learner.forward_backward)
+    learner.step_together = timed(lambda *_: "optimizer step (both)", learner.step_together)
     hf_step = _hf_steps(folder, times) if args.hf else None
     steps = cfg.ppo.ppo_epochs * (pv.BATCH // cfg.ppo.mini_batch_size)
     session.iteration(0)  # warm-up

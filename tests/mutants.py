@@ -106,11 +106,11 @@ MUTANTS = [
            "scored = self.score(self.reference, gen, rows)",
            "scored = self.score(self.actor, gen, rows)",
            (ref("test_logprobs_against_transformers"),)),
-    fast(Mutant("ema_update_skipped", "the EMA actor never updated", "megarlhf/stages/ppo.py",
+    fast(Mutant("ema_update_skipped", "the EMA actor never updated", "megarlhf/ppo/learner.py",
            "                ema.update(actor.parameters)", "                pass",
            (ref("test_ema_actor_follows_a_loop_over_the_steps"),))),
     Mutant("critic_not_stepped", "the critic's gradients computed but never applied",
-           "megarlhf/stages/ppo.py",
+           "megarlhf/ppo/learner.py",
            "ok, _ = step_together([role.trained for role, _ in learners])",
            "ok, _ = step_together([role.trained for role, _ in learners if role is actor])",
            (ref("test_each_step_lowers_its_mini_batch_loss"),)),
@@ -225,7 +225,7 @@ MUTANTS = [
                 (ref("test_what_one_iteration_hands_the_next", "three_iterations"),),
                 ("three_iterations",))),
     fast(Mutant("warmup_trains_the_actor", "ppo.critic_warmup_iterations: the actor trained "
-                "in the critic's warm-up too", "megarlhf/stages/ppo.py",
+                "in the critic's warm-up too", "megarlhf/ppo/session.py",
                 "train_critic_only = it < ppo.critic_warmup_iterations",
                 "train_critic_only = False",
                 (ref("test_each_step_lowers_its_mini_batch_loss", "three_iterations"),),
@@ -233,7 +233,7 @@ MUTANTS = [
     fast(Mutant("epoch_wraps_in_the_old_order", "a batch that crosses the end of an epoch "
                 "goes on in the ending epoch's order: some prompts twice in the next epoch, "
                 "some never (the bug the three-iteration trace found)",
-                "megarlhf/stages/ppo.py",
+                "megarlhf/ppo/session.py",
                 "        epoch, at = divmod(position, len(prompts))",
                 "        epoch, at = it * size // len(prompts), position % len(prompts)",
                 (ref("test_what_one_iteration_hands_the_next", "three_iterations"),),
@@ -263,7 +263,7 @@ MUTANTS = [
            ("tests/test_multiturn.py::test_gae_and_returns_skip_the_environments_tokens",), ())),
     Mutant("ptx_scale_without_the_policy_count", "PPO-ptx: the pretraining NLL scaled by "
            "ptx_coef over its tokens only, so against the policy loss's sum it weighs "
-           "1 / (policy tokens) of ptx_coef", "megarlhf/stages/ppo.py",
+           "1 / (policy tokens) of ptx_coef", "megarlhf/ppo/learner.py",
            "scale = torch.tensor(self.coef * policy_count / max(tokens, 1))",
            "scale = torch.tensor(self.coef / max(tokens, 1))",
            (ref("test_ptx_rows_and_loss_against_loops", "ptx_stop_ids"),), ("ptx_stop_ids",)),

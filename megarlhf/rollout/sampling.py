@@ -39,7 +39,7 @@ class Sampler:
     eos_id: int
     pad_id: int
     # phase hooks (memory accounting, trained-role offload): before_generate(),
-    # after_generate(kv_cache_bytes) - see stages.ppo.PhaseHooks
+    # after_generate(kv_cache_bytes) - see ppo.session.PhaseHooks
     hooks: object | None = None
     # free the inference model's weights after each generation (the next reshard
     # rewrites them all): rollout.release_inference_weights

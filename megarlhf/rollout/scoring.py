@@ -192,7 +192,7 @@ class Scorer:
     pad_id: int
     micro_batch_size: int = 4
     ref_cache: SequenceCache | None = field(default_factory=SequenceCache)  # None: off
-    hooks: object | None = None  # during_pass() - see stages.ppo.PhaseHooks
+    hooks: object | None = None  # during_pass() - see ppo.session.PhaseHooks
     max_tokens: int | None = None  # packed micro-batches of at most this many tokens
     padding: dict = field(default_factory=dict)  # token positions of the passes so far
 

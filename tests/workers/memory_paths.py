@@ -26,7 +26,7 @@ from megarlhf.config import load_config
 from megarlhf.data.tokenizer import load_tokenizer
 from megarlhf.memory.plan import plan_ppo
 from megarlhf.models.shapes import chunk_params
-from megarlhf.stages.ppo import PPOSession
+from megarlhf.ppo.session import PPOSession
 
 
 def shape_mismatches(session) -> list[str]:

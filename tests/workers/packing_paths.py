@@ -43,8 +43,8 @@ from megarlhf.stages.supervised import SupervisedTask, micro_batches  # noqa: E4
 from megarlhf.inference.generate import Generation, left_pad  # noqa: E402
 from megarlhf.rollout.scoring import (packed_batch_fn, sequence_batch_fn,  # noqa: E402
                                       sequence_lengths)
-from megarlhf.stages.ppo import (_share, experience_batches,  # noqa: E402
-                                 packed_experience_batches)
+from megarlhf.ppo.learner import (_share, experience_batches,  # noqa: E402
+                                  packed_experience_batches)
 
 VOCAB = 300
 PROMPT_LENS = [3, 7, 1, 5, 2, 6, 4, 8, 5, 3, 7, 2]

@@ -27,7 +27,7 @@ from megarlhf.data.tokenizer import load_tokenizer
 from megarlhf.engine.forward import forward_rows, stack_results
 from megarlhf.data.batching import pad_batch
 from megarlhf.engine.steps import make_score_step
-from megarlhf.stages.ppo import PPOSession
+from megarlhf.ppo.session import PPOSession
 
 
 def gathered_params(role) -> torch.Tensor:

@@ -45,8 +45,8 @@ from megarlhf.config import load_config
 from megarlhf.data.tokenizer import load_tokenizer
 from megarlhf.engine.schedule import forward_only
 from megarlhf.engine.steps import make_sequence_step
-from megarlhf.stages import ppo as ppo_stage
-from megarlhf.stages.ppo import PPOSession
+from megarlhf.ppo import learner
+from megarlhf.ppo.session import PPOSession
 
 
 def flat(role) -> torch.Tensor:
@@ -74,7 +74,7 @@ class Tracer:
         self.params = {"actor": [flat(session.actor)]}
         if session.critic is not None:
             self.params["critic"] = [flat(session.critic)]
-        self.real_fb, self.real_step = ppo_stage.forward_backward, ppo_stage.step_together
+        self.real_fb, self.real_step = learner.forward_backward, learner.step_together
 
     def role_of(self, trained):
         s = self.session
@@ -121,12 +121,12 @@ class Tracer:
         return result
 
     def __enter__(self):
-        ppo_stage.forward_backward, ppo_stage.step_together = self.forward_backward, \
+        learner.forward_backward, learner.step_together = self.forward_backward, \
             self.step_together
         return self
 
     def __exit__(self, *exc):
-        ppo_stage.forward_backward, ppo_stage.step_together = self.real_fb, self.real_step
+        learner.forward_backward, learner.step_together = self.real_fb, self.real_step
 
 
 def main() -> None:

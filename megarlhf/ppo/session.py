@@ -1,0 +1,300 @@
+"""One PPO run's parts, built once (docs/design.md).
+
+Each iteration reads as numbered stages:
+1. rollout (reshard the actor into the inference layout, sample) and 2. experience
+(reference, reward, values, shaped rewards, advantages) - one ``ExperienceMaker.make`` call;
+3. ``ppo_epochs`` of shuffled mini-batch updates of actor and critic, stepping together;
+4. KL-controller update, EMA, metrics, samples, evaluation, checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from megarlhf import algos
+from megarlhf.config import Config, Written
+from megarlhf.data.datasets import episode_rows, tokenize_dataset
+from megarlhf.data.tokenizer import fingerprint
+from megarlhf.memory.accounting import ActivationMeter, MemoryTracker
+from megarlhf.roles.offload import TrainedOffloader
+from megarlhf.roles.spec import ppo_role_specs
+from megarlhf.roles.build import build_role
+from megarlhf.parallel.launch import init_distributed, read_dist_env
+from megarlhf.parallel.placement import Split
+from megarlhf.rollout.episodes import Episodes
+from megarlhf.rollout.experience import ExperienceMaker, Sampled
+from megarlhf.inference.reshard import Resharder, build_inference_model, inference_layout
+from megarlhf.rollout.sampling import Sampler
+from megarlhf.rollout.remote import RemoteRollout
+from megarlhf.rollout.schedule import Later, StaleSchedule, staleness_metrics
+from megarlhf.rollout.scoring import RewardSource, Scorer, SequenceCache
+from megarlhf.rewards.verifiers import make_verifier
+from megarlhf.parallel.rank import print0
+from megarlhf.ppo.learner import PtxData, _update
+
+
+class PhaseHooks:
+    """What happens at the phase boundaries of an iteration: the trained roles' state
+    leaves the device for the rollout and comes back (``roles.<name>.offload``, see
+    ``roles.offload.TrainedOffloader``), and ``tracker`` (when set) records each phase's
+    memory: rollout (after the offload, with the KV cache), experience (during every
+    scoring pass, with that pass's frozen role resident), train (with each trained
+    role's activation peak) and save."""
+
+    def __init__(self, trained: dict, tracker: MemoryTracker | None):
+        self.offloaders = {name: TrainedOffloader(role, role.spec.offload)
+                           for name, role in trained.items()
+                           if role.spec.offload not in (None, "none")}
+        self.trained, self.tracker = trained, tracker
+        self.meters: dict[str, ActivationMeter] = {}
+
+    def before_generate(self) -> None:
+        for off in self.offloaders.values():
+            off.release(("optimizer", "grads", "params"))
+        if self.tracker is not None:
+            self.tracker.start_phase("rollout")
+
+    def after_generate(self, kv_cache_bytes: int) -> None:
+        if self.tracker is not None:
+            self.tracker.snapshot("rollout", extra={("inference", "kv_cache"): kv_cache_bytes})
+            self.tracker.end_phase("rollout")
+            self.tracker.start_phase("experience")
+        for off in self.offloaders.values():
+            off.restore(("params",))
+
+    def during_pass(self) -> None:
+        if self.tracker is not None:
+            self.tracker.snapshot("experience")
+
+    def before_train(self) -> dict[str, ActivationMeter]:
+        """Bring optimizer state and gradients back; returns the activation meters the
+        update runs its roles under (empty without a tracker)."""
+        for off in self.offloaders.values():
+            off.restore(("optimizer", "grads", "params"))
+        if self.tracker is None:
+            return {}
+        self.tracker.end_phase("experience")
+        self.tracker.start_phase("train")
+        self.meters = {name: ActivationMeter(exclude=role.parameters)
+                       for name, role in self.trained.items()}
+        return self.meters
+
+    def after_train(self) -> None:
+        if self.tracker is not None:
+            self.tracker.snapshot("train", transient={(name, "activations"): m.peak
+                                                      for name, m in self.meters.items()})
+            self.tracker.end_phase("train")
+
+    def before_save(self) -> None:
+        if self.tracker is not None:
+            self.tracker.start_phase("save")
+            self.tracker.snapshot("save")
+
+
+def describe_layouts(roles: dict) -> str:
+    return "; ".join(f"{name} {role.layout.describe()}" for name, role in roles.items())
+
+
+class PPOSession:
+    """Everything one PPO run holds - the four roles, each at its own layout, the inference
+    layout, the experience maker, the KL controller - built once; :meth:`iteration` runs
+    stages 1-3 plus the KL update. ``run_ppo`` adds evaluation, logging and checkpoints;
+    benchmarks step it directly."""
+
+    def __init__(self, cfg: Config, tokenizer, written: Written | None = None,
+                 split: Split | None = None):
+        ppo, r = cfg.ppo, cfg.rollout
+        world = read_dist_env().world_size
+        self.tokenizer_fingerprint = fingerprint(tokenizer)
+        self.specs = specs = ppo_role_specs(cfg, world, self.tokenizer_fingerprint,
+                                            written=written)
+        # Batch arithmetic per trained role (each splits mini-batches over its own DP).
+        self.sizes = {name: algos.BatchSizes(ppo.rollout_batch_size, ppo.mini_batch_size,
+                                             ppo.micro_batch_size, s.layout.dp(world),
+                                             ppo.group_size,
+                                             ppo.max_tokens_per_micro_batch).validate()
+                      for name, s in specs.items() if s.trained}
+        forward_budget = r.forward_max_tokens_per_micro_batch or ppo.max_tokens_per_micro_batch
+        self.cfg, self.tokenizer = cfg, tokenizer
+        # an environment's episodes start from data rows (its reset), else from prompts
+        read = (lambda path: episode_rows(path, cfg.data)) if r.environment else \
+            (lambda path: tokenize_dataset(path, "prompt", cfg.data, tokenizer))
+        self.prompts = read(cfg.data.train_path)
+        self.eval_prompts = read(cfg.data.eval_path) if cfg.data.eval_path else None
+        for ds in (self.prompts, self.eval_prompts):
+            if ds is not None:
+                print0(f"[ppo] {ds.report()}")
+        # a programmatic reward: a function in worker processes, or a reward server
+        reward_fn = make_verifier(r, fn_path=r.reward_fn) if r.reward_fn else \
+            make_verifier(r, url=r.reward_url) if r.reward_url else None
+        self.ptx = PtxData(cfg, tokenizer, self.sizes["actor"].num_mini_batches) \
+            if ppo.ptx_coef > 0 else None
+        if self.ptx is not None:
+            actor = specs["actor"]
+            self.ptx.validate(actor.layout.dp(world))
+
+        init_distributed(cfg)
+        total_steps = ppo.num_iterations * ppo.ppo_epochs * self.sizes["actor"].num_mini_batches
+        seed = cfg.run.seed
+        self.actor = build_role(specs["actor"], seed=seed, total_steps=total_steps)
+        self.critic = build_role(specs["critic"], seed=seed, total_steps=total_steps) \
+            if "critic" in specs else None
+        self.reference = build_role(specs["reference"], seed=seed)
+        reward = RewardSource(fn=reward_fn, decode=tokenizer.decode,
+                              role=build_role(specs["reward"], seed=seed)
+                              if "reward" in specs else None)
+        inf_layout = inference_layout(r.tensor_parallel_size)
+        self.sampler = Sampler(cfg, self.actor, inf_layout,
+                               build_inference_model(specs["actor"], inf_layout),
+                               eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                               release_inference=r.release_inference_weights,
+                               end_ids=tokenizer.end_ids,
+                               episodes=Episodes(cfg, tokenizer) if r.environment else None)
+        self.scorer = Scorer(cfg, self.actor, self.reference, reward, self.critic,
+                             pad_id=tokenizer.pad_id,
+                             micro_batch_size=r.forward_micro_batch_size
+                             or ppo.micro_batch_size, max_tokens=forward_budget,
+                             ref_cache=SequenceCache(r.ref_cache_size)
+                             if r.ref_cache_size else None)
+        # rollout.placement=split: the rollout ranks sample, this world scores and trains
+        self.remote = RemoteRollout(cfg, split, self.sampler) if split is not None else None
+        self.maker = ExperienceMaker(cfg, self.sampler, self.scorer, remote=self.remote)
+        self.rollouts = StaleSchedule(ppo.max_staleness, ppo.num_iterations,
+                                      self.sample_batch, log=print0)
+        self.kl_ctl = algos.make_kl_controller(ppo.kl_controller, ppo.init_kl_coef,
+                                               ppo.kl_target, ppo.kl_horizon)
+        # EMA of the actor (evaluation only): its own frozen role at the actor's layout, so
+        # it is checkpointed, resumed, evaluated, scored and exported like any role.
+        self.ema = self.ema_role = None
+        if ppo.ema_decay:
+            self.ema = algos.ParameterEMA(self.actor.parameters, ppo.ema_decay)
+            self.ema_role = build_role(dataclasses.replace(specs["actor"], name="ema",
+                                                           optimizer=None), seed=seed)
+            self.ema_resharder = Resharder(self.ema_role.chunks, self.sampler.inference_model)
+        self.trained = {"actor": self.actor}
+        if self.critic is not None:
+            self.trained["critic"] = self.critic
+        self.tracker = MemoryTracker({
+            "actor": self.actor, "critic": self.critic, "reference": self.reference,
+            "reward": reward.role, "ema": self.ema_role,
+            "inference": [self.sampler.inference_model]}) if cfg.logging.memory_metrics else None
+        self.hooks = self.sampler.hooks = self.scorer.hooks = PhaseHooks(self.trained,
+                                                                          self.tracker)
+        built = {"actor": self.actor, "critic": self.critic, "reference": self.reference,
+                 "reward": reward.role}
+        self.layouts = describe_layouts({k: v for k, v in built.items() if v is not None})
+        for spec in specs.values():
+            print0(f"[ppo] {spec.describe()}")
+        print0(f"[ppo] rollout TP={r.tensor_parallel_size} x {inf_layout.dp} replicas; "
+               f"{self.sizes['actor'].describe()}; {len(self.prompts)} prompts")
+
+    @property
+    def roles(self) -> dict:
+        """The checkpoint states of the trained roles and the EMA actor (with the tokenizer
+        they were trained with)."""
+        states = {name: role.state() for name, role in self.trained.items()}
+        if self.ema_role is not None:
+            states["ema"] = self.ema_role.state()
+            states["ema"].extra.update(decay=self.ema.decay, num_updates=self.ema.num_updates)
+        for state in states.values():
+            state.extra["tokenizer"] = self.tokenizer_fingerprint
+        return states
+
+    def sync_ema(self) -> None:
+        """Write the EMA averages into the EMA role (before it is saved or evaluated)."""
+        if self.ema is not None:
+            self.ema.copy_to(self.ema_role.parameters)
+
+    def restore_ema(self, meta: dict) -> None:
+        """After a resume: the averages from the EMA role the checkpoint restored."""
+        if self.ema is None:
+            return
+        entry = meta["roles"]["ema"]  # load_checkpoint asked for it
+        with torch.no_grad():
+            for avg, p in zip(self.ema.shadow, self.ema_role.parameters):
+                avg.copy_(p.detach().to(torch.float32))
+        self.ema.num_updates = int(entry.get("num_updates", 0))
+
+    def prompt_batch(self, it: int, round_: int = 0) -> list[list[int]]:
+        """Iteration ``it``'s prompts (each ``group_size`` times); ``round_`` > 0: the extra
+        prompts of dynamic sampling, a fixed function of (iteration, round)."""
+        ppo = self.cfg.ppo
+        return _prompt_batch(self.prompts.prompts, ppo.rollout_batch_size, ppo.group_size,
+                             self.cfg.run.seed + 7919 * round_, it)
+
+    def sample_batch(self, batch: int, version: int) -> Sampled | Later:
+        """Batch ``batch``'s prompts sampled (and scored by the reward) by the actor as it
+        is now, policy ``version`` (``rollout.schedule``); split, by the rollout ranks, in
+        the background (:class:`~megarlhf.rollout.schedule.Later`)."""
+        prompts = self.prompt_batch(batch)
+        how = dict(seed=self.cfg.run.seed + batch, version=version,
+                   refill=lambda round_: self.prompt_batch(batch, round_))
+        if self.remote is None:
+            return self.maker.sample(prompts, **how)
+        pending = self.remote.submit(prompts, how["seed"], version)
+        return Later(lambda: self.maker.sample(prompts, **how, sampled=pending.receive()))
+
+    def iteration(self, it: int) -> tuple[dict, algos.Experience, object]:
+        """One PPO iteration: (metrics, experience, generation)."""
+        cfg, ppo = self.cfg, self.cfg.ppo
+        t_iter = time.perf_counter()
+        if self.tracker is not None:
+            self.tracker.begin_iteration()
+        # 1-2. rollout (batch it, sampled by version max(0, it - k): ppo.max_staleness)
+        # and experience
+        sampled = self.rollouts.take(it)
+        exp, gen, metrics = self.maker.score(sampled, kl_coef=self.kl_ctl.value)
+        metrics.update(staleness_metrics(exp.versions_BT, exp.response_mask_BT, it,
+                                         ppo.max_staleness))
+        # 3. PPO epochs over shuffled mini-batches
+        t_train = time.perf_counter()
+        train_critic_only = it < ppo.critic_warmup_iterations
+        meters = self.hooks.before_train()
+        metrics.update(_update(cfg, exp, self.actor, self.critic, self.tokenizer.pad_id, it,
+                               train_critic_only, self.ema, self.ptx, meters))
+        self.hooks.after_train()
+        metrics["timing/train"] = time.perf_counter() - t_train
+        if self.remote is not None:  # rollout.partial: the batch being sampled takes the
+            self.remote.push(it + 1)  # new weights for its remaining tokens
+        self.rollouts.settle()  # split: the batch the rollout ranks sampled meanwhile
+        if self.remote is not None:
+            metrics.update(self.remote.take_sync_metrics())
+        if metrics["ppo/skipped_steps"]:
+            print0(f"[ppo] iteration {it + 1}: {metrics['ppo/skipped_steps']} optimizer step(s) "
+                   "skipped for non-finite gradients")
+        # 4. KL controller
+        self.kl_ctl.update(metrics["objective/kl"], ppo.rollout_batch_size * ppo.group_size)
+        metrics["objective/kl_coef"] = self.kl_ctl.value
+        metrics["timing/iteration"] = time.perf_counter() - t_iter
+        tokens = exp.fed_BT.sum() + exp.prompt_mask_BP.sum()
+        metrics["perf/tokens_per_s"] = float(tokens) / metrics["timing/iteration"]
+        metrics["perf/samples_per_s"] = len(exp) / metrics["timing/iteration"]
+        if self.tracker is not None:
+            metrics.update(self.tracker.metrics())
+        return metrics, exp, gen
+
+    def close(self) -> None:
+        self.scorer.restore_frozen_models()
+        if self.sampler.episodes is not None:
+            self.sampler.episodes.close()
+        if self.remote is not None:
+            self.remote.close()
+
+
+def _prompt_batch(prompts: list, size: int, group: int, seed: int, it: int) -> list:
+    """Iteration ``it``'s ``size`` prompts, each ``group`` times in a row: positions
+    it * size ... of one stream that visits every prompt once per epoch, epoch e in the
+    order of its own permutation (seeded by ``seed`` and e), so a batch that crosses the
+    end of an epoch continues with the next epoch's order."""
+    orders: dict[int, torch.Tensor] = {}
+    idx = []
+    for position in range(it * size, (it + 1) * size):
+        epoch, at = divmod(position, len(prompts))
+        if epoch not in orders:
+            orders[epoch] = torch.randperm(len(prompts), generator=torch.Generator()
+                                           .manual_seed(seed + 104729 * epoch))
+        idx.append(int(orders[epoch][at]))
+    return [prompts[i] for i in idx for _ in range(group)]
