@@ -45,7 +45,6 @@ def build(setup: str) -> dict:
     """The tiny task, SFT policy and reward model (conftest.build_tiny), a tiny MoE SFT
     policy, and the tool task with a policy that calls the tool: each made once into
     ``setup`` (a COMPLETE file marks each part)."""
-    from megarlhf.data.synthetic import write_task
     from megarlhf.data.tool_task import write_tool_task
 
     os.makedirs(setup, exist_ok=True)
