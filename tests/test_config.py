@@ -30,6 +30,30 @@ def test_yaml_and_overrides(tmp_path):
     assert isinstance(cfg.optimizer.lr, float)
 
 
+def test_values_are_read_as_their_fields_type(tmp_path):
+    """A text field takes an override's text as written - YAML 1.1 would make run.name=on
+    True, "1e3" a string and "null" None - and config files read booleans as YAML 1.2 does
+    (true / false only), so a text field is never turned into a boolean, and a yes / on
+    for a boolean field is an error rather than a guess."""
+    cfg = load_config(None, ["run.name=on", "tokenizer.path=1e3", "data.eval_path=null",
+                             "rollout.reward_fn='my.mod:fn'", "run.output_dir=\"a b\""])
+    assert cfg.run.name == "on" and cfg.tokenizer.path == "1e3"
+    assert cfg.data.eval_path is None and cfg.rollout.reward_fn == "my.mod:fn"
+    assert cfg.run.output_dir == "a b"
+    assert load_config(None, ["ppo.sft_checkpoint=off"]).roles.actor.checkpoint == "off"
+    assert load_config(write(tmp_path, "run:\n  name: yes\n")).run.name == "yes"
+    cfg = load_config(write(tmp_path, "rollout:\n  stop_at_eos: False\n"),
+                      ["rollout.greedy=true"])
+    assert cfg.rollout.stop_at_eos is False and cfg.rollout.greedy is True
+    for bad in (["rollout.stop_at_eos=yes"], ["rollout.greedy=on"]):
+        with pytest.raises(ConfigError, match="expected true or false"):
+            load_config(None, bad)
+    with pytest.raises(ConfigError, match="expected true or false"):
+        load_config(write(tmp_path, "rollout:\n  stop_at_eos: off\n"))
+    with pytest.raises(ConfigError, match="override value '\\[1, 2' is not valid YAML"):
+        load_config(None, ["rollout.stop_token_ids=[1, 2"])
+
+
 def test_exponent_floats_without_a_dot(tmp_path):
     # PyYAML (YAML 1.1) reads `1e-5` as a string; the loader must still take it as a number.
     path = write(tmp_path, """
@@ -341,7 +365,9 @@ def test_aliases_are_resolved_once_into_the_role_field(tmp_path):
                           "dpo:\n  reference_checkpoint: null\n")
     assert load_config(old).roles.actor.checkpoint is None
     with pytest.raises(ConfigError, match="expected a string"):
-        read_config(None, ["ppo.sft_checkpoint=3"])
+        read_config(write(tmp_path, "ppo:\n  sft_checkpoint: 3\n"))
+    # an override of a text field is its text (a folder may be called 3)
+    assert load_config(None, ["ppo.sft_checkpoint=3"]).roles.actor.checkpoint == "3"
     with pytest.raises(ConfigError, match="did you mean 'ppo.sft_checkpoint'"):
         read_config(None, ["ppo.sft_chekpoint=a"])
 

@@ -200,15 +200,62 @@ def _section_type(hint):
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
-    """``["ppo.clip_eps=0.1", "rollout.stop_token_ids=[2,3]"]`` -> (key, value) pairs;
-    values are read as YAML scalars."""
+    """``["ppo.clip_eps=0.1", "rollout.stop_token_ids=[2,3]"]`` -> (key, value) pairs, each
+    value read as its field's type: a text field takes the text as written (``run.name=on``
+    is "on", not YAML 1.1's True; quotes are taken off; null or ~ unsets an optional one),
+    any other field reads it as YAML, whose booleans are true and false only (as in
+    config files)."""
     pairs = []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like key.sub=value")
         key, raw = item.split("=", 1)
-        pairs.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+        key = key.strip()
+        pairs.append((key, _override_value(_field_hint(ALIASES.get(key, key)), raw)))
     return pairs
+
+
+def _override_value(hint: Any, raw: str) -> Any:
+    text = raw.strip()
+    if not text:
+        return None
+    quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+    if _is_text(hint) and not quoted:
+        optional = typing.get_origin(hint) in (typing.Union, types.UnionType) \
+            and type(None) in typing.get_args(hint)
+        return None if optional and text in ("null", "Null", "NULL", "~") else raw
+    try:
+        return yaml.load(raw, Loader=_StrictLoader)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override value {raw!r} is not valid YAML: {err}") from None
+
+
+def _field_hint(dotted: str) -> Any:
+    """The type of the config field at ``dotted``; None where no field is (the override
+    then fails where it is applied, naming the key)."""
+    cls = Config
+    parts = dotted.split(".")
+    for depth, part in enumerate(parts):
+        hint = _field_types(cls).get(part)
+        if hint is None or depth == len(parts) - 1:
+            return hint
+        cls = _section_type(hint)
+        if cls is None:
+            return None
+    return None
+
+
+def _is_text(hint: Any) -> bool:
+    """A field that holds text: ``str``, ``str | None``, or a choice of strings."""
+    if hint is str:
+        return True
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return all(isinstance(a, str) for a in typing.get_args(hint))
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        return bool(options) and all(_is_text(a) for a in options)
+    return False
 
 
 class _RepeatedKey(ValueError):
@@ -233,6 +280,14 @@ class _StrictLoader(yaml.SafeLoader):
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
                               _StrictLoader.construct_mapping)
+# Booleans as YAML 1.2 has them, true and false only: PyYAML (YAML 1.1) also reads yes, no,
+# on, off, y and n as booleans, so "name: on" would be True.
+_BOOL = "tag:yaml.org,2002:bool"
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_StrictLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                    list("tTfF"))
 
 
 def read_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Loaded:
