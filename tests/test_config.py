@@ -377,3 +377,32 @@ def test_overlay_checks_the_merged_section():
     cfg, written = read_config(None, ["optimizer.lr=1e-6", "roles.actor.optimizer.min_lr=1e-5"])
     with pytest.raises(ConfigError, match="optimizer.min_lr=1e-05 is invalid"):
         overlay(cfg.optimizer, cfg.roles.actor.optimizer, written, "roles.actor.optimizer")
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
+    """On a terminal, tqdm's bar; in a file (a Slurm log), one line per LINE_INTERVAL_S
+    seconds and the last count at the end - no carriage returns."""
+    import io
+
+    from tqdm import tqdm
+
+    from megarlhf.stages import common
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert isinstance(common.progress(3, 0, "sft", True, stream=Terminal()), tqdm)
+    clock = iter([0.0, 4.0, 11.0, 12.0, 13.0, 25.0])
+    monkeypatch.setattr(common.time, "monotonic", lambda: next(clock))
+    log = io.StringIO()
+    bar = common.progress(6, 1, "ppo", True, stream=log)
+    for step in range(5):  # at 4, 11 (shown), 12, 13, 25 (shown) seconds
+        bar.update(1)
+        bar.set_postfix(kl=f"{step / 10:.2f}")
+    bar.close()
+    lines = log.getvalue().splitlines()
+    assert [line.split(" [")[0] for line in lines] == ["ppo:  50% 3/6", "ppo: 100% 6/6"]
+    assert lines[1].endswith(", kl=0.30]") and "\r" not in log.getvalue()
+    assert isinstance(common.progress(3, 0, "sft", False, stream=log), tqdm)  # off: silent
+

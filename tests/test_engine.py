@@ -34,7 +34,10 @@ def losses(out, name, key="train/loss"):
 
 def test_sft_loss_falls(task, tmp_path):
     proc = run_cli(*sft_args(task, tmp_path, "sft", "train.max_steps=40",
-                             "train.eval_interval=20"))
+                             "train.eval_interval=20", "logging.progress_bar=true"))
+    # its output is not a terminal: progress comes as lines, never a bar redrawn with \r
+    shown = [line for line in proc.stderr.splitlines() if "/40 [" in line]
+    assert "\r" not in proc.stderr and shown and shown[-1].startswith("sft: 100% 40/40 [")
     evals = losses(tmp_path, "sft", "eval/loss")
     assert evals[0] - evals[40] > 0.4, evals
     lr = losses(tmp_path, "sft", "train/lr")  # 5 warm-up steps to 3e-3, cosine to 3e-4

@@ -72,7 +72,8 @@ class LoggingConfig:
     sample_table_interval: int = 10
     """Print a table of sample prompts and responses every N iterations."""
     progress_bar: bool = True
-    """Show a progress bar on rank 0."""
+    """Show progress on rank 0: a bar on a terminal; when stderr is a file (a Slurm log), a
+    plain line every 10 seconds and at the end."""
     memory_metrics: bool = True
     """PPO: per-phase memory accounting of every role (memory/* metrics in MiB and a table
     at the end of the run); false skips the bookkeeping."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import time
 
 from megarlhf.config import Config
 from megarlhf.parallel import watchdog
@@ -34,10 +36,59 @@ def check_writable(cfg: Config) -> str:
     return path
 
 
-def progress(total: int, initial: int, desc: str, enabled: bool):
+def progress(total: int, initial: int, desc: str, enabled: bool, stream=None):
+    """The run's progress on the job's first rank: a bar redrawn in place on a terminal;
+    when the output is not one (a Slurm log, ``demo.sh 2> log``), a plain line every
+    :data:`LINE_INTERVAL_S` seconds and at the end (:class:`LineProgress`), so the log is
+    lines, not one line of carriage returns. ``stream``: where it writes (stderr)."""
     from tqdm import tqdm
-    return tqdm(total=total, initial=initial, desc=desc, disable=not (enabled and is_first()),
-                dynamic_ncols=True)
+    stream = stream or sys.stderr
+    shown = enabled and is_first()
+    if shown and not stream.isatty():
+        return LineProgress(total, initial, desc, stream)
+    return tqdm(total=total, initial=initial, desc=desc, disable=not shown,
+                dynamic_ncols=True, file=stream)
+
+
+LINE_INTERVAL_S = 10.0
+
+
+class LineProgress:
+    """:func:`progress` for output that is not a terminal: tqdm's text on a line of its
+    own (``desc: 30% 12/40 [00:48<01:52, 4.00s/it, kl=0.12]``), at most every
+    :data:`LINE_INTERVAL_S` seconds, and the last count when closed."""
+
+    def __init__(self, total: int, initial: int, desc: str, stream):
+        self.total, self.initial, self.n, self.desc, self.stream = total, initial, initial, \
+            desc, stream
+        self.start = self.shown_at = time.monotonic()
+        self.postfix, self.shown_n = "", initial
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self.shown_at >= LINE_INTERVAL_S:
+            self._show(now)
+
+    def set_postfix(self, **values) -> None:
+        self.postfix = ", ".join(f"{k}={v}" for k, v in values.items())
+
+    def write(self, text: str) -> None:
+        print(text, flush=True)
+
+    def close(self) -> None:
+        if self.n != self.shown_n:
+            self._show(time.monotonic())
+
+    def _show(self, now: float) -> None:
+        from tqdm import tqdm
+        line = tqdm.format_meter(
+            self.n, self.total, now - self.start, prefix=self.desc, initial=self.initial,
+            postfix=self.postfix or None,
+            bar_format="{desc}: {percentage:3.0f}% {n_fmt}/{total_fmt} "
+                       "[{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+        print(line, file=self.stream, flush=True)
+        self.shown_at, self.shown_n = now, self.n
 
 
 _ABSENT = "(absent)"
