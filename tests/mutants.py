@@ -240,8 +240,9 @@ MUTANTS = [
                 ("three_iterations",))),
     fast(Mutant("sampler_ignores_temperature", "rollout.temperature: the sampler draws and "
                 "scores at temperature 1", "megarlhf/inference/generate.py",
-                "scaled = logits / params.temperature if params.temperature != 1.0 else logits",
-                "scaled = logits",
+                "scaled = logits_BV / params.temperature if params.temperature != 1.0 "
+                "else logits_BV",
+                "scaled = logits_BV",
                 (ref("test_logprobs_against_transformers", "gae_temperature_top"),),
                 ("gae_temperature_top",))),
     fast(Mutant("is_weights_not_truncated", "ppo.rollout_is_cap: the importance weights "

@@ -1,6 +1,7 @@
 """Rollout: resharding into the inference layout, KV-cached generation, sampling filters."""
 
 import os
+import random
 
 import pytest
 import torch
@@ -230,17 +231,21 @@ def test_left_pad():
         left_pad([[1], []], 0)
 
 
-def test_row_uniforms_are_per_step_draws_of_each_rows_generator():
-    """The Gumbel sampler's uniforms, drawn 8 steps at a time per row, are the stream of
-    one ``rand(V)`` per step from each row's own seeded generator, across chunk ends."""
-    from megarlhf.inference.generate import _RowUniforms
+def test_seeded_draws_are_per_token_draws_of_each_sequences_generator():
+    """The Gumbel sampler's uniforms, drawn 8 tokens at a time per sequence, are the stream
+    of one ``rand(V)`` per token from each sequence's own seeded generator, across chunk
+    ends - all rows in step (a static batch) or any of them at a time (decode slots)."""
+    from megarlhf.inference.generate import SeededDraws
 
-    seeds, vocab = [3, 11, 3], 13
-    draws = _RowUniforms(seeds, vocab, torch.device("cpu"))
+    seeds, vocab = [3, 11, 3, 5], 13
+    draws = SeededDraws(seeds, vocab, torch.device("cpu"))
     gens = [torch.Generator().manual_seed(s) for s in seeds]
-    for _ in range(19):
-        expected = torch.stack([torch.rand(vocab, generator=g) for g in gens])
-        assert torch.equal(draws.next(), expected)
+    rng = random.Random(0)
+    for step in range(40):
+        rows = list(range(len(seeds))) if step < 19 else \
+            sorted(rng.sample(range(len(seeds)), rng.randint(1, len(seeds))))
+        expected = torch.stack([torch.rand(vocab, generator=gens[i]) for i in rows])
+        assert torch.equal(draws.next(rows), expected)
 
 
 @pytest.mark.slow

@@ -26,32 +26,9 @@ from megatron.core.inference.contexts import StaticInferenceContext
 
 from megarlhf.inference.kv_cache import kv_cache_bytes
 from megarlhf.parallel import cpu_backend
-from megarlhf.inference.generate import (Generation, SamplingParams, _attention_blocked,
-                                       filter_logits, left_pad)
-
-
-class _PromptUniforms:
-    """Each prompt's uniform draws for the Gumbel-max sampler, from its own generator
-    seeded with its seed, ``chunk`` draws at a time (the stream of per-step ``rand(V)``
-    calls, as ``generate``'s), each prompt at its own step."""
-
-    def __init__(self, seeds: list[int], vocab: int, device, chunk: int = 8):
-        self.gens = [torch.Generator(device).manual_seed(int(s)) for s in seeds]
-        self.vocab, self.device, self.chunk = vocab, device, chunk
-        self.blocks: dict[int, torch.Tensor] = {}
-        self.used = [chunk] * len(seeds)
-
-    def next(self, prompts: list[int]) -> torch.Tensor:
-        """(len(prompts), V): the next draw of each prompt."""
-        rows = []
-        for i in prompts:
-            if self.used[i] == self.chunk:
-                self.blocks[i] = torch.rand(self.chunk, self.vocab, generator=self.gens[i],
-                                            device=self.device)
-                self.used[i] = 0
-            rows.append(self.blocks[i][self.used[i]])
-            self.used[i] += 1
-        return torch.stack(rows)
+from megarlhf.inference.generate import (Generation, SamplingParams, SeededDraws,
+                                        _attention_blocked, left_pad, sample_next,
+                                        stop_tensor)
 
 
 @torch.no_grad()
@@ -76,13 +53,12 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
     # every column the longest schedule could reach: while prompts wait, all S slots
     # sample, so at most n * T / S steps; then at most T more
     L = P + T * (-(-n // S) + 1)
-    stops = set(params.stop_token_ids) | ({eos_id} if stop_at_eos else set())
-    stop_tensor = torch.tensor(sorted(stops), dtype=torch.long, device=device)
+    stops = stop_tensor(params, eos_id, stop_at_eos, device)
     tokens = torch.full((S, L), pad_id, dtype=torch.long, device=device)
     key_mask = torch.zeros(S, L, dtype=torch.long, device=device)
     positions = torch.zeros(S, L, dtype=torch.long, device=device)
     ctx = StaticInferenceContext(S, L)
-    draws = _PromptUniforms(row_seeds, true_vocab, device) if row_seeds else None
+    draws = SeededDraws(row_seeds, true_vocab, device) if row_seeds else None
     holds = [-1] * S  # the prompt each slot decodes (-1: none)
     length = [0] * S  # tokens the slot's prompt has sampled
     responses: list[list[int]] = [[] for _ in range(n)]
@@ -114,17 +90,10 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
     while True:
         active = [s for s in range(S) if holds[s] >= 0]
         rows = torch.tensor(active, device=device)
-        scaled = logits[rows] / params.temperature if params.temperature != 1.0 \
-            else logits[rows]
-        if params.greedy:
-            picked = scaled.argmax(dim=-1)
-        else:
-            filtered = filter_logits(scaled, params.top_k, params.top_p)
-            uniform = draws.next([holds[s] for s in active])
-            gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1.0 - 1e-7)))
-            picked = (filtered + gumbel).argmax(dim=-1)
-        picked_lp = torch.log_softmax(scaled, dim=-1).gather(-1, picked.unsqueeze(-1))[:, 0]
-        stopped = torch.isin(picked, stop_tensor)
+        picked, picked_lp = sample_next(
+            logits[rows], params,
+            draw=(lambda: draws.next([holds[s] for s in active])) if draws is not None else None)
+        stopped = torch.isin(picked, stops)
         for j, s in enumerate(active):
             i = holds[s]
             responses[i].append(int(picked[j]))

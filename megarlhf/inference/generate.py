@@ -123,25 +123,65 @@ def _attention_blocked(key_mask_BK: torch.Tensor, num_queries: int) -> torch.Ten
     return blocked
 
 
-class _RowUniforms:
-    """Each row's uniform draws for the Gumbel-max sampler, one (B, V) step at a time, from
-    one generator per row seeded with the row's seed. Each generator draws ``chunk`` steps
-    at once: on the CPU ``rand(chunk, V)`` is the same stream as ``chunk`` calls of
-    ``rand(V)``, so the samples are those of per-step draws, with B calls every ``chunk``
-    steps instead of every step."""
+class SeededDraws:
+    """Uniform draws for the Gumbel-max sampler, one generator per sequence seeded with its
+    seed, one (V,) draw per token the sequence samples - whichever step or slot it samples
+    in. Each generator draws ``chunk`` tokens' worth at once: on the CPU ``rand(chunk, V)``
+    is the same stream as ``chunk`` calls of ``rand(V)``, so the samples are those of
+    per-token draws, with one call every ``chunk`` tokens instead of every token."""
 
     def __init__(self, seeds: list[int], vocab: int, device, chunk: int = 8):
         self.gens = [torch.Generator(device).manual_seed(int(s)) for s in seeds]
         self.vocab, self.device, self.chunk = vocab, device, chunk
-        self.block, self.used = None, chunk
+        self.blocks: dict[int, torch.Tensor] = {}
+        self.used = [chunk] * len(seeds)
 
-    def next(self) -> torch.Tensor:
-        if self.used == self.chunk:
-            self.block = torch.stack([torch.rand(self.chunk, self.vocab, generator=g,
-                                                 device=self.device) for g in self.gens], 1)
-            self.used = 0
-        self.used += 1
-        return self.block[self.used - 1]
+    def next(self, rows: list[int]) -> torch.Tensor:
+        """(len(rows), V): the next draw of each of the sequences ``rows``."""
+        out = []
+        for i in rows:
+            if self.used[i] == self.chunk:
+                self.blocks[i] = torch.rand(self.chunk, self.vocab, generator=self.gens[i],
+                                            device=self.device)
+                self.used[i] = 0
+            out.append(self.blocks[i][self.used[i]])
+            self.used[i] += 1
+        return torch.stack(out)
+
+
+def sample_next(logits_BV: torch.Tensor, params: SamplingParams, *,
+                draw: Callable[[], torch.Tensor] | None = None,
+                generator: torch.Generator | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sampling step of both decode loops: the next token of each row from its logits
+    at ``params.temperature`` - the argmax (greedy), else from the top-k / top-p tokens by
+    the Gumbel-max trick on ``draw()``'s uniforms (per-sequence seeds, :class:`SeededDraws`)
+    or by ``torch.multinomial`` with ``generator`` - and its log-prob at the temperature
+    over the whole vocabulary. Returns ((B,) tokens, (B,) log-probs)."""
+    scaled = logits_BV / params.temperature if params.temperature != 1.0 else logits_BV
+    if params.greedy:
+        token = scaled.argmax(dim=-1)
+    else:
+        filtered = filter_logits(scaled, params.top_k, params.top_p)
+        if draw is not None:
+            gumbel = -torch.log(-torch.log(draw().clamp(1e-20, 1.0 - 1e-7)))
+            token = (filtered + gumbel).argmax(dim=-1)
+        else:
+            probs = torch.softmax(filtered, dim=-1)
+            if generator is not None and generator.device != logits_BV.device:
+                probs = probs.to(generator.device)  # a host generator draws on the host
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            token = token.to(logits_BV.device)
+    logprob = torch.log_softmax(scaled, dim=-1).gather(-1, token.unsqueeze(-1)).squeeze(-1)
+    return token, logprob
+
+
+def stop_tensor(params: SamplingParams, eos_id: int, stop_at_eos: bool, device
+                ) -> torch.Tensor:
+    """The tokens that end a response: ``params.stop_token_ids``, and EOS with
+    ``stop_at_eos``."""
+    stops = set(params.stop_token_ids) | ({eos_id} if stop_at_eos else set())
+    return torch.tensor(sorted(stops), dtype=torch.long, device=device)
 
 
 @torch.no_grad()
@@ -177,8 +217,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     prompt_tokens, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
     B, P = prompt_tokens.shape
     T = params.max_new_tokens
-    stops = set(params.stop_token_ids) | ({eos_id} if stop_at_eos else set())
-    stop_tensor = torch.tensor(sorted(stops), dtype=torch.long, device=device)
+    stops = stop_tensor(params, eos_id, stop_at_eos, device)
     tokens = torch.cat([prompt_tokens, torch.full((B, T), pad_id, dtype=torch.long, device=device)],
                        dim=1)
     key_mask = torch.cat([prompt_mask, torch.zeros(B, T, dtype=torch.long, device=device)], dim=1)
@@ -191,7 +230,9 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     logprobs = torch.zeros(B, T, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     ctx = StaticInferenceContext(B, P + T) if use_cache else None
-    row_draws = _RowUniforms(row_seeds, true_vocab, device) if row_seeds else None
+    row_draws = SeededDraws(row_seeds, true_vocab, device) if row_seeds else None
+    every_row = list(range(B))
+    draw = (lambda: row_draws.next(every_row)) if row_draws is not None else None
     config = unwrap(model).config
     # a token never fed (the last sampled one) keeps experts 0..k-1: distinct, never read
     routing = moe.unrouted(B, config.num_layers, P + T, config.moe_router_topk or 1) \
@@ -224,23 +265,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     swaps = 0
     versions = torch.zeros(B, T, dtype=torch.long) if interrupt is not None else None
     for t in range(T):
-        scaled = logits / params.temperature if params.temperature != 1.0 else logits
-        if params.greedy:
-            next_token = scaled.argmax(dim=-1)
-        else:
-            filtered = filter_logits(scaled, params.top_k, params.top_p)
-            if row_draws is not None:
-                uniform = row_draws.next()
-                gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1.0 - 1e-7)))
-                next_token = (filtered + gumbel).argmax(dim=-1)
-            else:
-                probs = torch.softmax(filtered, dim=-1)
-                if generator is not None and generator.device != device:
-                    probs = probs.to(generator.device)  # a host generator draws on the host
-                next_token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-                next_token = next_token.to(device)
-        token_logprob = torch.log_softmax(scaled, dim=-1).gather(
-            -1, next_token.unsqueeze(-1)).squeeze(-1)
+        next_token, token_logprob = sample_next(logits, params, draw=draw, generator=generator)
         active = ~finished
         next_token = next_token.masked_fill(finished, pad_id)
         response[:, t] = next_token
@@ -248,7 +273,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
         logprobs[:, t] = token_logprob.masked_fill(finished, 0.0)
         if versions is not None:
             versions[:, t] = swaps
-        finished = finished | (active & torch.isin(next_token, stop_tensor))
+        finished = finished | (active & torch.isin(next_token, stops))
         if finished.all() or t == T - 1:
             break
         idle += finished.sum()  # rows fed this step that have stopped (no host sync)
