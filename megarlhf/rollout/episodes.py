@@ -25,6 +25,7 @@ The environment's protocol, and where its code runs: :mod:`megarlhf.rewards.envi
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +64,26 @@ class Episode:
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.tokens)
+
+
+class StepEnd(enum.Enum):
+    """What a turn's step leaves of its episode."""
+
+    GOES_ON = "goes on"  # the observation is appended, another turn follows
+    ENV_DONE = "env done"  # the environment said done
+    ENDED = "ended"  # a failure, or no room for the observation and a turn after it
+
+
+@dataclass
+class Step:
+    """The leader's answer to one episode's turn, the same on its TP peers: the step's
+    reward, the observation's tokens (when the episode goes on), how it ends, and the
+    failure that ended it."""
+
+    reward: float
+    observation: list[int]
+    end: StepEnd
+    failure: Failure | None = None
 
 
 class Episodes:
@@ -216,16 +237,17 @@ class Episodes:
                 answers = self._step(episodes, stepped, turn, host, max_len)
             answers = share(answers)
             for j, _ in stepped:
-                ep, (reward, obs, done, failure) = episodes[j], answers[j]
-                ep.rewards[-1] += reward
-                if failure is not None:
-                    fail(ep, failure if isinstance(failure, Failure) else Failure(*failure))
+                ep, step = episodes[j], answers[j]
+                ep.rewards[-1] += step.reward
+                if step.failure is not None:
+                    fail(ep, step.failure)
                     continue
-                if done == "env":
+                if step.end is StepEnd.ENV_DONE:
                     ep.env_done = True
-                if done or turn == r.max_turns - 1:
+                if step.end is not StepEnd.GOES_ON or turn == r.max_turns - 1:
                     ep.done = True
                     continue
+                obs = step.observation
                 ep.tokens += obs
                 ep.observation += [1] * len(obs)
                 ep.logprobs += [0.0] * len(obs)
@@ -254,8 +276,7 @@ class Episodes:
     def _step(self, episodes: list[Episode], stepped: list, turn: int, host,
               max_len: int) -> dict:
         """The leader's half of a turn: each stopped episode's turn read (tool calls) and
-        stepped, the observation rendered; {episode: (reward, observation tokens, done,
-        failure)}, ``done`` "env" when the environment said so."""
+        stepped, the observation rendered; {episode: its :class:`Step`}."""
         r = self.cfg.rollout
         out, calls, texts = {}, [], {}
         for j, sampled in stepped:
@@ -277,12 +298,12 @@ class Episodes:
         for (j, _, _), value in zip(calls, host.call(calls) if calls else []):
             ep = episodes[j]
             if isinstance(value, Failure):
-                out[j] = (0.0, [], True, (value.kind, value.message))
+                out[j] = Step(0.0, [], StepEnd.ENDED, value)
                 continue
             try:
                 step = check_step(value)
             except ValueError as err:
-                out[j] = (0.0, [], True, ("error", str(err)))
+                out[j] = Step(0.0, [], StepEnd.ENDED, Failure("error", str(err)))
                 continue
             text, stop_id = texts[j]
             out[j] = self._observe(ep, text, stop_id, step["observation"], step["reward"],
@@ -290,21 +311,21 @@ class Episodes:
         return out
 
     def _observe(self, ep: Episode, text: str, stop_id: int, obs: list[dict], reward: float,
-                 done: bool, max_len: int) -> tuple:
-        """(reward, observation tokens, done, failure) of one step: the observation
-        rendered, unless the episode ends here (done, or over a budget)."""
+                 done: bool, max_len: int) -> "Step":
+        """One step's :class:`Step`: the observation rendered, unless the episode ends
+        here (done, or over a budget)."""
         r = self.cfg.rollout
         if done:
-            return (reward, [], "env", None)
+            return Step(reward, [], StepEnd.ENV_DONE)
         try:
             tokens = self.observation_tokens(ep, text, stop_id, obs)
         except ValueError as err:
-            return (reward, [], True, ("error", str(err)))
+            return Step(reward, [], StepEnd.ENDED, Failure("error", str(err)))
         over_budget = r.max_observation_tokens is not None and \
             ep.obs_tokens + len(tokens) > r.max_observation_tokens
         if over_budget or len(ep) + len(tokens) >= max_len:
-            return (reward, [], True, None)  # no room for it and a turn after it
-        return (reward, tokens, False, None)
+            return Step(reward, [], StepEnd.ENDED)  # no room for it and a turn after it
+        return Step(reward, tokens, StepEnd.GOES_ON)
 
 
 def _as_generation(episodes: list[Episode], pad_id: int, error_score: float) -> Generation:
