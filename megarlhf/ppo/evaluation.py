@@ -13,7 +13,7 @@ from megarlhf.rollout.sampling import decode_sample
 from megarlhf.rewards.verifiers import gold_on_some_ranks
 
 
-def _evaluator(cfg, sampler, eval_ds, tokenizer, gold_fn):
+def make_evaluator(cfg, sampler, eval_ds, tokenizer, gold_fn):
     """Greedy responses to held-out prompts: gold score (when known), reward-model score
     and length. Runs on the inference layout (weights resharded first)."""
 

@@ -135,14 +135,14 @@ class PtxData:
 
 
 @cpu_backend.suspended()  # batch arithmetic: no megatron code
-def _share(exp: algos.Experience, layout) -> algos.Experience:
+def dp_share(exp: algos.Experience, layout) -> algos.Experience:
     """This data-parallel rank's contiguous share of a (global) mini-batch."""
     per_rank = algos.exact_div(len(exp), layout.dp, "ppo.mini_batch_size",
                                "the data-parallel size")
     return exp.rows(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)
 
 
-def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
+def update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
             meters: dict | None = None) -> dict:
     """``ppo_epochs`` passes of shuffled global mini-batches; actor and critic each take
     their own data-parallel share and step together (or skip together). With PPO-ptx
@@ -179,7 +179,7 @@ def _update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
                                                         routing=role is actor)
                     real = sum(int(b["cu_seqlens"][b["grid"][0]]) for b in batches)
                 else:
-                    share = _share(mini, role.layout)
+                    share = dp_share(mini, role.layout)
                     batches = experience_batches(share, ppo.micro_batch_size, pad_id,
                                                  routing=role is actor)
                     real = sum(sequence_lengths(share))

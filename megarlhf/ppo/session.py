@@ -33,7 +33,8 @@ from megarlhf.rollout.schedule import Later, StaleSchedule, staleness_metrics
 from megarlhf.rollout.scoring import RewardSource, Scorer, SequenceCache
 from megarlhf.rewards.verifiers import make_verifier
 from megarlhf.parallel.rank import print0
-from megarlhf.ppo.learner import PtxData, _update
+from megarlhf.ppo import learner
+from megarlhf.ppo.learner import PtxData
 
 
 class PhaseHooks:
@@ -253,8 +254,9 @@ class PPOSession:
         t_train = time.perf_counter()
         train_critic_only = it < ppo.critic_warmup_iterations
         meters = self.hooks.before_train()
-        metrics.update(_update(cfg, exp, self.actor, self.critic, self.tokenizer.pad_id, it,
-                               train_critic_only, self.ema, self.ptx, meters))
+        metrics.update(learner.update(cfg, exp, self.actor, self.critic,
+                                      self.tokenizer.pad_id, it, train_critic_only, self.ema,
+                                      self.ptx, meters))
         self.hooks.after_train()
         metrics["timing/train"] = time.perf_counter() - t_train
         if self.remote is not None:  # rollout.partial: the batch being sampled takes the

@@ -23,7 +23,7 @@ from megarlhf.rewards.verifiers import make_verifier
 from megarlhf.parallel.rank import print0
 from megarlhf.stages.common import MetricBands, check_writable, explain_resume, progress, run_dir
 from megarlhf.parallel import watchdog
-from megarlhf.ppo.evaluation import _evaluator
+from megarlhf.ppo.evaluation import make_evaluator
 from megarlhf.ppo.session import PPOSession
 
 
@@ -62,7 +62,8 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
     logger = MetricsLogger(run_dir(cfg), tensorboard=cfg.logging.tensorboard,
                            wandb_project=cfg.logging.wandb_project,
                            config=dataclasses.asdict(cfg), resume_step=start or None)
-    evaluate_policy = _evaluator(cfg, session.sampler, session.eval_prompts, tokenizer, gold_fn)
+    evaluate_policy = make_evaluator(cfg, session.sampler, session.eval_prompts, tokenizer,
+                                     gold_fn)
 
     @watchdog.labelled("evaluation")
     def evaluate(step: int) -> dict:

@@ -43,7 +43,7 @@ from megarlhf.stages.supervised import SupervisedTask, micro_batches  # noqa: E4
 from megarlhf.inference.generate import Generation, left_pad  # noqa: E402
 from megarlhf.rollout.scoring import (packed_batch_fn, sequence_batch_fn,  # noqa: E402
                                       sequence_lengths)
-from megarlhf.ppo.learner import (_share, experience_batches,  # noqa: E402
+from megarlhf.ppo.learner import (dp_share, experience_batches,  # noqa: E402
                                   packed_experience_batches)
 
 VOCAB = 300
@@ -114,7 +114,7 @@ def update(role, step, exp, packed: bool) -> dict:
     if packed:
         batches = packed_experience_batches(exp, role.layout, TRAIN_BUDGET, 0)
     else:
-        batches = experience_batches(_share(exp, role.layout), 2, 0)
+        batches = experience_batches(dp_share(exp, role.layout), 2, 0)
     logs = forward_backward(role.trained, step, batches,
                             seq_length=max(b["tokens"].shape[1] for b in batches),
                             micro_batch_size=batches[0]["tokens"].shape[0])
