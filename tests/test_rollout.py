@@ -32,6 +32,28 @@ def test_kv_cache_greedy_equals_full_recompute(rollout_results, arch):
     assert cached.response_mask_BT.sum() > 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3"])
+def test_static_cache_decodes_as_megatrons_context(rollout_results, arch):
+    """The fixed-shape KV cache the CUDA-graph decode step runs on (inference/static_kv,
+    eager here): greedy and per-row-seeded samples with rows stopping at different
+    columns give megatron's context's tokens and stops, log-probs to 1e-5 (the attention
+    sums over the whole cache, the unwritten columns masked); its keys and values take
+    the bytes megatron's do; afterwards the layers decode as before, bitwise."""
+    gen = rollout_results[0][f"gen_{arch}"]
+    static, (tail, tail_stats) = gen["static"], gen["tail"]
+    for got, want in ((static["greedy"], gen["cached"]), (static["seeded"], tail)):
+        assert torch.equal(got.response_tokens_BT, want.response_tokens_BT)
+        assert torch.equal(got.response_mask_BT, want.response_mask_BT)
+        assert torch.equal(got.finished_B, want.finished_B)
+        assert (got.logprobs_BT - want.logprobs_BT).abs().max() < 1e-5
+    assert len(set(tail.response_mask_BT.sum(1).tolist())) > 1
+    assert static["stats"]["kv_cache_bytes"] == tail_stats["kv_cache_bytes"] > 0
+    assert static["stats"]["decode_slots"] == tail_stats["decode_slots"]
+    after = static["after"]
+    assert torch.equal(after.response_tokens_BT, gen["cached"].response_tokens_BT)
+    assert torch.equal(after.logprobs_BT, gen["cached"].logprobs_BT)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 36, 64, 65, 200])
 def test_short_matmul_equals_torchs_either_way_round(rows):
     """speedups/linears._matmul: with at most FEW_ROWS rows it multiplies the other way round
@@ -194,6 +216,9 @@ def test_reshard_from_vpp_samples_as_tp1(rollout_results, arch):
     assert torch.equal(ref.response_mask_BT, got.response_mask_BT)
     assert (ref.logprobs_BT - got.logprobs_BT).abs().max() < 1e-5
     assert ref.response_mask_BT.sum() > 4
+    # the static cache at rollout TP=2 (each rank its half of the heads) samples as TP=1
+    assert torch.equal(ref.response_tokens_BT, got.static.response_tokens_BT)
+    assert (ref.logprobs_BT - got.static.logprobs_BT).abs().max() < 1e-5
 
 
 def reference_filter(logits, top_k, top_p):

@@ -18,10 +18,12 @@ from typing import Callable
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
+from megarlhf.inference import static_kv
 from megarlhf.inference.kv_cache import kv_cache_bytes
 from megarlhf.models import moe
 from megarlhf.models.gpt import unwrap
 from megarlhf.parallel import cpu_backend
+from megarlhf.speedups import decode_graphs
 
 _NEG = -1e30
 
@@ -191,7 +193,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
              generator: torch.Generator | None = None, row_seeds: list[int] | None = None,
              use_cache: bool = True, stats: dict | None = None,
              record_routing: bool = False, interrupt: Callable[[], bool] | None = None,
-             recompute_kv: bool = True) -> Generation:
+             recompute_kv: bool = True, static_cache: bool | None = None) -> Generation:
     """Sample up to ``max_new_tokens`` per prompt. Every TP rank of one replica must pass
     the same prompts and an identically seeded ``generator``.
 
@@ -212,7 +214,12 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     that follow. The keys and values of the columns already fed are recomputed by the new
     weights (``recompute_kv``: one prefill of the whole batch) or kept. ``versions_BT``
     then counts the swaps before each token (0: the weights the generation started with);
-    without ``interrupt`` it is None."""
+    without ``interrupt`` it is None.
+
+    ``static_cache``: decode on :class:`~megarlhf.inference.static_kv.StaticDecoder` (a
+    KV cache of fixed shape; on CUDA its step replays a CUDA graph) instead of megatron's
+    ``StaticInferenceContext``. None: where ``speedups.decode_graphs`` applies (CUDA) and
+    the model and options allow it (no routing record, no ``interrupt``)."""
     device = next(model.parameters()).device
     prompt_tokens, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
     B, P = prompt_tokens.shape
@@ -229,7 +236,9 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     response_mask = torch.zeros(B, T, dtype=torch.long, device=device)
     logprobs = torch.zeros(B, T, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
-    ctx = StaticInferenceContext(B, P + T) if use_cache else None
+    static = _static_decoder(model, key_mask, true_vocab, static_cache, use_cache=use_cache,
+                             record_routing=record_routing, interrupt=interrupt)
+    ctx = StaticInferenceContext(B, P + T) if use_cache and static is None else None
     row_draws = SeededDraws(row_seeds, true_vocab, device) if row_seeds else None
     every_row = list(range(B))
     draw = (lambda: row_draws.next(every_row)) if row_draws is not None else None
@@ -245,6 +254,9 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
         pos = positions[:, start:length]
         blocked = _attention_blocked(key_mask[:, :length], new)
         # logits at the last column only (the prefill's other P - 1 are never read)
+        if static is not None:
+            return static.prefill(inp, pos, blocked) if new > 1 else \
+                static.step(inp[:, 0], pos[:, 0], start)
         with moe.recording(model) if routing is not None else contextlib.nullcontext() as got:
             if ctx is None:
                 out = model(inp, pos, blocked, runtime_gather_output=True,
@@ -259,47 +271,74 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
                                                              routing.shape[-1])
         return out[:, -1, :true_vocab].float()
 
-    logits = last_logits(P, P)
-    steps, idle = 0, torch.zeros((), dtype=torch.long, device=device)  # decode steps, and
-    # the stopped rows fed in them
-    swaps = 0
-    versions = torch.zeros(B, T, dtype=torch.long) if interrupt is not None else None
-    for t in range(T):
-        next_token, token_logprob = sample_next(logits, params, draw=draw, generator=generator)
-        active = ~finished
-        next_token = next_token.masked_fill(finished, pad_id)
-        response[:, t] = next_token
-        response_mask[:, t] = active  # (the bool is copied into the long tensors as 0/1)
-        logprobs[:, t] = token_logprob.masked_fill(finished, 0.0)
-        if versions is not None:
-            versions[:, t] = swaps
-        finished = finished | (active & torch.isin(next_token, stops))
-        if finished.all() or t == T - 1:
-            break
-        idle += finished.sum()  # rows fed this step that have stopped (no host sync)
-        steps += 1
-        col = P + t
-        tokens[:, col] = next_token
-        key_mask[:, col] = active
-        if interrupt is not None and interrupt():
-            swaps += 1
-            if ctx is not None and recompute_kv:  # the new weights' keys and values
-                ctx = StaticInferenceContext(B, P + T)
+    try:
+        logits = last_logits(P, P)
+        # decode steps, and the stopped rows fed in them
+        steps, idle = 0, torch.zeros((), dtype=torch.long, device=device)
+        swaps = 0
+        versions = torch.zeros(B, T, dtype=torch.long) if interrupt is not None else None
+        for t in range(T):
+            next_token, token_logprob = sample_next(logits, params, draw=draw,
+                                                    generator=generator)
+            active = ~finished
+            next_token = next_token.masked_fill(finished, pad_id)
+            response[:, t] = next_token
+            response_mask[:, t] = active  # (the bool is copied into the long tensors as 0/1)
+            logprobs[:, t] = token_logprob.masked_fill(finished, 0.0)
+            if versions is not None:
+                versions[:, t] = swaps
+            finished = finished | (active & torch.isin(next_token, stops))
+            if finished.all() or t == T - 1:
+                break
+            idle += finished.sum()  # rows fed this step that have stopped (no host sync)
+            steps += 1
+            col = P + t
+            tokens[:, col] = next_token
+            key_mask[:, col] = active
+            if interrupt is not None and interrupt():
+                swaps += 1
+                if ctx is not None and recompute_kv:  # the new weights' keys and values
+                    ctx = StaticInferenceContext(B, P + T)
+                    logits = last_logits(col + 1, col + 1)
+                    continue
+            if ctx is None and static is None:
                 logits = last_logits(col + 1, col + 1)
-                continue
-        if ctx is None:
-            logits = last_logits(col + 1, col + 1)
-        else:
-            logits = last_logits(col + 1, 1)
-    if stats is not None:
-        stats["kv_cache_bytes"] = kv_cache_bytes(ctx) if ctx is not None else 0
-        stats["decode_slots"], stats["idle_decode_slots"] = B * steps, int(idle)
-    # responses as wide as the longest one: when every row stopped early, the passes and
-    # the training that follow pay nothing for the columns no row reached
-    width = t + 1
-    return Generation(*(x.cpu() for x in (prompt_tokens, prompt_mask, response[:, :width],
-                                          response_mask[:, :width], logprobs[:, :width],
-                                          finished)),
-                      routing_BLSK=routing[:, :, :P + width] if routing is not None else None,
-                      versions_BT=versions[:, :width] * response_mask[:, :width].cpu()
-                      if versions is not None else None)
+            else:
+                logits = last_logits(col + 1, 1)
+        if stats is not None:
+            stats["kv_cache_bytes"] = kv_cache_bytes(ctx) if ctx is not None else \
+                static.cache_bytes() if static is not None else 0
+            stats["decode_slots"], stats["idle_decode_slots"] = B * steps, int(idle)
+        # responses as wide as the longest one: when every row stopped early, the passes and
+        # the training that follow pay nothing for the columns no row reached
+        width = t + 1
+        return Generation(*(x.cpu() for x in (prompt_tokens, prompt_mask, response[:, :width],
+                                              response_mask[:, :width], logprobs[:, :width],
+                                              finished)),
+                          routing_BLSK=routing[:, :, :P + width]
+                          if routing is not None else None,
+                          versions_BT=versions[:, :width] * response_mask[:, :width].cpu()
+                          if versions is not None else None)
+    finally:
+        if static is not None:  # the layers decode without it again
+            static.close()
+
+
+def _static_decoder(model, key_mask: torch.Tensor, true_vocab: int, wanted: bool | None, *,
+                    use_cache: bool, record_routing: bool, interrupt
+                    ) -> static_kv.StaticDecoder | None:
+    """The fixed-shape decoder ``generate`` uses, or None for megatron's context; a CUDA
+    graph of its step where ``speedups.decode_graphs`` applies."""
+    device = key_mask.device
+    if wanted is None:
+        wanted = decode_graphs.applies(device) and record_routing is False \
+            and interrupt is None and static_kv.unsupported(model) is None
+    if not wanted:
+        return None
+    if not use_cache or record_routing or interrupt is not None:
+        raise ValueError("static_cache=True decodes on a KV cache, without a routing record "
+                         "or an interrupt")
+    decoder = static_kv.StaticDecoder(model, key_mask, true_vocab)
+    if decode_graphs.applies(device):
+        decode_graphs.capture(decoder)
+    return decoder

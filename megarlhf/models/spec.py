@@ -49,14 +49,23 @@ class SDPACoreAttention(MegatronModule):
         self.value_dim = v_channels or self.head_dim
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.head_dim)
+        # a generation's fixed-shape KV cache while one decodes on it
+        # (megarlhf.inference.static_kv); None otherwise
+        self.static_kv = None
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         if packed_seq_params is not None:
             return self.forward_packed(query, key, value, packed_seq_params)
+        kv = self.static_kv
+        if kv is not None and kv.shared.decoding:
+            kv.write(key, value)
+            return kv.attend(self, query, attention_mask)
         sq = query.shape[0]
         out = self.attend(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3),
                           value.permute(1, 2, 0, 3), attention_mask, attn_mask_type)
+        if kv is not None:  # the prefill: the prompt's columns into the cache
+            kv.write(key, value)
         # (B, heads, sq, hd) -> (sq, B, heads*hd)
         return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], self.heads * self.value_dim)
 

@@ -23,6 +23,7 @@ calls the library directly (tests, benchmarks) gets plain megatron-core unless i
 | ``fused_adam`` | torch's per-tensor Adam loop | PPO iteration 7.5% | no (rounding) |
 | ``linears`` | megatron's TP=1 linear layers' Python | PPO iteration 5.5% | tests' shapes |
 | ``positions`` | the whole sequence through the last MLP and head | PPO iteration 4.0% | tests' shapes |
+| ``decode_graphs`` | an eager decode step per token (CUDA only) | GPU: BENCHMARKS.md | no (greedy tokens equal) |
 
 ("a process": launch to the first checkpoint save of a medium PPO session.)
 Dropped for paying less than 3% there (BENCHMARKS.md): one-rank collectives, cached RoPE
@@ -48,6 +49,7 @@ NAMES = {
     "fused_adam": "torch's fused Adam kernel",
     "linears": "TP=1 linear layers straight to the matmul",
     "positions": "outputs only where the loss reads them (the last MLP and the head)",
+    "decode_graphs": "CUDA graphs of the decode step on a fixed-shape KV cache (CUDA only)",
 }
 _installed: frozenset[str] | None = None
 

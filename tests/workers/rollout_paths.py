@@ -83,9 +83,16 @@ def generation_case(arch, results):
         continuous[name] = (generate(model, PROMPTS, p, **kw, **common),
                             generate_continuous(model, PROMPTS, p, slots=2, stats=slot_stats,
                                                 **kw, **common), slot_stats)
+    # the fixed-shape cache of the CUDA-graph decode step (inference/static_kv), run eagerly
+    static_stats: dict = {}
+    static = {"greedy": generate(model, PROMPTS, params, static_cache=True, **common),
+              "seeded": generate(model, PROMPTS, seeded, row_seeds=seeds, static_cache=True,
+                                 stats=static_stats, **common),
+              "after": generate(model, PROMPTS, params, **common), "stats": static_stats}
     results[f"gen_{arch}"] = {"cached": cached, "full": full, "sampled": sampled,
                               "teacher": [r["logprobs"] for r in rows], "stopped": stopped,
-                              "tail": (tail, tail_stats), "continuous": continuous}
+                              "tail": (tail, tail_stats), "continuous": continuous,
+                              "static": static}
 
 
 def partial_case(arch, results, swap_after=3):
@@ -288,6 +295,7 @@ def sampling_case(name, tp, pp, vpp, rollout_tp, results, arch="llama"):
     stats = {}
     gen = generate(inf_model, PROMPTS, params, stats=stats, **kw)
     gen.kv_cache_bytes = stats["kv_cache_bytes"]
+    gen.static = generate(inf_model, PROMPTS, params, static_cache=True, **kw)
     results[name] = gen
 
 
