@@ -81,6 +81,8 @@ def main() -> None:
                         for phase, parts in plan.ranks[rank].items()
                         for (role, part), value in parts.items()},
             "planned_totals": plan.measurable[rank],
+            # with the forward-only estimates only a GPU allocator sees (bench/gpu_memory.py)
+            "planned_full_totals": plan.totals[rank],
             "shape_mismatches": shape_mismatches(session),
             "metrics": metrics,
         }
