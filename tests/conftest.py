@@ -72,8 +72,12 @@ def run_cli(*argv: str, check: bool = True, timeout: int = 600,
 
 
 def _forkable(env: dict) -> bool:
+    """Whether a CLI run may fork from the server. Not on a CUDA machine: the server's
+    imports (TransformerEngine's, there) initialise CUDA, which a forked child cannot use
+    ("Cannot re-initialize CUDA in forked subprocess", seen on the H200 with TE)."""
     return os.environ.get("MEGARLHF_TEST_FORK", "1") != "0" and \
-        env.get("MEGARLHF_SPEEDUPS", "1") == os.environ.get("MEGARLHF_SPEEDUPS", "1")
+        env.get("MEGARLHF_SPEEDUPS", "1") == os.environ.get("MEGARLHF_SPEEDUPS", "1") and \
+        not torch.cuda.is_available()
 
 
 class _CLIServer:

@@ -49,6 +49,9 @@ def test_static_cache_decodes_as_megatrons_context(rollout_results, arch):
     assert len(set(tail.response_mask_BT.sum(1).tolist())) > 1
     assert static["stats"]["kv_cache_bytes"] == tail_stats["kv_cache_bytes"] > 0
     assert static["stats"]["decode_slots"] == tail_stats["decode_slots"]
+    # where CUDA graphs apply: the plain cached generation only
+    assert static["auto"] == {"plain": True, "no_cache": False,
+                              "routing": False, "interrupt": False}
     after = static["after"]
     assert torch.equal(after.response_tokens_BT, gen["cached"].response_tokens_BT)
     assert torch.equal(after.logprobs_BT, gen["cached"].logprobs_BT)

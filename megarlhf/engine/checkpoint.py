@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -361,15 +362,21 @@ def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: b
     same_layout = meta.get("layout") == layout and meta.get("world_size") == _world()
     if load_rng and same_layout:
         state["rng"] = ShardedObject("rng_state", None, (_world(),), (_rank(),), replica_id=0)
-    loaded = dist_checkpointing.load(state, path)
+    loaded, _, absent = dist_checkpointing.load(state, path,
+                                                strict=StrictHandling.RETURN_UNEXPECTED)
+    _check_absent(absent, path)
     for name, role in roles.items():
         src = targets[name]
         for i, chunk in enumerate(role.model):
             key = "model" if len(role.model) == 1 else f"model{i}"
             weights = _strip_prefix(loaded[src][key], f"{src}.")
+            own = unwrap(chunk).state_dict()
             if skip_head:
-                own = unwrap(chunk).state_dict()
                 weights.update({k: v for k, v in own.items() if k.startswith("output_layer")})
+            # TransformerEngine's modules keep fp8 metadata as extra state; a checkpoint of
+            # the local layers has none: those modules keep their own (fresh) metadata
+            weights.update({k: v for k, v in own.items()
+                            if k.endswith("_extra_state") and k not in weights})
             unwrap(chunk).load_state_dict(weights, strict=True)
         if use_opt[name]:
             load_optimizer_state(role.optimizer, loaded[src]["optimizer"],
@@ -381,6 +388,18 @@ def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: b
         set_rng_state(loaded["rng"])
     meta["rng_restored"] = "rng" in loaded
     return meta
+
+
+def _check_absent(keys: set[str], path: str) -> None:
+    """What the model asked for and the checkpoint lacks: TransformerEngine's extra state
+    (fp8 metadata; a checkpoint of the local layers has none) is left to the modules;
+    anything else is an error naming it."""
+    absent = sorted(k for k in keys if not k.endswith("_extra_state"))
+    if absent:
+        more = f" and {len(absent) - 5} more" if len(absent) > 5 else ""
+        raise ValueError(f"checkpoint {path} lacks {len(absent)} entries this model needs: "
+                         f"{', '.join(absent[:5])}{more} - a checkpoint of another model "
+                         "shape or family?")
 
 
 def load_parameters(path: str, role: str, chunk, names: list[str]) -> dict[str, torch.Tensor]:

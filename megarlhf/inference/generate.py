@@ -325,20 +325,23 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
 
 
 def _static_decoder(model, key_mask: torch.Tensor, true_vocab: int, wanted: bool | None, *,
-                    use_cache: bool, record_routing: bool, interrupt
-                    ) -> static_kv.StaticDecoder | None:
-    """The fixed-shape decoder ``generate`` uses, or None for megatron's context; a CUDA
-    graph of its step where ``speedups.decode_graphs`` applies."""
-    device = key_mask.device
+                    use_cache: bool, record_routing: bool, interrupt,
+                    graphs: bool | None = None) -> static_kv.StaticDecoder | None:
+    """The fixed-shape decoder ``generate`` uses, or None for megatron's context; its step
+    a CUDA graph where ``graphs`` (default: where ``speedups.decode_graphs`` applies).
+    ``wanted`` None: only then, and only for a plain cached generation of a model the
+    static cache supports."""
+    if graphs is None:
+        graphs = decode_graphs.applies(key_mask.device)
+    plain = use_cache and not record_routing and interrupt is None
     if wanted is None:
-        wanted = decode_graphs.applies(device) and record_routing is False \
-            and interrupt is None and static_kv.unsupported(model) is None
+        wanted = graphs and plain and static_kv.unsupported(model) is None
     if not wanted:
         return None
-    if not use_cache or record_routing or interrupt is not None:
+    if not plain:
         raise ValueError("static_cache=True decodes on a KV cache, without a routing record "
                          "or an interrupt")
     decoder = static_kv.StaticDecoder(model, key_mask, true_vocab)
-    if decode_graphs.applies(device):
+    if graphs:
         decode_graphs.capture(decoder)
     return decoder

@@ -169,6 +169,42 @@ def legacy_case(out_dir, results):
         results["legacy"]["refusal"] = str(err)
 
 
+def extra_state_case(out_dir, results):
+    """A checkpoint of the local layers into a model whose final norm keeps extra state
+    (as TransformerEngine's modules keep fp8 metadata; a GPU run found such a load
+    refused): the weights load, the module keeps its own extra state. A checkpoint that
+    lacks weights the model has (no q/k norms) is an error naming them."""
+    ref = results["ref"]
+
+    class WithExtraState(torch.nn.Module):
+        def get_extra_state(self):
+            return torch.tensor([7.0])
+
+        def set_extra_state(self, state):
+            self.set_to = state
+
+    cfg = make_config("llama", 1, 1)
+    fresh = build(cfg, "lm", trained=True, seed_offset=1).trained
+    norm = fresh.model[0].module.decoder.final_layernorm if hasattr(fresh.model[0], "module") \
+        else fresh.model[0].decoder.final_layernorm
+    norm.__class__ = type("NormWithExtraState", (type(norm), WithExtraState), {})
+    load_checkpoint(ref["ckpt"], {"policy": RoleState(fresh.model, None)}, load_optimizer=False,
+                    load_rng=False)
+    params = [p.detach().clone() for p in fresh.model[0].parameters()]
+    out = {"param_diff": max((a - b).abs().max().item()
+                             for a, b in zip(ref["params"], params, strict=True)),
+           "set_to": getattr(norm, "set_to", None)}
+    deeper = build(make_config("llama", 1, 1, extra=("model.qk_layernorm=true",)), "lm",
+                   trained=True).trained
+    try:
+        load_checkpoint(ref["ckpt"], {"policy": RoleState(deeper.model, None)},
+                        load_optimizer=False, load_rng=False)
+        out["refusal"] = None
+    except ValueError as err:
+        out["refusal"] = str(err)
+    results["extra_state"] = out
+
+
 def megatron_step_case(results):
     """megarlhf's split step (prepare_step, then apply_step: megatron's clip called only
     where it scales) against megatron's own ``optimizer.step()``, from the same weights
@@ -216,6 +252,7 @@ def main():
     results = {}
     if world == 1:
         run_case("ref", 1, 1, out_dir, results)
+        extra_state_case(out_dir, results)
         legacy_case(out_dir, results)
         megatron_step_case(results)
         for name in sys.argv[2:]:

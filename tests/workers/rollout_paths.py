@@ -88,11 +88,32 @@ def generation_case(arch, results):
     static = {"greedy": generate(model, PROMPTS, params, static_cache=True, **common),
               "seeded": generate(model, PROMPTS, seeded, row_seeds=seeds, static_cache=True,
                                  stats=static_stats, **common),
-              "after": generate(model, PROMPTS, params, **common), "stats": static_stats}
+              "after": generate(model, PROMPTS, params, **common), "stats": static_stats,
+              "auto": auto_choices(model)}
     results[f"gen_{arch}"] = {"cached": cached, "full": full, "sampled": sampled,
                               "teacher": [r["logprobs"] for r in rows], "stopped": stopped,
                               "tail": (tail, tail_stats), "continuous": continuous,
                               "static": static}
+
+
+def auto_choices(model) -> dict:
+    """Which generations decode on the static cache where CUDA graphs apply (as on a GPU
+    with speedups.decode_graphs): the plain cached one only (a GPU run found
+    ``use_cache=False`` refused there)."""
+    from megarlhf.inference.generate import _static_decoder
+
+    mask = torch.ones(2, 6, dtype=torch.long)
+    out = {}
+    for name, kw in (("plain", {}), ("no_cache", {"use_cache": False}),
+                     ("routing", {"record_routing": True}),
+                     ("interrupt", {"interrupt": lambda: False})):
+        args = dict(use_cache=True, record_routing=False, interrupt=None)
+        args.update(kw)
+        decoder = _static_decoder(model, mask, 8, None, graphs=True, **args)
+        out[name] = decoder is not None
+        if decoder is not None:
+            decoder.close()
+    return out
 
 
 def partial_case(arch, results, swap_after=3):
