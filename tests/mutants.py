@@ -107,7 +107,7 @@ MUTANTS = [
            "scored = self.score(self.actor, gen, rows)",
            (ref("test_logprobs_against_transformers"),)),
     fast(Mutant("ema_update_skipped", "the EMA actor never updated", "megarlhf/ppo/learner.py",
-           "                ema.update(actor.parameters)", "                pass",
+           "                    ema.update(actor.parameters)", "                    pass",
            (ref("test_ema_actor_follows_a_loop_over_the_steps"),))),
     Mutant("critic_not_stepped", "the critic's gradients computed but never applied",
            "megarlhf/ppo/learner.py",
@@ -178,9 +178,9 @@ MUTANTS = [
     Mutant("stale_batches_not_checkpointed", "ppo.max_staleness > 0: the batches sampled "
            "ahead are not saved with the checkpoint, so a resume samples them again with "
            "the resumed (newer) actor",
-           "megarlhf/stages/ppo.py",
-           '                objects={"rollout_queue": session.rollouts.state_dict(),',
-           '                objects={"rollout_queue_": session.rollouts.state_dict(),',
+           "megarlhf/ppo/session.py",
+           '                "objects": {"rollout_queue": self.rollouts.state_dict(),',
+           '                "objects": {"rollout_queue_": self.rollouts.state_dict(),',
            ("tests/test_async.py::"
             "test_stale_grpo_follows_the_schedule_and_resumes_exactly_after_sigkill",), ()),
     Mutant("split_weights_sent_once", "rollout.placement=split: the weights are sent to the "

@@ -5,6 +5,7 @@ stepping together; PPO-ptx's pretraining rows mixed into the actor's mini-batche
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -142,101 +143,172 @@ def dp_share(exp: algos.Experience, layout) -> algos.Experience:
     return exp.rows(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)
 
 
-def update(cfg, exp, actor, critic, pad_id, it, critic_only, ema, ptx=None,
-            meters: dict | None = None) -> dict:
-    """``ppo_epochs`` passes of shuffled global mini-batches; actor and critic each take
-    their own data-parallel share and step together (or skip together). With PPO-ptx
-    each actor mini-batch also carries its pretraining micro-batches. ``meters`` (by role
-    name) measure each role's activations during the first epoch: padded, every epoch runs
-    the same micro-batch shapes (full prompt + response width), so its peak is the
-    phase's; packed, every micro-batch is within the same token budget, but another epoch's
-    packing may come closer to it. The saved-tensor hooks cost a Python call per saved
-    tensor."""
-    ppo = cfg.ppo
-    P = exp.prompt_tokens_BP.shape[1]
-    S = P + exp.response_tokens_BT.shape[1]
-    policy_step = make_policy_step(prompt_len=P, tp_group=actor.layout.tp_group,
-                                   true_vocab=actor.spec.model.vocab_size,
-                                   temperature=cfg.rollout.temperature, ppo=ppo)
-    value_step = make_value_step(prompt_len=P, cliprange_value=ppo.cliprange_value,
-                                 agg=ppo.loss_agg, coef=ppo.value_loss_coef)
-    learners = ([] if critic_only else [(actor, policy_step)]) \
-        + ([(critic, value_step)] if critic is not None else [])
-    logs: dict[str, list] = {role.spec.name: [] for role, _ in learners}
-    gen = torch.Generator().manual_seed(cfg.run.seed * 7 + it)
-    skipped = 0
-    step = 0
-    moe_sums: dict[str, dict[str, list[float]]] = {}
-    budget = ppo.max_tokens_per_micro_batch  # None: padded micro-batches
-    positions = [0, 0]  # token positions computed, and real, by this replica's passes
-    for epoch in range(ppo.ppo_epochs):
-        with cpu_backend.suspended():  # as experience_batches
-            minis = list(exp.mini_batches(ppo.mini_batch_size, gen))
-        for mini in minis:
-            for role, fwd in learners:
-                if budget is not None:
-                    batches = packed_experience_batches(mini, role.layout, budget, pad_id,
-                                                        routing=role is actor)
-                    real = sum(int(b["cu_seqlens"][b["grid"][0]]) for b in batches)
-                else:
-                    share = dp_share(mini, role.layout)
-                    batches = experience_batches(share, ppo.micro_batch_size, pad_id,
-                                                 routing=role is actor)
-                    real = sum(sequence_lengths(share))
-                if role.layout.writes_results:
-                    positions[0] += sum(int(b["tokens"].numel()) for b in batches)
-                    positions[1] += real
-                if ptx is not None and role is actor:
-                    _, count = algos.aggregate_parts(torch.zeros_like(mini.policy_mask_BT),
-                                                     mini.policy_mask_BT, ppo.loss_agg)
-                    batches += ptx.batches(it, step, S, role.layout, float(count))
-                meter = (meters or {}).get(role.spec.name) if epoch == 0 else None
-                with meter or contextlib.nullcontext(), \
-                        watchdog.phase(f"update of the {role.spec.name}"):
-                    logs[role.spec.name] += forward_backward(
-                        role.trained, fwd, batches,
-                        seq_length=max(b["tokens"].shape[1] for b in batches),
-                        micro_batch_size=batches[0]["tokens"].shape[0])
-                # the routers' losses of this role's passes (one tracker for all roles)
-                for key, value in moe.take_losses(role.spec.model, role.layout,
-                                                  len(batches)).items():
-                    moe_sums.setdefault(role.spec.name, {}).setdefault(key, []).append(value)
-            if learners:
-                with watchdog.phase("optimizer step"):
-                    ok, _ = step_together([role.trained for role, _ in learners])
-                skipped += not ok
-                for role, _ in learners:
-                    check_runaway(role.trained, role.spec.name)
-            if ema is not None and not critic_only:
-                ema.update(actor.parameters)
-            step += 1
-    out = {"ppo/skipped_steps": skipped}
-    computed, real = (sum(x) for x in zip(*gather_objects(positions)))
-    out["perf/padding_fraction/train"] = (computed - real) / computed if computed else 0.0
-    for name, sums in moe_sums.items():  # the actor's as moe/*, a critic's as moe/critic/*
-        for key, values in sums.items():
-            out[key if name == "actor" else key.replace("moe/", f"moe/{name}/")] = \
-                sum(values) / len(values)
-    if "actor" in logs:
-        pol = reduce_logs(logs["actor"], actor.layout)
-        out.update({"ppo/policy/loss": ratio(pol, "loss_sum", "loss_count"),
-                    "ppo/policy/pg_loss": ratio(pol, "pg_loss_sum", "loss_count"),
-                    "ppo/policy/clipfrac": ratio(pol, "clipfrac_sum", "tokens"),
-                    "ppo/policy/approxkl": ratio(pol, "approxkl_sum", "tokens"),
-                    "objective/entropy": ratio(pol, "entropy_sum", "tokens")})
-        if ppo.kl_loss_coef:
-            out["ppo/policy/kl_loss"] = ratio(pol, "kl_loss_sum", "tokens")
-        if ppo.decoupled_loss:
-            out["ppo/policy/behavior_weight"] = ratio(
-                pol, "behavior_weight_sum", "tokens") / max(
-                1.0 - ratio(pol, "behavior_capped_sum", "tokens"), 1e-12)
-            out["ppo/policy/behavior_capped_frac"] = ratio(pol, "behavior_capped_sum", "tokens")
-        if ptx is not None:
-            out["ppo/ptx/loss"] = ratio(pol, "ptx_nll_sum", "ptx_tokens")
-    if critic is not None:
-        val = reduce_logs(logs["critic"], critic.layout)
-        out.update({"ppo/val/loss": ratio(val, "loss_sum", "loss_count"),
-                    "ppo/val/clipfrac": ratio(val, "clipfrac_sum", "tokens")})
-        ev = algos.explained_variance(exp.values_BT, exp.returns_BT, exp.response_mask_BT)
-        out["ppo/val/explained_var"] = float(ev)
-    return out
+@dataclass
+class PolicyMetrics:
+    """The actor's side of an update: token means over its mini-batches (``loss``: the
+    aggregated PPO loss; the optional ones only where the setting that makes them is
+    on)."""
+
+    loss: float
+    pg_loss: float
+    clipfrac: float
+    approxkl: float
+    entropy: float
+    kl_loss: float | None = None  # ppo.kl_loss_coef
+    behavior_weight: float | None = None  # ppo.decoupled_loss
+    behavior_capped_frac: float | None = None
+    ptx_loss: float | None = None  # ppo.ptx_coef
+
+
+@dataclass
+class ValueMetrics:
+    """The critic's side of an update."""
+
+    loss: float
+    clipfrac: float
+    explained_var: float
+
+
+@dataclass
+class UpdateMetrics:
+    """What one :meth:`Learner.update` measured. :meth:`as_dict` gives the logged names
+    (the only place they are spelled)."""
+
+    skipped_steps: int
+    padding_fraction: float  # of the token positions the training passes computed
+    router: dict[str, float]  # the routers' losses, as megarlhf.models.moe names them
+    policy: PolicyMetrics | None = None  # None: the critic's warm-up
+    value: ValueMetrics | None = None  # None: no critic
+
+    def as_dict(self) -> dict[str, float]:
+        out = {"ppo/skipped_steps": self.skipped_steps,
+               "perf/padding_fraction/train": self.padding_fraction, **self.router}
+        p = self.policy
+        if p is not None:
+            out.update({"ppo/policy/loss": p.loss, "ppo/policy/pg_loss": p.pg_loss,
+                        "ppo/policy/clipfrac": p.clipfrac, "ppo/policy/approxkl": p.approxkl,
+                        "objective/entropy": p.entropy})
+            optional = {"ppo/policy/kl_loss": p.kl_loss,
+                        "ppo/policy/behavior_weight": p.behavior_weight,
+                        "ppo/policy/behavior_capped_frac": p.behavior_capped_frac,
+                        "ppo/ptx/loss": p.ptx_loss}
+            out.update({k: v for k, v in optional.items() if v is not None})
+        if self.value is not None:
+            out.update({"ppo/val/loss": self.value.loss,
+                        "ppo/val/clipfrac": self.value.clipfrac,
+                        "ppo/val/explained_var": self.value.explained_var})
+        return out
+
+
+class Learner:
+    """Stage 3 of an iteration (PPO's update): ``ppo.ppo_epochs`` passes of shuffled global
+    mini-batches; actor and critic each take their own data-parallel share and step
+    together (or skip together); the EMA actor follows each step; with PPO-ptx each actor
+    mini-batch also carries its pretraining micro-batches."""
+
+    def __init__(self, cfg: Config, actor, critic, *, pad_id: int, ema=None,
+                 ptx: PtxData | None = None):
+        self.cfg, self.actor, self.critic = cfg, actor, critic
+        self.pad_id, self.ema, self.ptx = pad_id, ema, ptx
+
+    def update(self, exp: algos.Experience, it: int, critic_only: bool = False,
+               meters: dict | None = None) -> UpdateMetrics:
+        """One update on the experience of iteration ``it`` (``critic_only``: the critic's
+        warm-up). ``meters`` (by role name) measure each role's activations during the
+        first epoch: padded, every epoch runs the same micro-batch shapes (full prompt +
+        response width), so its peak is the phase's; packed, every micro-batch is within
+        the same token budget, but another epoch's packing may come closer to it. The
+        saved-tensor hooks cost a Python call per saved tensor."""
+        cfg, actor, critic, pad_id = self.cfg, self.actor, self.critic, self.pad_id
+        ema, ptx = self.ema, self.ptx
+        ppo = cfg.ppo
+        P = exp.prompt_tokens_BP.shape[1]
+        S = P + exp.response_tokens_BT.shape[1]
+        policy_step = make_policy_step(prompt_len=P, tp_group=actor.layout.tp_group,
+                                       true_vocab=actor.spec.model.vocab_size,
+                                       temperature=cfg.rollout.temperature, ppo=ppo)
+        value_step = make_value_step(prompt_len=P, cliprange_value=ppo.cliprange_value,
+                                     agg=ppo.loss_agg, coef=ppo.value_loss_coef)
+        learners = ([] if critic_only else [(actor, policy_step)]) \
+            + ([(critic, value_step)] if critic is not None else [])
+        logs: dict[str, list] = {role.spec.name: [] for role, _ in learners}
+        gen = torch.Generator().manual_seed(cfg.run.seed * 7 + it)
+        skipped = 0
+        step = 0
+        moe_sums: dict[str, dict[str, list[float]]] = {}
+        budget = ppo.max_tokens_per_micro_batch  # None: padded micro-batches
+        positions = [0, 0]  # token positions computed, and real, by this replica's passes
+        for epoch in range(ppo.ppo_epochs):
+            with cpu_backend.suspended():  # as experience_batches
+                minis = list(exp.mini_batches(ppo.mini_batch_size, gen))
+            for mini in minis:
+                for role, fwd in learners:
+                    if budget is not None:
+                        batches = packed_experience_batches(mini, role.layout, budget, pad_id,
+                                                            routing=role is actor)
+                        real = sum(int(b["cu_seqlens"][b["grid"][0]]) for b in batches)
+                    else:
+                        share = dp_share(mini, role.layout)
+                        batches = experience_batches(share, ppo.micro_batch_size, pad_id,
+                                                     routing=role is actor)
+                        real = sum(sequence_lengths(share))
+                    if role.layout.writes_results:
+                        positions[0] += sum(int(b["tokens"].numel()) for b in batches)
+                        positions[1] += real
+                    if ptx is not None and role is actor:
+                        _, count = algos.aggregate_parts(torch.zeros_like(mini.policy_mask_BT),
+                                                         mini.policy_mask_BT, ppo.loss_agg)
+                        batches += ptx.batches(it, step, S, role.layout, float(count))
+                    meter = (meters or {}).get(role.spec.name) if epoch == 0 else None
+                    with meter or contextlib.nullcontext(), \
+                            watchdog.phase(f"update of the {role.spec.name}"):
+                        logs[role.spec.name] += forward_backward(
+                            role.trained, fwd, batches,
+                            seq_length=max(b["tokens"].shape[1] for b in batches),
+                            micro_batch_size=batches[0]["tokens"].shape[0])
+                    # the routers' losses of this role's passes (one tracker for all roles)
+                    for key, value in moe.take_losses(role.spec.model, role.layout,
+                                                      len(batches)).items():
+                        moe_sums.setdefault(role.spec.name, {}).setdefault(key, []).append(value)
+                if learners:
+                    with watchdog.phase("optimizer step"):
+                        ok, _ = step_together([role.trained for role, _ in learners])
+                    skipped += not ok
+                    for role, _ in learners:
+                        check_runaway(role.trained, role.spec.name)
+                if ema is not None and not critic_only:
+                    ema.update(actor.parameters)
+                step += 1
+        computed, real = (sum(x) for x in zip(*gather_objects(positions)))
+        router = {}
+        for name, sums in moe_sums.items():  # the actor's as moe/*, a critic's moe/critic/*
+            for key, values in sums.items():
+                router[key if name == "actor" else key.replace("moe/", f"moe/{name}/")] = \
+                    sum(values) / len(values)
+        out = UpdateMetrics(skipped_steps=skipped,
+                            padding_fraction=(computed - real) / computed if computed else 0.0,
+                            router=router)
+        if "actor" in logs:
+            pol = reduce_logs(logs["actor"], actor.layout)
+            out.policy = PolicyMetrics(
+                loss=ratio(pol, "loss_sum", "loss_count"),
+                pg_loss=ratio(pol, "pg_loss_sum", "loss_count"),
+                clipfrac=ratio(pol, "clipfrac_sum", "tokens"),
+                approxkl=ratio(pol, "approxkl_sum", "tokens"),
+                entropy=ratio(pol, "entropy_sum", "tokens"))
+            if ppo.kl_loss_coef:
+                out.policy.kl_loss = ratio(pol, "kl_loss_sum", "tokens")
+            if ppo.decoupled_loss:
+                out.policy.behavior_weight = ratio(
+                    pol, "behavior_weight_sum", "tokens") / max(
+                    1.0 - ratio(pol, "behavior_capped_sum", "tokens"), 1e-12)
+                out.policy.behavior_capped_frac = ratio(pol, "behavior_capped_sum", "tokens")
+            if ptx is not None:
+                out.policy.ptx_loss = ratio(pol, "ptx_nll_sum", "ptx_tokens")
+        if critic is not None:
+            val = reduce_logs(logs["critic"], critic.layout)
+            ev = algos.explained_variance(exp.values_BT, exp.returns_BT, exp.response_mask_BT)
+            out.value = ValueMetrics(loss=ratio(val, "loss_sum", "loss_count"),
+                                     clipfrac=ratio(val, "clipfrac_sum", "tokens"),
+                                     explained_var=float(ev))
+        return out

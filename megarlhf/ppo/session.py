@@ -18,6 +18,7 @@ from megarlhf import algos
 from megarlhf.config import Config, Written
 from megarlhf.data.datasets import episode_rows, tokenize_dataset
 from megarlhf.data.tokenizer import fingerprint
+from megarlhf.engine.checkpoint import load_checkpoint, load_object, save_checkpoint
 from megarlhf.memory.accounting import ActivationMeter, MemoryTracker
 from megarlhf.roles.offload import TrainedOffloader
 from megarlhf.roles.spec import ppo_role_specs
@@ -33,8 +34,7 @@ from megarlhf.rollout.schedule import Later, StaleSchedule, staleness_metrics
 from megarlhf.rollout.scoring import RewardSource, Scorer, SequenceCache
 from megarlhf.rewards.verifiers import make_verifier
 from megarlhf.parallel.rank import print0
-from megarlhf.ppo import learner
-from megarlhf.ppo.learner import PtxData
+from megarlhf.ppo.learner import Learner, PtxData
 
 
 class PhaseHooks:
@@ -175,6 +175,8 @@ class PPOSession:
             self.ema_role = build_role(dataclasses.replace(specs["actor"], name="ema",
                                                            optimizer=None), seed=seed)
             self.ema_resharder = Resharder(self.ema_role.chunks, self.sampler.inference_model)
+        self.learner = Learner(cfg, self.actor, self.critic, pad_id=tokenizer.pad_id,
+                               ema=self.ema, ptx=self.ptx)
         self.trained = {"actor": self.actor}
         if self.critic is not None:
             self.trained["critic"] = self.critic
@@ -203,6 +205,55 @@ class PPOSession:
         for state in states.values():
             state.extra["tokenizer"] = self.tokenizer_fingerprint
         return states
+
+    def state_dict(self) -> dict:
+        """What a checkpoint holds beside the roles' weights: the trainer state (the KL
+        controller) and the objects saved beside the weights - the batches sampled ahead
+        (``ppo.max_staleness``) and the reference log-prob cache."""
+        cache = self.scorer.ref_cache
+        return {"trainer": {"kl_controller": self.kl_ctl.state_dict()},
+                "objects": {"rollout_queue": self.rollouts.state_dict(),
+                            **({"ref_cache": cache.state_dict()} if cache is not None else {})}}
+
+    def load_state_dict(self, state: dict, iteration: int, why_no_queue: str = "") -> None:
+        """:meth:`state_dict`'s content back (an object may be None: unreadable or absent),
+        the run resuming at ``iteration``."""
+        self.kl_ctl.load_state_dict(state["trainer"]["kl_controller"])
+        cache, saved_cache = self.scorer.ref_cache, state["objects"].get("ref_cache")
+        if cache is not None and saved_cache is not None:
+            cache.load_state_dict(saved_cache)
+        self.rollouts.load_state_dict(state["objects"].get("rollout_queue"), start=iteration,
+                                      why=why_no_queue)
+
+    def save(self, ckpt_dir: str, iteration: int) -> str:
+        """A checkpoint after ``iteration`` iterations: the trained roles, the EMA actor and
+        :meth:`state_dict`. Returns its path."""
+        self.sync_ema()
+        self.hooks.before_save()
+        state = self.state_dict()
+        return save_checkpoint(
+            ckpt_dir, f"iter_{iteration:06d}", self.roles,
+            trainer_state={"iteration": iteration, **state["trainer"]},
+            config=dataclasses.asdict(self.cfg), layout=self.layouts,
+            keep_last=self.cfg.checkpoint.keep_last, objects=state["objects"])
+
+    def resume(self, ckpt_dir: str) -> tuple[int, str]:
+        """Load the newest checkpoint under ``ckpt_dir``: (the iteration it was saved
+        after, its tag). A damaged object (a cache, the waiting batches) is said and
+        started empty."""
+        meta = load_checkpoint(ckpt_dir, self.roles, layout=self.layouts)
+        start = int(meta["trainer"]["iteration"])
+        self.restore_ema(meta)
+        try:
+            saved_cache = load_object(ckpt_dir, "ref_cache")
+        except ValueError as err:  # a cache: safe to start empty
+            print0(f"[ppo] warning: {err}; the reference log-prob cache starts empty")
+            saved_cache = None
+        waiting, why = _waiting_batches(ckpt_dir)
+        self.load_state_dict({"trainer": meta["trainer"],
+                              "objects": {"ref_cache": saved_cache, "rollout_queue": waiting}},
+                             start, why)
+        return start, meta["tag"]
 
     def sync_ema(self) -> None:
         """Write the EMA averages into the EMA role (before it is saved or evaluated)."""
@@ -240,7 +291,7 @@ class PPOSession:
 
     def iteration(self, it: int) -> tuple[dict, algos.Experience, object]:
         """One PPO iteration: (metrics, experience, generation)."""
-        cfg, ppo = self.cfg, self.cfg.ppo
+        ppo = self.cfg.ppo
         t_iter = time.perf_counter()
         if self.tracker is not None:
             self.tracker.begin_iteration()
@@ -254,9 +305,8 @@ class PPOSession:
         t_train = time.perf_counter()
         train_critic_only = it < ppo.critic_warmup_iterations
         meters = self.hooks.before_train()
-        metrics.update(learner.update(cfg, exp, self.actor, self.critic,
-                                      self.tokenizer.pad_id, it, train_critic_only, self.ema,
-                                      self.ptx, meters))
+        update = self.learner.update(exp, it, train_critic_only, meters)
+        metrics.update(update.as_dict())
         self.hooks.after_train()
         metrics["timing/train"] = time.perf_counter() - t_train
         if self.remote is not None:  # rollout.partial: the batch being sampled takes the
@@ -264,8 +314,8 @@ class PPOSession:
         self.rollouts.settle()  # split: the batch the rollout ranks sampled meanwhile
         if self.remote is not None:
             metrics.update(self.remote.take_sync_metrics())
-        if metrics["ppo/skipped_steps"]:
-            print0(f"[ppo] iteration {it + 1}: {metrics['ppo/skipped_steps']} optimizer step(s) "
+        if update.skipped_steps:
+            print0(f"[ppo] iteration {it + 1}: {update.skipped_steps} optimizer step(s) "
                    "skipped for non-finite gradients")
         # 4. KL controller
         self.kl_ctl.update(metrics["objective/kl"], ppo.rollout_batch_size * ppo.group_size)
@@ -284,6 +334,17 @@ class PPOSession:
             self.sampler.episodes.close()
         if self.remote is not None:
             self.remote.close()
+
+
+def _waiting_batches(ckpt_dir: str) -> tuple[dict | None, str]:
+    """The batches sampled ahead that a checkpoint holds (``ppo.max_staleness``), and why
+    there are none when it holds none."""
+    try:
+        state = load_object(ckpt_dir, "rollout_queue")
+    except ValueError as err:
+        print0(f"[ppo] warning: {err}")
+        return None, "unreadable"
+    return state, "saved before ppo.max_staleness existed" if state is None else ""
 
 
 def _prompt_batch(prompts: list, size: int, group: int, seed: int, it: int) -> list:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from megarlhf.config import Config, Written
 from megarlhf.data.tokenizer import fingerprint
-from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, load_object, save_checkpoint
+from megarlhf.engine.checkpoint import LATEST_FILE
 from megarlhf.memory.accounting import format_table
 from megarlhf.engine.metrics import MetricsLogger
 from megarlhf.engine.optimizer import check_runaway
@@ -40,25 +40,12 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
     session = PPOSession(cfg, tokenizer, written, split)
     if split is not None:
         print0(f"[ppo] {split.describe()}")
-    kl_ctl, cache = session.kl_ctl, session.scorer.ref_cache
     ckpt_dir = os.path.join(run_dir(cfg), "checkpoints")
     start = 0
     if cfg.checkpoint.resume and os.path.exists(os.path.join(ckpt_dir, LATEST_FILE)):
         explain_resume(cfg, ckpt_dir)
-        meta = load_checkpoint(ckpt_dir, session.roles, layout=session.layouts)
-        start = int(meta["trainer"]["iteration"])
-        kl_ctl.load_state_dict(meta["trainer"]["kl_controller"])
-        session.restore_ema(meta)
-        try:
-            saved_cache = load_object(ckpt_dir, "ref_cache")
-        except ValueError as err:  # a cache: safe to start empty
-            print0(f"[ppo] warning: {err}; the reference log-prob cache starts empty")
-            saved_cache = None
-        if cache is not None and saved_cache is not None:
-            cache.load_state_dict(saved_cache)
-        waiting, why = _waiting_batches(ckpt_dir)
-        session.rollouts.load_state_dict(waiting, start=start, why=why)
-        print0(f"[ppo] resumed {meta['tag']} at iteration {start}")
+        start, tag = session.resume(ckpt_dir)
+        print0(f"[ppo] resumed {tag} at iteration {start}")
     logger = MetricsLogger(run_dir(cfg), tensorboard=cfg.logging.tensorboard,
                            wandb_project=cfg.logging.wandb_project,
                            config=dataclasses.asdict(cfg), resume_step=start or None)
@@ -100,15 +87,7 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
             guard.requested() or (session.remote is not None and session.remote.signalled))
         if (cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0) \
                 or done == ppo.num_iterations or preempted:
-            session.sync_ema()
-            session.hooks.before_save()
-            path = save_checkpoint(
-                ckpt_dir, f"iter_{done:06d}", session.roles,
-                trainer_state={"iteration": done, "kl_controller": kl_ctl.state_dict()},
-                config=dataclasses.asdict(cfg), layout=session.layouts,
-                keep_last=cfg.checkpoint.keep_last,
-                objects={"rollout_queue": session.rollouts.state_dict(),
-                         **({"ref_cache": cache.state_dict()} if cache is not None else {})})
+            path = session.save(ckpt_dir, done)
             if preempted:
                 mark_preempted(run_dir(cfg), path, guard.signalled)
                 bar.close()
@@ -132,17 +111,6 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
     print0("[ppo] done: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()
                                        if k.startswith(("eval/", "objective/"))))
     return result
-
-
-def _waiting_batches(ckpt_dir: str) -> tuple[dict | None, str]:
-    """The batches sampled ahead that a checkpoint holds (``ppo.max_staleness``), and why
-    there are none when it holds none."""
-    try:
-        state = load_object(ckpt_dir, "rollout_queue")
-    except ValueError as err:
-        print0(f"[ppo] warning: {err}")
-        return None, "unreadable"
-    return state, "saved before ppo.max_staleness existed" if state is None else ""
 
 
 def _sample_table(gen, exp, tokenizer, logger, step, bar) -> None:
