@@ -36,15 +36,20 @@ def test_redirections_and_deactivate():
     was_active = cpu_backend.is_active()
     cpu_backend.activate()
     try:
-        assert torch.cuda.current_device() == torch.device("cpu")
-        assert torch.zeros(2, device="cuda").device.type == "cpu"
-        assert torch.empty(3, device=torch.device("cuda", 0)).device.type == "cpu"
-        t = torch.ones(2)
-        assert t.type() == "torch.cuda.FloatTensor"
-        assert t.cuda() is t
-        assert t.to("cuda").device.type == "cpu"
-        assert t.type(torch.float64).dtype == torch.float64  # casts still work
+        assert torch.cuda.current_device() == torch.device("cpu")  # process-wide
         torch.cuda.synchronize()
+        assert torch.ones(1).type() == "torch.FloatTensor"  # outside a door: no mode
+        with cpu_backend.at_megatron():
+            assert torch.zeros(2, device="cuda").device.type == "cpu"
+            assert torch.empty(3, device=torch.device("cuda", 0)).device.type == "cpu"
+            t = torch.ones(2)
+            assert t.type() == "torch.cuda.FloatTensor"
+            assert t.cuda() is t
+            assert t.to("cuda").device.type == "cpu"
+            assert t.type(torch.float64).dtype == torch.float64  # casts still work
+            with cpu_backend.at_megatron():  # a door inside a door: still one mode
+                assert torch._C._len_torch_function_stack() == 1
+        assert torch.ones(1).type() == "torch.FloatTensor"  # and off after the door
     finally:
         if not was_active:
             cpu_backend.deactivate()
@@ -56,20 +61,46 @@ def test_suspended_lifts_only_the_mode():
     was_active = cpu_backend.is_active()
     cpu_backend.activate()
     try:
-        with cpu_backend.suspended():
-            assert torch.ones(1).type() == "torch.FloatTensor"  # mode lifted
-            assert torch.cuda.current_device() == torch.device("cpu")  # patches kept
-            with cpu_backend.suspended():  # nesting: nothing more to lift
-                assert torch.ones(1).type() == "torch.FloatTensor"
-        assert torch.ones(1).type() == "torch.cuda.FloatTensor"  # back on exit
-        with pytest.raises(ValueError), cpu_backend.suspended():
-            raise ValueError  # and back after an exception
-        assert torch.zeros(1, device="cuda").device.type == "cpu"
+        with cpu_backend.at_megatron():
+            with cpu_backend.suspended():
+                assert torch.ones(1).type() == "torch.FloatTensor"  # mode lifted
+                assert torch.cuda.current_device() == torch.device("cpu")  # patches kept
+                with cpu_backend.suspended():  # nesting: nothing more to lift
+                    assert torch.ones(1).type() == "torch.FloatTensor"
+                with cpu_backend.at_megatron():  # a door inside: the mode again
+                    assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+            assert torch.ones(1).type() == "torch.cuda.FloatTensor"  # back on exit
+            with pytest.raises(ValueError), cpu_backend.suspended():
+                raise ValueError  # and back after an exception
+            assert torch.zeros(1, device="cuda").device.type == "cpu"
     finally:
         if not was_active:
             cpu_backend.deactivate()
     with cpu_backend.suspended():  # inactive: a no-op
         assert torch.ones(1).type() == "torch.FloatTensor"
+
+
+def test_the_mode_is_entered_only_at_megatrons_doors():
+    """Issue 56: the CPU backend's mode is entered at megatron-core's entry points (role
+    build, schedules, optimizer step, checkpoints, resharding) and lifted only inside the
+    engine; no other module names either."""
+    import megarlhf
+
+    root = os.path.dirname(megarlhf.__file__)
+    doors = {"engine/schedule.py", "engine/optimizer.py", "engine/checkpoint.py",
+             "roles/build.py", "inference/reshard.py"}
+    found: dict[str, set[str]] = {"at_megatron": set(), "suspended": set()}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, root)
+                text = open(path).read()
+                for word in found:
+                    if f"cpu_backend.{word}(" in text:
+                        found[word].add(rel)
+    assert found["at_megatron"] == doors
+    assert found["suspended"] and all(p.startswith("engine/") for p in found["suspended"])
 
 
 @pytest.fixture(scope="module")
@@ -172,10 +203,11 @@ def test_loss_functions_run_without_the_mode():
         return model * 2, loss_func
 
     try:
-        output, loss_func = _loss_without_mode(forward_step)(iter([torch.arange(3.0)]),
-                                                              torch.ones(3))
-        assert float(loss_func(output)) == 6.0
-        assert torch.ones(1).type() == "torch.cuda.FloatTensor"  # the mode is back after
+        with cpu_backend.at_megatron():  # as run_schedule calls megatron's schedule
+            output, loss_func = _loss_without_mode(forward_step)(iter([torch.arange(3.0)]),
+                                                                  torch.ones(3))
+            assert float(loss_func(output)) == 6.0
+            assert torch.ones(1).type() == "torch.cuda.FloatTensor"  # the mode is back after
     finally:
         if not was_active:
             cpu_backend.deactivate()

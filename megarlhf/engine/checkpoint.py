@@ -42,6 +42,7 @@ from megarlhf.engine.optimizer_state import (
 from megarlhf.models.gpt import sharded_state_dict, unwrap
 from megarlhf.parallel import watchdog
 from megarlhf.parallel.rank import is_first
+from megarlhf.parallel import cpu_backend
 
 META_FILE = "megarlhf_meta.json"
 LATEST_FILE = "latest"
@@ -191,6 +192,7 @@ def read_meta(path: str) -> dict:
 
 
 @watchdog.labelled("checkpoint save")
+@cpu_backend.at_megatron()
 def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
                     trainer_state: dict | None = None, config: dict | None = None,
                     layout: str = "", keep_last: int | None = None,
@@ -330,6 +332,7 @@ def policy_role(meta: dict, wanted: str | None, path: str) -> str:
 
 
 @watchdog.labelled("checkpoint load")
+@cpu_backend.at_megatron()
 def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: bool = True,
                     load_rng: bool = True, layout: str = "",
                     source_roles: dict[str, str] | None = None,
@@ -402,6 +405,7 @@ def _check_absent(keys: set[str], path: str) -> None:
                          "shape or family?")
 
 
+@cpu_backend.at_megatron()
 def load_parameters(path: str, role: str, chunk, names: list[str]) -> dict[str, torch.Tensor]:
     """Read only the parameters ``names`` of ``role`` from the checkpoint ``path`` into new
     host tensors, whatever layout saved it. ``chunk`` (a TP=1, PP=1, EP=1 model built on

@@ -9,7 +9,6 @@ import torch
 
 from megarlhf.data.packing import balance, budget_groups, padding_counts
 from megarlhf.engine.schedule import forward_only
-from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel import watchdog
 
@@ -58,8 +57,7 @@ def _forward_rows(role, rows, make_batch, forward_step, *, micro_batch_size: int
                   for k in range(0, len(padded), micro_batch_size)]
     local: dict[int, dict] = {}
     counts = (0, 0)
-    with cpu_backend.suspended():  # batching and results: no megatron code
-        batches = [make_batch([rows[i] for i in idx]) for idx in groups] if mine else []
+    batches = [make_batch([rows[i] for i in idx]) for idx in groups] if mine else []
     if mine and lengths is not None and layout.writes_results:
         counts = padding_counts(batches, sum(lengths[i] for i in mine))
     for chunk in role.chunks:
@@ -72,13 +70,12 @@ def _forward_rows(role, rows, make_batch, forward_step, *, micro_batch_size: int
                         micro_batch_size=micro_batch_size)
     if mine and layout.writes_results:
         seen = set()
-        with cpu_backend.suspended():
-            for idx, out in zip(groups, outs):
-                for b, i in enumerate(idx):
-                    if i not in seen:  # the top-up copies come last
-                        seen.add(i)
-                        local[i] = {key: value[b].detach().cpu()
-                                    for key, value in out.items()}
+        for idx, out in zip(groups, outs):
+            for b, i in enumerate(idx):
+                if i not in seen:  # the top-up copies come last
+                    seen.add(i)
+                    local[i] = {key: value[b].detach().cpu()
+                                for key, value in out.items()}
     if not gather:
         return local
     merged: dict[int, dict] = {}

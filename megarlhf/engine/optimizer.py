@@ -176,6 +176,7 @@ def build_optimizer(opt: OptimizerConfig, model: list, *, lr: float, total_steps
     return optimizer, scheduler
 
 
+@cpu_backend.at_megatron()
 def forward_backward(role: TrainedRole, forward_step: Callable, microbatches: list, *,
                      seq_length: int, micro_batch_size: int) -> list:
     """Zero the gradients, then forward/backward every micro-batch through the pipeline
@@ -199,6 +200,7 @@ def _sub_optimizers(optimizer) -> list:
 
 
 @torch.no_grad()
+@cpu_backend.at_megatron()
 def prepare_step(role: TrainedRole) -> tuple[bool, float]:
     """Unscale (fp16) and measure the global gradient norm. Returns (finite, norm); the
     norm is reduced over all ranks holding the model, so every rank gets the same verdict.
@@ -210,6 +212,7 @@ def prepare_step(role: TrainedRole) -> tuple[bool, float]:
 
 
 @torch.no_grad()
+@cpu_backend.at_megatron()
 def apply_step(role: TrainedRole, grad_norm: float) -> None:
     """Clip by the measured norm and step (as megatron's ChainedOptimizer.step does).
     megatron's clip scales only when ``clip_grad / (norm + 1e-6) < 1``; otherwise its loop

@@ -20,6 +20,7 @@ from megarlhf.parallel.launch import to_device
 from megarlhf.parallel.layout import RankLayout
 
 
+@cpu_backend.at_megatron()
 def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[Any], *,
                  layout: RankLayout, seq_length: int, micro_batch_size: int,
                  forward_only: bool, collect_non_loss_data: bool = False) -> list:

@@ -25,14 +25,12 @@ import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
 from megarlhf.inference.kv_cache import kv_cache_bytes
-from megarlhf.parallel import cpu_backend
 from megarlhf.inference.generate import (Generation, SamplingParams, SeededDraws,
                                         _attention_blocked, left_pad, sample_next,
                                         stop_tensor)
 
 
 @torch.no_grad()
-@cpu_backend.suspended()  # the sampling loop names no device megatron redirects
 def generate_continuous(model, prompts: list[list[int]], params: SamplingParams, *,
                         slots: int, eos_id: int, pad_id: int, true_vocab: int,
                         stop_at_eos: bool = True, row_seeds: list[int] | None = None,

@@ -22,7 +22,6 @@ from megarlhf.inference import static_kv
 from megarlhf.inference.kv_cache import kv_cache_bytes
 from megarlhf.models import moe
 from megarlhf.models.gpt import unwrap
-from megarlhf.parallel import cpu_backend
 from megarlhf.speedups import decode_graphs
 
 _NEG = -1e30
@@ -187,7 +186,6 @@ def stop_tensor(params: SamplingParams, eos_id: int, stop_at_eos: bool, device
 
 
 @torch.no_grad()
-@cpu_backend.suspended()  # the sampling loop names no device megatron redirects
 def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id: int,
              pad_id: int, true_vocab: int, stop_at_eos: bool = True,
              generator: torch.Generator | None = None, row_seeds: list[int] | None = None,

@@ -28,6 +28,7 @@ from megarlhf.roles.spec import RoleSpec
 from megarlhf.roles.build import build_chunks
 from megarlhf.parallel.launch import uses_nccl
 from megarlhf.parallel.layout import RankLayout, build_layout
+from megarlhf.parallel import cpu_backend
 
 
 class GlooP2PCopyService(CopyService):
@@ -81,6 +82,7 @@ def inference_layout(tp: int) -> RankLayout:
     return build_layout(Layout(tp=tp))
 
 
+@cpu_backend.at_megatron()
 def build_inference_model(actor: RoleSpec, layout: RankLayout):
     """The actor's model in the inference layout (same global shapes, so resharding maps
     tensors one to one), frozen."""
@@ -189,6 +191,7 @@ class Resharder:
         self.expert_bias = bool(chunks[0].config.moe_router_enable_expert_bias)
 
     @torch.no_grad()
+    @cpu_backend.at_megatron()
     def __call__(self) -> ReshardStats:
         start = time.perf_counter()
         stash = getattr(self.dst, "_megarlhf_stash", None)

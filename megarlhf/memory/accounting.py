@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.roles.offload import part_storages, storage_bytes, unique_storages
-from megarlhf.parallel import cpu_backend
 
 PHASES = ("rollout", "experience", "train", "save")
 PARTS = ("params", "grads", "optimizer", "kv_cache", "activations")
@@ -120,7 +119,6 @@ class MemoryTracker:
         self.parts[key] = max(self.parts.get(key, 0), int(value))
         self.run_parts[key] = max(self.run_parts.get(key, 0), int(value))
 
-    @cpu_backend.suspended()  # walks tensors' storages: no megatron code
     def snapshot(self, phase: str, extra: dict[tuple[str, str], int] | None = None,
                  transient: dict[tuple[str, str], int] | None = None) -> int:
         """Record every role's resident bytes now, plus ``extra`` {(role, part): bytes}

@@ -4,14 +4,22 @@ megatron-core's pipeline schedules, DDP buffers, distributed optimizer, gradient
 clipping and checkpoint saving allocate on ``"cuda"`` / ``torch.cuda.current_device()``,
 call ``torch.cuda.synchronize()`` and test ``param.type() == 'torch.cuda.FloatTensor'``.
 On a machine without CUDA this module redirects exactly those four things (measured
-against megarlhf's pin, megatron-core 0.16.1; docs/design.md), and keeps the cost of the
-mode off the model's forward and backward passes (``suspended``):
+against megarlhf's pin, megatron-core 0.16.1; docs/design.md):
 
 1. ``torch.cuda.current_device()`` returns the CPU device;
 2. a ``TorchFunctionMode`` rewrites ``device="cuda..."`` arguments to CPU;
 3. ``torch.cuda.synchronize()`` is a no-op;
 4. inside that mode ``Tensor.type()`` reports the CUDA type name and ``Tensor.cuda()``
    is the identity.
+
+1 and 3 are process-wide once :func:`activate` ran. The mode (2 and 4) costs a Python call
+per torch call, so it is entered only at megatron-core's doors - :func:`at_megatron` on
+the engine's entry points: building a role (model, DDP, optimizer), the pipeline
+schedules, the optimizer's step, checkpoint save and load, resharding into the inference
+model. Inside those, :func:`suspended` lifts it again around code that names no device
+(the model's forward in a schedule, the loss functions, megatron's backward). Code outside
+the engine (sampling, scoring's arithmetic, the PPO update's batching) never runs under
+it and never mentions it.
 
 It is the only place in megarlhf that special-cases CPU for megatron-core's sake, and
 it activates only when CUDA is absent. ``tests/test_cpu_backend.py`` fails loudly if
@@ -28,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 PINNED_MEGATRON_CORE = "0.16.1"
 
 _CPU = torch.device("cpu")
-_state = {"mode": None, "saved": {}}
+_state = {"mode": None, "saved": {}}  # mode: the TorchFunctionMode, once activated
 
 
 def _is_cuda(device) -> bool:
@@ -81,11 +89,13 @@ def needed() -> bool:
 
 
 def is_active() -> bool:
+    """Whether the redirections are installed (:func:`activate` ran; no CUDA here)."""
     return _state["mode"] is not None
 
 
 def activate() -> bool:
-    """Install the redirections if CUDA is absent. Idempotent; returns whether active."""
+    """Install redirections 1 and 3 if CUDA is absent, and make :func:`at_megatron` enter
+    the mode. Idempotent; returns whether active."""
     if not needed():
         return False
     if is_active():
@@ -96,11 +106,27 @@ def activate() -> bool:
     }
     torch.cuda.current_device = _current_device
     torch.cuda.synchronize = _synchronize
-    mode = _CudaToCpuMode()
-    mode.__enter__()
-    _state["mode"] = mode
+    _state["mode"] = _CudaToCpuMode()
     _suspend_in_backward()
     return True
+
+
+def _on_top(mode) -> bool:
+    depth = torch._C._len_torch_function_stack()
+    return depth > 0 and torch._C._get_function_stack_at(depth - 1) is mode
+
+
+@contextlib.contextmanager
+def at_megatron():
+    """Run the body under the mode (redirections 2 and 4): around a call into megatron-core
+    that allocates on ``"cuda"`` or checks CUDA tensor types. A no-op with CUDA, before
+    :func:`activate`, and when the mode is already on (a door inside a door)."""
+    mode = _state["mode"]
+    if mode is None or _on_top(mode):
+        yield
+        return
+    with mode:
+        yield
 
 
 def _suspend_in_backward() -> None:
@@ -125,7 +151,6 @@ def deactivate() -> None:
     mode = _state["mode"]
     if mode is None:
         return
-    mode.__exit__(None, None, None)
     torch.cuda.current_device = _state["saved"]["current_device"]
     torch.cuda.synchronize = _state["saved"]["synchronize"]
     from megatron.core.pipeline_parallel import schedules
@@ -135,15 +160,16 @@ def deactivate() -> None:
 
 @contextlib.contextmanager
 def suspended():
-    """Run the body without the ``TorchFunctionMode`` (redirections 1 and 3 stay).
+    """Run the body without the ``TorchFunctionMode`` (redirections 1 and 3 stay): inside
+    an :func:`at_megatron` door, around code that names no ``"cuda"`` device.
 
     Every torch call under the mode is dispatched through Python, which costs more than
-    the op itself for the small tensors of CPU runs. Model forwards (training and
-    generation) name no ``"cuda"`` device, so their callers suspend the mode around them;
-    megatron's schedules, DDP and optimizer code around them still run under it."""
+    the op itself for the small tensors of CPU runs. The model's forward in a schedule, the
+    loss functions and megatron's backward name no device, so the engine suspends the mode
+    around them; megatron's schedules, DDP and optimizer code around them still run under
+    it. Outside a door there is nothing to lift: a no-op."""
     mode = _state["mode"]
-    depth = torch._C._len_torch_function_stack()
-    if mode is None or depth == 0 or torch._C._get_function_stack_at(depth - 1) is not mode:
+    if mode is None or not _on_top(mode):
         yield
         return
     with torch.overrides._pop_mode_temporarily():

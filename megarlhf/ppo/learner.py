@@ -17,7 +17,6 @@ from megarlhf.data.datasets import tokenize_dataset
 from megarlhf.models import moe
 from megarlhf.engine.optimizer import check_runaway, forward_backward, step_together
 from megarlhf.engine.steps import make_policy_step, make_value_step, ratio, reduce_logs
-from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
 from megarlhf.rollout.scoring import sequence_lengths
 from megarlhf.parallel.rank import print0
@@ -33,7 +32,6 @@ def _fields(mb: algos.Experience) -> dict:
             "returns": mb.returns_BT}
 
 
-@cpu_backend.suspended()  # batch arithmetic: no megatron code
 def experience_batches(exp: algos.Experience, micro: int, pad_id: int,
                        routing: bool = False) -> list[dict]:
     """Padded micro-batches of ``micro`` samples of ``exp``; ``routing``: with the expert
@@ -49,7 +47,6 @@ def experience_batches(exp: algos.Experience, micro: int, pad_id: int,
     return out
 
 
-@cpu_backend.suspended()  # batch arithmetic: no megatron code
 def packed_experience_batches(mini: algos.Experience, layout, budget: int, pad_id: int,
                               routing: bool = False) -> list[dict]:
     """This data-parallel rank's packed micro-batches of the (global) mini-batch ``mini``:
@@ -135,7 +132,6 @@ class PtxData:
         return out
 
 
-@cpu_backend.suspended()  # batch arithmetic: no megatron code
 def dp_share(exp: algos.Experience, layout) -> algos.Experience:
     """This data-parallel rank's contiguous share of a (global) mini-batch."""
     per_rank = algos.exact_div(len(exp), layout.dp, "ppo.mini_batch_size",
@@ -239,8 +235,7 @@ class Learner:
         budget = ppo.max_tokens_per_micro_batch  # None: padded micro-batches
         positions = [0, 0]  # token positions computed, and real, by this replica's passes
         for epoch in range(ppo.ppo_epochs):
-            with cpu_backend.suspended():  # as experience_batches
-                minis = list(exp.mini_batches(ppo.mini_batch_size, gen))
+            minis = list(exp.mini_batches(ppo.mini_batch_size, gen))
             for mini in minis:
                 for role, fwd in learners:
                     if budget is not None:

@@ -15,6 +15,7 @@ from megarlhf.roles.spec import RoleSpec
 from megarlhf.models.gpt import build_model, fold_head_affine, init_weights
 from megarlhf.parallel.launch import compute_device
 from megarlhf.parallel.layout import RankLayout, build_layout
+from megarlhf.parallel import cpu_backend
 
 
 @dataclass
@@ -61,6 +62,7 @@ def build_chunks(spec: RoleSpec, layout: RankLayout) -> list:
             for vp_stage in range(vpp)]
 
 
+@cpu_backend.at_megatron()
 def build_role(spec: RoleSpec, *, seed: int, total_steps: int = 1) -> Role:
     """Build ``spec`` on its own process groups: seeded init (the same global weights at
     every layout), then its checkpoint when it has one; frozen roles are put in eval mode

@@ -34,7 +34,6 @@ import torch.distributed as dist
 from megarlhf.config import Config
 from megarlhf.data.tools import ToolCallError, error_observation, parse_tool_calls
 from megarlhf.inference.generate import Generation, SamplingParams, generate
-from megarlhf.parallel import cpu_backend
 from megarlhf.rewards.environments import InProcessEnvs, WorkerEnvs, check_reset, check_step
 from megarlhf.rewards.verifiers import Failure, RewardError
 
@@ -159,8 +158,7 @@ class Episodes:
             if tp == 1:
                 return obj
             got = [obj]
-            with cpu_backend.suspended():
-                dist.broadcast_object_list(got, src=dist.get_global_rank(group, 0), group=group)
+            dist.broadcast_object_list(got, src=dist.get_global_rank(group, 0), group=group)
             return got[0]
 
         def fail(ep: Episode, failure: Failure) -> None:

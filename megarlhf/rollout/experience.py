@@ -19,7 +19,6 @@ import torch.distributed as dist
 from megarlhf import algos
 from megarlhf.config import Config
 from megarlhf.models import moe
-from megarlhf.parallel import cpu_backend
 from megarlhf.inference.generate import Generation
 from megarlhf.rollout.sampling import Sampler, dynamic_sampling
 from megarlhf.rollout.scoring import Scorer, fed_tokens
@@ -139,30 +138,29 @@ class ExperienceMaker:
             values = torch.zeros_like(mask)
         # 5. the learning targets and the mismatch correction (no megatron code: without
         # the CPU backend's mode)
-        with cpu_backend.suspended():
-            targets = algos.learning_targets(
-                logprobs_BT=old_lp, ref_logprobs_BT=ref_lp, values_BT=values, scores_B=scores,
-                mask_BT=mask, kl_estimator=ppo.kl_estimator,
-                kl_coef=kl_coef if ppo.kl_reward_on else 0.0,
-                clip_reward_value=ppo.clip_reward_value, whiten_rewards=ppo.whiten_rewards,
-                whiten_unbiased=ppo.whiten_unbiased, estimator=ppo.advantage_estimator,
-                gamma=ppo.gamma, lam=ppo.lam, group_size=ppo.group_size,
-                whiten_advantages=ppo.whiten_advantages, group_norm=ppo.grpo_normalization,
-                turn_rewards_BT=None if gen.env_rewards_BT is None
-                else gen.episode_rewards()[1])
-            policy_mask, is_weights, corr = algos.mismatch_correction(
-                old_lp, rollout_lp, mask, is_cap=ppo.rollout_is_cap,
-                mask_low=ppo.rollout_mask_low, mask_high=ppo.rollout_mask_high)
-            metrics.update(corr)
-            exp = algos.Experience(
-                prompt_tokens_BP=gen.prompt_tokens_BP, prompt_mask_BP=gen.prompt_mask_BP,
-                response_tokens_BT=gen.response_tokens_BT, response_mask_BT=mask,
-                rollout_logprobs_BT=rollout_lp, old_logprobs_BT=old_lp, ref_logprobs_BT=ref_lp,
-                values_BT=values, scores_B=scores, policy_mask_BT=policy_mask,
-                is_weights_BT=is_weights,
-                routing_BLSK=routing, versions_BT=gen.versions_BT,
-                fed_mask_BT=None if gen.observation_BT is None else gen.response_mask_BT,
-                **targets)
+        targets = algos.learning_targets(
+            logprobs_BT=old_lp, ref_logprobs_BT=ref_lp, values_BT=values, scores_B=scores,
+            mask_BT=mask, kl_estimator=ppo.kl_estimator,
+            kl_coef=kl_coef if ppo.kl_reward_on else 0.0,
+            clip_reward_value=ppo.clip_reward_value, whiten_rewards=ppo.whiten_rewards,
+            whiten_unbiased=ppo.whiten_unbiased, estimator=ppo.advantage_estimator,
+            gamma=ppo.gamma, lam=ppo.lam, group_size=ppo.group_size,
+            whiten_advantages=ppo.whiten_advantages, group_norm=ppo.grpo_normalization,
+            turn_rewards_BT=None if gen.env_rewards_BT is None
+            else gen.episode_rewards()[1])
+        policy_mask, is_weights, corr = algos.mismatch_correction(
+            old_lp, rollout_lp, mask, is_cap=ppo.rollout_is_cap,
+            mask_low=ppo.rollout_mask_low, mask_high=ppo.rollout_mask_high)
+        metrics.update(corr)
+        exp = algos.Experience(
+            prompt_tokens_BP=gen.prompt_tokens_BP, prompt_mask_BP=gen.prompt_mask_BP,
+            response_tokens_BT=gen.response_tokens_BT, response_mask_BT=mask,
+            rollout_logprobs_BT=rollout_lp, old_logprobs_BT=old_lp, ref_logprobs_BT=ref_lp,
+            values_BT=values, scores_B=scores, policy_mask_BT=policy_mask,
+            is_weights_BT=is_weights,
+            routing_BLSK=routing, versions_BT=gen.versions_BT,
+            fed_mask_BT=None if gen.observation_BT is None else gen.response_mask_BT,
+            **targets)
         # 6. what it was
         metrics.update(rollout_metrics(exp, gen, has_stop, short, rollout_lp, old_lp,
                                        self.scorer.ref_cache))

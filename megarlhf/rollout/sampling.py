@@ -20,7 +20,6 @@ from megarlhf import algos
 from megarlhf.config import Config
 from megarlhf.models import moe
 from megarlhf.roles.build import Role
-from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel.layout import RankLayout
 from megarlhf.inference.continuous import generate_continuous
@@ -212,7 +211,6 @@ def gen_sequence(gen: Generation, row: int) -> torch.Tensor:
                       gen.response_tokens_BT[row][gen.response_mask_BT[row] == 1]))
 
 
-@cpu_backend.suspended()  # an object all-gather and row merging: no megatron code
 def gather_generations(gen: Generation, prompts: list[list[int]], inf: RankLayout,
                         pad_id: int) -> Generation:
     """Every rank gets every sample, in prompt order (replica r generated prompts r::dp)."""

@@ -23,7 +23,6 @@ from megarlhf.roles.offload import Offloader
 from megarlhf.roles.build import Role
 from megarlhf.engine.steps import make_sequence_step
 from megarlhf.models import moe
-from megarlhf.parallel import cpu_backend
 from megarlhf.inference.generate import Generation
 from megarlhf.rollout.sampling import decode_sample, gen_sequence
 from megarlhf.rewards.verifiers import RewardError
@@ -275,26 +274,24 @@ class Scorer:
         out = torch.zeros(B, T)
         first: dict[str, int] = {}  # key -> the batch row that scores it
         missing, repeats = [], []
-        with cpu_backend.suspended():  # the cache's side: no megatron code
-            keys = [SequenceCache.key(gen_sequence(gen, r)) for r in range(B)]
-            for i, key in enumerate(keys):
-                if key in first:
-                    self.ref_cache.hits += 1
-                    repeats.append(i)
-                    continue
-                hit = self.ref_cache.get(key)
-                if hit is None:
-                    first[key] = i
-                    missing.append(i)
-                else:
-                    out[i, :hit.numel()] = hit
+        keys = [SequenceCache.key(gen_sequence(gen, r)) for r in range(B)]
+        for i, key in enumerate(keys):
+            if key in first:
+                self.ref_cache.hits += 1
+                repeats.append(i)
+                continue
+            hit = self.ref_cache.get(key)
+            if hit is None:
+                first[key] = i
+                missing.append(i)
+            else:
+                out[i, :hit.numel()] = hit
         # Every rank holds the same batch and the same cache, so all agree on the misses.
         if missing:
             scored = self._score_reference(gen, missing)
-            with cpu_backend.suspended():
-                for i in missing:
-                    out[i] = scored[i]
-                    self.ref_cache.put(keys[i], out[i, :int(gen.response_mask_BT[i].sum())])
+            for i in missing:
+                out[i] = scored[i]
+                self.ref_cache.put(keys[i], out[i, :int(gen.response_mask_BT[i].sum())])
         for i in repeats:
             out[i] = out[first[keys[i]]]
         return out
@@ -306,9 +303,8 @@ class Scorer:
         self.ref_offloader.reload()
         scored = self.score(self.reference, gen, rows)
         self.ref_offloader.offload()
-        with cpu_backend.suspended():
-            for i, res in zip(rows, scored):
-                out[i] = res["logprobs"] * gen.response_mask_BT[i]
+        for i, res in zip(rows, scored):
+            out[i] = res["logprobs"] * gen.response_mask_BT[i]
         return out
 
     def reward_scores(self, gen: Generation) -> torch.Tensor:

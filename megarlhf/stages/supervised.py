@@ -21,7 +21,6 @@ from megarlhf.engine.metrics import MetricsLogger
 from megarlhf.engine.optimizer import check_runaway, train_step
 from megarlhf.data.packing import balance, budget_groups
 from megarlhf.models import moe
-from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel.preemption import PreemptionGuard, mark_preempted
 from megarlhf.roles.spec import RoleSpec, check_positions, single_role_spec
@@ -244,12 +243,11 @@ def micro_batches(task: SupervisedTask, items: list, layout: RankLayout, trainin
         share = rank_share(items, layout) if training else rank_share_strided(items, layout)
         batches, length = task.make_batches(share, training)
         return batches, length, task.rows_per_micro_batch
-    with cpu_backend.suspended():  # batch arithmetic: no megatron code
-        lengths = [task.tokens(item) for item in items]
-        share = balance(lengths, layout.dp)[layout.dp_rank]
-        batches = [task.make_packed([items[i] for i in group])
-                   for group in budget_groups(share, lengths, budget,
-                                              what="train.max_tokens_per_micro_batch")]
+    lengths = [task.tokens(item) for item in items]
+    share = balance(lengths, layout.dp)[layout.dp_rank]
+    batches = [task.make_packed([items[i] for i in group])
+               for group in budget_groups(share, lengths, budget,
+                                          what="train.max_tokens_per_micro_batch")]
     return batches, max((b["tokens"].shape[1] for b in batches), default=0), 1
 
 

@@ -21,6 +21,7 @@ from common import build, fixed_sequences, make_config  # noqa: E402
 
 from megarlhf.engine import checkpoint  # noqa: E402
 from megarlhf.engine.checkpoint import RoleState, load_checkpoint, save_checkpoint  # noqa: E402
+from megarlhf.parallel import cpu_backend  # noqa: E402
 from megarlhf.engine.optimizer_state import legacy_plain_state, sub_optimizers  # noqa: E402
 from megarlhf.engine.optimizer import step_together, train_step  # noqa: E402
 from megarlhf.models.logprobs import vocab_parallel_logprobs  # noqa: E402
@@ -226,7 +227,8 @@ def megatron_step_case(results):
                                      microbatches(fixed_sequences(8), 0, 1),
                                      seq_length=SEQ_LEN, micro_batch_size=MICRO)
                 applied, (norm,) = step_together([ours.trained])
-                ok, their_norm, _ = theirs.trained.optimizer.step()
+                with cpu_backend.at_megatron():  # megatron's own step, called directly
+                    ok, their_norm, _ = theirs.trained.optimizer.step()
                 theirs.trained.scheduler.step(increment=1)
                 assert applied and ok
                 norms.append((norm, float(their_norm)))

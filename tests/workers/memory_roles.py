@@ -27,6 +27,7 @@ from common import build, make_config  # noqa: E402
 from megarlhf.memory.accounting import role_bytes  # noqa: E402
 from megarlhf.memory.plan import static_bytes  # noqa: E402
 from megarlhf.models.shapes import chunk_params  # noqa: E402
+from megarlhf.parallel import cpu_backend  # noqa: E402
 from megarlhf.parallel.layout import reset_layouts  # noqa: E402
 
 # name: (arch, kind, tp, pp, vpp, trained, extra overrides)
@@ -47,8 +48,9 @@ def main() -> None:
     for name, (arch, kind, tp, pp, vpp, trained, extra) in CASES.items():
         cfg = make_config(arch, tp, pp, vocab=300, layers=4, extra=extra)
         role = build(cfg, kind, trained=trained)
-        if trained:
-            role.trained.optimizer.step()  # zero gradients; creates Adam's state
+        if trained:  # megatron's own step, called directly: a door of the CPU backend
+            with cpu_backend.at_megatron():
+                role.trained.optimizer.step()  # zero gradients; creates Adam's state
         spec, layout = role.spec, role.layout
         mismatches = []
         for v, chunk in enumerate(role.chunks):
