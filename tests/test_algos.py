@@ -587,3 +587,20 @@ def test_batch_sizes_count_samples_not_prompts():
     assert sizes.num_mini_batches == 1 and sizes.micro_batches_per_mini_batch == 4
     with pytest.raises(ValueError, match="is not divisible by ppo.mini_batch_size"):
         BatchSizes(8, 24, 4, 1, 4).validate()
+
+
+def test_every_derived_seed_keeps_its_value():
+    """algos.seeds.derive_seed holds every seed a run derives (issue 56: one function, not
+    nine multipliers at their call sites). A change here changes every run's samples,
+    orders and shuffles - and the resume of every run saved before it."""
+    from megarlhf.algos.seeds import derive_seed
+
+    assert derive_seed("row", 3, 5) == 3 * 1000003 + 5
+    assert derive_seed("turn", 3, 5, 2) == (3 * 1000003 + 5) * 64 + 2
+    assert derive_seed("refill", 3, 2) == 3 * 65537 + 2
+    assert derive_seed("prompt_round", 3, 2) == derive_seed("supervised_epoch", 3, 2) \
+        == 3 + 7919 * 2
+    assert derive_seed("prompt_epoch", 3, 2) == 3 + 104729 * 2
+    assert derive_seed("ptx", 3) == 34 and derive_seed("update", 3, 4) == 25
+    with pytest.raises(ValueError, match="no seed stream"):
+        derive_seed("rows", 3)

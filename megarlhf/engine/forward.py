@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from megarlhf.data.packing import balance, budget_groups, padding_counts
+from megarlhf.data.packing import budget_groups, padding_counts
 from megarlhf.engine.schedule import forward_only
 from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel import watchdog
@@ -47,11 +47,11 @@ def _forward_rows(role, rows, make_batch, forward_step, *, micro_batch_size: int
     if max_tokens is not None:
         if lengths is None:
             raise ValueError("forward_rows: packed micro-batches need the rows' lengths")
-        mine = balance(list(lengths), layout.dp)[layout.dp_rank]
+        mine = layout.balanced_share(list(lengths))
         groups = budget_groups(mine, list(lengths), max_tokens)
         micro_batch_size = 1  # one packed row per micro-batch
     else:
-        mine = list(range(layout.dp_rank, len(rows), layout.dp))
+        mine = layout.strided_share(len(rows))
         padded = mine + [mine[0]] * (-len(mine) % micro_batch_size) if mine else []
         groups = [padded[k:k + micro_batch_size]
                   for k in range(0, len(padded), micro_batch_size)]

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from megarlhf.algos.experience import exact_div
 from megarlhf.config import Layout
+from megarlhf.data.packing import balance
 from megarlhf.parallel.watchdog import group_timeout
 
 
@@ -47,6 +49,23 @@ class RankLayout:
     @property
     def dp(self) -> int:
         return self.layout.dp(self.world_size)
+
+    # This rank's share of a global batch, the three ways there are:
+    def strided_share(self, n: int) -> list[int]:
+        """Items dp_rank, dp_rank + dp, ... of ``n``: every item once, the shares within
+        one item of each other (rollouts, evaluation, scoring: no exact division)."""
+        return list(range(self.dp_rank, n, self.dp))
+
+    def block_share(self, n: int, what: str) -> range:
+        """The dp_rank-th of dp equal contiguous blocks of ``n`` items (a training batch:
+        ``n`` must divide evenly, else a ConfigError naming ``what``)."""
+        per_rank = exact_div(n, self.dp, what, "the data-parallel size")
+        return range(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
+
+    def balanced_share(self, lengths: list[int]) -> list[int]:
+        """This rank's indices of samples of ``lengths`` tokens, the shares' token counts
+        as even as :func:`megarlhf.data.packing.balance` makes them (packed batches)."""
+        return balance(lengths, self.dp)[self.dp_rank]
 
     @property
     def is_first_stage(self) -> bool:

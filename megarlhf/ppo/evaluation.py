@@ -24,7 +24,7 @@ def make_evaluator(cfg, sampler, eval_ds, tokenizer, gold_fn):
         prompts = eval_ds.prompts[:cfg.ppo.num_eval_prompts]
         (resharder or sampler.resharder)()
         inf = sampler.inference_layout
-        mine_idx = list(range(inf.dp_rank, len(prompts), inf.dp))
+        mine_idx = inf.strided_share(len(prompts))
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, greedy=True,
                                 temperature=cfg.rollout.temperature,
                                 stop_token_ids=sampler.stop_token_ids)

@@ -12,7 +12,7 @@ import torch
 from megarlhf import algos
 from megarlhf.config import Config, ConfigError
 from megarlhf.data.batching import pad_batch, prompt_response_batch
-from megarlhf.data.packing import balance, budget_groups, pack_prompt_response, pack_weighted
+from megarlhf.data.packing import budget_groups, pack_prompt_response, pack_weighted
 from megarlhf.data.datasets import tokenize_dataset
 from megarlhf.models import moe
 from megarlhf.engine.optimizer import check_runaway, forward_backward, step_together
@@ -21,6 +21,7 @@ from megarlhf.parallel.gather import gather_objects
 from megarlhf.rollout.scoring import sequence_lengths
 from megarlhf.parallel.rank import print0
 from megarlhf.parallel import watchdog
+from megarlhf.algos.seeds import derive_seed
 
 
 def _fields(mb: algos.Experience) -> dict:
@@ -54,7 +55,7 @@ def packed_experience_batches(mini: algos.Experience, layout, budget: int, pad_i
     most ``budget`` tokens (``ppo.max_tokens_per_micro_batch``); ``routing`` as
     :func:`experience_batches` takes it."""
     lengths = sequence_lengths(mini)
-    share = balance(lengths, layout.dp)[layout.dp_rank]
+    share = layout.balanced_share(lengths)
     out = []
     for group in budget_groups(share, lengths, budget, what="ppo.max_tokens_per_micro_batch"):
         mb = mini.select(group)
@@ -78,7 +79,7 @@ class PtxData:
         ds = tokenize_dataset(cfg.data.ptx_path, "sft", cfg.data, tokenizer)
         self.examples = ds.examples()
         self.order = torch.randperm(len(self.examples), generator=torch.Generator()
-                                    .manual_seed(cfg.run.seed + 31)).tolist()
+                                    .manual_seed(derive_seed("ptx", cfg.run.seed))).tolist()
         self.batch_size = ppo.ptx_batch_size or ppo.mini_batch_size
         self.coef, self.micro, self.pad_id = ppo.ptx_coef, ppo.micro_batch_size, tokenizer.pad_id
         self.budget = ppo.max_tokens_per_micro_batch  # packed as the actor's updates
@@ -115,15 +116,15 @@ class PtxData:
         if self.budget is not None:
             lengths = [len(toks) for toks, _ in rows]
             out = []
-            for group in budget_groups(balance(lengths, layout.dp)[layout.dp_rank], lengths,
+            for group in budget_groups(layout.balanced_share(lengths), lengths,
                                        self.budget, what="ppo.max_tokens_per_micro_batch"):
                 batch = pack_weighted([rows[i] for i in group], pad_id=self.pad_id)
                 batch["ptx_loss_mask"] = batch.pop("loss_mask")
                 batch["ptx_scale"] = scale
                 out.append(batch)
             return out
-        per_rank = len(rows) // layout.dp
-        mine = rows[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
+        block = layout.block_share(len(rows), "ppo.ptx_batch_size")
+        mine = rows[block.start:block.stop]
         out = []
         for i in range(0, len(mine), self.micro):
             batch = pad_batch(mine[i:i + self.micro], length, self.pad_id)
@@ -134,9 +135,8 @@ class PtxData:
 
 def dp_share(exp: algos.Experience, layout) -> algos.Experience:
     """This data-parallel rank's contiguous share of a (global) mini-batch."""
-    per_rank = algos.exact_div(len(exp), layout.dp, "ppo.mini_batch_size",
-                               "the data-parallel size")
-    return exp.rows(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)
+    block = layout.block_share(len(exp), "ppo.mini_batch_size")
+    return exp.rows(block.start, block.stop)
 
 
 @dataclass
@@ -228,7 +228,7 @@ class Learner:
         learners = ([] if critic_only else [(actor, policy_step)]) \
             + ([(critic, value_step)] if critic is not None else [])
         logs: dict[str, list] = {role.spec.name: [] for role, _ in learners}
-        gen = torch.Generator().manual_seed(cfg.run.seed * 7 + it)
+        gen = torch.Generator().manual_seed(derive_seed("update", cfg.run.seed, it))
         skipped = 0
         step = 0
         moe_sums: dict[str, dict[str, list[float]]] = {}

@@ -35,6 +35,7 @@ from megarlhf.rollout.scoring import RewardSource, Scorer, SequenceCache
 from megarlhf.rewards.verifiers import make_verifier
 from megarlhf.parallel.rank import print0
 from megarlhf.ppo.learner import Learner, PtxData
+from megarlhf.algos.seeds import derive_seed
 
 
 class PhaseHooks:
@@ -275,7 +276,7 @@ class PPOSession:
         prompts of dynamic sampling, a fixed function of (iteration, round)."""
         ppo = self.cfg.ppo
         return _prompt_batch(self.prompts.prompts, ppo.rollout_batch_size, ppo.group_size,
-                             self.cfg.run.seed + 7919 * round_, it)
+                             derive_seed("prompt_round", self.cfg.run.seed, round_), it)
 
     def sample_batch(self, batch: int, version: int) -> Sampled | Later:
         """Batch ``batch``'s prompts sampled (and scored by the reward) by the actor as it
@@ -358,6 +359,7 @@ def _prompt_batch(prompts: list, size: int, group: int, seed: int, it: int) -> l
         epoch, at = divmod(position, len(prompts))
         if epoch not in orders:
             orders[epoch] = torch.randperm(len(prompts), generator=torch.Generator()
-                                           .manual_seed(seed + 104729 * epoch))
+                                           .manual_seed(derive_seed("prompt_epoch", seed,
+                                                                    epoch)))
         idx.append(int(orders[epoch][at]))
     return [prompts[i] for i in idx for _ in range(group)]

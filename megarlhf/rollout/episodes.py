@@ -36,6 +36,7 @@ from megarlhf.data.tools import ToolCallError, error_observation, parse_tool_cal
 from megarlhf.inference.generate import Generation, SamplingParams, generate
 from megarlhf.rewards.environments import InProcessEnvs, WorkerEnvs, check_reset, check_step
 from megarlhf.rewards.verifiers import Failure, RewardError
+from megarlhf.algos.seeds import derive_seed
 
 
 # ------------------------------------------------------------------ one episode
@@ -206,7 +207,7 @@ class Episodes:
                 gen = generate(model, [episodes[j].prompt + episodes[j].tokens for j in rows_],
                                turn_params, eos_id=eos_id, pad_id=pad_id,
                                true_vocab=true_vocab, stats=turn_stats,
-                               row_seeds=[(seed * 1000003 + indices[j]) * 64 + turn
+                               row_seeds=[derive_seed("turn", seed, indices[j], turn)
                                           for j in rows_])
                 kv_bytes = max(kv_bytes, turn_stats["kv_cache_bytes"])
                 for key in ("decode_slots", "idle_decode_slots"):

@@ -20,8 +20,10 @@ from megarlhf import algos
 from megarlhf.config import Config
 from megarlhf.models import moe
 from megarlhf.inference.generate import Generation
+from megarlhf.rollout.remote import RemoteRollout
 from megarlhf.rollout.sampling import Sampler, dynamic_sampling
 from megarlhf.rollout.scoring import Scorer, fed_tokens
+from megarlhf.algos.seeds import derive_seed
 
 
 @dataclass
@@ -57,8 +59,8 @@ class ExperienceMaker:
     cfg: Config
     sampler: Sampler
     scorer: Scorer
-    # rollout.placement=split: the rollout ranks sample (rollout.remote.RemoteRollout)
-    remote: object | None = None
+    # rollout.placement=split: the rollout ranks sample
+    remote: RemoteRollout | None = None
 
     def make(self, prompts: list[list[int]], *, seed: int, kl_coef: float,
              refill: Callable[[int], list[list[int]]] | None = None
@@ -87,7 +89,8 @@ class ExperienceMaker:
             gen, has_stop, scores, more = dynamic_sampling(
                 gen, has_stop, scores, group_size=ppo.group_size,
                 max_rounds=ppo.max_sampling_rounds, pad_id=self.sampler.pad_id,
-                sample_more=lambda round_: self._sample(refill(round_), seed * 65537 + round_))
+                sample_more=lambda round_: self._sample(
+                    refill(round_), derive_seed("refill", seed, round_)))
             metrics.update(more)
         # sampling only; the reward model's passes are timing/reward (+ _refills)
         metrics["timing/rollout"] = (time.perf_counter() - t0 - metrics["timing/reward"]

@@ -300,7 +300,7 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
         inflight = InFlight(split.store, request["request"], model.pg_collection.tp,
                             take_weights) if request["partial"] else None
         prompts = request["prompts"]
-        indices = list(range(inf.dp_rank, len(prompts), inf.dp))
+        indices = inf.strided_share(len(prompts))
         start = time.perf_counter()
         gen_stats: dict = {}
         with watchdog.phase("generation"):

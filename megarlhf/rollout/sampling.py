@@ -23,10 +23,12 @@ from megarlhf.roles.build import Role
 from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel.layout import RankLayout
 from megarlhf.inference.continuous import generate_continuous
-from megarlhf.rollout.episodes import episode_metrics
+from megarlhf.rollout.episodes import Episodes, episode_metrics
+from megarlhf.rollout.hooks import RolloutHooks
 from megarlhf.inference.generate import Generation, SamplingParams, generate
 from megarlhf.inference.reshard import Resharder, release_inference_weights
 from megarlhf.parallel import watchdog
+from megarlhf.algos.seeds import derive_seed
 
 
 @dataclass
@@ -34,19 +36,18 @@ class Sampler:
     cfg: Config
     actor: Role  # trained; its chunks are resharded into ``inference_model``
     inference_layout: RankLayout
-    inference_model: object
+    inference_model: torch.nn.Module
     eos_id: int
     pad_id: int
-    # phase hooks (memory accounting, trained-role offload): before_generate(),
-    # after_generate(kv_cache_bytes) - see ppo.session.PhaseHooks
-    hooks: object | None = None
+    # phase hooks (memory accounting, trained-role offload)
+    hooks: RolloutHooks | None = None
     # free the inference model's weights after each generation (the next reshard
     # rewrites them all): rollout.release_inference_weights
     release_inference: bool = False
     # the model's own end tokens besides EOS (data.tokenizer.Tokenizer.end_ids)
     end_ids: tuple[int, ...] = ()
-    # multi-turn rollouts (rollout.environment): rollout.episodes.Episodes
-    episodes: object | None = None
+    # multi-turn rollouts (rollout.environment)
+    episodes: Episodes | None = None
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -60,7 +61,7 @@ class Sampler:
         with watchdog.phase("resharding the actor into the rollout's model"):
             stats = self.resharder()
         inf = self.inference_layout
-        indices = list(range(inf.dp_rank, len(prompts), inf.dp))
+        indices = inf.strided_share(len(prompts))
         mine = [prompts[i] for i in indices]
         if self.hooks is not None:
             self.hooks.before_generate()
@@ -155,7 +156,7 @@ def row_seeds(seed: int, indices: list[int]) -> list[int]:
     """One seed per (batch seed, prompt index): samples do not depend on the layout or on
     which process samples them, and TP peers of a replica (same gathered logits) draw the
     same tokens."""
-    return [seed * 1000003 + i for i in indices]
+    return [derive_seed("row", seed, i) for i in indices]
 
 
 def dynamic_sampling(gen: Generation, has_stop: torch.Tensor, scores: torch.Tensor, *,

@@ -26,6 +26,7 @@ from megarlhf.models import moe
 from megarlhf.inference.generate import Generation
 from megarlhf.rollout.sampling import decode_sample, gen_sequence
 from megarlhf.rewards.verifiers import RewardError
+from megarlhf.rollout.hooks import RolloutHooks
 
 
 class SequenceCache:
@@ -191,7 +192,7 @@ class Scorer:
     pad_id: int
     micro_batch_size: int = 4
     ref_cache: SequenceCache | None = field(default_factory=SequenceCache)  # None: off
-    hooks: object | None = None  # during_pass() - see ppo.session.PhaseHooks
+    hooks: RolloutHooks | None = None  # during_pass()
     max_tokens: int | None = None  # packed micro-batches of at most this many tokens
     padding: dict = field(default_factory=dict)  # token positions of the passes so far
 

@@ -170,7 +170,7 @@ def gold_evaluator(cfg: Config, tokenizer):
                          resharder=Resharder(role.chunks, model))
         built["resharder"]()
         layout = built["layout"]
-        mine = list(range(layout.dp_rank, len(prompts), layout.dp))
+        mine = layout.strided_share(len(prompts))
         local = torch.zeros(3, dtype=torch.float64)
         pairs = None
         if mine:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megarlhf.config import Config, ConfigError, Written
 from megarlhf.parallel.rank import is_first
 from megarlhf.stages.common import progress
+from megarlhf.algos.seeds import derive_seed
 
 
 def _log(text: str) -> None:
@@ -114,12 +115,13 @@ def run_generate(cfg: Config, tokenizer, *, input_path: str, output_path: str,
     bar = progress(len(prompts), 0, "generate", cfg.logging.progress_bar)
     for start in range(0, len(prompts), batch_size):
         batch = [ids for _, ids in prompts[start:start + batch_size]]
-        mine = list(range(inf.dp_rank, len(batch), inf.dp))
+        mine = inf.strided_share(len(batch))
         if mine:  # one seed per prompt: samples do not depend on the layout
             gen = generate(model, [batch[i] for i in mine], params, eos_id=tokenizer.eos_id,
                            pad_id=tokenizer.pad_id, true_vocab=spec.model.vocab_size,
                            stop_at_eos=r.stop_at_eos,
-                           row_seeds=[cfg.run.seed * 1000003 + start + i for i in mine])
+                           row_seeds=[derive_seed("row", cfg.run.seed, start + i)
+                                      for i in mine])
         else:  # more replicas than prompts left
             gen = Generation(*(torch.zeros(0, 0, dtype=torch.long) for _ in range(6)))
         gen = gather_generations(gen, batch, inf, tokenizer.pad_id)

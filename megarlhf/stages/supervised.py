@@ -19,7 +19,7 @@ from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, save_checkpoint
 from megarlhf.engine.metrics import MetricsLogger
 from megarlhf.engine.optimizer import check_runaway, train_step
-from megarlhf.data.packing import balance, budget_groups
+from megarlhf.data.packing import budget_groups
 from megarlhf.models import moe
 from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel.preemption import PreemptionGuard, mark_preempted
@@ -32,6 +32,7 @@ from megarlhf.parallel.layout import RankLayout
 from megarlhf.parallel.rank import print0
 from megarlhf.stages.common import (MetricBands, check_writable, explain_resume, progress,
                                     run_dir)
+from megarlhf.algos.seeds import derive_seed
 
 
 @dataclass(frozen=True)
@@ -98,15 +99,16 @@ def global_batches(plan: StepPlan, seed: int, start_step: int
     for step in range(start_step, plan.total_steps):
         epoch, within = divmod(step, plan.steps_per_epoch)
         order = torch.randperm(plan.num_samples,
-                               generator=torch.Generator().manual_seed(seed + 7919 * epoch))
+                               generator=torch.Generator().manual_seed(
+                                   derive_seed("supervised_epoch", seed, epoch)))
         start = within * plan.global_batch
         yield step, epoch, order[start:start + plan.global_batch].tolist()
 
 
 def rank_share(items: list, layout: RankLayout) -> list:
     """This data-parallel rank's contiguous share of a global batch."""
-    per_rank = exact_div(len(items), layout.dp, "batch", "the data-parallel size")
-    return items[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
+    block = layout.block_share(len(items), "batch")
+    return items[block.start:block.stop]
 
 
 def save_role(cfg: Config, role: Role, name: str, tag: str, trainer_state: dict,
@@ -244,7 +246,7 @@ def micro_batches(task: SupervisedTask, items: list, layout: RankLayout, trainin
         batches, length = task.make_batches(share, training)
         return batches, length, task.rows_per_micro_batch
     lengths = [task.tokens(item) for item in items]
-    share = balance(lengths, layout.dp)[layout.dp_rank]
+    share = layout.balanced_share(lengths)
     batches = [task.make_packed([items[i] for i in group])
                for group in budget_groups(share, lengths, budget,
                                           what="train.max_tokens_per_micro_batch")]
@@ -279,7 +281,7 @@ def _evaluate(task: SupervisedTask, role: Role, step_fn, budget: int | None
 
 def rank_share_strided(items: list, layout: RankLayout) -> list:
     """Items ``dp_rank::dp_size`` (evaluation: every item once, no exact division)."""
-    return items[layout.dp_rank::layout.dp]
+    return [items[i] for i in layout.strided_share(len(items))]
 
 
 def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_step: int,
