@@ -213,8 +213,8 @@ MUTANTS = [
     Mutant("observations_trained", "multi-turn: the environment's tokens (observations) in "
            "the loss mask, trained as if the model had written them",
            "megarlhf/inference/generate.py",
-           "        return self.response_mask_BT * (1 - self.observation_BT.to(self.response_mask_BT.dtype))",
-           "        return self.response_mask_BT",
+           "        return self.fed_mask_BT * (1 - self.observation_BT.to(self.fed_mask_BT.dtype))",
+           "        return self.fed_mask_BT",
            ("tests/test_multiturn.py::test_episode_tokens_are_the_turns_as_sampled_and_as_"
             "the_template_renders",), ()),
     # the oracles across iterations and of the settings no case used before

@@ -34,7 +34,7 @@ def _batch(batch: int, version: int) -> Sampled:
     """A one-row batch whose tokens name the batch and whose versions the sampler's."""
     mask = torch.tensor([[1, 1, 0]])
     gen = Generation(prompt_tokens_BP=torch.tensor([[batch]]), prompt_mask_BP=torch.ones(1, 1),
-                     response_tokens_BT=torch.tensor([[batch, batch, 0]]), response_mask_BT=mask,
+                     response_tokens_BT=torch.tensor([[batch, batch, 0]]), fed_mask_BT=mask,
                      logprobs_BT=torch.zeros(1, 3), finished_B=torch.tensor([True]),
                      versions_BT=mask * version)
     return Sampled(gen, torch.tensor([True]), torch.tensor([float(batch)]),
@@ -110,6 +110,16 @@ def test_a_waiting_batch_survives_the_checkpoint_format():
         for name in ("response_tokens_BT", "versions_BT", "logprobs_BT"):
             assert torch.equal(getattr(a.gen, name), getattr(c.gen, name))
         assert a.metrics == c.metrics and a.padding == c.padding
+
+
+def test_a_waiting_batch_saved_before_the_mask_was_renamed_still_loads():
+    """Issue 56: Generation's mask of the tokens fed is ``fed_mask_BT`` (it was
+    ``response_mask_BT``, the name an experience batch gives its trained tokens): a
+    checkpoint's waiting batch written under the old name loads with the mask in place."""
+    state = _batch(3, 0).gen.state_dict()
+    state["response_mask_BT"] = state.pop("fed_mask_BT")
+    back = Generation.from_state(state)
+    assert torch.equal(back.fed_mask_BT, _batch(3, 0).gen.fed_mask_BT)
 
 
 # ------------------------------------------------------------------ end to end
@@ -410,7 +420,7 @@ def test_partial_rollouts_switch_weights_mid_batch_with_each_tokens_version(tiny
     queue = torch.load(out / name / "checkpoints" / "iter_000002" / "rollout_queue.pt",
                        weights_only=True)
     gen = queue["batches"]["2"]["gen"]
-    mask = gen["response_mask_BT"].bool()
+    mask = gen["fed_mask_BT"].bool()
     rows, versions, behaviour = [], [], []
     for b in range(mask.shape[0]):
         n = int(mask[b].sum())

@@ -79,7 +79,7 @@ def test_cuda_kv_cached_generation(paths):
     cpu, cuda = paths
     for dtype in ("fp32", "bf16"):
         cached, full = cuda[dtype]["greedy_cached"], cuda[dtype]["greedy_full"]
-        assert cached.response_mask_BT.sum() > 0
+        assert cached.fed_mask_BT.sum() > 0
         if dtype == "fp32":
             assert torch.equal(cached.response_tokens_BT, full.response_tokens_BT)
             assert (cached.logprobs_BT - full.logprobs_BT).abs().max() < FP32_TOL
@@ -87,7 +87,7 @@ def test_cuda_kv_cached_generation(paths):
                        cpu["fp32"]["greedy_cached"].response_tokens_BT)
     sampled = cuda["fp32"]["sampled"]
     for b, prompt in enumerate(PROMPTS):
-        n = int(sampled.response_mask_BT[b].sum())
+        n = int(sampled.fed_mask_BT[b].sum())
         teacher = torch.as_tensor(cuda["fp32"]["teacher"][b])[len(prompt) - 1:][:n]
         assert (teacher - sampled.logprobs_BT[b, :n]).abs().max() < FP32_TOL
 
@@ -102,7 +102,7 @@ def test_bf16_gap_to_fp32_and_rollout_train_mismatch(paths):
     sampled = cuda["bf16"]["sampled"]
     rollout, train = [], []
     for b, prompt in enumerate(PROMPTS):
-        n = int(sampled.response_mask_BT[b].sum())
+        n = int(sampled.fed_mask_BT[b].sum())
         train.append(torch.as_tensor(cuda["bf16"]["teacher"][b])[len(prompt) - 1:][:n])
         rollout.append(sampled.logprobs_BT[b, :n])
     mismatch_max, mismatch_mean = max_gap(rollout, train), mean_gap(rollout, train)

@@ -80,7 +80,7 @@ def test_episode_tokens_are_the_turns_as_sampled_and_as_the_template_renders(tas
                        weights_only=True)["batches"][str(i)]["gen"] for i in (1, 2)]
     multi = 0
     for i, gen in enumerate(gens, 1):
-        obs_mask, mask = gen["observation_BT"], gen["response_mask_BT"]
+        obs_mask, mask = gen["observation_BT"], gen["fed_mask_BT"]
         model_tokens = float((mask - obs_mask).sum()) / mask.shape[0]
         assert rows[i + 1]["rollout/response_len_mean"] == pytest.approx(model_tokens,
                                                                          abs=1e-9)
@@ -90,7 +90,7 @@ def test_episode_tokens_are_the_turns_as_sampled_and_as_the_template_renders(tas
 
 def _check_episodes(gen: dict, tok, end: int) -> int:
     """The checks of the test above on one batch; returns its episodes of several turns."""
-    obs_mask, mask = gen["observation_BT"], gen["response_mask_BT"]
+    obs_mask, mask = gen["observation_BT"], gen["fed_mask_BT"]
     multi = 0
     for b in range(mask.shape[0]):
         prompt = gen["prompt_tokens_BP"][b][gen["prompt_mask_BP"][b].bool()].tolist()
@@ -445,9 +445,9 @@ def test_multi_turn_experience_against_plain_loops(traced_episodes, estimator):
     gen, exp = run["gen"], run["experience"]
     ppo = cfg.ppo
     assert ppo.advantage_estimator == estimator
-    model = gen["response_mask_BT"].float() * (1 - gen["observation_BT"].float())
+    model = gen["fed_mask_BT"].float() * (1 - gen["observation_BT"].float())
     assert torch.equal(exp["response_mask_BT"], model)
-    assert torch.equal(exp["fed_mask_BT"], gen["response_mask_BT"])
+    assert torch.equal(exp["fed_mask_BT"], gen["fed_mask_BT"])
     gaps = [row for row in loops.rows(model) if "10" in "".join(str(int(x)) for x in row)
             .rstrip("0")]
     assert gaps, "no episode with an observation between two model turns"

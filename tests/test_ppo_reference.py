@@ -220,7 +220,7 @@ def sampled_rows(run, s) -> tuple[dict, list[float]]:
     rounds = run["samplings"]
     out = {}
     for key, pad in (("prompt_tokens_BP", run["pad_id"]), ("prompt_mask_BP", 0),
-                     ("response_tokens_BT", run["pad_id"]), ("response_mask_BT", 0)):
+                     ("response_tokens_BT", run["pad_id"]), ("fed_mask_BT", 0)):
         width = max(r["raw"][key].shape[1] for r in rounds)
         out[key] = torch.stack([torch.nn.functional.pad(
             rounds[i]["raw"][key][j], (0, width - rounds[i]["raw"][key].shape[1]),
@@ -240,7 +240,7 @@ def dynamic_selection(run, s) -> dict:
     needed = len(rounds[0]["raw_scores"]) // k
     for i, r in enumerate(rounds):
         cut, stopped = loops.truncated_lengths(r["raw"]["response_tokens_BT"],
-                                               r["raw"]["response_mask_BT"], stop_ids(run, s))
+                                               r["raw"]["fed_mask_BT"], stop_ids(run, s))
         scores = [loops.shaped_score(float(x), st, n, penalty=s["penalty"], mode=s["mode"],
                                      max_len=s["max_len"], buffer=s["buffer"],
                                      overlong=s["overlong"])
@@ -274,7 +274,7 @@ def trained_tokens_and_scores(run, s):
     exp = run["experience"]
     raw, raw_scores = sampled_rows(run, s)
     cut, stopped = loops.truncated_lengths(raw["response_tokens_BT"],
-                                           raw["response_mask_BT"], stop_ids(run, s))
+                                           raw["fed_mask_BT"], stop_ids(run, s))
     B, T = exp["response_tokens_BT"].shape
     assert len(cut) == B
     trained = [0 if n < s["min_tokens"] else n for n in cut]
@@ -310,7 +310,7 @@ def hf_logprobs(model, run, temperature: float = 1.0, top_k: int = 0, top_p: flo
     exp = run["experience"]
     B, T = exp["response_tokens_BT"].shape
     out = torch.zeros(B, T, dtype=torch.float64)
-    n = loops.lengths(run["gen"]["response_mask_BT"])
+    n = loops.lengths(run["gen"]["fed_mask_BT"])
     for b in range(B):
         if not n[b]:
             continue

@@ -27,9 +27,9 @@ def test_kv_cache_greedy_equals_full_recompute(rollout_results, arch):
     gen = rollout_results[0][f"gen_{arch}"]
     cached, full = gen["cached"], gen["full"]
     assert torch.equal(cached.response_tokens_BT, full.response_tokens_BT)
-    assert torch.equal(cached.response_mask_BT, full.response_mask_BT)
+    assert torch.equal(cached.fed_mask_BT, full.fed_mask_BT)
     assert (cached.logprobs_BT - full.logprobs_BT).abs().max() < 1e-5
-    assert cached.response_mask_BT.sum() > 0
+    assert cached.fed_mask_BT.sum() > 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3"])
@@ -43,10 +43,10 @@ def test_static_cache_decodes_as_megatrons_context(rollout_results, arch):
     static, (tail, tail_stats) = gen["static"], gen["tail"]
     for got, want in ((static["greedy"], gen["cached"]), (static["seeded"], tail)):
         assert torch.equal(got.response_tokens_BT, want.response_tokens_BT)
-        assert torch.equal(got.response_mask_BT, want.response_mask_BT)
+        assert torch.equal(got.fed_mask_BT, want.fed_mask_BT)
         assert torch.equal(got.finished_B, want.finished_B)
         assert (got.logprobs_BT - want.logprobs_BT).abs().max() < 1e-5
-    assert len(set(tail.response_mask_BT.sum(1).tolist())) > 1
+    assert len(set(tail.fed_mask_BT.sum(1).tolist())) > 1
     assert static["stats"]["kv_cache_bytes"] == tail_stats["kv_cache_bytes"] > 0
     assert static["stats"]["decode_slots"] == tail_stats["decode_slots"]
     # where CUDA graphs apply: the plain cached generation only
@@ -114,7 +114,7 @@ def test_idle_decode_slots_are_the_stopped_rows_fed(rollout_results, arch):
     """rollout/idle_decode_slots counts, at each decode step, the rows fed that had
     stopped: a row of L tokens in a response W wide idles W - L steps, of W - 1."""
     tail, stats = rollout_results[0][f"gen_{arch}"]["tail"]
-    lengths = tail.response_mask_BT.sum(1)
+    lengths = tail.fed_mask_BT.sum(1)
     width = tail.response_tokens_BT.shape[1]
     assert len(set(lengths.tolist())) > 1  # the rows stop at different columns
     assert stats["decode_slots"] == len(lengths) * (width - 1)
@@ -147,11 +147,11 @@ def test_continuous_batching_samples_what_the_static_batch_does(rollout_results,
     one static batch - greedy, and sampled from per-prompt seeds with rows stopping at
     different columns; its idle slots are the simulated schedule's."""
     static, continuous, stats = rollout_results[0][f"gen_{arch}"]["continuous"][how]
-    lengths = static.response_mask_BT.sum(1).tolist()
+    lengths = static.fed_mask_BT.sum(1).tolist()
     if how == "seeded":  # (greedy, a random model repeats itself: rows may stop alike)
         assert len(set(lengths)) > 1
     assert torch.equal(static.response_tokens_BT, continuous.response_tokens_BT)
-    assert torch.equal(static.response_mask_BT, continuous.response_mask_BT)
+    assert torch.equal(static.fed_mask_BT, continuous.fed_mask_BT)
     assert torch.equal(static.finished_B, continuous.finished_B)
     assert torch.equal(static.prompt_tokens_BP, continuous.prompt_tokens_BP)
     assert (static.logprobs_BT - continuous.logprobs_BT).abs().max() < 1e-5
@@ -165,7 +165,7 @@ def test_responses_are_as_wide_as_the_longest(rollout_results, arch):
     the tokens are those of the run without the stop tokens."""
     gen = rollout_results[0][f"gen_{arch}"]
     cached, stopped = gen["cached"], gen["stopped"]
-    lengths = stopped.response_mask_BT.sum(1)
+    lengths = stopped.fed_mask_BT.sum(1)
     assert stopped.response_tokens_BT.shape[1] == int(lengths.max()) <= 2
     assert stopped.finished_B.all()
     for b, n in enumerate(lengths.tolist()):
@@ -181,12 +181,12 @@ def test_sampled_logprobs_equal_teacher_forced_scoring(rollout_results, arch):
     gen = rollout_results[0][f"gen_{arch}"]
     sampled = gen["sampled"]
     for b, prompt in enumerate(PROMPTS):
-        n = int(sampled.response_mask_BT[b].sum())
+        n = int(sampled.fed_mask_BT[b].sum())
         teacher = gen["teacher"][b][len(prompt) - 1:len(prompt) - 1 + n]
         assert len(teacher) == n
         diff = (torch.tensor(teacher) - sampled.logprobs_BT[b, :n]).abs().max()
         assert diff < 1e-5, (b, diff)
-    assert (sampled.response_mask_BT.sum(1) > 0).all()
+    assert (sampled.fed_mask_BT.sum(1) > 0).all()
 
 
 @pytest.mark.slow
@@ -216,9 +216,9 @@ def test_reshard_from_vpp_samples_as_tp1(rollout_results, arch):
     ref = rollout_results[0][f"{prefix}tp1"]
     got = rollout_results[1][f"{prefix}pp2vpp2_to_tp2"]
     assert torch.equal(ref.response_tokens_BT, got.response_tokens_BT)
-    assert torch.equal(ref.response_mask_BT, got.response_mask_BT)
+    assert torch.equal(ref.fed_mask_BT, got.fed_mask_BT)
     assert (ref.logprobs_BT - got.logprobs_BT).abs().max() < 1e-5
-    assert ref.response_mask_BT.sum() > 4
+    assert ref.fed_mask_BT.sum() > 4
     # the static cache at rollout TP=2 (each rank its half of the heads) samples as TP=1
     assert torch.equal(ref.response_tokens_BT, got.static.response_tokens_BT)
     assert (ref.logprobs_BT - got.static.logprobs_BT).abs().max() < 1e-5
@@ -293,7 +293,7 @@ def test_partial_rollout_tokens_carry_their_version_and_behaviour_logprob(rollou
     cases = rollout_results[0]["partial_llama"]
     case, unswapped = cases[(how, kv)], cases["unswapped"]
     g = case["gen"]
-    mask = g.response_mask_BT.bool()
+    mask = g.fed_mask_BT.bool()
     assert set(g.versions_BT[mask].tolist()) == {0, 1}
     assert (g.versions_BT[~mask] == 0).all()
     for b, prompt in enumerate(PROMPTS):
@@ -308,7 +308,7 @@ def test_partial_rollout_tokens_carry_their_version_and_behaviour_logprob(rollou
         assert first == n or (versions[first:] == 1).all()
         assert torch.allclose(lp[:first], old[:first], rtol=0, atol=1e-5), (b, lp, old)
         # the tokens before the switch are those the old weights alone sample
-        m = min(first, int(unswapped.response_mask_BT[b].sum()))
+        m = min(first, int(unswapped.fed_mask_BT[b].sum()))
         assert torch.equal(g.response_tokens_BT[b, :m], unswapped.response_tokens_BT[b, :m])
         if first == n:
             continue

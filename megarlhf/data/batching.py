@@ -102,18 +102,18 @@ def batch_length(lengths: list[int], multiple: int = 8) -> int:
 
 
 def prompt_response_batch(prompt_tokens_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
-                          response_tokens_BT: torch.Tensor, response_mask_BT: torch.Tensor,
+                          response_tokens_BT: torch.Tensor, fed_mask_BT: torch.Tensor,
                           pad_id: int) -> dict:
     """Left-padded prompts + right-padded responses as one micro-batch: causal attention
     that skips padding, position ids counting real tokens, pad ids replaced, and
     ``last_index`` (B,) at each row's last real token."""
     tokens = torch.cat([prompt_tokens_BP, response_tokens_BT], dim=1)
-    mask = torch.cat([prompt_mask_BP.long(), response_mask_BT.long()], dim=1)
+    mask = torch.cat([prompt_mask_BP.long(), fed_mask_BT.long()], dim=1)
     S = tokens.shape[1]
     allowed = torch.ones(S, S, dtype=torch.bool).tril().view(1, 1, S, S) \
         & (mask == 1).view(-1, 1, 1, S)
     P = prompt_tokens_BP.shape[1]
-    lengths = response_mask_BT.long().sum(dim=1)
+    lengths = fed_mask_BT.long().sum(dim=1)
     return {"tokens": tokens.masked_fill(mask == 0, pad_id),
             "position_ids": (mask.cumsum(dim=1) - 1).clamp(min=0),
             "attention_mask": ~allowed,

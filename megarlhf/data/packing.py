@@ -73,7 +73,7 @@ def budget_groups(indices: list[int], lengths: list[int], budget: int, *,
 
 
 def pack_prompt_response(prompt_tokens_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
-                         response_tokens_BT: torch.Tensor, response_mask_BT: torch.Tensor,
+                         response_tokens_BT: torch.Tensor, fed_mask_BT: torch.Tensor,
                          *, kind: str, pad_id: int = 0) -> dict:
     """The B samples of a prompt + response micro-batch (prompts left-padded, responses
     right-padded, as ``data.batching.prompt_response_batch`` takes them) packed into one
@@ -92,7 +92,7 @@ def pack_prompt_response(prompt_tokens_BP: torch.Tensor, prompt_mask_BP: torch.T
     pieces, starts, keep, unpack, last_keep, source = [], [0], [], [], [], []
     for b in range(B):
         prompt = prompt_tokens_BP[b][prompt_mask_BP[b].bool()]
-        cols = response_mask_BT[b].bool().nonzero().flatten()
+        cols = fed_mask_BT[b].bool().nonzero().flatten()
         source += [b * (P + T) + prompt_mask_BP[b].bool().nonzero().flatten(),
                    b * (P + T) + P + cols]
         start, p = starts[-1], len(prompt)

@@ -39,12 +39,17 @@ class SamplingParams:
 
 @dataclass
 class Generation:
-    """(B, P) left-padded prompts and (B, T) right-padded responses."""
+    """(B, P) left-padded prompts and (B, T) right-padded responses.
+
+    The masks mean one thing each, here and in :class:`megarlhf.algos.Experience`:
+    ``fed_mask_BT`` is every response token the model was fed or sampled (a multi-turn
+    episode's environment tokens too), ``model_mask_BT()`` the ones it sampled - what an
+    experience batch trains on, its ``response_mask_BT``."""
 
     prompt_tokens_BP: torch.Tensor
     prompt_mask_BP: torch.Tensor
     response_tokens_BT: torch.Tensor
-    response_mask_BT: torch.Tensor  # 1 on generated tokens (stop token included)
+    fed_mask_BT: torch.Tensor  # 1 on the response's tokens (stop token included)
     logprobs_BT: torch.Tensor  # of the sampled tokens under softmax(logits / temperature)
     finished_B: torch.Tensor  # ended with a stop token
     # a mixture of experts' choices (rows, layers, the P + T columns, top_k), when recorded
@@ -61,8 +66,8 @@ class Generation:
     def model_mask_BT(self) -> torch.Tensor:
         """1 on the tokens the model sampled (the response but an environment's tokens)."""
         if self.observation_BT is None:
-            return self.response_mask_BT
-        return self.response_mask_BT * (1 - self.observation_BT.to(self.response_mask_BT.dtype))
+            return self.fed_mask_BT
+        return self.fed_mask_BT * (1 - self.observation_BT.to(self.fed_mask_BT.dtype))
 
     def episode_rewards(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Multi-turn: (B,) the last turn's reward (the score, at the last model token) and
@@ -79,8 +84,17 @@ class Generation:
 
     def state_dict(self) -> dict:
         """The fields as plain tensors (or None): what a checkpoint or the split job's
-        bridge carries, loaded with ``weights_only``; ``Generation(**state)`` rebuilds it."""
+        bridge carries, loaded with ``weights_only``; :meth:`from_state` rebuilds it."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Generation":
+        """:meth:`state_dict`'s output back (a checkpoint's waiting batches written before
+        ``fed_mask_BT`` was named so carry it as ``response_mask_BT``)."""
+        state = dict(state)
+        if "response_mask_BT" in state:
+            state["fed_mask_BT"] = state.pop("response_mask_BT")
+        return cls(**state)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,7 +39,7 @@ def make_evaluator(cfg, sampler, eval_ds, tokenizer, gold_fn):
             release_inference_weights(sampler.inference_model)
         local = torch.zeros(3, dtype=torch.float64)
         if inf.tp_rank == 0:
-            local[1] = float(gen.response_mask_BT.sum())
+            local[1] = float(gen.fed_mask_BT.sum())
             local[2] = len(mine_idx)
         if gold_fn:  # every rank: a failed call stops them all
             local[0] = gold_on_some_ranks(gold_fn, [

@@ -213,7 +213,7 @@ class Episodes:
                 for key in ("decode_slots", "idle_decode_slots"):
                     stats[key] = stats.get(key, 0) + turn_stats[key]
                 for b, j in enumerate(rows_):
-                    n = int(gen.response_mask_BT[b].sum())
+                    n = int(gen.fed_mask_BT[b].sum())
                     turns[j] = (gen.response_tokens_BT[b, :n].tolist(),
                                 gen.logprobs_BT[b, :n].tolist())
             stepped = []  # (episode, its turn's text, its stop token)
@@ -335,7 +335,7 @@ def _as_generation(episodes: list[Episode], pad_id: int, error_score: float) -> 
     out = {"prompt_tokens_BP": torch.full((B, P), pad_id, dtype=torch.long),
            "prompt_mask_BP": torch.zeros(B, P, dtype=torch.long),
            "response_tokens_BT": torch.full((B, T), pad_id, dtype=torch.long),
-           "response_mask_BT": torch.zeros(B, T, dtype=torch.long),
+           "fed_mask_BT": torch.zeros(B, T, dtype=torch.long),
            "logprobs_BT": torch.zeros(B, T),
            "observation_BT": torch.zeros(B, T, dtype=torch.long),
            "env_rewards_BT": torch.zeros(B, T)}
@@ -346,7 +346,7 @@ def _as_generation(episodes: list[Episode], pad_id: int, error_score: float) -> 
         out["prompt_mask_BP"][b, P - p:] = 1
         if n:
             out["response_tokens_BT"][b, :n] = torch.tensor(ep.tokens)
-            out["response_mask_BT"][b, :n] = 1
+            out["fed_mask_BT"][b, :n] = 1
             out["logprobs_BT"][b, :n] = torch.tensor(ep.logprobs)
             out["observation_BT"][b, :n] = torch.tensor(ep.observation)
             out["env_rewards_BT"][b, :n] = torch.tensor(ep.rewards)

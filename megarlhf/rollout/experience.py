@@ -49,7 +49,7 @@ class Sampled:
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "Sampled":
-        return cls(gen=Generation(**state["gen"]), has_stop=state["has_stop"],
+        return cls(gen=Generation.from_state(state["gen"]), has_stop=state["has_stop"],
                    scores=state["scores"], metrics=dict(state["metrics"]),
                    padding=dict(state["padding"]))
 
@@ -97,7 +97,7 @@ class ExperienceMaker:
                                      - metrics.get("timing/reward_refills", 0.0))
         # every token's version: the rollout ranks record their own under rollout.partial
         # (a batch can change weights part-way); else all are ``version``'s
-        mask = gen.response_mask_BT.long()
+        mask = gen.fed_mask_BT.long()
         gen = dataclasses.replace(gen, versions_BT=mask * version if gen.versions_BT is None
                                   else gen.versions_BT * mask)
         metrics.update(self.scorer.reward.take_counts())  # a programmatic reward's failures
@@ -162,7 +162,7 @@ class ExperienceMaker:
             values_BT=values, scores_B=scores, policy_mask_BT=policy_mask,
             is_weights_BT=is_weights,
             routing_BLSK=routing, versions_BT=gen.versions_BT,
-            fed_mask_BT=None if gen.observation_BT is None else gen.response_mask_BT,
+            fed_mask_BT=None if gen.observation_BT is None else gen.fed_mask_BT,
             **targets)
         # 6. what it was
         metrics.update(rollout_metrics(exp, gen, has_stop, short, rollout_lp, old_lp,
@@ -190,7 +190,7 @@ class ExperienceMaker:
             print(f"[ppo] warning: {bad} of {len(scores)} rewards are not finite (NaN/inf): "
                   "their samples give non-finite losses and skipped steps", flush=True)
         scores = algos.shape_scores(
-            scores, has_stop, gen.response_mask_BT.sum(dim=1),
+            scores, has_stop, gen.fed_mask_BT.sum(dim=1),
             missing_stop_penalty=ppo.missing_stop_penalty, missing_stop_mode=ppo.missing_stop_mode,
             max_len=self.cfg.rollout.max_new_tokens, overlong_buffer=ppo.overlong_buffer,
             overlong_penalty_value=ppo.overlong_penalty)

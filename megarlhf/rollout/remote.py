@@ -237,7 +237,7 @@ class RemoteRollout:
                                f"{result['version']}, not the {pending.version} asked for")
         metrics = {**pending.metrics, **result["metrics"],
                    "timing/rollout_wait": time.perf_counter() - start}
-        return Generation(**result["gen"]), metrics
+        return Generation.from_state(result["gen"]), metrics
 
     def rollout(self, prompts: list[list[int]], seed: int) -> tuple[Generation, dict]:
         """Sampled by the version the rollout ranks hold (DAPO's extra rounds), waited for."""
@@ -312,7 +312,7 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
         seconds = time.perf_counter() - start
         if inflight is not None:  # each token's version
             gen = dataclasses.replace(gen, versions_BT=torch.where(
-                gen.versions_BT > 0, inflight.version or 0, version) * gen.response_mask_BT)
+                gen.versions_BT > 0, inflight.version or 0, version) * gen.fed_mask_BT)
         with watchdog.phase("gathering the generations"):
             gen = gather_generations(gen, prompts, inf, tokenizer.pad_id)
             metrics = {"timing/generate": seconds, **idle_slots(gen_stats)}
@@ -326,7 +326,7 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
             dist.all_reduce(asked, op=dist.ReduceOp.MAX)
         if inflight is not None:
             version = inflight.seal(version)
-            mask = gen.response_mask_BT.bool()
+            mask = gen.fed_mask_BT.bool()
             metrics["rollout/partial_tokens"] = float(
                 (gen.versions_BT[mask] > request["version"]).double().mean()) \
                 if mask.any() else 0.0

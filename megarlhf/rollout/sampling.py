@@ -95,9 +95,9 @@ class Sampler:
             return gen, gen.finished_B
         stops = sorted(set(self.stop_token_ids) | {self.eos_id})
         tokens, mask, has_stop = algos.truncate_after_stop(
-            gen.response_tokens_BT, gen.response_mask_BT, stops, self.pad_id)
+            gen.response_tokens_BT, gen.fed_mask_BT, stops, self.pad_id)
         return dataclasses.replace(
-            gen, response_tokens_BT=tokens, response_mask_BT=mask,
+            gen, response_tokens_BT=tokens, fed_mask_BT=mask,
             logprobs_BT=gen.logprobs_BT * mask, finished_B=has_stop,
             versions_BT=None if gen.versions_BT is None else gen.versions_BT * mask), has_stop
 
@@ -200,7 +200,7 @@ def dynamic_sampling(gen: Generation, has_stop: torch.Tensor, scores: torch.Tens
 def decode_sample(gen: Generation, row: int, decode: Callable) -> tuple[str, str]:
     """(prompt text, response text without the stop token)."""
     prompt = gen.prompt_tokens_BP[row][gen.prompt_mask_BP[row] == 1].tolist()
-    response = gen.response_tokens_BT[row][gen.response_mask_BT[row] == 1].tolist()
+    response = gen.response_tokens_BT[row][gen.fed_mask_BT[row] == 1].tolist()
     if response and bool(gen.finished_B[row]):
         response = response[:-1]
     return decode(prompt), decode(response)
@@ -209,7 +209,7 @@ def decode_sample(gen: Generation, row: int, decode: Callable) -> tuple[str, str
 def gen_sequence(gen: Generation, row: int) -> torch.Tensor:
     """Row ``row``'s prompt and response tokens, without padding."""
     return torch.cat((gen.prompt_tokens_BP[row][gen.prompt_mask_BP[row] == 1],
-                      gen.response_tokens_BT[row][gen.response_mask_BT[row] == 1]))
+                      gen.response_tokens_BT[row][gen.fed_mask_BT[row] == 1]))
 
 
 def gather_generations(gen: Generation, prompts: list[list[int]], inf: RankLayout,
@@ -248,7 +248,7 @@ def merge_rows(rows: list[tuple[Generation, int]], pad_id: int) -> Generation:
         prompt_tokens_BP=take("prompt_tokens_BP", P, True),
         prompt_mask_BP=take("prompt_mask_BP", P, True),
         response_tokens_BT=take("response_tokens_BT", T, False),
-        response_mask_BT=take("response_mask_BT", T, False),
+        fed_mask_BT=take("fed_mask_BT", T, False),
         logprobs_BT=take("logprobs_BT", T, False),
         finished_B=torch.stack([part.finished_B[j] for part, j in rows]),
         routing_BLSK=merge_routing(rows, P, T),

@@ -88,7 +88,7 @@ class SequenceCache:
 def fed_tokens(gen: Generation) -> torch.Tensor:
     """``(B, P + T)``: the tokens the sampler fed through the model (its routing was
     recorded for them): the prompt and the response but its last sampled token."""
-    fed = gen.response_mask_BT.clone()
+    fed = gen.fed_mask_BT.clone()
     last = fed.sum(dim=1) - 1
     rows = torch.arange(fed.shape[0])[last >= 0]
     fed[rows, last[last >= 0]] = 0
@@ -106,7 +106,7 @@ def sequence_batch_fn(gen: Generation, pad_id: int, routing: str | None = None
     def make_batch(rows: list[int]) -> dict:
         idx = torch.tensor(rows)
         batch = prompt_response_batch(gen.prompt_tokens_BP[idx], gen.prompt_mask_BP[idx],
-                                      gen.response_tokens_BT[idx], gen.response_mask_BT[idx],
+                                      gen.response_tokens_BT[idx], gen.fed_mask_BT[idx],
                                       pad_id)
         return with_routing(batch, gen, idx, routing)
 
@@ -139,7 +139,7 @@ def packed_batch_fn(gen: Generation, kind: str, pad_id: int = 0,
     def make_batch(rows: list[int]) -> dict:
         idx = torch.tensor(rows)
         batch = pack_prompt_response(gen.prompt_tokens_BP[idx], gen.prompt_mask_BP[idx],
-                                     gen.response_tokens_BT[idx], gen.response_mask_BT[idx],
+                                     gen.response_tokens_BT[idx], gen.fed_mask_BT[idx],
                                      kind=kind, pad_id=pad_id)
         return with_routing(batch, gen, idx, routing)
 
@@ -149,7 +149,7 @@ def packed_batch_fn(gen: Generation, kind: str, pad_id: int = 0,
 def sequence_lengths(gen: Generation) -> list[int]:
     """Each sample's real tokens, prompt and response (of a rollout, or of an experience
     batch: its trained response)."""
-    fed = gen.fed_BT if isinstance(gen, algos.Experience) else gen.response_mask_BT
+    fed = gen.fed_BT if isinstance(gen, algos.Experience) else gen.fed_mask_BT
     return (gen.prompt_mask_BP.long().sum(1) + fed.long().sum(1)).tolist()
 
 
@@ -292,7 +292,7 @@ class Scorer:
             scored = self._score_reference(gen, missing)
             for i in missing:
                 out[i] = scored[i]
-                self.ref_cache.put(keys[i], out[i, :int(gen.response_mask_BT[i].sum())])
+                self.ref_cache.put(keys[i], out[i, :int(gen.fed_mask_BT[i].sum())])
         for i in repeats:
             out[i] = out[first[keys[i]]]
         return out
@@ -305,7 +305,7 @@ class Scorer:
         scored = self.score(self.reference, gen, rows)
         self.ref_offloader.offload()
         for i, res in zip(rows, scored):
-            out[i] = res["logprobs"] * gen.response_mask_BT[i]
+            out[i] = res["logprobs"] * gen.fed_mask_BT[i]
         return out
 
     def reward_scores(self, gen: Generation) -> torch.Tensor:

@@ -179,7 +179,7 @@ def gold_evaluator(cfg: Config, tokenizer):
                            true_vocab=role.spec.model.vocab_size, stop_at_eos=r.stop_at_eos)
             if layout.tp_rank == 0:
                 pairs = [decode_sample(gen, b, tokenizer.decode) for b in range(len(mine))]
-                local[1] = float(gen.response_mask_BT.sum())
+                local[1] = float(gen.fed_mask_BT.sum())
                 local[2] = len(mine)
         local[0] = gold_on_some_ranks(gold_fn, pairs)
         if dist.is_initialized() and dist.get_world_size() > 1:

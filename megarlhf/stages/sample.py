@@ -126,7 +126,7 @@ def run_generate(cfg: Config, tokenizer, *, input_path: str, output_path: str,
             gen = Generation(*(torch.zeros(0, 0, dtype=torch.long) for _ in range(6)))
         gen = gather_generations(gen, batch, inf, tokenizer.pad_id)
         for b in range(len(batch)):
-            n = int(gen.response_mask_BT[b].sum())
+            n = int(gen.fed_mask_BT[b].sum())
             ids = gen.response_tokens_BT[b, :n].tolist()
             finished = bool(gen.finished_B[b])
             text_ids = ids[:-1] if finished and ids else ids

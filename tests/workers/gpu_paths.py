@@ -48,7 +48,7 @@ def model_cases(dtype: str, results: dict) -> None:
                        **common, row_seeds=[1000 + i for i in range(len(PROMPTS))])
     samples = []
     for b, prompt in enumerate(PROMPTS):
-        n = int(sampled.response_mask_BT[b].sum())
+        n = int(sampled.fed_mask_BT[b].sum())
         samples.append(prompt + sampled.response_tokens_BT[b, :n].tolist())
     rows = score_sequences(role, samples, micro_batch_size=2, temperature=0.9)
     out["sampled"] = sampled

@@ -89,7 +89,7 @@ def passes(role, gen, packed: bool) -> dict:
     else:
         out = forward_rows(role, rows, sequence_batch_fn(gen, 0), step, micro_batch_size=3,
                            lengths=sequence_lengths(gen), padding=padding)
-    mask = gen.response_mask_BT.float()
+    mask = gen.fed_mask_BT.float()
     keys = ("logprobs", "entropy") if kind == "lm" else ("values", "last")
     res = {k: stack_results(out, k) * (mask if k != "last" else 1.0) for k in keys}
     res["padding_fraction"] = padding["padding"] / padding["computed"]
@@ -98,7 +98,7 @@ def passes(role, gen, packed: bool) -> dict:
 
 def experience(gen, old_logprobs, values) -> algos.Experience:
     g = torch.Generator().manual_seed(11)
-    mask = gen.response_mask_BT.float()
+    mask = gen.fed_mask_BT.float()
     B, T = mask.shape
     return algos.Experience(
         prompt_tokens_BP=gen.prompt_tokens_BP, prompt_mask_BP=gen.prompt_mask_BP,

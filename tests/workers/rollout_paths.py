@@ -55,7 +55,7 @@ def generation_case(arch, results):
     # teacher-forced log-probs of prompt + sampled response, each sequence alone
     seqs = []
     for b, prompt in enumerate(PROMPTS):
-        n = int(sampled.response_mask_BT[b].sum())
+        n = int(sampled.fed_mask_BT[b].sum())
         seqs.append(prompt + sampled.response_tokens_BT[b, :n].tolist())
     rows = score_sequences(scorer, seqs, micro_batch_size=1, temperature=0.9)
     # every row stops by its second token: the responses are two columns wide, not 12
@@ -196,7 +196,7 @@ def partial_case(arch, results, swap_after=3):
                  generate_continuous(model, PROMPTS, params, slots=2, **common, **kw))
             seqs, responses = [], []
             for b, prompt in enumerate(PROMPTS):
-                n = int(g.response_mask_BT[b].sum())
+                n = int(g.fed_mask_BT[b].sum())
                 responses.append(g.response_tokens_BT[b, :n].tolist())
                 seqs.append(prompt + responses[-1])
             case = {"gen": g, "old": teacher(old, seqs), "new": teacher(new, seqs)}
