@@ -218,12 +218,12 @@ MUTANTS = [
            ("tests/test_multiturn.py::test_episode_tokens_are_the_turns_as_sampled_and_as_"
             "the_template_renders",), ()),
     # the oracles across iterations and of the settings no case used before
-    fast(Mutant("kl_controller_error_unclipped", "the adaptive KL controller's proportional "
-                "error not clipped to +-0.2", "megarlhf/algos/kl.py",
-                "proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)",
-                "proportional_error = current_kl / self.target - 1.0",
-                (ref("test_what_one_iteration_hands_the_next", "three_iterations"),),
-                ("three_iterations",))),
+    Mutant("kl_controller_error_unclipped", "the adaptive KL controller's proportional "
+           "error not clipped to +-0.2", "megarlhf/algos/kl.py",
+           "proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)",
+           "proportional_error = current_kl / self.target - 1.0",
+           (ref("test_what_one_iteration_hands_the_next", "three_iterations"),),
+           ("three_iterations",)),
     fast(Mutant("warmup_trains_the_actor", "ppo.critic_warmup_iterations: the actor trained "
                 "in the critic's warm-up too", "megarlhf/ppo/session.py",
                 "train_critic_only = it < ppo.critic_warmup_iterations",
@@ -245,12 +245,12 @@ MUTANTS = [
                 "scaled = logits_BV",
                 (ref("test_logprobs_against_transformers", "gae_temperature_top"),),
                 ("gae_temperature_top",))),
-    fast(Mutant("is_weights_not_truncated", "ppo.rollout_is_cap: the importance weights "
-                "not truncated at the cap", "megarlhf/algos/mismatch.py",
-                "weights = torch.where(valid, r.clamp(max=is_cap), weights)",
-                "weights = torch.where(valid, r, weights)",
-                (ref("test_experience_against_plain_loops", "three_iterations"),),
-                ("three_iterations",))),
+    Mutant("is_weights_not_truncated", "ppo.rollout_is_cap: the importance weights "
+           "not truncated at the cap", "megarlhf/algos/mismatch.py",
+           "weights = torch.where(valid, r.clamp(max=is_cap), weights)",
+           "weights = torch.where(valid, r, weights)",
+           (ref("test_experience_against_plain_loops", "three_iterations"),),
+           ("three_iterations",)),
     Mutant("turn_rewards_dropped", "multi-turn: the earlier turns' rewards left out of the "
            "per-token rewards (GAE, REINFORCE++)", "megarlhf/algos/targets.py",
            "        rewards = rewards + turns", "        rewards = rewards",

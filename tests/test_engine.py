@@ -192,9 +192,20 @@ def test_resume_is_bitwise_and_reshardable(task, tmp_path):
     for step in range(13, 19):  # measured: at most 9.0e-7 (3.6e-6 on an AMD EPYC)
         assert abs(back[step] - unbroken[step]) < RESHARD_TOL, (step, back[step],
                                                                 unbroken[step])
-    # Adam's state lost in the move would show: the same DP=2 resume from a copy of the
-    # checkpoint whose optimizer starts afresh (weights, data position, step, RNG and the
-    # constant learning rate kept) misses the unbroken run by far more.
+    # (That the tolerance would see Adam's state lost in the move:
+    # test_a_resume_without_adams_state_misses_the_unbroken_run, extended.)
+
+
+@pytest.mark.extended
+def test_a_resume_without_adams_state_misses_the_unbroken_run(task, tmp_path):
+    """The control of the DP=1 -> DP=2 resume above: the same resume from a copy of the
+    checkpoint whose optimizer starts afresh (weights, data position, step, RNG and the
+    constant learning rate kept) misses the unbroken run by far more than its tolerance."""
+    common = ("optimizer.lr_schedule=constant", "optimizer.warmup_steps=0",
+              "checkpoint.save_interval=6", "data.packing=false")
+    run_cli(*sft_args(task, tmp_path, "unbroken", "train.max_steps=12", *common))
+    run_cli(*sft_args(task, tmp_path, "broken", "train.max_steps=6", *common))
+    unbroken = losses(tmp_path, "unbroken")
     subprocess.run([sys.executable, os.path.join(ROOT, "tests", "workers",
                                                  "fresh_optimizer.py"),
                     os.path.join(tmp_path, "broken", "checkpoints", "step_0000006"),

@@ -270,7 +270,9 @@ def close(a, b, what):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=lambda c: IDS(*c))
+@pytest.mark.parametrize("case", [  # the 4-process combinations in the extended tier
+    pytest.param(c, marks=pytest.mark.extended if c[1] * c[2] * c[4] == 4 else ())
+    for c in CASES], ids=lambda c: IDS(*c))
 def test_packed_passes_equal_the_single_process_padded_ones(layouts, case):
     ref, got = layouts[(case[0], 1, 1, 1, 1)], layouts[case]
     for key in ("logprobs", "entropy", "values", "last"):
