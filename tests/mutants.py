@@ -224,20 +224,20 @@ MUTANTS = [
            "proportional_error = current_kl / self.target - 1.0",
            (ref("test_what_one_iteration_hands_the_next", "three_iterations"),),
            ("three_iterations",)),
-    fast(Mutant("warmup_trains_the_actor", "ppo.critic_warmup_iterations: the actor trained "
-                "in the critic's warm-up too", "megarlhf/ppo/session.py",
-                "train_critic_only = it < ppo.critic_warmup_iterations",
-                "train_critic_only = False",
-                (ref("test_each_step_lowers_its_mini_batch_loss", "three_iterations"),),
-                ("three_iterations",))),
-    fast(Mutant("epoch_wraps_in_the_old_order", "a batch that crosses the end of an epoch "
-                "goes on in the ending epoch's order: some prompts twice in the next epoch, "
-                "some never (the bug the three-iteration trace found)",
-                "megarlhf/ppo/session.py",
-                "        epoch, at = divmod(position, len(prompts))",
-                "        epoch, at = it * size // len(prompts), position % len(prompts)",
-                (ref("test_what_one_iteration_hands_the_next", "three_iterations"),),
-                ("three_iterations",))),
+    Mutant("warmup_trains_the_actor", "ppo.critic_warmup_iterations: the actor trained "
+           "in the critic's warm-up too", "megarlhf/ppo/session.py",
+           "train_critic_only = it < ppo.critic_warmup_iterations",
+           "train_critic_only = False",
+           (ref("test_each_step_lowers_its_mini_batch_loss", "three_iterations"),),
+           ("three_iterations",)),
+    Mutant("epoch_wraps_in_the_old_order", "a batch that crosses the end of an epoch "
+           "goes on in the ending epoch's order: some prompts twice in the next epoch, "
+           "some never (the bug the three-iteration trace found)",
+           "megarlhf/ppo/session.py",
+           "        epoch, at = divmod(position, len(prompts))",
+           "        epoch, at = it * size // len(prompts), position % len(prompts)",
+           (ref("test_what_one_iteration_hands_the_next", "three_iterations"),),
+           ("three_iterations",)),
     fast(Mutant("sampler_ignores_temperature", "rollout.temperature: the sampler draws and "
                 "scores at temperature 1", "megarlhf/inference/generate.py",
                 "scaled = logits_BV / params.temperature if params.temperature != 1.0 "

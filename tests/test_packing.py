@@ -261,6 +261,10 @@ CASES = [("llama", 1, 1, 1, 1), ("llama", 2, 1, 1, 1), ("llama", 1, 2, 1, 1),
          ("llama", 1, 2, 2, 1), ("llama", 1, 1, 1, 2), ("llama", 2, 2, 1, 1),
          ("llama", 1, 2, 1, 2), ("gpt2", 1, 1, 1, 1), ("gpt2", 2, 1, 1, 1)]
 IDS = "{}-tp{}-pp{}-vpp{}-dp{}".format
+# the 4-process combinations (TP=2 x PP=2, PP=2 x DP=2) in the extended tier: the fast
+# tier keeps every dimension alone (and never starts the 4-process worker)
+TIERED = [pytest.param(c, marks=pytest.mark.extended if c[1] * c[2] * c[4] == 4 else ())
+          for c in CASES]
 
 
 def close(a, b, what):
@@ -270,9 +274,7 @@ def close(a, b, what):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [  # the 4-process combinations in the extended tier
-    pytest.param(c, marks=pytest.mark.extended if c[1] * c[2] * c[4] == 4 else ())
-    for c in CASES], ids=lambda c: IDS(*c))
+@pytest.mark.parametrize("case", TIERED, ids=lambda c: IDS(*c))
 def test_packed_passes_equal_the_single_process_padded_ones(layouts, case):
     ref, got = layouts[(case[0], 1, 1, 1, 1)], layouts[case]
     for key in ("logprobs", "entropy", "values", "last"):
@@ -283,7 +285,7 @@ def test_packed_passes_equal_the_single_process_padded_ones(layouts, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=lambda c: IDS(*c))
+@pytest.mark.parametrize("case", TIERED, ids=lambda c: IDS(*c))
 @pytest.mark.parametrize("role", ["actor", "critic"])
 def test_packed_update_equals_the_padded_one(layouts, case, role):
     """Every loss as the metrics report it (its sum over the mini-batch over the loss
@@ -304,7 +306,7 @@ def test_packed_update_equals_the_padded_one(layouts, case, role):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=lambda c: IDS(*c))
+@pytest.mark.parametrize("case", TIERED, ids=lambda c: IDS(*c))
 def test_packed_update_at_the_old_policy_is_a_no_op(layouts, case):
     """Old log-probs from the packed experience pass, the update packed at another budget
     (other micro-batches, other neighbours): the ratio is exactly 1."""
@@ -313,7 +315,7 @@ def test_packed_update_at_the_old_policy_is_a_no_op(layouts, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=lambda c: IDS(*c))
+@pytest.mark.parametrize("case", TIERED, ids=lambda c: IDS(*c))
 @pytest.mark.parametrize("task", ["sft", "rm", "dpo", "distill"])
 def test_packed_supervised_losses_equal_the_padded_ones(layouts, case, task):
     """SFT, the reward model's pairwise loss, DPO and distillation on the micro-batches

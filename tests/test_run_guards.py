@@ -224,6 +224,7 @@ def test_a_supervised_run_stops_at_its_loss_band(tiny_checkpoints):
     assert not (out / "band-sft" / "checkpoints" / "latest").exists()
 
 
+@pytest.mark.extended
 def test_metric_bands_stop_every_rank():
     """Two ranks, a metric only rank 0 holds: both stop together (tests/workers)."""
     from conftest import WORKERS, torchrun
