@@ -25,7 +25,15 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target /tmp/site .whl/*.whl || exit 1
 # the repository on the path too: test workers run as scripts (locally the package is installed)
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MEGARLHF_TINY_DIR=/tmp/tiny
-. bench/gpu_step.sh  # step NAME SECONDS COMMAND...
+step() {  # step NAME SECONDS COMMAND...: timed, its output kept in $OUT/NAME.txt
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    echo "== $name (limit ${limit} s): $*"
+    timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+    local rc=$?
+    tail -n 25 "$OUT/$name.txt"
+    echo "== $name: exit $rc after $((SECONDS - start)) s"
+}
 {
     date -u
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

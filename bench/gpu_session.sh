@@ -36,7 +36,15 @@ WHEEL=transformer_engine_cu13-2.10.0-py3-none-manylinux_2_28_x86_64.whl
 SHA=b8ee7bd6cef455e07bad61d645af290940aa58856d70fda05e1f973353a85349
 mkdir -p "$OUT" "$TE" "$WORK"
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 MEGARLHF_TINY_DIR=/tmp/tiny
-. bench/gpu_step.sh  # step NAME SECONDS COMMAND...
+step() {  # step NAME SECONDS COMMAND...: timed, its output kept in $OUT/NAME.txt
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    echo "== $name (limit ${limit} s): $*"
+    timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+    local rc=$?
+    grep -v "warn" "$OUT/$name.txt" | tail -n 30
+    echo "== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$OUT/$name.txt"
+}
 case $STAGE in
 1)
     {
