@@ -12,12 +12,12 @@ other; the first ``--warmup`` iterations are not counted. Rows:
 
 - ``sync``: colocated, one process with 2 threads (``run.num_threads=2``);
 - ``sync-k1``: colocated at k = 1 (the schedule alone: nothing overlaps);
-- ``split-k0`` / ``split-k1`` / ``split-k2``: ``rollout.placement=split``, 2 processes of
+- ``split-k0`` / ``split-k1`` / ``split-k2``: ``rollout.placement.mode=split``, 2 processes of
   1 thread: process 1 samples, process 0 scores and trains; at k >= 1 they overlap;
 - ``sync-slots`` / ``split-k1-slots``: ``sync`` / ``split-k1`` with continuous batching,
   8 decode slots for the 16 samples (``rollout.decode_slots``);
 - ``split-k1-partial`` / ``split-k2-partial`` / ``split-k1-slots-partial``: with partial
-  rollouts (``rollout.partial``: each update taken by the batch being sampled, its keys
+  rollouts (``rollout.placement.partial``: each update taken by the batch being sampled, its keys
   and values recomputed); ``split-k1-partial-keep``: the keys and values kept;
 - ``trl-grpo``: TRL's ``GRPOTrainer`` at the same shape (:func:`trl_grpo`), 2 threads.
 
@@ -55,7 +55,7 @@ import ppo_vs_trl as bench  # noqa: E402
 from common import ROOT, machine  # noqa: E402
 
 GROUP = 4
-SPLIT = ["rollout.placement=split", "rollout.ranks=1"]
+SPLIT = ["rollout.placement.mode=split", "rollout.placement.ranks=1"]
 ROWS = {
     "sync": (1, ["run.num_threads=2"]),
     "sync-k1": (1, ["run.num_threads=2", "ppo.max_staleness=1"]),
@@ -69,13 +69,13 @@ ROWS = {
     # partial rollouts: each update is taken by the batch being sampled, between two decode
     # steps (the keys and values recomputed, or kept)
     "split-k1-partial": (2, ["run.num_threads=1", *SPLIT, "ppo.max_staleness=1",
-                             "rollout.partial=true"]),
+                             "rollout.placement.partial=true"]),
     "split-k1-partial-keep": (2, ["run.num_threads=1", *SPLIT, "ppo.max_staleness=1",
-                                  "rollout.partial=true", "rollout.partial_kv=keep"]),
+                                  "rollout.placement.partial=true", "rollout.placement.partial_kv=keep"]),
     "split-k2-partial": (2, ["run.num_threads=1", *SPLIT, "ppo.max_staleness=2",
-                             "rollout.partial=true"]),
+                             "rollout.placement.partial=true"]),
     "split-k1-slots-partial": (2, ["run.num_threads=1", *SPLIT, "ppo.max_staleness=1",
-                                   "rollout.decode_slots=8", "rollout.partial=true"]),
+                                   "rollout.decode_slots=8", "rollout.placement.partial=true"]),
 }
 
 
@@ -84,8 +84,8 @@ def overrides(folder: str, iterations: int, batch: int) -> list[str]:
     base = [o for o in bench.megarlhf_overrides(folder, "longtail")
             if not o.startswith(("ppo.rollout_batch_size=", "ppo.mini_batch_size=",
                                  "ppo.micro_batch_size=", "ppo.ppo_epochs=",
-                                 "ppo.num_iterations=", "ppo.kl_controller=",
-                                 "ppo.init_kl_coef=", "rollout.recompute_logprobs=",
+                                 "ppo.num_iterations=", "ppo.kl.controller=",
+                                 "ppo.kl.init_coef=", "rollout.recompute_logprobs=",
                                  "run.num_threads=", "ppo.critic_init=",
                                  "optimizer.critic_lr=", "rollout.forward_micro_batch_size="))]
     longest = bench.PROMPT + bench.RESPONSE
@@ -93,7 +93,7 @@ def overrides(folder: str, iterations: int, batch: int) -> list[str]:
         "ppo.advantage_estimator=grpo", f"ppo.group_size={GROUP}",
         f"ppo.rollout_batch_size={batch // GROUP}", f"ppo.mini_batch_size={batch}",
         f"ppo.micro_batch_size={batch}", "ppo.ppo_epochs=1", f"ppo.num_iterations={iterations}",
-        "ppo.kl_controller=fixed", "ppo.init_kl_coef=0", "ppo.kl_loss_coef=0.04",
+        "ppo.kl.controller=fixed", "ppo.kl.init_coef=0", "ppo.kl.loss_coef=0.04",
         "rollout.recompute_logprobs=true", "checkpoint.save_interval=0",
         f"ppo.eval_interval={iterations}", "ppo.num_eval_prompts=4",
         f"data.eval_path={os.path.join(folder, 'prompts.jsonl')}",

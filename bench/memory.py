@@ -50,7 +50,7 @@ def ppo_config(folder: str, level: str, accounting: bool = True):
         "ppo.critic_init=reward", f"ppo.rollout_batch_size={BATCH}",
         f"ppo.mini_batch_size={BATCH // MINI_BATCHES}",
         f"ppo.micro_batch_size={BATCH // MINI_BATCHES}", f"ppo.ppo_epochs={EPOCHS}",
-        "ppo.kl_controller=fixed", f"rollout.max_new_tokens={RESPONSE}",
+        "ppo.kl.controller=fixed", f"rollout.max_new_tokens={RESPONSE}",
         "rollout.stop_at_eos=false", "logging.tensorboard=false",
         "logging.progress_bar=false", f"logging.memory_metrics={str(accounting).lower()}",
         f"roles.actor.offload={level}", f"roles.critic.offload={level}"])

@@ -233,7 +233,7 @@ def megarlhf_overrides(folder: str, variant: str) -> list[str]:
         "ppo.critic_init=reward", f"ppo.rollout_batch_size={BATCH}",
         f"ppo.mini_batch_size={BATCH // MINI_BATCHES}",
         f"ppo.micro_batch_size={BATCH // MINI_BATCHES}", f"ppo.ppo_epochs={EPOCHS}",
-        "ppo.num_iterations=1000", "ppo.kl_controller=fixed", f"ppo.init_kl_coef={KL_COEF}",
+        "ppo.num_iterations=1000", "ppo.kl.controller=fixed", f"ppo.kl.init_coef={KL_COEF}",
         f"rollout.max_new_tokens={RESPONSE}", "rollout.temperature=1.0",
         f"rollout.stop_at_eos={str(variant != 'fixed').lower()}",
         # TRL's missing_eos_penalty=None: a response cut at the length limit keeps its score

@@ -94,7 +94,7 @@ def _resolved_roles(cfg: Config, written, world_size: int) -> str:
         view[name] = entry
     where = f"world size {world_size}" if job == world_size else \
         (f"world size {world_size}: the training processes of a job of {job}, whose last "
-         f"{job - world_size} only sample (rollout.placement=split)")
+         f"{job - world_size} only sample (rollout.placement.mode=split)")
     return (f"# resolved roles at {where} (models from their checkpoints, "
             "layouts defaulting to the actor's):\n"
             + yaml.safe_dump({"resolved_roles": view}, sort_keys=False))
@@ -244,8 +244,9 @@ STAGES = [
      "reward roles, each at its own layout",
      "example:\n  megarlhf ppo configs/demo/ppo.yaml ppo.sft_checkpoint=runs/demo/sft-tiny/"
      "checkpoints ppo.reward_checkpoint=runs/demo/rm-tiny/checkpoints\n\nGRPO: ppo.advantage_estimator=grpo "
-     "ppo.group_size=8 ppo.kl_loss_coef=0.04 (GRPO keeps the KL out of the reward, so "
-     "ppo.init_kl_coef and an adaptive controller are refused there).\n\nMemory: roles.actor.offload="
+     "ppo.group_size=8 ppo.kl.loss_coef=0.04 (GRPO keeps the KL out of the reward, so "
+     "ppo.kl.init_coef and an adaptive controller are refused there).\n\nMemory: "
+     "roles.actor.offload="
      "optimizer|optimizer+grads|all (and roles.critic.offload) moves the trained roles' state "
      "off the GPU during the rollout; memory/<phase>/<role>/<part> metrics and an end-of-run "
      "table report what each phase held; `megarlhf plan CONFIG` predicts it.\n\ndata: rows with 'prompt' text or chat 'messages' ending with the user's turn. "

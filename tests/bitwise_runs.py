@@ -18,7 +18,9 @@ runs of the same code):
 ``--against BEFORE`` then compares metric for metric with ``==`` (not a tolerance) and
 exits 1 naming every difference. Run it on the tree before the refactor (say into
 /tmp/before), then on the tree after; ``--setup`` lets both read the same tiny models
-(the moves do not touch SFT or RM training).
+(the moves do not touch SFT or RM training). Leave OMP_NUM_THREADS unset: the recorded runs
+used torch's default threads in their single-process jobs, and one thread there rounds
+differently.
 """
 
 from __future__ import annotations
@@ -83,13 +85,13 @@ def runs(setup: str, out: str) -> dict[str, tuple[int, list[str], dict | None, s
         "colocated": (1, [*ppo, actor, "ppo.num_iterations=2",
                           f"run.output_dir={out}/colocated"], None, "ppo-tiny"),
         "split_k1": (2, [*ppo, actor, "ppo.num_iterations=3", "ppo.max_staleness=1",
-                         "rollout.placement=split", "rollout.ranks=1",
+                         "rollout.placement.mode=split", "rollout.placement.ranks=1",
                          f"run.output_dir={out}/split_k1"], None, "ppo-tiny"),
         "multiturn": (1, ["ppo", "configs/demo/tool_grpo.yaml",
                           f"tokenizer.path={tool['tokenizer']}", f"data.train_path={tool['rows']}",
                           "data.eval_path=null",
                           f"ppo.sft_checkpoint={s['tool_dir']}/tool-sft/checkpoints",
-                          "rollout.environment=envs:Reward2ndTurn", "ppo.rollout_batch_size=4",
+                          "rollout.environment.name=envs:Reward2ndTurn", "ppo.rollout_batch_size=4",
                           "ppo.group_size=2", "ppo.mini_batch_size=8", "ppo.micro_batch_size=8",
                           "ppo.num_iterations=2", "checkpoint.save_interval=0",
                           f"run.output_dir={out}/multiturn", *QUIET], ENV, "tool-grpo"),

@@ -10,7 +10,8 @@ An object is known to be a section (a config dataclass) when it is
 - ``getattr(roles, name)`` on a section whose fields all hold one class (the roles);
 - ``a or b``, ``a if c else b`` of such objects.
 A field is read by ``obj.field`` or ``getattr(obj, "field")``, through a property or method
-of its class that reads ``self.field`` (``model.ffn_size``, ``parallel.layout``), or by ``getattr(obj, key)`` with a
+of its class that reads ``self.field`` or ``self.section.field`` (``model.ffn_size``,
+``parallel.layout``, ``ppo.kl_reward_on``), or by ``getattr(obj, key)`` with a
 non-constant key in a module whose string constants name the field (a table of columns).
 Calls such as ``dataclasses.asdict`` and the config package's own validation do not
 count: a field only the loader touches does nothing.
@@ -83,6 +84,10 @@ def properties(schema_source: str, classes: dict[str, type]) -> dict[type, dict[
             if isinstance(item, ast.FunctionDef) and not item.name.startswith("__"):
                 reads = {n.attr for n in ast.walk(item) if isinstance(n, ast.Attribute)
                          and isinstance(n.value, ast.Name) and n.value.id == "self"}
+                reads |= {f"{n.value.attr}.{n.attr}" for n in ast.walk(item)
+                          if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
+                          and isinstance(n.value.value, ast.Name)
+                          and n.value.value.id == "self"}  # self.kl.in_reward
                 out.setdefault(cls, {})[item.name] = reads
     return out
 
@@ -136,7 +141,10 @@ class _Scanner:
         if name in self.fields[cls]:
             self.reads.add((cls, name))
         for field in self.props.get(cls, {}).get(name, ()):
-            if field in self.fields[cls]:
+            section, _, inner = field.partition(".")
+            if inner and section in self.children[cls]:
+                self.reads.add((self.children[cls][section], inner))
+            elif field in self.fields[cls]:
                 self.reads.add((cls, field))
 
     def scan_module(self, tree: ast.Module) -> None:

@@ -183,28 +183,28 @@ MUTANTS = [
            '                "objects": {"rollout_queue_": self.rollouts.state_dict(),',
            ("tests/test_async.py::"
             "test_stale_grpo_follows_the_schedule_and_resumes_exactly_after_sigkill",), ()),
-    Mutant("split_weights_sent_once", "rollout.placement=split: the weights are sent to the "
+    Mutant("split_weights_sent_once", "rollout.placement.mode=split: the weights are sent to the "
            "rollout ranks at the first request only, so they sample every later batch with "
            "the initial actor",
            "megarlhf/rollout/remote.py",
            "        sync = version != self.held",
            "        sync = self.held is None",
            ("tests/test_async.py::test_split_placement_equals_colocated[1]",), ()),
-    Mutant("partial_versions_not_recorded", "rollout.partial: the tokens sampled after an "
+    Mutant("partial_versions_not_recorded", "rollout.placement.partial: the tokens sampled after an "
            "in-flight update keep the version the batch started with",
            "megarlhf/rollout/remote.py",
            "                gen.versions_BT > 0, inflight.version or 0, version)",
            "                gen.versions_BT > 99, inflight.version or 0, version)",
            ("tests/test_async.py::"
             "test_partial_rollouts_switch_weights_mid_batch_with_each_tokens_version",), ()),
-    Mutant("partial_kv_not_recomputed", "rollout.partial_kv=recompute: the old weights' keys "
+    Mutant("partial_kv_not_recomputed", "rollout.placement.partial_kv=recompute: the old weights' keys "
            "and values are kept after new weights arrive mid-generation",
            "megarlhf/inference/generate.py",
            "            if ctx is not None and recompute_kv:",
            "            if ctx is not None and recompute_kv and False:",
            ("tests/test_rollout.py::test_partial_rollout_tokens_carry_their_version_and_"
             "behaviour_logprob[recompute-static]",), ()),
-    Mutant("reward_timeout_not_enforced", "rollout.reward_timeout_s: a reward call that hangs "
+    Mutant("reward_timeout_not_enforced", "rollout.rewards.timeout_s: a reward call that hangs "
            "is waited for, however long",
            "megarlhf/rewards/verifiers.py",
            "            for worker in [w for w in busy.values() if now - w.started >= self.timeout_s]:",
@@ -245,7 +245,7 @@ MUTANTS = [
                 "scaled = logits_BV",
                 (ref("test_logprobs_against_transformers", "gae_temperature_top"),),
                 ("gae_temperature_top",))),
-    Mutant("is_weights_not_truncated", "ppo.rollout_is_cap: the importance weights "
+    Mutant("is_weights_not_truncated", "ppo.correction.is_cap: the importance weights "
            "not truncated at the cap", "megarlhf/algos/mismatch.py",
            "weights = torch.where(valid, r.clamp(max=is_cap), weights)",
            "weights = torch.where(valid, r, weights)",

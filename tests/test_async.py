@@ -132,8 +132,8 @@ def _cli(setup, name, k, extra=()):
             f"roles.reference.checkpoint={out}/sft-tiny/checkpoints/step_0000003",
             f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", *common,
             f"run.name={name}", f"ppo.max_staleness={k}", "ppo.advantage_estimator=grpo",
-            "ppo.group_size=2", "ppo.init_kl_coef=0", "ppo.kl_controller=fixed",
-            "ppo.kl_loss_coef=0.1", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=16",
+            "ppo.group_size=2", "ppo.kl.init_coef=0", "ppo.kl.controller=fixed",
+            "ppo.kl.loss_coef=0.1", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=16",
             "ppo.micro_batch_size=8", "ppo.num_iterations=4", "ppo.ppo_epochs=1",
             "optimizer.lr=3e-4", "checkpoint.save_interval=1", "checkpoint.keep_last=2",
             "ppo.eval_interval=4", "ppo.num_eval_prompts=8", "logging.sample_table_interval=0",
@@ -205,7 +205,7 @@ def test_stale_grpo_follows_the_schedule_and_resumes_exactly_after_sigkill(tiny_
 
 # ------------------------------------------------------------------ split placement
 
-SPLIT = ["rollout.placement=split", "rollout.ranks=1", "rollout.weight_checksum=true"]
+SPLIT = ["rollout.placement.mode=split", "rollout.placement.ranks=1", "rollout.placement.weight_checksum=true"]
 
 
 def _split_run(tiny, name, k, extra=(), iterations=4):
@@ -231,7 +231,7 @@ def test_split_placement_equals_colocated(tiny_checkpoints, k):
     """1 training + 1 rollout process against 1 colocated process, 4 iterations: every
     metric equal (not only to 1e-6: the same weights, prompts and per-prompt seeds give
     the same samples) and the final actors score equally; the weights the rollout rank
-    held after each sync had the sender's SHA-256 (rollout.weight_checksum: a mismatch
+    held after each sync had the sender's SHA-256 (rollout.placement.weight_checksum: a mismatch
     stops the run), and at k = 0 its log-probs are the trainer's."""
     from conftest import torchrun
     out = tiny_checkpoints[0]
@@ -322,7 +322,7 @@ def test_the_plan_of_a_split_job_puts_the_kv_cache_on_the_rollout_ranks():
     colocated rank's, whose 4 replicas share them."""
     from megarlhf.config import load_config
     from megarlhf.memory.plan import plan_ppo
-    cfg = load_config("configs/plan_8b.yaml", ["rollout.placement=split", "rollout.ranks=4"])
+    cfg = load_config("configs/plan_8b.yaml", ["rollout.placement.mode=split", "rollout.placement.ranks=4"])
     split = plan_ppo(cfg, 16)
     colocated = plan_ppo(load_config("configs/plan_8b.yaml"), 16)
     assert split.world == 12 and split.rollout_ranks == 4 and len(split.ranks) == 16
@@ -389,7 +389,7 @@ def test_a_preemption_signal_to_the_rollout_rank_checkpoints_and_resumes(tiny_ch
 
 @pytest.mark.slow
 def test_partial_rollouts_switch_weights_mid_batch_with_each_tokens_version(tiny_checkpoints):
-    """rollout.partial at k = 1, the rollout process taking each update at decode step 2
+    """rollout.placement.partial at k = 1, the rollout process taking each update at decode step 2
     (tests/workers/partial_at.py fixes the step; in a run it depends on timing): every
     update after the first batch is taken in flight (rollout/inflight_updates), the share
     of tokens sampled after it is 1 - the batch's mean staleness (their age is 0, the
@@ -402,7 +402,7 @@ def test_partial_rollouts_switch_weights_mid_batch_with_each_tokens_version(tiny
     from conftest import torchrun
     out, task, _ = tiny_checkpoints
     name = _fresh(tiny_checkpoints, "async_partial")
-    args = _split_run(tiny_checkpoints, name, 1, ["rollout.partial=true",
+    args = _split_run(tiny_checkpoints, name, 1, ["rollout.placement.partial=true",
                                                   "checkpoint.keep_last=3"], iterations=3)
     torchrun(os.path.join(WORKERS, "partial_at.py"), 2, "2", *args)
     runs = _records(out, name)
@@ -466,7 +466,7 @@ def test_split_placement_at_rollout_tp2_equals_colocated_and_switches_in_step(ti
     from conftest import torchrun
     out = tiny_checkpoints[0]
     tp2 = ["rollout.tensor_parallel_size=2", "ppo.num_iterations=3"]
-    split = ["rollout.placement=split", "rollout.ranks=2", "rollout.weight_checksum=true"]
+    split = ["rollout.placement.mode=split", "rollout.placement.ranks=2", "rollout.placement.weight_checksum=true"]
     colocated = _fresh(tiny_checkpoints, "async_coloc_tp2")
     torchrun(_cli(tiny_checkpoints, colocated, 1, tp2), 2)
     name = _fresh(tiny_checkpoints, "async_split_tp2")
@@ -477,7 +477,7 @@ def test_split_placement_at_rollout_tp2_equals_colocated_and_switches_in_step(ti
     _same(one, two, (0, 1, 2, 3))
     partial = _fresh(tiny_checkpoints, "async_partial_tp2")
     torchrun(os.path.join(WORKERS, "partial_at.py"), 4, "2",
-             *_cli(tiny_checkpoints, partial, 1, [*tp2, *split, "rollout.partial=true"]))
+             *_cli(tiny_checkpoints, partial, 1, [*tp2, *split, "rollout.placement.partial=true"]))
     got = _records(out, partial)
     assert [got[s]["rollout/inflight_updates"] for s in (1, 2, 3)] == [1.0, 1.0, 0.0]
     assert all(0 < got[s]["rollout/partial_tokens"] < 1 for s in (2, 3)), got

@@ -1,15 +1,17 @@
 """Config loading, overrides and every validation error (no process group needed)."""
 
+import dataclasses
 import textwrap
 
 import pytest
 
 from megarlhf.config import (
-    ConfigError, load_config, padded_vocab_size, read_config, validate_layout)
+    ALIASES, Config, ConfigError, check_ppo, dump_config, load_config, padded_vocab_size,
+    read_config, validate_layout)
 
 
-def write(tmp_path, text):
-    path = tmp_path / "c.yaml"
+def write(tmp_path, text, name="c.yaml"):
+    path = tmp_path / name
     path.write_text(textwrap.dedent(text))
     return str(path)
 
@@ -36,9 +38,9 @@ def test_values_are_read_as_their_fields_type(tmp_path):
     (true / false only), so a text field is never turned into a boolean, and a yes / on
     for a boolean field is an error rather than a guess."""
     cfg = load_config(None, ["run.name=on", "tokenizer.path=1e3", "data.eval_path=null",
-                             "rollout.reward_fn='my.mod:fn'", "run.output_dir=\"a b\""])
+                             "rollout.rewards.fn='my.mod:fn'", "run.output_dir=\"a b\""])
     assert cfg.run.name == "on" and cfg.tokenizer.path == "1e3"
-    assert cfg.data.eval_path is None and cfg.rollout.reward_fn == "my.mod:fn"
+    assert cfg.data.eval_path is None and cfg.rollout.rewards.fn == "my.mod:fn"
     assert cfg.run.output_dir == "a b"
     assert load_config(None, ["ppo.sft_checkpoint=off"]).roles.actor.checkpoint == "off"
     assert load_config(write(tmp_path, "run:\n  name: yes\n")).run.name == "yes"
@@ -60,9 +62,9 @@ def test_exponent_floats_without_a_dot(tmp_path):
         optimizer:
           lr: 1e-5
     """)
-    cfg = load_config(path, ["optimizer.critic_lr=3E-6", "ppo.init_kl_coef=.5"])
+    cfg = load_config(path, ["optimizer.critic_lr=3E-6", "ppo.kl.init_coef=.5"])
     assert cfg.optimizer.lr == 1e-5 and cfg.optimizer.critic_lr == 3e-6
-    assert cfg.ppo.init_kl_coef == 0.5
+    assert cfg.ppo.kl.init_coef == 0.5
     with pytest.raises(ConfigError, match="expected a number"):
         load_config(None, ["optimizer.lr=1e-5x"])
 
@@ -246,27 +248,27 @@ def test_config_show_cli(tmp_path):
 # ------------------------------------------------------------------ PPO settings that do nothing
 
 @pytest.mark.parametrize("overrides, message", [
-    (["ppo.advantage_estimator=grpo", "ppo.group_size=4", "ppo.init_kl_coef=0.1"],
-     "ppo.init_kl_coef=0.1 has no effect: the KL is not in the reward"),
-    (["ppo.advantage_estimator=grpo", "ppo.group_size=4", "ppo.kl_controller=adaptive"],
-     "ppo.kl_controller=adaptive tunes the KL coefficient of the reward"),
-    (["ppo.kl_in_reward=false", "ppo.kl_controller=adaptive"],
+    (["ppo.advantage_estimator=grpo", "ppo.group_size=4", "ppo.kl.init_coef=0.1"],
+     "ppo.kl.init_coef=0.1 has no effect: the KL is not in the reward"),
+    (["ppo.advantage_estimator=grpo", "ppo.group_size=4", "ppo.kl.controller=adaptive"],
+     "ppo.kl.controller=adaptive tunes the KL coefficient of the reward"),
+    (["ppo.kl.in_reward=false", "ppo.kl.controller=adaptive"],
      "but the KL is not in the reward"),
-    (["ppo.kl_loss_estimator=k2"], "ppo.kl_loss_estimator has no effect with ppo.kl_loss_coef=0"),
+    (["ppo.kl.loss_estimator=k2"], "ppo.kl.loss_estimator has no effect with ppo.kl.loss_coef=0"),
     (["ppo.grpo_normalization=token"], "ppo.grpo_normalization has no effect"),
-    (["ppo.behavior_weight_cap=5"], "applies to ppo.policy_loss=decoupled only"),
-    (["ppo.rollout_is_cap=2", "rollout.recompute_logprobs=false"],
-     "ppo.rollout_is_cap compares the trainer's log-probs with the sampler's"),
+    (["ppo.correction.behavior_weight_cap=5"], "applies to ppo.policy_loss=decoupled only"),
+    (["ppo.correction.is_cap=2", "rollout.recompute_logprobs=false"],
+     "ppo.correction.is_cap compares the trainer's log-probs with the sampler's"),
     (["ppo.policy_loss=decoupled", "rollout.recompute_logprobs=false"],
      "ppo.policy_loss=decoupled compares"),
-    (["ppo.policy_loss=decoupled", "ppo.rollout_is_cap=2"], "has its own importance weight"),
+    (["ppo.policy_loss=decoupled", "ppo.correction.is_cap=2"], "has its own importance weight"),
     # at ppo.max_staleness > 0 the decoupled loss is the default, and the messages say so
-    (["ppo.max_staleness=1", "ppo.rollout_is_cap=2"],
+    (["ppo.max_staleness=1", "ppo.correction.is_cap=2"],
      "ppo.policy_loss=null (decoupled: the default with ppo.max_staleness=1): the decoupled"),
     (["ppo.max_staleness=2", "rollout.recompute_logprobs=false"],
      "ppo.policy_loss=null (decoupled: the default with ppo.max_staleness=2) compares"),
     (["ppo.max_staleness=-1"], "ppo.max_staleness=-1 is invalid"),
-    (["ppo.policy_loss=ppo", "ppo.max_staleness=1", "ppo.behavior_weight_cap=5"],
+    (["ppo.policy_loss=ppo", "ppo.max_staleness=1", "ppo.correction.behavior_weight_cap=5"],
      "applies to ppo.policy_loss=decoupled only (ppo.policy_loss=ppo)"),
     (["ppo.ptx_coef=0.5"], "PPO-ptx needs both ppo.ptx_coef > 0 and data.ptx_path"),
     (["data.ptx_path=x.jsonl"], "PPO-ptx needs both"),
@@ -275,14 +277,14 @@ def test_config_show_cli(tmp_path):
     (["ppo.overlong_penalty=2"], "ppo.overlong_penalty has no effect"),
     (["ppo.max_sampling_rounds=3"], "ppo.max_sampling_rounds has no effect"),
     (["ppo.dynamic_sampling=true"], "must be >= 2 with ppo.dynamic_sampling"),
-    (["ppo.rollout_mask_high=0.5"], "ppo.rollout_mask_high=0.5 is invalid"),
+    (["ppo.correction.mask_high=0.5"], "ppo.correction.mask_high=0.5 is invalid"),
     (["ppo.value_loss_coef=0"], "ppo.value_loss_coef=0.0 is invalid"),
     # partial rollouts: rollout ranks to send weights to, and updates while they sample
-    (["rollout.partial=true"], "rollout.partial apply to rollout.placement=split only"),
-    (["rollout.placement=split", "rollout.ranks=1", "rollout.partial=true"],
-     "rollout.partial needs ppo.max_staleness >= 1"),
-    (["rollout.placement=split", "rollout.ranks=1", "ppo.max_staleness=1",
-      "rollout.partial_kv=keep"], "rollout.partial_kv has no effect without rollout.partial"),
+    (["rollout.placement.partial=true"], "rollout.placement.partial apply to rollout.placement.mode=split only"),
+    (["rollout.placement.mode=split", "rollout.placement.ranks=1", "rollout.placement.partial=true"],
+     "rollout.placement.partial needs ppo.max_staleness >= 1"),
+    (["rollout.placement.mode=split", "rollout.placement.ranks=1", "ppo.max_staleness=1",
+      "rollout.placement.partial_kv=keep"], "rollout.placement.partial_kv has no effect without rollout.placement.partial"),
 ])
 def test_ppo_settings_without_effect_are_errors(overrides, message):
     from megarlhf.config import check_ppo
@@ -297,15 +299,15 @@ def test_ppo_settings_that_do_something_pass():
             [],
             # GRPO batches count samples: 8 prompts x 4 = 32 samples in one mini-batch.
             ["ppo.advantage_estimator=grpo", "ppo.group_size=4", "ppo.rollout_batch_size=8",
-             "ppo.mini_batch_size=32", "ppo.kl_loss_coef=0.04"],
-            ["ppo.advantage_estimator=grpo", "ppo.group_size=4", "ppo.kl_in_reward=true",
-             "ppo.init_kl_coef=0.1", "ppo.grpo_normalization=token"],
-            ["ppo.policy_loss=decoupled", "ppo.behavior_weight_cap=5"],
-            ["ppo.max_staleness=2", "ppo.behavior_weight_cap=5"],
-            ["ppo.max_staleness=1", "ppo.policy_loss=ppo", "ppo.rollout_is_cap=2"],
-            ["rollout.placement=split", "rollout.ranks=1", "ppo.max_staleness=1",
-             "rollout.partial=true", "rollout.partial_kv=keep"],
-            ["ppo.rollout_is_cap=2", "ppo.rollout_mask_low=0.5", "ppo.rollout_mask_high=2"],
+             "ppo.mini_batch_size=32", "ppo.kl.loss_coef=0.04"],
+            ["ppo.advantage_estimator=grpo", "ppo.group_size=4", "ppo.kl.in_reward=true",
+             "ppo.kl.init_coef=0.1", "ppo.grpo_normalization=token"],
+            ["ppo.policy_loss=decoupled", "ppo.correction.behavior_weight_cap=5"],
+            ["ppo.max_staleness=2", "ppo.correction.behavior_weight_cap=5"],
+            ["ppo.max_staleness=1", "ppo.policy_loss=ppo", "ppo.correction.is_cap=2"],
+            ["rollout.placement.mode=split", "rollout.placement.ranks=1", "ppo.max_staleness=1",
+             "rollout.placement.partial=true", "rollout.placement.partial_kv=keep"],
+            ["ppo.correction.is_cap=2", "ppo.correction.mask_low=0.5", "ppo.correction.mask_high=2"],
             ["ppo.ptx_coef=0.5", "data.ptx_path=x.jsonl", "ppo.ptx_batch_size=8"],
             ["ppo.advantage_estimator=rloo", "ppo.group_size=2", "ppo.dynamic_sampling=true",
              "ppo.max_sampling_rounds=3", "ppo.overlong_buffer=8", "ppo.overlong_penalty=0.5"]):
@@ -370,6 +372,91 @@ def test_aliases_are_resolved_once_into_the_role_field(tmp_path):
     assert load_config(None, ["ppo.sft_checkpoint=3"]).roles.actor.checkpoint == "3"
     with pytest.raises(ConfigError, match="did you mean 'ppo.sft_checkpoint'"):
         read_config(None, ["ppo.sft_chekpoint=a"])
+
+
+def test_the_split_sections_load_from_their_old_names(tmp_path):
+    """ppo.kl, ppo.correction, rollout.placement, rollout.rewards and rollout.environment
+    were fields of ppo and rollout: a config written with the old names (every one of them)
+    loads into the same config as one written with the new, the written keys are the new
+    names, and a section's shorthand (``placement: split``) is its main field."""
+    old = write(tmp_path, """\
+ppo:
+  kl_estimator: k3
+  kl_in_reward: true
+  kl_loss_coef: 0.01
+  kl_loss_estimator: k2
+  kl_controller: adaptive
+  init_kl_coef: 0.2
+  kl_target: 4.0
+  kl_horizon: 50
+  policy_loss: decoupled
+  behavior_weight_cap: 5.0
+  rollout_mask_low: 0.5
+  rollout_mask_high: 2.0
+  max_staleness: 1
+rollout:
+  placement: split
+  ranks: 2
+  weight_checksum: true
+  partial: false
+  partial_kv: keep
+  environment: pkg.mod:Env
+  max_turns: 3
+  max_observation_tokens: 100
+  tool_format: hermes
+  reward_workers: 0
+  reward_timeout_s: 5.0
+  reward_batch: 4
+  reward_on_error: penalty
+  reward_error_score: -2.0
+""", "old.yaml")
+    new = write(tmp_path, """\
+ppo:
+  kl: {estimator: k3, in_reward: true, loss_coef: 0.01, loss_estimator: k2,
+       controller: adaptive, init_coef: 0.2, target: 4.0, horizon: 50}
+  correction: {behavior_weight_cap: 5.0, mask_low: 0.5, mask_high: 2.0}
+  policy_loss: decoupled
+  max_staleness: 1
+rollout:
+  placement: {mode: split, ranks: 2, weight_checksum: true, partial: false, partial_kv: keep}
+  environment: {name: pkg.mod:Env, max_turns: 3, max_observation_tokens: 100,
+                tool_format: hermes}
+  rewards: {workers: 0, timeout_s: 5.0, batch: 4, on_error: penalty, error_score: -2.0}
+""", "new.yaml")
+    (a, wa), (b, wb) = read_config(old), read_config(new)
+    assert a == b and a.rollout.placement.mode == "split" and a.ppo.kl.horizon == 50
+    assert a.rollout.environment.name == "pkg.mod:Env" and a.rollout.rewards.workers == 0
+    assert wa.keys == wb.keys and "rollout.rewards.workers" in wa and "ppo.kl.target" in wa
+    assert wa.spelling("ppo.kl.init_coef") == "ppo.init_kl_coef"
+    # every moved name is an alias of a field that exists; the remaining two by overrides
+    for alias, canonical in ALIASES.items():
+        assert alias not in _leaves(Config) and canonical in _leaves(Config), alias
+    cfg = load_config(None, ["rollout.reward_url=http://h", "ppo.rollout_is_cap=2",
+                             "rollout.placement=split", "rollout.ranks=1",
+                             "rollout.reward_retries=1"])
+    assert cfg.rollout.rewards.url == "http://h" and cfg.ppo.correction.is_cap == 2.0
+    assert cfg.rollout.placement.mode == "split" and cfg.rollout.placement.ranks == 1
+    # the shorthand in a file, a field of its section from an override
+    cfg = load_config(write(tmp_path, "rollout:\n  placement: split\n", "short.yaml"),
+                      ["rollout.placement.ranks=3"])
+    assert (cfg.rollout.placement.mode, cfg.rollout.placement.ranks) == ("split", 3)
+    with pytest.raises(ConfigError, match="disagree"):
+        read_config(None, ["ppo.kl.target=1", "ppo.kl_target=2"])
+    with pytest.raises(ConfigError, match="rollout.environment.max_turns has no effect"):
+        check_ppo(*read_config(None, ["rollout.max_turns=2"]), planning=True)
+    # the dump of a config is the new layout, and loads back as the same config
+    assert load_config(write(tmp_path, dump_config(b), "dump.yaml")) == b
+
+
+def _leaves(cls, prefix=""):
+    out = set()
+    for f in dataclasses.fields(cls):
+        value = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(value):
+            out |= _leaves(type(value), f"{prefix}{f.name}.")
+        else:
+            out.add(prefix + f.name)
+    return out
 
 
 def test_overlay_checks_the_merged_section():

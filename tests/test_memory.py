@@ -252,8 +252,8 @@ def test_offload_settings_are_checked():
     with pytest.raises(ConfigError, match="reference role is frozen"):
         ppo_role_specs(cfg, 16, planning=True)
     cfg = load_config("configs/plan_8b.yaml", ["ppo.advantage_estimator=grpo",
-                                               "ppo.group_size=4", "ppo.kl_loss_coef=0.01",
-                                               "ppo.init_kl_coef=0.0",
+                                               "ppo.group_size=4", "ppo.kl.loss_coef=0.01",
+                                               "ppo.kl.init_coef=0.0",
                                                "roles.critic.offload=all"])
     with pytest.raises(ConfigError, match="roles.critic is configured"):
         ppo_role_specs(cfg, 16, planning=True)

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts with an environment (``rollout.environment``, issue 42): episodes
+"""Multi-turn rollouts with an environment (``rollout.environment.name``, issue 42): episodes
 kept as tokens, the loss on the model's tokens only, per-turn rewards in the targets, the
 no-op update, resume, layouts, and environments that fail."""
 
@@ -141,8 +141,8 @@ def test_the_update_at_the_old_policy_is_a_no_op_and_a_moved_one_clips(task, los
     a tight clip: the policy moved and clips. Catches old or behaviour log-probs taken
     from other tokens or positions than the update reads (the environment's tokens
     shifting them)."""
-    extra = {"ppo": [], "decoupled": ["ppo.policy_loss=decoupled", "ppo.behavior_weight_cap=5"],
-             "truncated_is": ["ppo.rollout_is_cap=2.0"]}[loss]
+    extra = {"ppo": [], "decoupled": ["ppo.policy_loss=decoupled", "ppo.correction.behavior_weight_cap=5"],
+             "truncated_is": ["ppo.correction.is_cap=2.0"]}[loss]
     _, out = ppo(task, f"noop_{loss}", "ppo.num_iterations=2", "ppo.ppo_epochs=1",
                  "ppo.rollout_batch_size=8", "ppo.mini_batch_size=16", *extra)
     rows = metrics(out / "metrics.jsonl")[1:]
@@ -165,7 +165,7 @@ def test_resume_in_the_middle_equals_the_uninterrupted_run(task):
     iterations in one go against two, then a resume for the third - every metric of the
     third equal. Catches episode state or seeds that depend on the process's history."""
     gae = ["ppo.advantage_estimator=gae", "ppo.critic_init=sft", "ppo.group_size=1",
-           "ppo.rollout_batch_size=8", "rollout.environment=envs:Reward2ndTurn",
+           "ppo.rollout_batch_size=8", "rollout.environment.name=envs:Reward2ndTurn",
            "checkpoint.save_interval=1"]
     _, whole = ppo(task, "whole", *gae, "ppo.num_iterations=3")
     _, cut = ppo(task, "cut", *gae, "ppo.num_iterations=2")
@@ -193,7 +193,7 @@ def test_rollout_tp2_and_two_replicas_play_the_same_episodes(task):
     for name, extra in (("tp2", ["rollout.tensor_parallel_size=2",
                                  "parallel.tensor_model_parallel_size=2"]),
                         ("dp2", ["ppo.micro_batch_size=4"]),
-                        ("split", ["rollout.placement=split", "rollout.ranks=1"]),
+                        ("split", ["rollout.placement.mode=split", "rollout.placement.ranks=1"]),
                         ("pp2", ["parallel.pipeline_model_parallel_size=2"])):
         out = task["tmp"] / f"layout_{name}"
         torchrun(["ppo", *task["common"], f"run.output_dir={out}", "ppo.num_iterations=1",
@@ -226,21 +226,21 @@ def test_rollout_tp2_and_two_replicas_play_the_same_episodes(task):
 def test_an_environment_that_fails(task, fail, mode, expect):
     """workers.envs.Failing on every row: stop exits 2 naming the environment, the sample
     and the error, after no iteration was logged; penalty scores the episodes
-    rollout.reward_error_score, counts them, and the run completes (a hang costs
-    rollout.reward_timeout_s, a process that exits is replaced) - unless no episode of
+    rollout.rewards.error_score, counts them, and the run completes (a hang costs
+    rollout.rewards.timeout_s, a process that exits is replaced) - unless no episode of
     the batch started (every reset failed): nothing to learn from, it stops either way."""
     rows = write_jsonl(str(task["tmp"] / f"fail_{fail}.jsonl"),
                        [{"noun": n, "answer": answer_of(n), "fail": fail} for n in NOUNS])
-    extra = [f"data.train_path={rows}", "rollout.environment=envs:Failing",
-             "ppo.num_iterations=1", f"rollout.reward_on_error={mode}",
-             "rollout.reward_timeout_s=2"]
+    extra = [f"data.train_path={rows}", "rollout.environment.name=envs:Failing",
+             "ppo.num_iterations=1", f"rollout.rewards.on_error={mode}",
+             "rollout.rewards.timeout_s=2"]
     if mode == "penalty":
-        extra.append("rollout.reward_error_score=-2")
+        extra.append("rollout.rewards.error_score=-2")
     proc, out = ppo(task, f"fail_{fail}_{mode}", *extra,
                     check=mode == "penalty" and fail != "reset")
     if mode == "stop" or fail == "reset":  # (no episode started: a stop in either mode)
         assert proc.returncode == 2, proc.stderr[-2000:]
-        assert "rollout.environment=envs:Failing: sample" in proc.stderr
+        assert "rollout.environment.name=envs:Failing: sample" in proc.stderr
         assert expect in proc.stderr and "Traceback" not in proc.stderr
         return
     r = metrics(out / "metrics.jsonl")[1]
@@ -408,7 +408,7 @@ TRACED = {
 def traced_overrides(task, folder, name) -> list[str]:
     settings = dict(o.split("=", 1) for o in task["common"][1:])
     settings.update({"run.output_dir": str(folder),
-                     "rollout.environment": "envs:Reward2ndTurn", **TRACED[name]})
+                     "rollout.environment.name": "envs:Reward2ndTurn", **TRACED[name]})
     return [f"{k}={v}" for k, v in settings.items()]
 
 
@@ -465,7 +465,7 @@ def test_multi_turn_experience_against_plain_loops(traced_episodes, estimator):
     want = loops.experience(
         old=squeeze(exp["old_logprobs_BT"]), ref=squeeze(exp["ref_logprobs_BT"]),
         values=squeeze(exp["values_BT"]), scores=scores,
-        mask=squeeze(model), estimator=estimator, kl_estimator=ppo.kl_estimator,
+        mask=squeeze(model), estimator=estimator, kl_estimator=ppo.kl.estimator,
         beta=run["kl_coef"] if ppo.kl_reward_on else 0.0,
         clip_reward=ppo.clip_reward_value, whiten_rewards=ppo.whiten_rewards,
         whiten_advantages=ppo.whiten_advantages, unbiased=ppo.whiten_unbiased,

@@ -169,19 +169,19 @@ def test_budget_below_the_longest_sample_is_refused_before_any_work():
     for field in ("ppo.max_tokens_per_micro_batch", "rollout.forward_max_tokens_per_micro_batch"):
         cfg = load_config(None, ["data.max_prompt_len=100", "rollout.max_new_tokens=50",
                                  f"{field}=149", "ppo.sft_checkpoint=/x",
-                                 "rollout.reward_fn=a:b"])
+                                 "rollout.rewards.fn=a:b"])
         with pytest.raises(ConfigError, match=rf"{field}=149 cannot hold the longest sample.*"
                                               r"at least 150"):
             check_ppo(cfg, Written(frozenset()))
     cfg = load_config(None, ["rollout.forward_max_tokens_per_micro_batch=512",
                              "rollout.forward_micro_batch_size=4", "ppo.sft_checkpoint=/x",
-                             "rollout.reward_fn=a:b"])
+                             "rollout.rewards.fn=a:b"])
     with pytest.raises(ConfigError, match="forward_micro_batch_size has no effect"):
         check_ppo(cfg, Written(frozenset({"rollout.forward_micro_batch_size"})))
     # the experience passes inherit the updates' budget
     cfg = load_config(None, ["ppo.max_tokens_per_micro_batch=512",
                              "rollout.forward_micro_batch_size=4", "ppo.sft_checkpoint=/x",
-                             "rollout.reward_fn=a:b"])
+                             "rollout.rewards.fn=a:b"])
     with pytest.raises(ConfigError, match=r"no effect: the experience passes are packed "
                                           r"\(ppo.max_tokens_per_micro_batch is set\)"):
         check_ppo(cfg, Written(frozenset({"rollout.forward_micro_batch_size",

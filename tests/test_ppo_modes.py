@@ -27,10 +27,10 @@ from megarlhf.data.synthetic import write_jsonl
 pytestmark = pytest.mark.slow
 
 GRPO = ["ppo.advantage_estimator=grpo", "ppo.group_size=2", "ppo.rollout_batch_size=16",
-        "ppo.init_kl_coef=0", "ppo.kl_controller=fixed"]
+        "ppo.kl.init_coef=0", "ppo.kl.controller=fixed"]
 RLOO = ["ppo.advantage_estimator=rloo", "ppo.group_size=2", "ppo.rollout_batch_size=16"]
 RPP = ["ppo.advantage_estimator=reinforce_pp"]
-ESTIMATORS = {"gae": [], "grpo": GRPO + ["ppo.kl_loss_coef=0.5"], "rloo": RLOO, "rpp": RPP}
+ESTIMATORS = {"gae": [], "grpo": GRPO + ["ppo.kl.loss_coef=0.5"], "rloo": RLOO, "rpp": RPP}
 NO_STOP = ["rollout.stop_at_eos=false"]
 # Packed micro-batches (issue 39), the updates' at another budget than the experience
 # passes', so each sample's neighbours change between its old log-prob and its update.
@@ -45,23 +45,23 @@ def cases(out) -> dict:
         table[f"{name}_nostop"] = extra + NO_STOP
         table[f"{name}_packed"] = extra + PACK
     table.update({
-        "rloo_beta0": RLOO + ["ppo.init_kl_coef=0"],
-        "rpp_beta0": RPP + ["ppo.init_kl_coef=0", "rollout.ref_cache_size=0"],
+        "rloo_beta0": RLOO + ["ppo.kl.init_coef=0"],
+        "rpp_beta0": RPP + ["ppo.kl.init_coef=0", "rollout.ref_cache_size=0"],
         "grpo_nokl": GRPO,
-        "grpo_token": GRPO + ["ppo.kl_loss_coef=0.5", "ppo.grpo_normalization=token"],
-        "decoupled": ["ppo.policy_loss=decoupled", "ppo.behavior_weight_cap=1.0000001"],
-        "correction": ["ppo.rollout_is_cap=1.0000001", "ppo.rollout_mask_low=0.9999999",
-                       "ppo.rollout_mask_high=1.0000001"],
+        "grpo_token": GRPO + ["ppo.kl.loss_coef=0.5", "ppo.grpo_normalization=token"],
+        "decoupled": ["ppo.policy_loss=decoupled", "ppo.correction.behavior_weight_cap=1.0000001"],
+        "correction": ["ppo.correction.is_cap=1.0000001", "ppo.correction.mask_low=0.9999999",
+                       "ppo.correction.mask_high=1.0000001"],
         "bypass": ["rollout.recompute_logprobs=false"],
         "ptx": ptx,
         "dynamic": RLOO + ["ppo.reward_checkpoint=null",
-                           "rollout.reward_fn=megarlhf.data.synthetic:gold_reward_pair",
+                           "rollout.rewards.fn=megarlhf.data.synthetic:gold_reward_pair",
                            "ppo.dynamic_sampling=true", "ppo.max_sampling_rounds=3",
                            "ppo.overlong_buffer=4"],
     })
     table = {name: {"overrides": extra, "iterations": 1} for name, extra in table.items()}
     # DP=2 against 1 process: two iterations, two mini-batches, with the KL loss and ptx.
-    table["dp"] = {"overrides": ["ppo.mini_batch_size=16", "ppo.kl_loss_coef=0.1", *ptx],
+    table["dp"] = {"overrides": ["ppo.mini_batch_size=16", "ppo.kl.loss_coef=0.1", *ptx],
                    "iterations": 2}
     table["dp_packed"] = {"overrides": table["dp"]["overrides"] + PACK, "iterations": 2}
     return table

@@ -51,24 +51,24 @@ DEFAULTS = dict(estimator="gae", kl_estimator="k1", beta=0.3, clip_reward=5.0,
                 rounds=4, iterations=1, prompts=None)
 # Each setting's config field (iterations and prompts are the trace's: how many iterations
 # it runs, and the first how many of the task's prompts it trains on).
-FIELDS = dict(estimator="ppo.advantage_estimator", kl_estimator="ppo.kl_estimator",
-              beta="ppo.init_kl_coef", clip_reward="ppo.clip_reward_value",
+FIELDS = dict(estimator="ppo.advantage_estimator", kl_estimator="ppo.kl.estimator",
+              beta="ppo.kl.init_coef", clip_reward="ppo.clip_reward_value",
               whiten_rewards="ppo.whiten_rewards", whiten_advantages="ppo.whiten_advantages",
               unbiased="ppo.whiten_unbiased", gamma="ppo.gamma", lam="ppo.lam",
               group_size="ppo.group_size", group_norm="ppo.grpo_normalization",
               clip_eps="ppo.clip_eps", dual_clip="ppo.dual_clip", agg="ppo.loss_agg",
               value_clip="ppo.cliprange_value", value_coef="ppo.value_loss_coef",
-              kl_loss_coef="ppo.kl_loss_coef", kl_loss_estimator="ppo.kl_loss_estimator",
+              kl_loss_coef="ppo.kl.loss_coef", kl_loss_estimator="ppo.kl.loss_estimator",
               entropy_coef="ppo.entropy_coef", penalty="ppo.missing_stop_penalty",
               mode="ppo.missing_stop_mode", max_len="rollout.max_new_tokens",
               buffer="ppo.overlong_buffer", overlong="ppo.overlong_penalty",
               min_tokens="rollout.min_response_tokens", stop="rollout.stop_at_eos",
-              recompute="rollout.recompute_logprobs", behaviour_cap="ppo.behavior_weight_cap",
-              kl_in_reward="ppo.kl_in_reward", temperature="rollout.temperature",
-              top_k="rollout.top_k", top_p="rollout.top_p", is_cap="ppo.rollout_is_cap",
-              mask_low="ppo.rollout_mask_low", mask_high="ppo.rollout_mask_high",
-              kl_controller="ppo.kl_controller", kl_target="ppo.kl_target",
-              kl_horizon="ppo.kl_horizon", warmup="ppo.critic_warmup_iterations",
+              recompute="rollout.recompute_logprobs", behaviour_cap="ppo.correction.behavior_weight_cap",
+              kl_in_reward="ppo.kl.in_reward", temperature="rollout.temperature",
+              top_k="rollout.top_k", top_p="rollout.top_p", is_cap="ppo.correction.is_cap",
+              mask_low="ppo.correction.mask_low", mask_high="ppo.correction.mask_high",
+              kl_controller="ppo.kl.controller", kl_target="ppo.kl.target",
+              kl_horizon="ppo.kl.horizon", warmup="ppo.critic_warmup_iterations",
               staleness="ppo.max_staleness", ptx_coef="ppo.ptx_coef",
               ptx_rows="ppo.ptx_batch_size", stop_ids="rollout.stop_token_ids",
               dynamic="ppo.dynamic_sampling", rounds="ppo.max_sampling_rounds")
@@ -106,7 +106,7 @@ CASES = {
     # tie), with the overlong ramp: uninformative groups dropped, refilled over rounds
     "rloo_dynamic": dict(GROUPS, estimator="rloo", dynamic=True, rounds=3, buffer=4,
                          extra=[*GROUPS["extra"], "ppo.reward_checkpoint=null",
-                                "rollout.reward_fn=megarlhf.data.synthetic:gold_reward_pair"]),
+                                "rollout.rewards.fn=megarlhf.data.synthetic:gold_reward_pair"]),
     # Three iterations over 40 prompts (an epoch ends inside the second batch): what one
     # iteration hands the next - the KL controller, the critic-only warm-up, batches
     # sampled one version behind (the mismatch correction then has a real gap to correct,
@@ -137,7 +137,7 @@ def overrides(name: str) -> list[str]:
 
 
 def kl_in_reward(s: dict) -> bool:
-    """ppo.kl_in_reward as the schema resolves None: on but for GRPO."""
+    """ppo.kl.in_reward as the schema resolves None: on but for GRPO."""
     return s["estimator"] != "grpo" if s["kl_in_reward"] is None else s["kl_in_reward"]
 
 
@@ -832,29 +832,29 @@ NOT_MATH = {
     "ppo.ema_decay": "gae_k1 and three_iterations (0.9): the EMA test",
     "rollout.tensor_parallel_size": "a layout: test_rollout / test_experience compare "
                                     "layouts with one process",
-    "rollout.placement": "where the rollout runs: test_async (split equals colocated)",
-    "rollout.ranks": "as rollout.placement",
+    "rollout.placement.mode": "where the rollout runs: test_async (split equals colocated)",
+    "rollout.placement.ranks": "as rollout.placement.mode",
     "rollout.decode_slots": "continuous batching: test_async / test_rollout (the static "
                             "batch's samples)",
-    "rollout.weight_checksum": "a check, no arithmetic",
-    "rollout.partial": "timing of weight updates: test_async's partial rollouts (each "
+    "rollout.placement.weight_checksum": "a check, no arithmetic",
+    "rollout.placement.partial": "timing of weight updates: test_async's partial rollouts (each "
                        "token's version and behaviour log-prob)",
-    "rollout.partial_kv": "as rollout.partial (test_rollout)",
+    "rollout.placement.partial_kv": "as rollout.placement.partial (test_rollout)",
     "rollout.greedy": "the draw only (the argmax), the log-probs are the full "
                       "distribution's: test_rollout's greedy decoding against transformers",
-    "rollout.reward_fn": "where scores come from: test_verifiers (the same run from "
+    "rollout.rewards.fn": "where scores come from: test_verifiers (the same run from "
                          "workers, the trainer and a server)",
-    "rollout.reward_url": "as rollout.reward_fn",
-    "rollout.reward_workers": "as rollout.reward_fn",
-    "rollout.reward_timeout_s": "as rollout.reward_fn",
-    "rollout.reward_batch": "as rollout.reward_fn",
-    "rollout.reward_retries": "as rollout.reward_fn",
-    "rollout.reward_on_error": "a failed reward's fate: test_verifiers",
-    "rollout.reward_error_score": "a failed reward's score: test_verifiers",
-    "rollout.environment": "multi-turn: test_multiturn's experience against plain loops",
-    "rollout.max_turns": "multi-turn (as rollout.environment)",
-    "rollout.max_observation_tokens": "multi-turn (as rollout.environment)",
-    "rollout.tool_format": "multi-turn (as rollout.environment)",
+    "rollout.rewards.url": "as rollout.rewards.fn",
+    "rollout.rewards.workers": "as rollout.rewards.fn",
+    "rollout.rewards.timeout_s": "as rollout.rewards.fn",
+    "rollout.rewards.batch": "as rollout.rewards.fn",
+    "rollout.rewards.retries": "as rollout.rewards.fn",
+    "rollout.rewards.on_error": "a failed reward's fate: test_verifiers",
+    "rollout.rewards.error_score": "a failed reward's score: test_verifiers",
+    "rollout.environment.name": "multi-turn: test_multiturn's experience against plain loops",
+    "rollout.environment.max_turns": "multi-turn (as rollout.environment.name)",
+    "rollout.environment.max_observation_tokens": "multi-turn (as rollout.environment.name)",
+    "rollout.environment.tool_format": "multi-turn (as rollout.environment.name)",
     "rollout.offload_frozen_models": "where weights live: test_memory (offload changes "
                                      "nothing)",
     "rollout.forward_micro_batch_size": "slicing of the scoring passes (test_experience)",
@@ -886,15 +886,27 @@ def settings_table() -> tuple[dict[str, str], list[str], list[str]]:
               for name in CASES}
     read = set(FIELDS.values())
     table, missing = {}, []
-    schema = [(section, f) for section, cls in (("ppo", PPOConfig), ("rollout", RolloutConfig))
-              for f in dataclasses.fields(cls)]
+    def leaves(section: str, cls) -> list:  # (dotted section, field), into the subsections
+        out = []
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(default(f)):
+                out += leaves(f"{section}.{f.name}", type(default(f)))
+            else:
+                out.append((section, f))
+        return out
+
+    def value(cfg, dotted: str):
+        for part in dotted.split("."):
+            cfg = getattr(cfg, part)
+        return cfg
+
+    schema = leaves("ppo", PPOConfig) + leaves("rollout", RolloutConfig)
     for section, f in schema:
         dotted = f"{section}.{f.name}"
         if dotted in NOT_MATH:
             table[dotted] = "not traced: " + NOT_MATH[dotted]
             continue
-        cases = [n for n, cfg in loaded.items()
-                 if getattr(getattr(cfg, section), f.name) != default(f)]
+        cases = [n for n, cfg in loaded.items() if value(cfg, dotted) != default(f)]
         table[dotted] = ", ".join(f"`{n}`" for n in cases)
         if not cases or dotted not in read:
             missing.append(f"{dotted} (default {default(f)!r}): "

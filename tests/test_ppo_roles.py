@@ -106,8 +106,8 @@ def test_config_show_prints_the_resolved_roles(setup):
     (["roles.critic.model.hidden_size=64"],
      "roles.critic: roles.critic.model.hidden_size=64 but the checkpoint"),
     # configs/demo/ppo.yaml writes init_kl_coef 0.3: GRPO does not put the KL in the reward
-    (["ppo.advantage_estimator=grpo", "ppo.group_size=2", "ppo.kl_controller=fixed"],
-     "ppo.init_kl_coef=0.3 has no effect: the KL is not in the reward"),
+    (["ppo.advantage_estimator=grpo", "ppo.group_size=2", "ppo.kl.controller=fixed"],
+     "ppo.kl.init_coef=0.3 has no effect: the KL is not in the reward"),
 ])
 def test_bad_role_inputs_fail_at_start_up(setup, extra, message):
     out, ppo = setup

@@ -55,7 +55,7 @@ def _numeric(hint) -> type | None:
 UNBOUNDED = {
     "run.seed": "any integer seeds the generators",
     "ppo.missing_stop_penalty": "a score, any sign",
-    "rollout.reward_error_score": "a score, any sign (NaN too: it then reaches the trainer's "
+    "rollout.rewards.error_score": "a score, any sign (NaN too: it then reaches the trainer's "
                                   "non-finite guards, as tests/test_run_guards.py has it)",
     "model.rotary_base": "checked by megatron (> 0 is all it needs)",
 }

@@ -58,9 +58,9 @@ def test_bad_inputs_fail_before_any_work(tiny_checkpoints, extra, message):
 @pytest.mark.extended
 def test_nan_rewards_stop_the_run_and_saving_after_skipped_steps_works(tiny_checkpoints):
     out = tiny_checkpoints[0]
-    nan = ["ppo.reward_checkpoint=null", "rollout.reward_fn=rewards:nan_reward",
+    nan = ["ppo.reward_checkpoint=null", "rollout.rewards.fn=rewards:nan_reward",
            # a NaN is a failed call: scored NaN here, so that it reaches the trainer's guards
-           "rollout.reward_on_error=penalty", "rollout.reward_error_score=.nan",
+           "rollout.rewards.on_error=penalty", "rollout.rewards.error_score=.nan",
            "ppo.critic_init=sft", "ppo.num_iterations=4", "checkpoint.save_interval=1"]
     e = env(PYTHONPATH=WORKERS)
     # the guard: 4 skipped steps per iteration, 10 in a row stop the run in iteration 3

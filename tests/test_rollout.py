@@ -281,7 +281,7 @@ def test_seeded_draws_are_per_token_draws_of_each_sequences_generator():
 @pytest.mark.parametrize("kv", ["recompute", "keep"])
 def test_partial_rollout_tokens_carry_their_version_and_behaviour_logprob(rollout_results,
                                                                           how, kv):
-    """rollout.partial: new weights arrive after the third decode step (a static batch, or
+    """rollout.placement.partial: new weights arrive after the third decode step (a static batch, or
     2 decode slots). Every token records the version that sampled it - 0 up to the
     switch, 1 after it, never back - and its log-prob is that version's: teacher-forced
     scoring by the old weights for version 0, by the new for version 1 when the keys and

@@ -162,9 +162,9 @@ def test_a_short_run_that_went_wrong_does_not_end_done(tiny_checkpoints):
     from test_reliability_runs import ppo_args
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": WORKERS}
-    nan = ["ppo.reward_checkpoint=null", "rollout.reward_fn=rewards:nan_reward",
+    nan = ["ppo.reward_checkpoint=null", "rollout.rewards.fn=rewards:nan_reward",
            # a NaN is a failed call: scored NaN here, so that it reaches the trainer's guards
-           "rollout.reward_on_error=penalty", "rollout.reward_error_score=.nan",
+           "rollout.rewards.on_error=penalty", "rollout.rewards.error_score=.nan",
            "ppo.critic_init=sft", "ppo.num_iterations=2", "checkpoint.save_interval=1",
            "optimizer.max_consecutive_skipped_steps=0"]
     proc = subprocess.run([sys.executable, "-m", "megarlhf.cli",

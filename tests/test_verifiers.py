@@ -51,7 +51,7 @@ def test_worker_pool_outlives_every_misbehaving_call():
         for i in (0, 2, 7):
             assert out[i] == score(*PAIRS[i]), (i, out[i])
         assert getattr(out[1], "kind", None) == "timeout", out[1]  # not waited for
-        assert "rollout.reward_timeout_s=1" in out[1].message
+        assert "rollout.rewards.timeout_s=1" in out[1].message
         assert out[3].kind == "error" and out[3].message == \
             "raised ZeroDivisionError: planted"
         assert out[4].message == "returned nan, not a finite number"
@@ -100,17 +100,17 @@ def test_workers_give_the_in_process_scores():
 def test_penalty_scores_and_counts_failures_and_stop_names_function_and_sample():
     from verifier_fns import judge
     pairs = [("a", "ok"), ("a", "boom"), ("a", "nan")]
-    name = "rollout.reward_fn=verifier_fns:judge"
+    name = "rollout.rewards.fn=verifier_fns:judge"
     scores, counts = Verifier(name, InProcess(judge), "penalty", -3.0)(pairs)
     assert scores == [score("a", "ok"), -3.0, -3.0]
     assert counts == {"reward/failed": 2.0, "reward/timeouts": 0.0}
     with pytest.raises(RewardError) as err:
         Verifier(name, InProcess(judge), "stop", -1.0)(pairs)
     assert str(err.value) == (
-        "rollout.reward_fn=verifier_fns:judge: sample 1 (response 'boom'): raised "
+        "rollout.rewards.fn=verifier_fns:judge: sample 1 (response 'boom'): raised "
         "ZeroDivisionError: planted (1 more of the batch's 3 failed too); the run stops "
-        "(rollout.reward_on_error=penalty would score such samples "
-        "rollout.reward_error_score=-1 instead)")
+        "(rollout.rewards.on_error=penalty would score such samples "
+        "rollout.rewards.error_score=-1 instead)")
     # a function that fails every call, under penalty: counted, not stopped
     scores, counts = Verifier("f", InProcess(lambda p, r: 1 / 0), "penalty", -2.0)(pairs)
     assert scores == [-2.0] * 3 and counts["reward/failed"] == 3.0
@@ -193,9 +193,9 @@ def test_reward_server_failures_are_named_and_counted(server, path, kind, messag
     # penalty: a server that fails every request of a batch is down - the run stops,
     # naming the URL
     with pytest.raises(RewardError) as err:
-        Verifier(f"rollout.reward_url={url}", _server(url, timeout_s=0.3, retries=1),
+        Verifier(f"rollout.rewards.url={url}", _server(url, timeout_s=0.3, retries=1),
                  "penalty", -1.0, down_when_all_fail=True)(PAIRS_OK[:2])
-    assert f"rollout.reward_url={url}: sample 0" in str(err.value)
+    assert f"rollout.rewards.url={url}: sample 0" in str(err.value)
     assert "the server is down" in str(err.value)
 
 
@@ -207,9 +207,9 @@ def test_reward_server_nan_and_down(server):
         port = closed.server_address[1]  # bound, then closed: nothing listens there
     url = f"http://127.0.0.1:{port}/ok"
     with pytest.raises(RewardError) as err:
-        Verifier(f"rollout.reward_url={url}", _server(url), "stop", -1.0,
+        Verifier(f"rollout.rewards.url={url}", _server(url), "stop", -1.0,
                  down_when_all_fail=True)(PAIRS_OK[:1])
-    assert f"rollout.reward_url={url}: sample 0" in str(err.value)
+    assert f"rollout.rewards.url={url}: sample 0" in str(err.value)
     assert "Connection refused" in str(err.value) and "failed 3 times" in str(err.value)
 
 
@@ -256,19 +256,19 @@ class _GoldHandler(BaseHTTPRequestHandler):
 @pytest.mark.extended
 def test_the_same_reward_from_workers_the_trainer_and_a_server_gives_the_same_run(
         tiny_checkpoints):
-    """The synthetic task's gold reward as rollout.reward_fn in 2 worker processes, in the
+    """The synthetic task's gold reward as rollout.rewards.fn in 2 worker processes, in the
     trainer's process, and from a reward server on loopback: every metric equal, and
     reward/failed 0 throughout."""
     import shutil
     out = tiny_checkpoints[0]
-    gold = "rollout.reward_fn=megarlhf.data.synthetic:gold_reward_pair"
+    gold = "rollout.rewards.fn=megarlhf.data.synthetic:gold_reward_pair"
     runs = {}
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _GoldHandler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         for name, extra in (("verify_workers", [gold]),
-                            ("verify_inproc", [gold, "rollout.reward_workers=0"]),
-                            ("verify_url", [f"rollout.reward_url=http://127.0.0.1:"
+                            ("verify_inproc", [gold, "rollout.rewards.workers=0"]),
+                            ("verify_url", [f"rollout.rewards.url=http://127.0.0.1:"
                                             f"{httpd.server_address[1]}/score"])):
             shutil.rmtree(out / name, ignore_errors=True)
             _ppo(tiny_checkpoints, name, *extra)
@@ -290,7 +290,7 @@ def test_failing_reward_calls_stop_the_run_naming_them_and_it_resumes(tiny_check
     that of a run that never failed."""
     import shutil
     out = tiny_checkpoints[0]
-    fn = ["rollout.reward_fn=verifier_fns:gold_until", "rollout.reward_workers=1"]
+    fn = ["rollout.rewards.fn=verifier_fns:gold_until", "rollout.rewards.workers=1"]
     marker = tmp_path / "marker"
     calls = tmp_path / "calls"
     per_iteration = 32  # configs/demo/ppo.yaml: 32 prompts, one sample each
@@ -302,7 +302,7 @@ def test_failing_reward_calls_stop_the_run_naming_them_and_it_resumes(tiny_check
     marker.write_text("")
     failed = _ppo(tiny_checkpoints, "verify_failing", *fn, env=env, check=False)
     assert failed.returncode == 2, failed.stderr[-3000:]
-    assert "rollout.reward_fn=verifier_fns:gold_until: sample 0 (response " in failed.stderr
+    assert "rollout.rewards.fn=verifier_fns:gold_until: sample 0 (response " in failed.stderr
     assert "raised ConnectionError: the sandbox is gone" in failed.stderr
     assert "Traceback" not in failed.stderr
     assert (out / "verify_failing" / "checkpoints" / "latest").read_text() == "iter_000002"
@@ -325,7 +325,7 @@ def test_a_gold_function_failing_in_evaluation_stops_every_rank_at_once(tiny_che
     start = time.monotonic()
     proc = torchrun(ppo_args(tiny_checkpoints, "verify_gold_tp2", "ppo.num_iterations=1",
                              "ppo.gold_reward_fn=verifier_fns:never",
-                             "rollout.tensor_parallel_size=2", "rollout.reward_workers=0"),
+                             "rollout.tensor_parallel_size=2", "rollout.rewards.workers=0"),
                     2, env={"PYTHONPATH": WORKERS}, check=False)
     assert proc.returncode != 0
     # both ranks name it: the one that called it and the one that did not

@@ -26,7 +26,7 @@ def learning_targets(*, logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor
     without shifting the mean; the sequence reward (score - kl_coef x summed KL) for the
     group baselines; then :func:`estimate_advantages`.
 
-    ``turn_rewards_BT`` (multi-turn rollouts, ``rollout.environment``): the rewards of the
+    ``turn_rewards_BT`` (multi-turn rollouts, ``rollout.environment.name``): the rewards of the
     turns before the last, each at its turn's last token. They join the per-token rewards
     (GAE, REINFORCE++) where they fell, and the sequence reward (GRPO, RLOO) as a sum;
     ``scores_B`` is the last turn's reward."""

@@ -51,7 +51,7 @@ class DataConfig:
     tools_key: str = "tools"
     """Column holding the tools of a conversation row (JSON schemas, OpenAI shape), which
     the chat template renders (its tools variable); rows without it, or with null, have
-    none. Also the tools an environment's episode renders (rollout.environment)."""
+    none. Also the tools an environment's episode renders (rollout.environment.name)."""
     messages_key: str = "messages"
     """Column holding a conversation (a list of {role, content}): SFT trains on every
     assistant turn; PPO prompts end before the assistant's answer (the generation prompt

@@ -22,16 +22,39 @@ from megarlhf.config.rules import check_section
 from megarlhf.config.tree import Config
 from megarlhf.config.written import Written
 
-__all__ = ["ALIASES", "ConfigError", "Loaded", "config_from_dict", "dump_config", "load_config",
+__all__ = ["ALIASES", "SHORTHANDS", "ConfigError", "Loaded", "config_from_dict", "dump_config",
+           "load_config",
            "overlay", "parse_overrides", "read_config", "section_from_dict"]
 
 
-# One name per setting: these shorter spellings of a role's checkpoint are read once, here,
-# into the role's field (a config dumped before they became aliases still loads).
+# One name per setting. These older names are read once, here, into the field that now
+# holds the setting (a config written before they moved still loads): the shorter
+# spellings of a role's checkpoint, and the settings that left the mixed ``ppo`` and
+# ``rollout`` sections for sections of their own.
+_MOVED = {"ppo.kl_": ("ppo.kl.", ["estimator", "in_reward", "loss_coef", "loss_estimator",
+                                  "controller", "target", "horizon"]),
+          "rollout.reward_": ("rollout.rewards.", ["fn", "url", "workers", "timeout_s", "batch",
+                                                   "retries", "on_error", "error_score"]),
+          "rollout.": ("rollout.environment.", ["max_turns", "max_observation_tokens",
+                                                "tool_format"])}
 ALIASES = {"ppo.sft_checkpoint": "roles.actor.checkpoint",
            "ppo.reward_checkpoint": "roles.reward.checkpoint",
            "dpo.reference_checkpoint": "roles.reference.checkpoint",
-           "distill.teacher_checkpoint": "roles.teacher.checkpoint"}
+           "distill.teacher_checkpoint": "roles.teacher.checkpoint",
+           "ppo.init_kl_coef": "ppo.kl.init_coef",
+           "ppo.behavior_weight_cap": "ppo.correction.behavior_weight_cap",
+           "ppo.rollout_is_cap": "ppo.correction.is_cap",
+           "ppo.rollout_mask_low": "ppo.correction.mask_low",
+           "ppo.rollout_mask_high": "ppo.correction.mask_high",
+           "rollout.ranks": "rollout.placement.ranks",
+           "rollout.weight_checksum": "rollout.placement.weight_checksum",
+           "rollout.partial": "rollout.placement.partial",
+           "rollout.partial_kv": "rollout.placement.partial_kv",
+           **{old + name: new + name
+              for old, (new, names) in _MOVED.items() for name in names}}
+# A section that takes one value as short for its main field: ``rollout.placement: split``
+# is ``rollout.placement.mode: split`` (how it was written before it became a section).
+SHORTHANDS = {"rollout.placement": "mode", "rollout.environment": "name"}
 
 
 class Loaded(NamedTuple):
@@ -200,7 +223,8 @@ def _section_type(hint):
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
-    """``["ppo.clip_eps=0.1", "rollout.stop_token_ids=[2,3]"]`` -> (key, value) pairs, each
+    """``["ppo.clip_eps=0.1", "rollout.stop_token_ids=[2,3]"]`` -> (key, value) pairs (a
+    section's shorthand, ``rollout.placement=split``, keyed by its main field), each
     value read as its field's type: a text field takes the text as written (``run.name=on``
     is "on", not YAML 1.1's True; quotes are taken off; null or ~ unsets an optional one),
     any other field reads it as YAML, whose booleans are true and false only (as in
@@ -211,6 +235,8 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
             raise ConfigError(f"override '{item}' must look like key.sub=value")
         key, raw = item.split("=", 1)
         key = key.strip()
+        if key in SHORTHANDS:
+            key = f"{key}.{SHORTHANDS[key]}"
         pairs.append((key, _override_value(_field_hint(ALIASES.get(key, key)), raw)))
     return pairs
 
@@ -342,8 +368,15 @@ def _load(tree: dict, spelled: dict[str, str]) -> Loaded:
 
 
 def _resolve_aliases(tree: dict) -> dict[str, str]:
-    """Move each alias a config file wrote into its role's field (in place). Returns, for
-    the fields written through an alias, the alias (for messages)."""
+    """Move each alias a config file wrote into its field, and each section's shorthand
+    into its main field (in place). Returns, for the fields written through an alias, the
+    alias (for messages)."""
+    for dotted, main in SHORTHANDS.items():
+        section_name, name = dotted.split(".")
+        section = tree.get(section_name)
+        if isinstance(section, dict) and name in section \
+                and not isinstance(section[name], dict) and section[name] is not None:
+            section[name] = {main: section[name]}
     spelled: dict[str, str] = {}
     for alias, canonical in ALIASES.items():
         section_name, name = alias.split(".")
@@ -365,8 +398,6 @@ def _set_alias(tree: dict, canonical: str, own: Any, alias: str, value: Any,
             raise ConfigError(f"{canonical}={own!r} and {alias}={value!r} disagree: "
                               "set one of them")
         return
-    if value is not None and not isinstance(value, str):
-        raise ConfigError(f"{alias}={value!r} has the wrong type: expected a string")
     node, leaf = _leaf(tree, canonical, alias)
     if value is None:
         node.pop(leaf, None)

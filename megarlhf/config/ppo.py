@@ -10,6 +10,214 @@ from megarlhf.config.fields import require
 
 
 @dataclass(kw_only=True, frozen=True)
+class KLConfig:
+    """``ppo.kl``: the KL to the reference model (these were ``ppo.kl_estimator``,
+    ``ppo.kl_in_reward``, ``ppo.kl_loss_coef``, ``ppo.kl_loss_estimator``,
+    ``ppo.kl_controller``, ``ppo.init_kl_coef``, ``ppo.kl_target`` and ``ppo.kl_horizon``;
+    those names still load)."""
+
+    estimator: Literal["k1", "k2", "k3", "abs"] = "k1"
+    """Per-token KL estimator in the shaped reward (and the reported objective/kl)."""
+    in_reward: bool | None = None
+    """Subtract beta x KL to the reference from the reward (beta: init_coef, then the
+    controller): per token for gae and reinforce_pp; summed over the response and taken off
+    the score before the group baseline for rloo and grpo (TRL's RLOO). None: on for gae,
+    reinforce_pp and rloo, off for grpo (which regularises with loss_coef instead)."""
+    loss_coef: float = 0.0
+    """Weight of a KL-to-reference term in the actor's loss (DeepSeekMath's GRPO: 0.04;
+    0.001 is common); 0 disables. Works with every estimator."""
+    loss_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator of the loss term (k3: DeepSeekMath; k2's gradient is the true KL's)."""
+    controller: Literal["fixed", "adaptive"] = "fixed"
+    """KL coefficient controller of the reward's KL (Ziegler et al. 2019)."""
+    init_coef: float = 0.05
+    """Initial beta."""
+    target: float = 6.0
+    """Adaptive controller target KL (per sequence)."""
+    horizon: int = 10000
+    """Adaptive controller horizon."""
+
+    def __post_init__(self):
+        require(self.horizon >= 1, "ppo.kl.horizon", self.horizon, "must be >= 1")
+        require(self.init_coef >= 0, "ppo.kl.init_coef", self.init_coef, "must be >= 0")
+        require(self.target > 0, "ppo.kl.target", self.target, "must be > 0")
+        require(self.loss_coef >= 0, "ppo.kl.loss_coef", self.loss_coef, "must be >= 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class CorrectionConfig:
+    """``ppo.correction``: weights and masks for tokens sampled by another policy than the
+    one trained (these were ``ppo.behavior_weight_cap``, ``ppo.rollout_is_cap``,
+    ``ppo.rollout_mask_low`` and ``ppo.rollout_mask_high``; those names still load)."""
+
+    behavior_weight_cap: float | None = None
+    """Decoupled loss: drop tokens whose behaviour importance weight exceeds this (AReaL
+    uses 5); None keeps every token."""
+    is_cap: float | None = None
+    """Rollout/training mismatch correction: weight each token's policy loss by the
+    truncated importance ratio min(p_train / p_rollout, cap) (truncated IS; ~2 is usual);
+    None disables. Needs rollout.recompute_logprobs=true."""
+    mask_low: float | None = None
+    """Mismatch correction: drop from the policy loss every sample whose per-token
+    geometric-mean ratio p_train / p_rollout is below this (e.g. 0.5); None: no lower bound."""
+    mask_high: float | None = None
+    """Mismatch correction: drop every sample whose geometric-mean ratio is above this
+    (e.g. 2); None: no upper bound."""
+
+    def __post_init__(self):
+        if self.behavior_weight_cap is not None:
+            require(self.behavior_weight_cap > 1, "ppo.correction.behavior_weight_cap",
+                    self.behavior_weight_cap, "must be > 1 or null")
+        if self.is_cap is not None:
+            require(self.is_cap >= 1, "ppo.correction.is_cap", self.is_cap,
+                    "must be >= 1 or null")
+        if self.mask_low is not None:
+            require(0 < self.mask_low < 1, "ppo.correction.mask_low", self.mask_low,
+                    "must be in (0, 1) or null")
+        if self.mask_high is not None:
+            require(self.mask_high > 1, "ppo.correction.mask_high", self.mask_high,
+                    "must be > 1 or null")
+
+
+@dataclass(kw_only=True, frozen=True)
+class PlacementConfig:
+    """``rollout.placement``: where sampling runs (these were ``rollout.placement``,
+    ``rollout.ranks``, ``rollout.weight_checksum``, ``rollout.partial`` and
+    ``rollout.partial_kv``; those names still load, and ``rollout.placement: split`` is
+    short for ``rollout.placement.mode: split``)."""
+
+    mode: Literal["colocated", "split"] = "colocated"
+    """colocated: every process samples, then scores, then trains. split: the last
+    ranks processes of the job only sample (the actor at the rollout layout, its weights
+    sent by the training processes after each update, versioned); the others hold the
+    actor, critic, reference and reward model and do the rest. With ppo.max_staleness
+    k >= 1 the rollout ranks sample batch i + k while the training ranks train batch i;
+    the schedule is the same as colocated, so are the results. One torchrun or Slurm job."""
+    ranks: int | None = None
+    """mode=split: the processes that sample (the job's last ones); a multiple of
+    rollout.tensor_parallel_size. Unset otherwise."""
+    weight_checksum: bool = False
+    """mode=split: after every weight sync each rollout rank compares a SHA-256 of the
+    weights it now holds with the sender's, and stops the run on a mismatch (a pass over
+    the weights on both sides)."""
+    partial: bool = False
+    """Partial rollouts (mode=split, ppo.max_staleness >= 1): the weights of each update
+    are sent to the rollout ranks as soon as it ends, also while they are sampling a batch;
+    they take them between two decode steps and sample the rest of the batch with them.
+    Each token keeps the version that sampled it and its behaviour log-prob (the decoupled
+    loss weighs each by its own). Fresher tokens, but which token a version samples then
+    depends on timing: a run is not a fixed function of its seed, and a resume does not
+    repeat the uninterrupted run. rollout/partial_tokens: the share of a batch's tokens
+    sampled after such an update."""
+    partial_kv: Literal["recompute", "keep"] = "recompute"
+    """partial: the keys and values of the columns already fed when new weights arrive.
+    recompute: the new weights compute them again (one prefill of the batch, so a token
+    after the update has the new policy's probability given its prefix); keep: the old
+    weights' stay (no extra pass; the tokens that follow come from neither policy)."""
+
+    def __post_init__(self):
+        if self.mode == "split":
+            require(self.ranks is not None and self.ranks >= 1, "rollout.placement.ranks",
+                    self.ranks, "must be >= 1 with rollout.placement.mode=split (the "
+                    "processes that sample)")
+        else:
+            require(self.ranks is None and not self.weight_checksum and not self.partial,
+                    "rollout.placement.mode", self.mode,
+                    "has no rollout ranks: rollout.placement.ranks, "
+                    "rollout.placement.weight_checksum and rollout.placement.partial apply "
+                    "to rollout.placement.mode=split only")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RewardsConfig:
+    """``rollout.rewards``: user code and servers that score samples (these were
+    ``rollout.reward_fn``, ``rollout.reward_url``, ``rollout.reward_workers``,
+    ``rollout.reward_timeout_s``, ``rollout.reward_batch``, ``rollout.reward_retries``,
+    ``rollout.reward_on_error`` and ``rollout.reward_error_score``; those names still
+    load)."""
+
+    fn: str | None = None
+    """Programmatic reward 'package.module:function(prompt_text, response_text) -> float'
+    (decoded text, the response without its stop token) used instead of a reward model;
+    None uses the reward model."""
+    url: str | None = None
+    """A reward server instead of a reward model: batches of samples are POSTed as JSON
+    {"prompts": [...], "responses": [...]} (decoded text, as fn gets them) and answered
+    with {"rewards": [a number per sample]} (docs/ppo.md)."""
+    workers: int = 2
+    """Processes that run fn, an environment and the gold functions of evaluation, so a
+    call that hangs or crashes cannot take the trainer down; 0 calls them in the trainer's
+    process (no timeout)."""
+    timeout_s: float = 60.0
+    """Seconds one fn call (in a worker process) or one url request may take before it
+    counts as failed (a worker is then killed and replaced)."""
+    batch: int = 16
+    """Samples per message to a worker process or per url request."""
+    retries: int = 3
+    """url: tries after the first failed request of a batch (refused, HTTP error,
+    timeout, malformed answer), waiting 0.5 s, 1 s, 2 s... in between."""
+    on_error: Literal["stop", "penalty"] = "stop"
+    """A reward call that failed (timed out, raised, its process died, the server stayed
+    down, or it gave something other than a finite number): stop the run, naming the
+    function or URL and the sample (the last checkpoint is intact; the same command
+    resumes), or score the sample error_score and count it (reward/failed,
+    reward/timeouts). A url that fails every request of a batch stops the run either way
+    (the server is down)."""
+    error_score: float = -1.0
+    """on_error=penalty: the score of a sample whose reward call failed."""
+
+    def __post_init__(self):
+        require(self.workers >= 0, "rollout.rewards.workers", self.workers,
+                "must be >= 0 (0: in the trainer's process)")
+        require(self.timeout_s > 0, "rollout.rewards.timeout_s", self.timeout_s, "must be > 0")
+        require(self.batch >= 1, "rollout.rewards.batch", self.batch, "must be >= 1")
+        require(self.retries >= 0, "rollout.rewards.retries", self.retries, "must be >= 0")
+        if self.url is not None:
+            require(self.url.startswith(("http://", "https://")), "rollout.rewards.url",
+                    self.url, "must be an http:// or https:// URL")
+            require(self.fn is None, "rollout.rewards.url", self.url,
+                    "and rollout.rewards.fn are two reward sources: choose one")
+
+
+@dataclass(kw_only=True, frozen=True)
+class EnvironmentConfig:
+    """``rollout.environment``: multi-turn episodes (these were ``rollout.environment``,
+    ``rollout.max_turns``, ``rollout.max_observation_tokens`` and ``rollout.tool_format``;
+    those names still load, and ``rollout.environment: pkg.mod:Name`` is short for
+    ``rollout.environment.name: pkg.mod:Name``)."""
+
+    name: str | None = None
+    """Multi-turn rollouts: an environment 'package.module:Name' (one made per episode) with
+    reset(row) -> first messages and step(turn) -> (observation messages, reward, done).
+    Episodes are kept as tokens (the model's as sampled, observations as the chat template
+    renders them), trained on the model's tokens only; the environment's rewards are the
+    reward (no reward model or rollout.rewards.fn). It runs in rollout.rewards.workers
+    processes with rollout.rewards.timeout_s per call and rollout.rewards.on_error for a
+    failed call (docs/multi-turn.md). None: single-turn sampling."""
+    max_turns: int = 4
+    """Model turns per episode at most (each up to rollout.max_new_tokens)."""
+    max_observation_tokens: int | None = None
+    """The tokens an episode's observations may add in all (the template's text around
+    them included); an observation past it ends the episode. None: only data.max_seq_len
+    bounds an episode."""
+    tool_format: Literal["hermes", "llama3_json"] | None = None
+    """How the model writes tool calls (hermes: Qwen / Hermes <tool_call> JSON blocks;
+    llama3_json: Llama 3.1+ JSON calls); the environment gets them parsed in
+    turn["tool_calls"], and a call that does not parse is answered with an error
+    observation. None: turns are text only."""
+
+    def __post_init__(self):
+        require(self.max_turns >= 1, "rollout.environment.max_turns", self.max_turns,
+                "must be >= 1")
+        require(self.max_observation_tokens is None or self.max_observation_tokens >= 1,
+                "rollout.environment.max_observation_tokens", self.max_observation_tokens,
+                "must be >= 1, or null")
+        if self.name is not None:
+            require(":" in self.name, "rollout.environment.name", self.name,
+                    "must look like 'package.module:Name'")
+
+
+@dataclass(kw_only=True, frozen=True)
 class PPOConfig:
     rollout_batch_size: int = 64
     """Prompts per PPO iteration (global, all data-parallel ranks)."""
@@ -47,26 +255,9 @@ class PPOConfig:
     """Discount (InstructGPT: 1)."""
     lam: float = 0.95
     """GAE lambda."""
-    kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k1"
-    """Per-token KL estimator in the shaped reward (and the reported objective/kl)."""
-    kl_in_reward: bool | None = None
-    """Subtract beta x KL to the reference from the reward (beta: init_kl_coef, then the
-    controller): per token for gae and reinforce_pp; summed over the response and taken off
-    the score before the group baseline for rloo and grpo (TRL's RLOO). None: on for gae,
-    reinforce_pp and rloo, off for grpo (which regularises with kl_loss_coef instead)."""
-    kl_loss_coef: float = 0.0
-    """Weight of a KL-to-reference term in the actor's loss (DeepSeekMath's GRPO: 0.04;
-    0.001 is common); 0 disables. Works with every estimator."""
-    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator of the loss term (k3: DeepSeekMath; k2's gradient is the true KL's)."""
-    kl_controller: Literal["fixed", "adaptive"] = "fixed"
-    """KL coefficient controller (Ziegler et al. 2019)."""
-    init_kl_coef: float = 0.05
-    """Initial beta."""
-    kl_target: float = 6.0
-    """Adaptive controller target KL (per sequence)."""
-    kl_horizon: int = 10000
-    """Adaptive controller horizon."""
+    kl: KLConfig = field(default_factory=KLConfig)
+    """The KL to the reference: in the reward, in the loss, and its coefficient's
+    controller."""
     clip_reward_value: float = 5.0
     """Reward-model score clip (DeepSpeed-Chat: 5)."""
     missing_stop_penalty: float | None = -1.0
@@ -110,19 +301,9 @@ class PPOConfig:
     its seed and config, and a resume continues it exactly (the batches sampled ahead are
     saved with the checkpoint). 0: on-policy, every batch sampled by the current actor.
     rollout/staleness_mean and _max report each batch's versions."""
-    behavior_weight_cap: float | None = None
-    """Decoupled loss: drop tokens whose behaviour importance weight exceeds this (AReaL
-    uses 5); None keeps every token."""
-    rollout_is_cap: float | None = None
-    """Rollout/training mismatch correction: weight each token's policy loss by the
-    truncated importance ratio min(p_train / p_rollout, cap) (truncated IS; ~2 is usual);
-    None disables. Needs rollout.recompute_logprobs=true."""
-    rollout_mask_low: float | None = None
-    """Mismatch correction: drop from the policy loss every sample whose per-token
-    geometric-mean ratio p_train / p_rollout is below this (e.g. 0.5); None: no lower bound."""
-    rollout_mask_high: float | None = None
-    """Mismatch correction: drop every sample whose geometric-mean ratio is above this
-    (e.g. 2); None: no upper bound."""
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """Off-policy corrections: the decoupled loss's weight cap and the rollout/training
+    mismatch's truncated importance sampling and masks."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal (no learning signal for group
     baselines) and sample more prompts until rollout_batch_size groups are kept."""
@@ -149,7 +330,7 @@ class PPOConfig:
 
     def __post_init__(self):
         for name in ("rollout_batch_size", "mini_batch_size", "micro_batch_size",
-                     "ppo_epochs", "num_iterations", "group_size", "kl_horizon"):
+                     "ppo_epochs", "num_iterations", "group_size"):
             require(getattr(self, name) >= 1, f"ppo.{name}", getattr(self, name), "must be >= 1")
         require(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
                 "ppo.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch,
@@ -163,12 +344,9 @@ class PPOConfig:
         require(0 <= self.lam <= 1, "ppo.lam", self.lam, "must be in [0, 1]")
         require(self.value_loss_coef > 0, "ppo.value_loss_coef", self.value_loss_coef,
                 "must be > 0")
-        require(self.init_kl_coef >= 0, "ppo.init_kl_coef", self.init_kl_coef, "must be >= 0")
-        require(self.kl_target > 0, "ppo.kl_target", self.kl_target, "must be > 0")
         if self.ema_decay is not None:
             require(0 < self.ema_decay < 1, "ppo.ema_decay", self.ema_decay,
                     "must be in (0, 1) or null")
-        require(self.kl_loss_coef >= 0, "ppo.kl_loss_coef", self.kl_loss_coef, "must be >= 0")
         if self.cliprange_value is not None:
             require(self.cliprange_value > 0, "ppo.cliprange_value", self.cliprange_value,
                     "must be > 0 or null (no value clipping)")
@@ -183,18 +361,6 @@ class PPOConfig:
         if self.ptx_batch_size is not None:
             require(self.ptx_batch_size >= 1, "ppo.ptx_batch_size", self.ptx_batch_size,
                     "must be >= 1 or null")
-        if self.behavior_weight_cap is not None:
-            require(self.behavior_weight_cap > 1, "ppo.behavior_weight_cap",
-                    self.behavior_weight_cap, "must be > 1 or null")
-        if self.rollout_is_cap is not None:
-            require(self.rollout_is_cap >= 1, "ppo.rollout_is_cap", self.rollout_is_cap,
-                    "must be >= 1 or null")
-        if self.rollout_mask_low is not None:
-            require(0 < self.rollout_mask_low < 1, "ppo.rollout_mask_low",
-                    self.rollout_mask_low, "must be in (0, 1) or null")
-        if self.rollout_mask_high is not None:
-            require(self.rollout_mask_high > 1, "ppo.rollout_mask_high",
-                    self.rollout_mask_high, "must be > 1 or null")
         require(self.max_staleness >= 0, "ppo.max_staleness", self.max_staleness,
                 "must be >= 0 (0: on-policy)")
         require(self.max_sampling_rounds >= 1, "ppo.max_sampling_rounds",
@@ -203,7 +369,6 @@ class PPOConfig:
                 "must be >= 0")
         require(self.overlong_penalty > 0, "ppo.overlong_penalty", self.overlong_penalty,
                 "must be > 0")
-
 
     @property
     def decoupled_loss(self) -> bool:
@@ -214,9 +379,9 @@ class PPOConfig:
 
     @property
     def kl_reward_on(self) -> bool:
-        """Whether beta x KL is taken off the reward (``kl_in_reward`` resolved)."""
-        if self.kl_in_reward is not None:
-            return self.kl_in_reward
+        """Whether beta x KL is taken off the reward (``kl.in_reward`` resolved)."""
+        if self.kl.in_reward is not None:
+            return self.kl.in_reward
         return self.advantage_estimator != "grpo"
 
 
@@ -225,16 +390,8 @@ class RolloutConfig:
     tensor_parallel_size: int = 1
     """TP of the inference layout; data-parallel replicas follow from the world size (of
     the rollout ranks, under placement=split)."""
-    placement: Literal["colocated", "split"] = "colocated"
-    """colocated: every process samples, then scores, then trains. split: the last
-    rollout.ranks processes of the job only sample (the actor at the rollout layout, its
-    weights sent by the training processes after each update, versioned); the others hold
-    the actor, critic, reference and reward model and do the rest. With ppo.max_staleness
-    k >= 1 the rollout ranks sample batch i + k while the training ranks train batch i;
-    the schedule is the same as colocated, so are the results. One torchrun or Slurm job."""
-    ranks: int | None = None
-    """placement=split: the processes that sample (the job's last ones); a multiple of
-    tensor_parallel_size. Unset otherwise."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Where sampling runs: on every process, or on rollout ranks of its own."""
     decode_slots: int | None = None
     """Continuous batching: the rows each inference replica decodes at once; a row that
     stops hands its slot to the replica's next prompt at the next step (the prompts of a
@@ -244,24 +401,6 @@ class RolloutConfig:
     one static batch, whose rows stay in it until the longest stops
     (rollout/idle_decode_slots shows how many of them the decode steps feed after they
     stopped). Not with a mixture-of-experts actor yet (routing is not recorded)."""
-    weight_checksum: bool = False
-    """placement=split: after every weight sync each rollout rank compares a SHA-256 of
-    the weights it now holds with the sender's, and stops the run on a mismatch (a pass
-    over the weights on both sides)."""
-    partial: bool = False
-    """Partial rollouts (placement=split, ppo.max_staleness >= 1): the weights of each
-    update are sent to the rollout ranks as soon as it ends, also while they are sampling
-    a batch; they take them between two decode steps and sample the rest of the batch
-    with them. Each token keeps the version that sampled it and its behaviour log-prob
-    (the decoupled loss weighs each by its own). Fresher tokens, but which token a
-    version samples then depends on timing: a run is not a fixed function of its seed,
-    and a resume does not repeat the uninterrupted run. rollout/partial_tokens: the share
-    of a batch's tokens sampled after such an update."""
-    partial_kv: Literal["recompute", "keep"] = "recompute"
-    """partial: the keys and values of the columns already fed when new weights arrive.
-    recompute: the new weights compute them again (one prefill of the batch, so a token
-    after the update has the new policy's probability given its prefix); keep: the old
-    weights' stay (no extra pass; the tokens that follow come from neither policy)."""
     max_new_tokens: int = 32
     """Longest response."""
     temperature: float = 1.0
@@ -281,53 +420,10 @@ class RolloutConfig:
     recompute_logprobs: bool = True
     """Recompute old log-probs with the training-layout actor instead of using the
     sampler's."""
-    reward_fn: str | None = None
-    """Programmatic reward 'package.module:function(prompt_text, response_text) -> float'
-    (decoded text, the response without its stop token) used instead of a reward model;
-    None uses the reward model."""
-    reward_url: str | None = None
-    """A reward server instead of a reward model: batches of samples are POSTed as JSON
-    {"prompts": [...], "responses": [...]} (decoded text, as reward_fn gets them) and
-    answered with {"rewards": [a number per sample]} (docs/ppo.md)."""
-    environment: str | None = None
-    """Multi-turn rollouts: an environment 'package.module:Name' (one made per episode) with
-    reset(row) -> first messages and step(turn) -> (observation messages, reward, done).
-    Episodes are kept as tokens (the model's as sampled, observations as the chat template
-    renders them), trained on the model's tokens only; the environment's rewards are the
-    reward (no reward model or reward_fn). It runs in reward_workers processes with
-    reward_timeout_s per call and reward_on_error for a failed call (docs/multi-turn.md)."""
-    max_turns: int = 4
-    """environment: model turns per episode at most (each up to max_new_tokens)."""
-    max_observation_tokens: int | None = None
-    """environment: the tokens an episode's observations may add in all (the template's
-    text around them included); an observation past it ends the episode. None: only
-    data.max_seq_len bounds an episode."""
-    tool_format: Literal["hermes", "llama3_json"] | None = None
-    """environment: how the model writes tool calls (hermes: Qwen / Hermes <tool_call>
-    JSON blocks; llama3_json: Llama 3.1+ JSON calls); the environment gets them parsed in
-    turn["tool_calls"], and a call that does not parse is answered with an error
-    observation. None: turns are text only."""
-    reward_workers: int = 2
-    """Processes that run reward_fn, an environment and the gold functions of evaluation, so a call that
-    hangs or crashes cannot take the trainer down; 0 calls them in the trainer's process
-    (no timeout)."""
-    reward_timeout_s: float = 60.0
-    """Seconds one reward_fn call (in a worker process) or one reward_url request may take
-    before it counts as failed (a worker is then killed and replaced)."""
-    reward_batch: int = 16
-    """Samples per message to a worker process or per reward_url request."""
-    reward_retries: int = 3
-    """reward_url: tries after the first failed request of a batch (refused, HTTP error,
-    timeout, malformed answer), waiting 0.5 s, 1 s, 2 s... in between."""
-    reward_on_error: Literal["stop", "penalty"] = "stop"
-    """A reward call that failed (timed out, raised, its process died, the server stayed
-    down, or it gave something other than a finite number): stop the run, naming the
-    function or URL and the sample (the last checkpoint is intact; the same command
-    resumes), or score the sample reward_error_score and count it (reward/failed,
-    reward/timeouts). A reward_url that fails every request of a batch stops the run
-    either way (the server is down)."""
-    reward_error_score: float = -1.0
-    """reward_on_error=penalty: the score of a sample whose reward call failed."""
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    """Reward functions and servers: user code, run in worker processes."""
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    """Multi-turn episodes with an environment."""
     offload_frozen_models: bool = True
     """Offload reference and reward models between their scoring passes (the default of
     roles.reference.offload / roles.reward.offload)."""
@@ -367,47 +463,23 @@ class RolloutConfig:
         if self.decode_slots is not None:
             require(self.decode_slots >= 1, "rollout.decode_slots", self.decode_slots,
                     "must be >= 1, or null for one static batch")
-        if self.placement == "split":
-            require(self.ranks is not None and self.ranks >= 1, "rollout.ranks", self.ranks,
-                    "must be >= 1 with rollout.placement=split (the processes that sample)")
-            require(self.ranks % self.tensor_parallel_size == 0, "rollout.ranks", self.ranks,
-                    f"must be a multiple of rollout.tensor_parallel_size="
+        place = self.placement
+        if place.mode == "split":
+            require(place.ranks % self.tensor_parallel_size == 0, "rollout.placement.ranks",
+                    place.ranks, f"must be a multiple of rollout.tensor_parallel_size="
                     f"{self.tensor_parallel_size}")
-        else:
-            require(self.ranks is None and not self.weight_checksum and not self.partial,
-                    "rollout.placement", self.placement,
-                    "has no rollout ranks: rollout.ranks, rollout.weight_checksum and "
-                    "rollout.partial apply to rollout.placement=split only")
         require(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens,
                 "must be >= 1")
-        require(self.max_turns >= 1, "rollout.max_turns", self.max_turns, "must be >= 1")
-        require(self.max_observation_tokens is None or self.max_observation_tokens >= 1,
-                "rollout.max_observation_tokens", self.max_observation_tokens,
-                "must be >= 1, or null")
-        if self.environment is not None:
-            require(":" in self.environment, "rollout.environment", self.environment,
-                    "must look like 'package.module:Name'")
-            require(self.reward_fn is None and self.reward_url is None, "rollout.environment",
-                    self.environment, "gives the rewards: unset rollout.reward_fn and "
-                    "rollout.reward_url")
+        env = self.environment
+        if env.name is not None:
+            require(self.rewards.fn is None and self.rewards.url is None,
+                    "rollout.environment.name", env.name, "gives the rewards: unset "
+                    "rollout.rewards.fn and rollout.rewards.url")
             require(self.stop_at_eos, "rollout.stop_at_eos", self.stop_at_eos,
                     "must be true with rollout.environment (a turn ends at its stop token)")
-            require(self.decode_slots is None and not self.partial, "rollout.environment",
-                    self.environment, "samples each turn as one static batch: unset "
-                    "rollout.decode_slots and rollout.partial")
-        require(self.reward_workers >= 0, "rollout.reward_workers", self.reward_workers,
-                "must be >= 0 (0: in the trainer's process)")
-        require(self.reward_timeout_s > 0, "rollout.reward_timeout_s", self.reward_timeout_s,
-                "must be > 0")
-        require(self.reward_batch >= 1, "rollout.reward_batch", self.reward_batch,
-                "must be >= 1")
-        require(self.reward_retries >= 0, "rollout.reward_retries", self.reward_retries,
-                "must be >= 0")
-        if self.reward_url is not None:
-            require(self.reward_url.startswith(("http://", "https://")), "rollout.reward_url",
-                    self.reward_url, "must be an http:// or https:// URL")
-            require(self.reward_fn is None, "rollout.reward_url", self.reward_url,
-                    "and rollout.reward_fn are two reward sources: choose one")
+            require(self.decode_slots is None and not place.partial, "rollout.environment.name",
+                    env.name, "samples each turn as one static batch: unset "
+                    "rollout.decode_slots and rollout.placement.partial")
         require(self.temperature > 0, "rollout.temperature", self.temperature,
                 "must be > 0 (use rollout.greedy=true for argmax)")
         require(self.top_k >= 0, "rollout.top_k", self.top_k, "must be >= 0")

@@ -16,7 +16,7 @@ class RoleConfig:
     """Checkpoint this role loads (a run's ``checkpoints`` folder, one checkpoint, or a
     converter's output folder). Aliases the loader turns into this field:
     ``ppo.sft_checkpoint`` (the actor's: an SFT run), ``ppo.reward_checkpoint`` (the reward
-    model's; None needs rollout.reward_fn), ``dpo.reference_checkpoint`` (the DPO
+    model's; None needs rollout.rewards.fn), ``dpo.reference_checkpoint`` (the DPO
     reference; None: the policy's checkpoint.load), ``distill.teacher_checkpoint`` (the
     teacher's, any size)."""
     model: ModelConfig | None = None
@@ -65,4 +65,4 @@ class RolesConfig:
     """The frozen teacher of ``megarlhf distill`` (its checkpoint: roles.teacher.checkpoint,
     or its alias distill.teacher_checkpoint)."""
     reward: RoleConfig = field(default_factory=RoleConfig)
-    """The frozen reward model (unless ``rollout.reward_fn`` is set)."""
+    """The frozen reward model (unless ``rollout.rewards.fn`` is set)."""

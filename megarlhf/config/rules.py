@@ -78,15 +78,15 @@ def _ppo(ppo: PPOConfig) -> None:
     if ppo.dynamic_sampling:
         require(ppo.group_size >= 2, "ppo.group_size", ppo.group_size,
                "must be >= 2 with ppo.dynamic_sampling (it filters groups)")
-    if not ppo.kl_reward_on and ppo.kl_controller == "adaptive":
+    if not ppo.kl_reward_on and ppo.kl.controller == "adaptive":
         raise ValueError(
-            "ppo.kl_controller=adaptive tunes the KL coefficient of the reward, but the "
-            f"KL is not in the reward (ppo.kl_in_reward={ppo.kl_in_reward}, estimator "
-            f"{ppo.advantage_estimator}): set ppo.kl_in_reward=true or "
-            "ppo.kl_controller=fixed")
-    if ppo.decoupled_loss and (ppo.dual_clip is not None or ppo.rollout_is_cap is not None):
+            "ppo.kl.controller=adaptive tunes the KL coefficient of the reward, but the "
+            f"KL is not in the reward (ppo.kl.in_reward={ppo.kl.in_reward}, estimator "
+            f"{ppo.advantage_estimator}): set ppo.kl.in_reward=true or "
+            "ppo.kl.controller=fixed")
+    if ppo.decoupled_loss and (ppo.dual_clip is not None or ppo.correction.is_cap is not None):
         raise ConfigError(f"ppo.policy_loss={_loss_name(ppo)}: the decoupled loss has its own "
-                          "importance weight and no dual clip: leave ppo.rollout_is_cap and "
+                          "importance weight and no dual clip: leave ppo.correction.is_cap and "
                           "ppo.dual_clip null (or set ppo.policy_loss=ppo)")
     if ppo.advantage_estimator in ("grpo", "rloo"):
         require(ppo.group_size >= 2, "ppo.group_size", ppo.group_size,
@@ -231,22 +231,22 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
     def said(section: str, name: str) -> bool:
         return f"{section}.{name}" in written
 
-    if not ppo.kl_reward_on and said("ppo", "init_kl_coef") and ppo.init_kl_coef > 0:
+    if not ppo.kl_reward_on and said("ppo.kl", "init_coef") and ppo.kl.init_coef > 0:
         raise ConfigError(
-            f"ppo.init_kl_coef={ppo.init_kl_coef} has no effect: the KL is not in the reward "
-            f"(ppo.advantage_estimator={ppo.advantage_estimator}, ppo.kl_in_reward="
-            f"{ppo.kl_in_reward}). Regularise with ppo.kl_loss_coef, or set "
-            "ppo.kl_in_reward=true")
-    if not ppo.kl_loss_coef and said("ppo", "kl_loss_estimator"):
-        raise ConfigError("ppo.kl_loss_estimator has no effect with ppo.kl_loss_coef=0")
+            f"ppo.kl.init_coef={ppo.kl.init_coef} has no effect: the KL is not in the reward "
+            f"(ppo.advantage_estimator={ppo.advantage_estimator}, ppo.kl.in_reward="
+            f"{ppo.kl.in_reward}). Regularise with ppo.kl.loss_coef, or set "
+            "ppo.kl.in_reward=true")
+    if not ppo.kl.loss_coef and said("ppo.kl", "loss_estimator"):
+        raise ConfigError("ppo.kl.loss_estimator has no effect with ppo.kl.loss_coef=0")
     if ppo.advantage_estimator != "grpo" and said("ppo", "grpo_normalization"):
         raise ConfigError(f"ppo.grpo_normalization has no effect with "
                          f"ppo.advantage_estimator={ppo.advantage_estimator}")
-    if not ppo.decoupled_loss and ppo.behavior_weight_cap is not None:
-        raise ConfigError("ppo.behavior_weight_cap applies to ppo.policy_loss=decoupled only "
-                          f"(ppo.policy_loss={_loss_name(ppo)})")
-    correction = [name for name in ("rollout_is_cap", "rollout_mask_low", "rollout_mask_high")
-                  if getattr(ppo, name) is not None]
+    if not ppo.decoupled_loss and ppo.correction.behavior_weight_cap is not None:
+        raise ConfigError("ppo.correction.behavior_weight_cap applies to "
+                          f"ppo.policy_loss=decoupled only (ppo.policy_loss={_loss_name(ppo)})")
+    correction = [f"correction.{name}" for name in ("is_cap", "mask_low", "mask_high")
+                  if getattr(ppo.correction, name) is not None]
     if ppo.decoupled_loss:
         correction.append(f"policy_loss={_loss_name(ppo)}")
     if correction and not rollout.recompute_logprobs:
@@ -259,12 +259,13 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
                          f"(got ppo.ptx_coef={ppo.ptx_coef}, data.ptx_path={data.ptx_path!r})")
     if ppo.ptx_batch_size is not None and ppo.ptx_coef == 0:
         raise ConfigError("ppo.ptx_batch_size has no effect with ppo.ptx_coef=0")
-    if rollout.partial and ppo.max_staleness < 1:
-        raise ConfigError("rollout.partial needs ppo.max_staleness >= 1: at 0 no update "
-                          "happens while a batch is sampled, so there is nothing to take "
-                          "in flight")
-    if said("rollout", "partial_kv") and not rollout.partial:
-        raise ConfigError("rollout.partial_kv has no effect without rollout.partial=true")
+    if rollout.placement.partial and ppo.max_staleness < 1:
+        raise ConfigError("rollout.placement.partial needs ppo.max_staleness >= 1: at 0 no "
+                          "update happens while a batch is sampled, so there is nothing to "
+                          "take in flight")
+    if said("rollout.placement", "partial_kv") and not rollout.placement.partial:
+        raise ConfigError("rollout.placement.partial_kv has no effect without "
+                          "rollout.placement.partial=true")
     if ppo.overlong_buffer >= rollout.max_new_tokens:
         raise ConfigError(f"ppo.overlong_buffer={ppo.overlong_buffer} must be below "
                          f"rollout.max_new_tokens={rollout.max_new_tokens}")
@@ -293,34 +294,35 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
         raise ConfigError("the actor needs a checkpoint: set ppo.sft_checkpoint (or "
                           "roles.actor.checkpoint) to an SFT run's checkpoints")
     reward_model = roles.reward.checkpoint is not None
-    programmatic = rollout.reward_fn or rollout.reward_url or rollout.environment
-    which = "rollout.reward_fn" if rollout.reward_fn else "rollout.reward_url" \
-        if rollout.reward_url else "rollout.environment"
+    programmatic = rollout.rewards.fn or rollout.rewards.url or rollout.environment.name
+    which = "rollout.rewards.fn" if rollout.rewards.fn else "rollout.rewards.url" \
+        if rollout.rewards.url else "rollout.environment.name"
     if not reward_model and not programmatic and not planning:
         raise ConfigError("set ppo.reward_checkpoint (or roles.reward.checkpoint), "
-                          "rollout.reward_fn, rollout.reward_url or rollout.environment")
+                          "rollout.rewards.fn, rollout.rewards.url or rollout.environment.name")
     for name in ("max_turns", "max_observation_tokens", "tool_format"):
-        if said("rollout", name) and not rollout.environment:
-            raise ConfigError(f"rollout.{name} has no effect without rollout.environment")
-    if rollout.environment and rollout.routing_replay != "none":
-        raise ConfigError("rollout.routing_replay does not take rollout.environment yet (the "
+        if said("rollout.environment", name) and not rollout.environment.name:
+            raise ConfigError(f"rollout.environment.{name} has no effect without "
+                              "rollout.environment.name")
+    if rollout.environment.name and rollout.routing_replay != "none":
+        raise ConfigError("rollout.routing_replay does not take rollout.environment.name yet (the "
                           "turns' expert choices are not recorded)")
-    if rollout.environment and ppo.gold_reward_fn:
-        raise ConfigError("ppo.gold_reward_fn has no effect with rollout.environment: the "
+    if rollout.environment.name and ppo.gold_reward_fn:
+        raise ConfigError("ppo.gold_reward_fn has no effect with rollout.environment.name: the "
                           "evaluation plays the environment's episodes, and their return is "
                           "eval/gold_score")
-    if rollout.environment and ppo.dynamic_sampling:
-        raise ConfigError("ppo.dynamic_sampling does not take rollout.environment yet (its "
+    if rollout.environment.name and ppo.dynamic_sampling:
+        raise ConfigError("ppo.dynamic_sampling does not take rollout.environment.name yet (its "
                           "refills are single-turn prompts)")
     if reward_model and programmatic:
         raise ConfigError(f"both a reward-model checkpoint and {which} are set: choose one "
                           "reward source")
-    if said("rollout", "reward_retries") and not rollout.reward_url:
-        raise ConfigError("rollout.reward_retries has no effect without rollout.reward_url")
-    if said("rollout", "reward_error_score") and rollout.reward_on_error != "penalty":
-        raise ConfigError("rollout.reward_error_score has no effect with "
-                          "rollout.reward_on_error=stop (the default): set "
-                          "rollout.reward_on_error=penalty")
+    if said("rollout.rewards", "retries") and not rollout.rewards.url:
+        raise ConfigError("rollout.rewards.retries has no effect without rollout.rewards.url")
+    if said("rollout.rewards", "error_score") and rollout.rewards.on_error != "penalty":
+        raise ConfigError("rollout.rewards.error_score has no effect with "
+                          "rollout.rewards.on_error=stop (the default): set "
+                          "rollout.rewards.on_error=penalty")
     gae = ppo.advantage_estimator == "gae"
     if gae and roles.critic.checkpoint is None and ppo.critic_init == "reward" \
             and programmatic:
@@ -380,14 +382,15 @@ def _role_block(name: str, written: Written) -> str:
 
 
 def check_placement(cfg: Config, job_world: int) -> int:
-    """The training processes of a job of ``job_world`` (``rollout.placement=split``: all
-    but the last ``rollout.ranks``), refused before any work when there are none."""
-    if cfg.rollout.placement != "split":
+    """The training processes of a job of ``job_world`` (``rollout.placement.mode=split``: all
+    but the last ``rollout.placement.ranks``), refused before any work when there are none."""
+    if cfg.rollout.placement.mode != "split":
         return job_world
-    r = cfg.rollout.ranks
+    r = cfg.rollout.placement.ranks
     if job_world - r < 1:
         raise ConfigError(
-            f"rollout.placement=split with rollout.ranks={r} leaves no training process in a "
+            f"rollout.placement.mode=split with rollout.placement.ranks={r} leaves no "
+            f"training process in a "
             f"job of {job_world}: launch at least {r + 1} processes (torchrun "
             f"--nproc-per-node={r + 1}, or launch.nodes x launch.tasks_per_node)")
     return job_world - r

@@ -312,7 +312,7 @@ def _preference_turns(row, data_cfg: DataConfig, where: str
 
 @dataclass
 class EpisodeRows:
-    """The rows of an environment's episodes (``rollout.environment``): each row as a dict
+    """The rows of an environment's episodes (``rollout.environment.name``): each row as a dict
     of its columns, handed to the environment's ``reset``."""
 
     prompts: list[dict]

@@ -1,4 +1,4 @@
-"""The built-in tool task (multi-turn rollouts, ``rollout.environment``), on the demo's
+"""The built-in tool task (multi-turn rollouts, ``rollout.environment.name``), on the demo's
 synthetic words.
 
 Each row hides a colour for one noun. The user asks ``colour of <noun> ?``; the answer is

@@ -214,9 +214,9 @@ def make_policy_step(*, prompt_len: int, tp_group, true_vocab: int, temperature:
     - the clipped surrogate (``policy_loss=ppo``; truncated importance weights of the
       rollout/training correction in ``is_weights``), or AReaL's decoupled loss
       (``decoupled``: clip around the recomputed log-probs, importance weight to the
-      sampler's ``rollout_logprobs``, capped by ``behavior_weight_cap``);
+      sampler's ``rollout_logprobs``, capped by ``correction.behavior_weight_cap``);
     - minus ``entropy_coef`` x entropy;
-    - plus ``kl_loss_coef`` x the KL estimate to the reference (GRPO's KL term);
+    - plus ``kl.loss_coef`` x the KL estimate to the reference (GRPO's KL term);
     all over ``policy_mask`` (the response mask without the samples the mismatch correction
     rejected). A micro-batch with ``ptx_loss_mask`` is pretraining data instead
     (PPO-ptx): its next-token NLL, already scaled by ``ptx_scale`` so that the step's loss is
@@ -258,7 +258,7 @@ def make_policy_step(*, prompt_len: int, tp_group, true_vocab: int, temperature:
             if ppo.decoupled_loss:
                 total, count, stats = decoupled_policy_loss(
                     logprobs_BT, batch["old_logprobs"], batch["rollout_logprobs"],
-                    batch["advantages"], mask, ppo.clip_eps, ppo.behavior_weight_cap,
+                    batch["advantages"], mask, ppo.clip_eps, ppo.correction.behavior_weight_cap,
                     ppo.loss_agg)
             else:
                 total, count, stats = policy_loss(
@@ -277,11 +277,11 @@ def make_policy_step(*, prompt_len: int, tp_group, true_vocab: int, temperature:
             if ppo.entropy_coef:
                 ent_total, _ = entropy_bonus(entropy_BT, mask, ppo.entropy_coef, ppo.loss_agg)
                 total = total + ent_total
-            if ppo.kl_loss_coef:
+            if ppo.kl.loss_coef:
                 kl_BT = kl_per_token(logprobs_BT, batch["ref_logprobs"], mask,
-                                     ppo.kl_loss_estimator)
+                                     ppo.kl.loss_estimator)
                 kl_total, _ = aggregate_parts(kl_BT, mask, ppo.loss_agg)
-                total = total + ppo.kl_loss_coef * kl_total
+                total = total + ppo.kl.loss_coef * kl_total
                 logs["kl_loss_sum"] = (kl_BT.detach() * mask).sum()
             logs["loss_sum"] = total.detach()
             return total, count.to(torch.int), logs

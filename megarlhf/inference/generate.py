@@ -57,7 +57,7 @@ class Generation:
     # the policy version that sampled each response token (0 on padding), when recorded:
     # see rollout.schedule
     versions_BT: torch.Tensor | None = None
-    # multi-turn rollouts (rollout.environment, ``rollout.episodes``): 1 on the response
+    # multi-turn rollouts (rollout.environment.name, ``rollout.episodes``): 1 on the response
     # tokens the environment wrote (observations, as the chat template renders them; fed,
     # never trained), and each turn's reward at that turn's last model token
     observation_BT: torch.Tensor | None = None
@@ -221,7 +221,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     ``record_routing``: a mixture of experts' choice of experts for every token fed, in
     ``routing_BLSK`` (the column layout of prompt and response).
 
-    ``interrupt`` (partial rollouts, ``rollout.partial``) is called between decode steps;
+    ``interrupt`` (partial rollouts, ``rollout.placement.partial``) is called between decode steps;
     True means it has written new weights into ``model``, which then sample the tokens
     that follow. The keys and values of the columns already fed are recomputed by the new
     weights (``recompute_kv``: one prefill of the whole batch) or kept. ``versions_BT``

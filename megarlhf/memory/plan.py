@@ -271,7 +271,7 @@ class Plan:
     # totals as the run's tracker measures them: without the forward-only estimates
     # (generation prefill, experience passes), which only a GPU allocator sees
     measurable: list[dict[str, float]] = field(default_factory=list)
-    # rollout.placement=split: the rollout ranks, after the ``world`` training ranks in
+    # rollout.placement.mode=split: the rollout ranks, after the ``world`` training ranks in
     # ``ranks`` and ``totals``
     rollout_ranks: int = 0
 
@@ -317,7 +317,8 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
     a measured run passes its batch's own to compare. ``written`` as in
     ``roles.spec.ppo_role_specs``."""
     ppo, r = cfg.ppo, cfg.rollout
-    split = r.placement == "split"  # the job's last rollout.ranks processes only sample
+    # split: the job's last rollout.placement.ranks processes only sample
+    split = r.placement.mode == "split"
     if split:
         world = check_placement(cfg, world)
     specs = specs or ppo_role_specs(cfg, world, written=written, planning=True)
@@ -427,12 +428,14 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
                               ("experience passes", forward_budget, forward_rows)))
     sampling = f"{inf_dp} inference replica(s) of TP={inference.layout.tp}"
     if split:
-        r_dp = r.ranks // inference.layout.tp
+        r_dp = r.placement.ranks // inference.layout.tp
         sampling = (f"{r_dp} inference replica(s) of TP={inference.layout.tp} on the "
-                    f"{r.ranks} rollout rank(s) {world}..{world + r.ranks - 1} (the training "
+                    f"{r.placement.ranks} rollout rank(s) {world}.."
+                    f"{world + r.placement.ranks - 1} (the training "
                     "ranks keep a copy for the weight sync and evaluation)")
-        for rank in range(r.ranks):  # the inference model, always resident, and its KV cache
-            replica = inference.layout.coordinates(rank, r.ranks)[1]
+        # the inference model, always resident, and its KV cache
+        for rank in range(r.placement.ranks):
+            replica = inference.layout.coordinates(rank, r.placement.ranks)[1]
             rows = len(range(replica, samples, r_dp))
             params = float(static_bytes(inference, r_dp, 0, replica)["params"])
             by_phase = {p: {("inference", "params"): params} for p in PHASES}
@@ -452,7 +455,7 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
         notes.append(f"evaluation generates for {eval_prompts} prompts (ppo.num_eval_prompts), "
                      "more than a rollout: its KV cache is in the rollout total")
     return Plan(world, specs, inference.layout.tp, ranks, totals, notes, measurables,
-                rollout_ranks=r.ranks if split else 0)
+                rollout_ranks=r.placement.ranks if split else 0)
 
 
 # ------------------------------------------------------------------ reporting

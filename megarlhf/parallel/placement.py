@@ -1,7 +1,7 @@
-"""Which processes of the job do what: ``rollout.placement``.
+"""Which processes of the job do what: ``rollout.placement.mode``.
 
 colocated (the default): every process joins one default process group and takes part in
-everything. split: the job's last ``rollout.ranks`` processes only sample. The job is then
+everything. split: the job's last ``rollout.placement.ranks`` processes only sample. The job is then
 two worlds on one rendezvous store: the training processes' default group (ranks
 0 .. N - 1, every role, checkpoint and collective of the training code as before) and the
 rollout processes' own (their ranks 0 .. R - 1, the inference layout). A third group over
@@ -34,7 +34,7 @@ class Split:
     job_rank: int
     bridge: object
     # the job's rendezvous store (a prefix of its own): in-flight weight updates are
-    # agreed on through it (rollout.partial)
+    # agreed on through it (rollout.placement.partial)
     store: object = None
 
     def rollout_job_rank(self, rank: int) -> int:
@@ -48,16 +48,16 @@ class Split:
 
 
 def start(cfg: Config) -> Split | None:
-    """Join this process's world (``rollout.placement``): None when colocated (the caller
+    """Join this process's world (``rollout.placement.mode``): None when colocated (the caller
     starts the default group as always); for split, both worlds and the bridge are up when
     this returns, and ``parallel.launch.read_dist_env`` gives this process's world."""
-    if cfg.rollout.placement != "split":
+    if cfg.rollout.placement.mode != "split":
         return None
     job = read_job_env()
     n = check_placement(cfg, job.world_size)
     training = job.rank < n
     part = dataclasses.replace(job, rank=job.rank if training else job.rank - n,
-                               world_size=n if training else cfg.rollout.ranks)
+                               world_size=n if training else cfg.rollout.placement.ranks)
     timeout = datetime.timedelta(minutes=cfg.parallel.timeout_minutes)
     store, _, _ = next(dist.rendezvous(
         f"tcp://{job.master_addr}:{job.master_port}?rank={job.rank}&world_size={job.world_size}",
@@ -69,6 +69,6 @@ def start(cfg: Config) -> Split | None:
                          for r in range(job.world_size)})
     bridge = dist.ProcessGroupGloo(dist.PrefixStore("megarlhf/bridge/", store), job.rank,
                                    job.world_size, timeout)
-    return Split(training=training, training_world=n, rollout_world=cfg.rollout.ranks,
+    return Split(training=training, training_world=n, rollout_world=cfg.rollout.placement.ranks,
                  job_rank=job.rank, bridge=bridge,
                  store=dist.PrefixStore("megarlhf/partial/", store))

@@ -73,7 +73,7 @@ def _evaluate_episodes(cfg, sampler, rows: list, indices: list[int], params, tok
         local[0] = float(gen.env_rewards_BT.sum())
         local[1] = float(gen.model_mask_BT().sum())
         local[2] = len(rows)
-    counts = episode_metrics(stats, cfg.rollout.reward_on_error)
+    counts = episode_metrics(stats, cfg.rollout.rewards.on_error)
     dist.all_reduce(local)
     n = max(float(local[2]), 1.0)
     return {f"{prefix}gold_score": float(local[0]) / n,

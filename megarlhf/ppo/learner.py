@@ -150,7 +150,7 @@ class PolicyMetrics:
     clipfrac: float
     approxkl: float
     entropy: float
-    kl_loss: float | None = None  # ppo.kl_loss_coef
+    kl_loss: float | None = None  # ppo.kl.loss_coef
     behavior_weight: float | None = None  # ppo.decoupled_loss
     behavior_capped_frac: float | None = None
     ptx_loss: float | None = None  # ppo.ptx_coef
@@ -291,7 +291,7 @@ class Learner:
                 clipfrac=ratio(pol, "clipfrac_sum", "tokens"),
                 approxkl=ratio(pol, "approxkl_sum", "tokens"),
                 entropy=ratio(pol, "entropy_sum", "tokens"))
-            if ppo.kl_loss_coef:
+            if ppo.kl.loss_coef:
                 out.policy.kl_loss = ratio(pol, "kl_loss_sum", "tokens")
             if ppo.decoupled_loss:
                 out.policy.behavior_weight = ratio(

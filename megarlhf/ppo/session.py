@@ -122,7 +122,7 @@ class PPOSession:
         forward_budget = r.forward_max_tokens_per_micro_batch or ppo.max_tokens_per_micro_batch
         self.cfg, self.tokenizer = cfg, tokenizer
         # an environment's episodes start from data rows (its reset), else from prompts
-        read = (lambda path: episode_rows(path, cfg.data)) if r.environment else \
+        read = (lambda path: episode_rows(path, cfg.data)) if r.environment.name else \
             (lambda path: tokenize_dataset(path, "prompt", cfg.data, tokenizer))
         self.prompts = read(cfg.data.train_path)
         self.eval_prompts = read(cfg.data.eval_path) if cfg.data.eval_path else None
@@ -130,8 +130,8 @@ class PPOSession:
             if ds is not None:
                 print0(f"[ppo] {ds.report()}")
         # a programmatic reward: a function in worker processes, or a reward server
-        reward_fn = make_verifier(r, fn_path=r.reward_fn) if r.reward_fn else \
-            make_verifier(r, url=r.reward_url) if r.reward_url else None
+        reward_fn = make_verifier(r.rewards, fn_path=r.rewards.fn) if r.rewards.fn else \
+            make_verifier(r.rewards, url=r.rewards.url) if r.rewards.url else None
         self.ptx = PtxData(cfg, tokenizer, self.sizes["actor"].num_mini_batches) \
             if ppo.ptx_coef > 0 else None
         if self.ptx is not None:
@@ -154,20 +154,21 @@ class PPOSession:
                                eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                                release_inference=r.release_inference_weights,
                                end_ids=tokenizer.end_ids,
-                               episodes=Episodes(cfg, tokenizer) if r.environment else None)
+                               episodes=Episodes(r.environment, r.rewards, cfg.data, tokenizer)
+                               if r.environment.name else None)
         self.scorer = Scorer(cfg, self.actor, self.reference, reward, self.critic,
                              pad_id=tokenizer.pad_id,
                              micro_batch_size=r.forward_micro_batch_size
                              or ppo.micro_batch_size, max_tokens=forward_budget,
                              ref_cache=SequenceCache(r.ref_cache_size)
                              if r.ref_cache_size else None)
-        # rollout.placement=split: the rollout ranks sample, this world scores and trains
+        # rollout.placement.mode=split: the rollout ranks sample, this world scores and trains
         self.remote = RemoteRollout(cfg, split, self.sampler) if split is not None else None
         self.maker = ExperienceMaker(cfg, self.sampler, self.scorer, remote=self.remote)
         self.rollouts = StaleSchedule(ppo.max_staleness, ppo.num_iterations,
                                       self.sample_batch, log=print0)
-        self.kl_ctl = algos.make_kl_controller(ppo.kl_controller, ppo.init_kl_coef,
-                                               ppo.kl_target, ppo.kl_horizon)
+        self.kl_ctl = algos.make_kl_controller(ppo.kl.controller, ppo.kl.init_coef,
+                                               ppo.kl.target, ppo.kl.horizon)
         # EMA of the actor (evaluation only): its own frozen role at the actor's layout, so
         # it is checkpointed, resumed, evaluated, scored and exported like any role.
         self.ema = self.ema_role = None
@@ -310,7 +311,7 @@ class PPOSession:
         metrics.update(update.as_dict())
         self.hooks.after_train()
         metrics["timing/train"] = time.perf_counter() - t_train
-        if self.remote is not None:  # rollout.partial: the batch being sampled takes the
+        if self.remote is not None:  # rollout.placement.partial: the batch being sampled takes the
             self.remote.push(it + 1)  # new weights for its remaining tokens
         self.rollouts.settle()  # split: the batch the rollout ranks sampled meanwhile
         if self.remote is not None:

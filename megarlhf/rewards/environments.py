@@ -1,4 +1,4 @@
-"""Environments (``rollout.environment``): the user's code, hosted.
+"""Environments (``rollout.environment.name``): the user's code, hosted.
 
 An environment is a class (or any callable making one) named ``package.module:Name``;
 the rollout makes one per episode::
@@ -11,18 +11,18 @@ the rollout makes one per episode::
             ...                           # (observation messages, reward, done)
 
 ``turn`` is ``{"text", "tool_calls", "index"}``: the model's turn decoded without its stop
-token, the calls read from it in ``rollout.tool_format`` (``[{"name", "arguments"}]``, empty
-without a format) and its number from 0. The observation is a list of ``tool`` (or
+token, the calls read from it in ``rollout.environment.tool_format`` (``[{"name",
+"arguments"}]``, empty without a format) and its number from 0. The observation is a list of ``tool`` (or
 ``user``) messages, empty when ``done``.
 
 **Where it runs.** TP rank 0 of each inference replica runs its share's episodes - in
-``rollout.reward_workers`` worker processes (an episode stays in one; a call silent past
-``rollout.reward_timeout_s`` kills its process, and the episodes held there end as failed),
+``rollout.rewards.workers`` worker processes (an episode stays in one; a call silent past
+``rollout.rewards.timeout_s`` kills its process, and the episodes held there end as failed),
 or in the trainer's process with 0 workers - and hands each step's tokens to its TP peers.
 A failed call (an exception, a timeout, a dead process, a malformed result) ends its
-episode: ``rollout.reward_on_error=stop`` stops the run naming the environment, the row
+episode: ``rollout.rewards.on_error=stop`` stops the run naming the environment, the row
 and the error (after the batch, on every rank); ``penalty`` scores it
-``rollout.reward_error_score`` and counts it in ``reward/failed`` / ``reward/timeouts``; a
+``rollout.rewards.error_score`` and counts it in ``reward/failed`` / ``reward/timeouts``; a
 batch in which no episode reached its first turn stops the run either way (nothing was
 sampled to learn from).
 
@@ -82,7 +82,7 @@ def check_step(value) -> dict:
 # ------------------------------------------------------------------ where episodes live
 
 class InProcessEnvs:
-    """``rollout.reward_workers=0``: the episodes' environments in this process."""
+    """``rollout.rewards.workers=0``: the episodes' environments in this process."""
 
     def __init__(self, path: str):
         self.path, self.factory = path, load_reward_fn(path)
@@ -103,7 +103,7 @@ class InProcessEnvs:
 
 
 class WorkerEnvs:
-    """``rollout.reward_workers`` processes holding the episodes (episode e in process
+    """``rollout.rewards.workers`` processes holding the episodes (episode e in process
     e mod N). A call with no answer within ``timeout_s``, or a process that dies, fails
     that call; the process is replaced, and the episodes it held fail at their next call
     (their state went with it)."""
@@ -184,7 +184,7 @@ class WorkerEnvs:
             for fd, (w, worker) in list(busy.items()):
                 if now - worker.started >= self.timeout_s:
                     fail_rest(w, worker, Failure(
-                        "timeout", f"gave no result within rollout.reward_timeout_s="
+                        "timeout", f"gave no result within rollout.rewards.timeout_s="
                                    f"{self.timeout_s:g}"))
                     del busy[fd]
         return out

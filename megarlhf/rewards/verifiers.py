@@ -1,24 +1,24 @@
 """Programmatic rewards that cannot take the trainer down: a reward function
-(``rollout.reward_fn``, the gold functions of evaluation) in worker processes, or a reward
-server (``rollout.reward_url``).
+(``rollout.rewards.fn``, the gold functions of evaluation) in worker processes, or a reward
+server (``rollout.rewards.url``).
 
-- **Worker processes** (``rollout.reward_workers`` N >= 1): N processes, each importing the
-  function once (``verifier_worker``), are sent batches of ``rollout.reward_batch``
+- **Worker processes** (``rollout.rewards.workers`` N >= 1): N processes, each importing the
+  function once (``verifier_worker``), are sent batches of ``rollout.rewards.batch``
   (prompt, response) pairs and answer call by call. A call with no answer within
-  ``rollout.reward_timeout_s`` is a timeout: its process is killed and replaced, and the
+  ``rollout.rewards.timeout_s`` is a timeout: its process is killed and replaced, and the
   rest of its batch goes on in another. A process that dies (a segfault, ``os._exit``)
   fails the call it was on, likewise. N = 0 calls the function in the trainer's process:
   no timeout, and a crash there is the trainer's.
 - **A reward server**: batches are POSTed as JSON ``{"prompts": [...], "responses": [...]}``
   and answered with ``{"rewards": [...]}`` (a number per sample; docs/ppo.md). A request
-  that fails (refused, an HTTP error, no answer within ``rollout.reward_timeout_s``,
-  malformed JSON, the wrong number of rewards) is retried ``rollout.reward_retries`` times,
+  that fails (refused, an HTTP error, no answer within ``rollout.rewards.timeout_s``,
+  malformed JSON, the wrong number of rewards) is retried ``rollout.rewards.retries`` times,
   waiting 0.5 s, 1 s, 2 s... in between.
 - **What a failed call gives** (a timeout, an exception, a dead process, a server that
-  stays down, or a result that is not a finite number): ``rollout.reward_on_error=stop``
+  stays down, or a result that is not a finite number): ``rollout.rewards.on_error=stop``
   (the default) stops the run with a message naming the function or URL, the sample and
   what happened - the last checkpoint is intact, and the same command resumes once the
-  cause is fixed; ``penalty`` scores the sample ``rollout.reward_error_score`` and counts it
+  cause is fixed; ``penalty`` scores the sample ``rollout.rewards.error_score`` and counts it
   (``reward/failed``, ``reward/timeouts``). A reward server that fails every request of a
   batch stops the run either way: it is down, and a batch of penalties teaches nothing.
 """
@@ -41,13 +41,13 @@ from dataclasses import dataclass
 from http.client import HTTPException
 from typing import Callable
 
-from megarlhf.config import RolloutConfig
+from megarlhf.config import RewardsConfig
 
 Pair = tuple[str, str]
 
 
 class RewardError(RuntimeError):
-    """A reward call failed and the run stops (``rollout.reward_on_error=stop``, or a batch
+    """A reward call failed and the run stops (``rollout.rewards.on_error=stop``, or a batch
     with no reward at all)."""
 
 
@@ -90,7 +90,7 @@ def load_reward_fn(path: str) -> Callable:
 # ------------------------------------------------------------------ in the trainer's process
 
 class InProcess:
-    """``rollout.reward_workers=0``: the function called here, one pair at a time."""
+    """``rollout.rewards.workers=0``: the function called here, one pair at a time."""
 
     def __init__(self, fn: Callable):
         self.fn = fn
@@ -170,7 +170,7 @@ class _Worker:
 
 
 class WorkerPool:
-    """``rollout.reward_workers`` processes running the function ``path``."""
+    """``rollout.rewards.workers`` processes running the function ``path``."""
 
     def __init__(self, path: str, workers: int, timeout_s: float, batch: int):
         self.path, self.size, self.timeout_s, self.batch = path, workers, timeout_s, batch
@@ -229,7 +229,7 @@ class WorkerPool:
             now = time.monotonic()
             for worker in [w for w in busy.values() if now - w.started >= self.timeout_s]:
                 replace(worker, Failure("timeout", f"gave no result within "
-                                                   f"rollout.reward_timeout_s={self.timeout_s:g}"))
+                                                   f"rollout.rewards.timeout_s={self.timeout_s:g}"))
         return out
 
     def close(self) -> None:
@@ -311,8 +311,8 @@ class Verifier:
                 if len(failed) > 1 else ""
             why = ("every request of the batch failed: the server is down" if down and
                    self.on_error == "penalty" else
-                   "rollout.reward_on_error=penalty would score such samples "
-                   f"rollout.reward_error_score={self.error_score:g} instead")
+                   "rollout.rewards.on_error=penalty would score such samples "
+                   f"rollout.rewards.error_score={self.error_score:g} instead")
             raise RewardError(f"{self.name}: sample {i} (response {pairs[i][1][:60]!r}): "
                               f"{first.message}{more}; the run stops ({why})")
         return [self.error_score if isinstance(v, Failure) else v for v in values], counts
@@ -339,18 +339,15 @@ def gold_on_some_ranks(gold_fn: Callable, pairs: list[Pair] | None) -> float:
     return total
 
 
-def make_verifier(rollout: RolloutConfig, *, fn_path: str | None = None, url: str | None = None,
-                  name: str = "rollout.reward_fn") -> Verifier:
+def make_verifier(rewards: RewardsConfig, *, fn_path: str | None = None,
+                  url: str | None = None, name: str = "rollout.rewards.fn") -> Verifier:
     """The reward function ``fn_path`` (imported here first, so a bad path fails before any
-    work) or the server ``url``, under ``rollout``'s settings (``RolloutConfig``)."""
+    work) or the server ``url``, under ``rewards``' settings (``rollout.rewards``)."""
     if url is not None:
-        return Verifier(f"rollout.reward_url={url}",
-                        RewardServer(url, rollout.reward_timeout_s, rollout.reward_retries,
-                                     rollout.reward_batch),
-                        rollout.reward_on_error, rollout.reward_error_score,
-                        down_when_all_fail=True)
+        return Verifier(f"rollout.rewards.url={url}",
+                        RewardServer(url, rewards.timeout_s, rewards.retries, rewards.batch),
+                        rewards.on_error, rewards.error_score, down_when_all_fail=True)
     fn = load_reward_fn(fn_path)
-    source = WorkerPool(fn_path, rollout.reward_workers, rollout.reward_timeout_s,
-                        rollout.reward_batch) if rollout.reward_workers else InProcess(fn)
-    return Verifier(f"{name}={fn_path}", source, rollout.reward_on_error,
-                    rollout.reward_error_score)
+    source = WorkerPool(fn_path, rewards.workers, rewards.timeout_s, rewards.batch) \
+        if rewards.workers else InProcess(fn)
+    return Verifier(f"{name}={fn_path}", source, rewards.on_error, rewards.error_score)

@@ -220,7 +220,7 @@ def _check_vocab(specs: dict[str, RoleSpec], tokenizer: dict | None) -> None:
 def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, *,
                    written: Written | None = None, planning: bool = False
                    ) -> dict[str, RoleSpec]:
-    """The PPO roles (critic only for GAE; reward model unless ``rollout.reward_fn``). The
+    """The PPO roles (critic only for GAE; reward model unless ``rollout.rewards.fn``). The
     PPO settings are checked first (``config.check_ppo``). ``written``: what the config
     file and overrides wrote (``config.read_config``); for a config built in code, the
     fields that differ from their defaults. ``planning`` (``megarlhf plan``): a
@@ -238,8 +238,8 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
 
     actor_ckpt = roles.actor.checkpoint
     reward_ckpt = roles.reward.checkpoint
-    if planning and reward_ckpt is None and cfg.rollout.reward_fn is None \
-            and cfg.rollout.reward_url is None and cfg.rollout.environment is None:
+    if planning and reward_ckpt is None and cfg.rollout.rewards.fn is None \
+            and cfg.rollout.rewards.url is None and cfg.rollout.environment.name is None:
         reward_ckpt = ""  # a reward model of the config's model
     actor_layout = roles.actor.parallel.over(cfg.parallel.layout)
     precision = ("model", cfg.model, PRECISION_FIELDS)

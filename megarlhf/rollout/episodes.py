@@ -1,4 +1,4 @@
-"""Multi-turn rollouts with an environment (``rollout.environment``).
+"""Multi-turn rollouts with an environment (``rollout.environment.name``).
 
 **An episode is kept as tokens.** Its first messages are rendered with the generation
 prompt (and the tools: the row's ``data.tools_key`` column, else the environment's
@@ -12,10 +12,10 @@ sits at its turn's last token (``Generation.env_rewards_BT``): the last one is t
 score, the earlier ones reach GAE and REINFORCE++ where they fell and GRPO / RLOO as part of
 the sequence reward (``algos.learning_targets``).
 
-**An episode ends** when the environment says done, after ``rollout.max_turns`` model
+**An episode ends** when the environment says done, after ``rollout.environment.max_turns`` model
 turns, when a turn stops without its stop token (``rollout.max_new_tokens``, or the room
 left in ``data.max_seq_len``), or when an observation would pass
-``rollout.max_observation_tokens`` in all or ``data.max_seq_len``; it always ends with a
+``rollout.environment.max_observation_tokens`` in all or ``data.max_seq_len``; it always ends with a
 model turn. A tool call that does not parse is answered by an error observation (the
 environment is not stepped): the model sees what was wrong, the run never crashes on it.
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megarlhf.config import Config
+from megarlhf.config import DataConfig, EnvironmentConfig, RewardsConfig
 from megarlhf.data.tools import ToolCallError, error_observation, parse_tool_calls
 from megarlhf.inference.generate import Generation, SamplingParams, generate
 from megarlhf.rewards.environments import InProcessEnvs, WorkerEnvs, check_reset, check_step
@@ -89,22 +89,22 @@ class Step:
 class Episodes:
     """The multi-turn sampler of one inference replica (see the module docstring)."""
 
-    def __init__(self, cfg: Config, tokenizer):
-        r = cfg.rollout
-        self.cfg, self.tokenizer = cfg, tokenizer
+    def __init__(self, env: EnvironmentConfig, rewards: RewardsConfig, data: DataConfig,
+                 tokenizer):
+        self.env, self.rewards, self.data, self.tokenizer = env, rewards, data, tokenizer
         self.template = getattr(tokenizer, "chat_template", None)
         if self.template is None:
-            raise ValueError("rollout.environment renders conversations, but the tokenizer "
+            raise ValueError("rollout.environment.name renders conversations, but the tokenizer "
                              "has no chat template (set tokenizer.chat_template)")
-        self.path = r.environment
+        self.path = env.name
         self.host = None  # made on first use, on the leaders only
         self.pieces = tokenizer.pieces()
 
     def _host(self):
         if self.host is None:
-            r = self.cfg.rollout
-            self.host = InProcessEnvs(self.path) if r.reward_workers == 0 else \
-                WorkerEnvs(self.path, r.reward_workers, r.reward_timeout_s)
+            workers = self.rewards.workers
+            self.host = InProcessEnvs(self.path) if workers == 0 else \
+                WorkerEnvs(self.path, workers, self.rewards.timeout_s)
         return self.host
 
     def close(self) -> None:
@@ -144,7 +144,7 @@ class Episodes:
         """This replica's share ``rows`` (the batch's rows ``indices``) played to the end;
         every TP rank of the replica calls it and returns the same generation. ``stats``
         gets the counts :func:`episode_metrics` reduces."""
-        r, max_len = self.cfg.rollout, self.cfg.data.max_seq_len
+        max_len = self.data.max_seq_len
         group = model.pg_collection.tp
         leader = group.rank() == 0
         tp = group.size()
@@ -174,15 +174,15 @@ class Episodes:
                     continue
                 try:
                     first = check_reset(value["messages"], None)
-                    ep.tools = ep.row.get(self.cfg.data.tools_key) or value["tools"]
+                    ep.tools = ep.row.get(self.data.tools_key) or value["tools"]
                     ep.messages = first["messages"]
                     text = self.template.render(ep.messages, add_generation_prompt=True,
                                                 tools=ep.tools)
                     ep.prompt = self.tokenizer.encode(text)
-                    if len(ep.prompt) > self.cfg.data.max_prompt_len:
+                    if len(ep.prompt) > self.data.max_prompt_len:
                         raise ValueError(f"its first messages are {len(ep.prompt)} tokens, "
                                          f"over data.max_prompt_len="
-                                         f"{self.cfg.data.max_prompt_len}")
+                                         f"{self.data.max_prompt_len}")
                 except ValueError as err:
                     fail(ep, Failure("error", str(err)))
                     ep.prompt = [pad_id]
@@ -190,7 +190,7 @@ class Episodes:
         for ep, (prompt, ended, failure) in zip(episodes, firsts):
             ep.prompt, ep.done, ep.failure = prompt, ended, failure
         kv_bytes = 0
-        for turn in range(r.max_turns):
+        for turn in range(self.env.max_turns):
             live = [j for j, ep in enumerate(episodes) if not ep.done]
             if not live:
                 break
@@ -243,7 +243,7 @@ class Episodes:
                     continue
                 if step.end is StepEnd.ENV_DONE:
                     ep.env_done = True
-                if step.end is not StepEnd.GOES_ON or turn == r.max_turns - 1:
+                if step.end is not StepEnd.GOES_ON or turn == self.env.max_turns - 1:
                     ep.done = True
                     continue
                 obs = step.observation
@@ -266,26 +266,25 @@ class Episodes:
                 if ep.failure is not None:
                     key = "timeouts" if ep.failure.kind == "timeout" else "failed"
                     stats[key] = stats.get(key, 0) + 1
-                    stats.setdefault("first_failure", f"rollout.environment={self.path}: "
+                    stats.setdefault("first_failure", f"rollout.environment.name={self.path}: "
                                      f"sample {index}: {ep.failure.message}")
         stats["kv_cache_bytes"] = kv_bytes
-        score = self.cfg.rollout.reward_error_score
+        score = self.rewards.error_score
         return _as_generation(episodes, pad_id, score)
 
     def _step(self, episodes: list[Episode], stepped: list, turn: int, host,
               max_len: int) -> dict:
         """The leader's half of a turn: each stopped episode's turn read (tool calls) and
         stepped, the observation rendered; {episode: its :class:`Step`}."""
-        r = self.cfg.rollout
         out, calls, texts = {}, [], {}
         for j, sampled in stepped:
             ep = episodes[j]
             text = self.tokenizer.decode(sampled[:-1])
             texts[j] = (text, sampled[-1])
             turn_in = {"text": text, "tool_calls": [], "index": turn}
-            if r.tool_format is not None:
+            if self.env.tool_format is not None:
                 try:
-                    _, parsed = parse_tool_calls(text, r.tool_format)
+                    _, parsed = parse_tool_calls(text, self.env.tool_format)
                     turn_in["tool_calls"] = [{"name": c.name, "arguments": c.arguments}
                                              for c in parsed]
                 except ToolCallError as err:  # answered here, the environment untouched
@@ -313,15 +312,14 @@ class Episodes:
                  done: bool, max_len: int) -> "Step":
         """One step's :class:`Step`: the observation rendered, unless the episode ends
         here (done, or over a budget)."""
-        r = self.cfg.rollout
         if done:
             return Step(reward, [], StepEnd.ENV_DONE)
         try:
             tokens = self.observation_tokens(ep, text, stop_id, obs)
         except ValueError as err:
             return Step(reward, [], StepEnd.ENDED, Failure("error", str(err)))
-        over_budget = r.max_observation_tokens is not None and \
-            ep.obs_tokens + len(tokens) > r.max_observation_tokens
+        budget = self.env.max_observation_tokens
+        over_budget = budget is not None and ep.obs_tokens + len(tokens) > budget
         if over_budget or len(ep) + len(tokens) >= max_len:
             return Step(reward, [], StepEnd.ENDED)  # no room for it and a turn after it
         return Step(reward, tokens, StepEnd.GOES_ON)
@@ -360,7 +358,7 @@ def _as_generation(episodes: list[Episode], pad_id: int, error_score: float) -> 
 
 def episode_metrics(stats: dict, on_error: str) -> dict[str, float]:
     """The batch's episode counts over every replica (a collective of the sampling world),
-    and the stop a failed call asks for (``rollout.reward_on_error=stop``): raised on every
+    and the stop a failed call asks for (``rollout.rewards.on_error=stop``): raised on every
     rank, naming the first failure."""
     keys = ("episodes", "started", "turns", "env_done", "observation_tokens", "tool_errors",
             "failed", "timeouts")
@@ -373,8 +371,8 @@ def episode_metrics(stats: dict, on_error: str) -> dict[str, float]:
         first = next(m for m in gather_objects(stats.get("first_failure")) if m)
         raise RewardError(first + (" - and no episode of the batch reached its first turn: "
                                    "the environment is broken" if broken else
-                                   " (rollout.reward_on_error=stop; set it to penalty to "
-                                   "score such episodes rollout.reward_error_score)"))
+                                   " (rollout.rewards.on_error=stop; set it to penalty to "
+                                   "score such episodes rollout.rewards.error_score)"))
     n = max(got["episodes"], 1.0)
     return {"rollout/turns_mean": got["turns"] / n,
             "rollout/env_done_fraction": got["env_done"] / n,

@@ -59,7 +59,7 @@ class ExperienceMaker:
     cfg: Config
     sampler: Sampler
     scorer: Scorer
-    # rollout.placement=split: the rollout ranks sample
+    # rollout.placement.mode=split: the rollout ranks sample
     remote: RemoteRollout | None = None
 
     def make(self, prompts: list[list[int]], *, seed: int, kl_coef: float,
@@ -95,7 +95,7 @@ class ExperienceMaker:
         # sampling only; the reward model's passes are timing/reward (+ _refills)
         metrics["timing/rollout"] = (time.perf_counter() - t0 - metrics["timing/reward"]
                                      - metrics.get("timing/reward_refills", 0.0))
-        # every token's version: the rollout ranks record their own under rollout.partial
+        # every token's version: the rollout ranks record their own under rollout.placement.partial
         # (a batch can change weights part-way); else all are ``version``'s
         mask = gen.fed_mask_BT.long()
         gen = dataclasses.replace(gen, versions_BT=mask * version if gen.versions_BT is None
@@ -143,7 +143,7 @@ class ExperienceMaker:
         # the CPU backend's mode)
         targets = algos.learning_targets(
             logprobs_BT=old_lp, ref_logprobs_BT=ref_lp, values_BT=values, scores_B=scores,
-            mask_BT=mask, kl_estimator=ppo.kl_estimator,
+            mask_BT=mask, kl_estimator=ppo.kl.estimator,
             kl_coef=kl_coef if ppo.kl_reward_on else 0.0,
             clip_reward_value=ppo.clip_reward_value, whiten_rewards=ppo.whiten_rewards,
             whiten_unbiased=ppo.whiten_unbiased, estimator=ppo.advantage_estimator,
@@ -152,8 +152,8 @@ class ExperienceMaker:
             turn_rewards_BT=None if gen.env_rewards_BT is None
             else gen.episode_rewards()[1])
         policy_mask, is_weights, corr = algos.mismatch_correction(
-            old_lp, rollout_lp, mask, is_cap=ppo.rollout_is_cap,
-            mask_low=ppo.rollout_mask_low, mask_high=ppo.rollout_mask_high)
+            old_lp, rollout_lp, mask, is_cap=ppo.correction.is_cap,
+            mask_low=ppo.correction.mask_low, mask_high=ppo.correction.mask_high)
         metrics.update(corr)
         exp = algos.Experience(
             prompt_tokens_BP=gen.prompt_tokens_BP, prompt_mask_BP=gen.prompt_mask_BP,

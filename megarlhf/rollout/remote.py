@@ -1,4 +1,4 @@
-"""Sampling on the rollout ranks of a split job (``rollout.placement=split``).
+"""Sampling on the rollout ranks of a split job (``rollout.placement.mode=split``).
 
 The training processes keep the actor's inference-layout copy (as colocated: resharded
 from the training layout, also used by evaluation) and send it to the rollout ranks; the
@@ -10,7 +10,7 @@ group (``parallel.placement``), point to point:
    world broadcasts;
 2. when they do, replica 0's TP rank j of the training side sends its shard (one flat
    buffer per dtype) to TP rank j of every rollout replica, and, with
-   ``rollout.weight_checksum``, its SHA-256, which the receiver compares with one of the
+   ``rollout.placement.weight_checksum``, its SHA-256, which the receiver compares with one of the
    weights it then holds; a rollout rank samples only after every shard is in;
 3. each rollout replica samples its share of the prompts with the same per-prompt seeds
    as a colocated rollout (``sampling.row_seeds``), the rollout world gathers them, and
@@ -20,7 +20,7 @@ group (``parallel.placement``), point to point:
 At most one request is outstanding (``rollout.schedule`` resolves one before it sends the
 next). A silent peer is the watchdog's to report: every wait runs in a named phase.
 
-Partial rollouts (``rollout.partial``): when an update ends while a request is out, the
+Partial rollouts (``rollout.placement.partial``): when an update ends while a request is out, the
 training side offers the new weights (:meth:`RemoteRollout.push`). Whether they are taken
 is agreed on the job's store, one key per request, set once by whoever comes first:
 ``push:<version>`` by the training side, or ``done`` by rollout rank 0 once every replica
@@ -140,10 +140,10 @@ class RemoteRollout:
     def take_sync_metrics(self) -> dict[str, float]:
         """The weight syncs since the last call: ``timing/weight_sync`` (seconds, the
         reshard into the inference layout included) and ``perf/weight_sync_bytes`` (sent,
-        all ranks); 0 when there was none; counting starts again. Under rollout.partial
+        all ranks); 0 when there was none; counting starts again. Under rollout.placement.partial
         also ``rollout/inflight_updates``: the weights taken by a batch being sampled."""
         out = {"timing/weight_sync": 0.0, "perf/weight_sync_bytes": 0.0,
-               **({"rollout/inflight_updates": 0.0} if self.cfg.rollout.partial else {}),
+               **({"rollout/inflight_updates": 0.0} if self.cfg.rollout.placement.partial else {}),
                **self.syncs}
         self.syncs = {}
         return out
@@ -159,17 +159,18 @@ class RemoteRollout:
                 send_object(self.split.bridge,
                             {"cmd": "generate", "prompts": prompts, "seed": seed,
                              "version": version, "sync": sync, "request": request,
-                             "partial": self.cfg.rollout.partial}, self.rollout_root, REQUEST)
+                             "partial": self.cfg.rollout.placement.partial},
+                            self.rollout_root, REQUEST)
         metrics = self._send_weights(version) if sync else {}  # this batch's
         self.outstanding = Pending(self, version, metrics, request)
         return self.outstanding
 
     def push(self, version: int) -> bool:
-        """rollout.partial: offer policy ``version`` (the actor as it is now) to the batch
+        """rollout.placement.partial: offer policy ``version`` (the actor as it is now) to the batch
         being sampled, if any, once per batch (a collective of the training world). True
         when the rollout ranks take it: they sample the rest of that batch with it."""
         pending = self.outstanding
-        if not self.cfg.rollout.partial or pending is None or pending.pushed \
+        if not self.cfg.rollout.placement.partial or pending is None or pending.pushed \
                 or version == self.held:
             return False
         pending.pushed = True
@@ -199,7 +200,7 @@ class RemoteRollout:
             sent, works = 0, []
             if self.targets:
                 flats = flat_weights(self.sampler.inference_model)
-                check = digest(flats) if self.cfg.rollout.weight_checksum else None
+                check = digest(flats) if self.cfg.rollout.placement.weight_checksum else None
                 for dst in self.targets:
                     for flat in flats:
                         works.append(bridge.send([flat], dst, WEIGHTS))
@@ -229,7 +230,7 @@ class RemoteRollout:
         result = got[0]
         if self.outstanding is pending:
             self.outstanding = None
-        if "error" in result:  # an environment's failed call (rollout.reward_on_error=stop)
+        if "error" in result:  # an environment's failed call (rollout.rewards.on_error=stop)
             raise RewardError(result["error"])
         self.signalled = self.signalled or result["signalled"]
         if result["version"] != pending.version:
@@ -255,9 +256,9 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
     """A rollout rank's life: build the actor's inference-layout model, then sample each
     request until the training side says stop. Returns the batches sampled."""
     if actor_spec.model.moe.enabled:
-        raise ConfigError("rollout.placement=split does not take a mixture-of-experts actor "
+        raise ConfigError("rollout.placement.mode=split does not take a mixture-of-experts actor "
                           "yet (its expert layout and router bias are not sent to the rollout "
-                          "ranks): use rollout.placement=colocated")
+                          "ranks): use rollout.placement.mode=colocated")
     # a preemption signal is the training side's to act on (it saves, then says stop):
     # here it is only recorded and reported with the next batch
     install_handlers()
@@ -274,7 +275,7 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
             for flat in flats:
                 bridge.recv([flat], sender, WEIGHTS).wait()
             load_flat(model, flats)
-            if cfg.rollout.weight_checksum:
+            if cfg.rollout.placement.weight_checksum:
                 sent = torch.empty(32, dtype=torch.uint8)
                 bridge.recv([sent], sender, WEIGHTS).wait()
                 held = digest(flat_weights(model))
@@ -285,7 +286,8 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
                         f"rank {sender} sent (SHA-256 {bytes(held).hex()[:16]} against "
                         f"{bytes(sent).hex()[:16]})")
 
-    episodes = Episodes(cfg, tokenizer) if cfg.rollout.environment else None
+    episodes = Episodes(cfg.rollout.environment, cfg.rollout.rewards, cfg.data, tokenizer) \
+        if cfg.rollout.environment.name else None
     version, served = None, 0
     while True:
         with watchdog.phase("waiting for a request from the training ranks"):
@@ -319,7 +321,7 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
             failed = None
             if episodes is not None:
                 try:
-                    metrics.update(episode_metrics(gen_stats, cfg.rollout.reward_on_error))
+                    metrics.update(episode_metrics(gen_stats, cfg.rollout.rewards.on_error))
                 except RewardError as err:  # the training side stops with it
                     failed = str(err)
             asked = torch.tensor([1.0 if signals.asked() else 0.0])
@@ -340,7 +342,7 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
 
 
 class InFlight:
-    """rollout.partial, on a rollout rank: weights offered while a batch is sampled.
+    """rollout.placement.partial, on a rollout rank: weights offered while a batch is sampled.
     Called between two decode steps, it looks for the request's store key (the TP peers
     of a replica agree, so they switch at the same step) and, when the training side has
     offered new weights, takes them: True. :meth:`seal` ends the request."""

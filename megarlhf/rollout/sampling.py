@@ -46,7 +46,7 @@ class Sampler:
     release_inference: bool = False
     # the model's own end tokens besides EOS (data.tokenizer.Tokenizer.end_ids)
     end_ids: tuple[int, ...] = ()
-    # multi-turn rollouts (rollout.environment)
+    # multi-turn rollouts (rollout.environment.name)
     episodes: Episodes | None = None
 
     @property
@@ -83,7 +83,7 @@ class Sampler:
         metrics = {"timing/reshard": stats.seconds, "perf/reshard_bytes": stats.bytes_received,
                    "timing/generate": seconds, **idle_slots(gen_stats)}
         if self.episodes is not None:
-            metrics.update(episode_metrics(gen_stats, self.cfg.rollout.reward_on_error))
+            metrics.update(episode_metrics(gen_stats, self.cfg.rollout.rewards.on_error))
         return gen, metrics
 
     def finalize(self, gen: Generation) -> tuple[Generation, torch.Tensor]:
@@ -108,8 +108,8 @@ def sample_share(cfg: Config, model, prompts: list[list[int]], indices: list[int
                  interrupt: Callable[[], bool] | None = None, episodes=None) -> Generation:
     """A replica's share ``prompts`` (the batch's prompts ``indices``) sampled as the
     rollout samples: one static batch, or ``rollout.decode_slots`` rows at a time.
-    ``interrupt``: new weights between decode steps (``rollout.partial``). ``episodes``
-    (``rollout.environment``): the prompts are data rows, each played as an episode
+    ``interrupt``: new weights between decode steps (``rollout.placement.partial``). ``episodes``
+    (``rollout.environment.name``): the prompts are data rows, each played as an episode
     (``rollout.episodes.Episodes``)."""
     r = cfg.rollout
     params = sampling_params(cfg, end_ids)
@@ -117,7 +117,7 @@ def sample_share(cfg: Config, model, prompts: list[list[int]], indices: list[int
         return episodes.sample(model, prompts, indices, seed, params=params, eos_id=eos_id,
                                pad_id=pad_id, true_vocab=true_vocab, stats=stats)
     seeds = row_seeds(seed, indices)
-    partial = dict(interrupt=interrupt, recompute_kv=r.partial_kv == "recompute")
+    partial = dict(interrupt=interrupt, recompute_kv=r.placement.partial_kv == "recompute")
     if r.decode_slots is not None and r.decode_slots < len(prompts):
         return generate_continuous(model, prompts, params, slots=r.decode_slots,
                                    eos_id=eos_id, pad_id=pad_id, true_vocab=true_vocab,

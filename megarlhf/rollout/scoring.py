@@ -312,7 +312,7 @@ class Scorer:
         """(B,) the reward model's normalised score of each sample (or the programmatic
         reward's), the reward model loaded for its pass and offloaded after it."""
         B = gen.response_tokens_BT.shape[0]
-        if gen.env_rewards_BT is not None:  # an environment's (rollout.environment)
+        if gen.env_rewards_BT is not None:  # an environment's (rollout.environment.name)
             return gen.episode_rewards()[0]
         if self.reward.fn is not None:  # rank 0 calls it, every rank gets the scores
             got: list = [None]

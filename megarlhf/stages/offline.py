@@ -152,7 +152,7 @@ def gold_evaluator(cfg: Config, tokenizer):
     from megarlhf.inference.reshard import Resharder, build_inference_model, inference_layout
     from megarlhf.rewards.verifiers import gold_on_some_ranks, make_verifier
 
-    gold_fn = make_verifier(cfg.rollout, fn_path=cfg.dpo.gold_reward_fn,
+    gold_fn = make_verifier(cfg.rollout.rewards, fn_path=cfg.dpo.gold_reward_fn,
                             name="dpo.gold_reward_fn")
     prompts = tokenize_dataset(cfg.dpo.gold_eval_path, "prompt", cfg.data,
                                tokenizer).prompts[:cfg.dpo.num_gold_prompts]

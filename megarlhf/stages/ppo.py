@@ -29,9 +29,9 @@ from megarlhf.ppo.session import PPOSession
 
 def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
     ppo = cfg.ppo
-    gold_fn = make_verifier(cfg.rollout, fn_path=ppo.gold_reward_fn,
+    gold_fn = make_verifier(cfg.rollout.rewards, fn_path=ppo.gold_reward_fn,
                             name="ppo.gold_reward_fn") if ppo.gold_reward_fn else None
-    split = placement.start(cfg)  # rollout.placement=split: this process's part of the job
+    split = placement.start(cfg)  # rollout.placement.mode=split: this process's part of the job
     if split is not None and not split.training:
         actor = ppo_role_specs(cfg, split.training_world, fingerprint(tokenizer),
                                written=written)["actor"]

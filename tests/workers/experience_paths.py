@@ -33,7 +33,7 @@ def case(name, tp, pp, rollout_tp, results, offload_variants=(True,)):
     cfg = make_config("llama", tp, pp, extra=(
         f"rollout.tensor_parallel_size={rollout_tp}", "rollout.max_new_tokens=6",
         "rollout.temperature=0.9", "rollout.top_k=40", "model.value_head_init=normal",
-        "ppo.init_kl_coef=0.1", "rollout.recompute_logprobs=true",
+        "ppo.kl.init_coef=0.1", "rollout.recompute_logprobs=true",
         "ppo.missing_stop_penalty=null"))
     actor = build_role_from(cfg, "lm", trained=True)
     reference = build_role_from(cfg, "lm", seed_offset=1)

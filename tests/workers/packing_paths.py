@@ -217,7 +217,7 @@ def supervised(actor, reward) -> dict:
 def case(arch, tp, pp, vpp) -> dict:
     # full gradients on every data-parallel rank (the distributed optimizer reduces each
     # rank's shard only), so the two updates compare parameter by parameter
-    extra = ["ppo.kl_loss_coef=0.1", "ppo.entropy_coef=0.01", "model.value_head_init=normal",
+    extra = ["ppo.kl.loss_coef=0.1", "ppo.entropy_coef=0.01", "model.value_head_init=normal",
              "optimizer.use_distributed_optimizer=false"]
     if vpp > 1:
         extra.append(f"parallel.virtual_pipeline_model_parallel_size={vpp}")

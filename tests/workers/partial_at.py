@@ -1,5 +1,5 @@
 """A CLI run (each process of a split torchrun job) whose rollout process takes the
-weights offered in flight (rollout.partial) at decode step STEP of every batch that is
+weights offered in flight (rollout.placement.partial) at decode step STEP of every batch that is
 offered some - batch 1 onward: the training side offers each update to the batch being
 sampled, and batch 0 is sampled before the first - waiting there until the offer is in.
 So the step at which a batch changes weights is fixed, where in a run it depends on
