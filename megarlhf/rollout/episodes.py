@@ -91,7 +91,8 @@ class Episodes:
 
     def __init__(self, env: EnvironmentConfig, rewards: RewardsConfig, data: DataConfig,
                  tokenizer):
-        self.env, self.rewards, self.data, self.tokenizer = env, rewards, data, tokenizer
+        self.environment, self.rewards, self.data = env, rewards, data
+        self.tokenizer = tokenizer
         self.template = getattr(tokenizer, "chat_template", None)
         if self.template is None:
             raise ValueError("rollout.environment.name renders conversations, but the tokenizer "
@@ -144,133 +145,115 @@ class Episodes:
         """This replica's share ``rows`` (the batch's rows ``indices``) played to the end;
         every TP rank of the replica calls it and returns the same generation. ``stats``
         gets the counts :func:`episode_metrics` reduces."""
-        max_len = self.data.max_seq_len
         group = model.pg_collection.tp
         leader = group.rank() == 0
-        tp = group.size()
         episodes = [Episode(row=row) for row in rows]
         host = self._host() if leader else None
         for key in ("decode_slots", "idle_decode_slots"):  # also when no turn is sampled
             stats.setdefault(key, 0)
         stops = set(params.stop_token_ids) | {eos_id}
-
-        def share(obj):
-            """The leader's ``obj`` on every TP rank of the replica."""
-            if tp == 1:
-                return obj
-            got = [obj]
-            dist.broadcast_object_list(got, src=dist.get_global_rank(group, 0), group=group)
-            return got[0]
-
-        def fail(ep: Episode, failure: Failure) -> None:
-            ep.failure, ep.done = failure, True
-
-        # the first messages
         if leader:
-            got = host.call([(j, "reset", row) for j, row in enumerate(rows)])
-            for j, (ep, value) in enumerate(zip(episodes, got)):
-                if isinstance(value, Failure):
-                    fail(ep, value)
-                    continue
-                try:
-                    first = check_reset(value["messages"], None)
-                    ep.tools = ep.row.get(self.data.tools_key) or value["tools"]
-                    ep.messages = first["messages"]
-                    text = self.template.render(ep.messages, add_generation_prompt=True,
-                                                tools=ep.tools)
-                    ep.prompt = self.tokenizer.encode(text)
-                    if len(ep.prompt) > self.data.max_prompt_len:
-                        raise ValueError(f"its first messages are {len(ep.prompt)} tokens, "
-                                         f"over data.max_prompt_len="
-                                         f"{self.data.max_prompt_len}")
-                except ValueError as err:
-                    fail(ep, Failure("error", str(err)))
-                    ep.prompt = [pad_id]
-        firsts = share([(ep.prompt, ep.done, ep.failure) for ep in episodes])
+            self._reset(episodes, host, pad_id)
+        firsts = _from_leader(group, [(ep.prompt, ep.done, ep.failure) for ep in episodes])
         for ep, (prompt, ended, failure) in zip(episodes, firsts):
             ep.prompt, ep.done, ep.failure = prompt, ended, failure
         kv_bytes = 0
-        for turn in range(self.env.max_turns):
+        last = self.environment.max_turns - 1
+        for turn in range(last + 1):
             live = [j for j, ep in enumerate(episodes) if not ep.done]
             if not live:
                 break
-            room = {j: max_len - len(episodes[j]) for j in live}
-            # one pass per cap on the new tokens: a row near data.max_seq_len samples no
-            # further than its room, the others their rollout.max_new_tokens
-            caps: dict[int, list[int]] = {}
+            turns, turn_kv = self._sample_turn(model, episodes, live, indices, seed, turn,
+                                               params, eos_id, pad_id, true_vocab, stats)
+            kv_bytes = max(kv_bytes, turn_kv)
+            stepped = []  # (episode, its turn's sampled tokens), for the environment
             for j in live:
-                caps.setdefault(min(params.max_new_tokens, room[j]), []).append(j)
-            turns: dict[int, tuple[list[int], list[float]]] = {}
-            for cap, rows_ in sorted(caps.items()):
-                turn_params = dataclasses.replace(params, max_new_tokens=cap)
-                turn_stats: dict = {}
-                gen = generate(model, [episodes[j].prompt + episodes[j].tokens for j in rows_],
-                               turn_params, eos_id=eos_id, pad_id=pad_id,
-                               true_vocab=true_vocab, stats=turn_stats,
-                               row_seeds=[derive_seed("turn", seed, indices[j], turn)
-                                          for j in rows_])
-                kv_bytes = max(kv_bytes, turn_stats["kv_cache_bytes"])
-                for key in ("decode_slots", "idle_decode_slots"):
-                    stats[key] = stats.get(key, 0) + turn_stats[key]
-                for b, j in enumerate(rows_):
-                    n = int(gen.fed_mask_BT[b].sum())
-                    turns[j] = (gen.response_tokens_BT[b, :n].tolist(),
-                                gen.logprobs_BT[b, :n].tolist())
-            stepped = []  # (episode, its turn's text, its stop token)
-            for j in live:
-                ep = episodes[j]
-                sampled, logprobs = turns[j]
-                ep.tokens += sampled
-                ep.observation += [0] * len(sampled)
-                ep.logprobs += logprobs
-                ep.rewards += [0.0] * len(sampled)
-                ep.turns += 1
-                ep.stopped = bool(sampled) and sampled[-1] in stops
-                if not ep.stopped:  # cut by max_new_tokens or by data.max_seq_len
-                    ep.done = True
-                    continue
-                stepped.append((j, sampled))
+                if _append_turn(episodes[j], *turns[j], stops):
+                    stepped.append((j, turns[j][0]))
             # the environment's answers (the leader's), every TP rank appending the same
             answers = {}
             if leader and stepped:
-                answers = self._step(episodes, stepped, turn, host, max_len)
-            answers = share(answers)
+                answers = self._step(episodes, stepped, turn, host, self.data.max_seq_len)
+            answers = _from_leader(group, answers)
             for j, _ in stepped:
-                ep, step = episodes[j], answers[j]
-                ep.rewards[-1] += step.reward
-                if step.failure is not None:
-                    fail(ep, step.failure)
-                    continue
-                if step.end is StepEnd.ENV_DONE:
-                    ep.env_done = True
-                if step.end is not StepEnd.GOES_ON or turn == self.env.max_turns - 1:
-                    ep.done = True
-                    continue
-                obs = step.observation
-                ep.tokens += obs
-                ep.observation += [1] * len(obs)
-                ep.logprobs += [0.0] * len(obs)
-                ep.rewards += [0.0] * len(obs)
-                ep.obs_tokens += len(obs)
+                _append_answer(episodes[j], answers[j], last_turn=turn == last)
         if leader:
             host.call([(j, "close", None) for j in range(len(episodes))])
-            stats["episodes"] = stats.get("episodes", 0) + len(episodes)
-            stats["turns"] = stats.get("turns", 0) + sum(ep.turns for ep in episodes)
-            stats["started"] = stats.get("started", 0) + sum(ep.turns > 0 for ep in episodes)
-            stats["env_done"] = stats.get("env_done", 0) + sum(ep.env_done for ep in episodes)
-            stats["observation_tokens"] = stats.get("observation_tokens", 0) \
-                + sum(ep.obs_tokens for ep in episodes)
-            stats["tool_errors"] = stats.get("tool_errors", 0) + sum(
-                ep.tool_errors for ep in episodes)
-            for ep, index in zip(episodes, indices):
-                if ep.failure is not None:
-                    key = "timeouts" if ep.failure.kind == "timeout" else "failed"
-                    stats[key] = stats.get(key, 0) + 1
-                    stats.setdefault("first_failure", f"rollout.environment.name={self.path}: "
-                                     f"sample {index}: {ep.failure.message}")
+            self._count(episodes, indices, stats)
         stats["kv_cache_bytes"] = kv_bytes
         score = self.rewards.error_score
         return _as_generation(episodes, pad_id, score)
+
+    def _reset(self, episodes: list[Episode], host, pad_id: int) -> None:
+        """The leader's first messages of every episode (its environment's reset), rendered
+        as its prompt; an episode whose reset failed ends with its failure."""
+        got = host.call([(j, "reset", ep.row) for j, ep in enumerate(episodes)])
+        for ep, value in zip(episodes, got):
+            if isinstance(value, Failure):
+                _fail(ep, value)
+                continue
+            try:
+                first = check_reset(value["messages"], None)
+                ep.tools = ep.row.get(self.data.tools_key) or value["tools"]
+                ep.messages = first["messages"]
+                text = self.template.render(ep.messages, add_generation_prompt=True,
+                                            tools=ep.tools)
+                ep.prompt = self.tokenizer.encode(text)
+                if len(ep.prompt) > self.data.max_prompt_len:
+                    raise ValueError(f"its first messages are {len(ep.prompt)} tokens, "
+                                     f"over data.max_prompt_len="
+                                     f"{self.data.max_prompt_len}")
+            except ValueError as err:
+                _fail(ep, Failure("error", str(err)))
+                ep.prompt = [pad_id]
+
+    def _sample_turn(self, model, episodes: list[Episode], live: list[int],
+                     indices: list[int], seed: int, turn: int, params: SamplingParams,
+                     eos_id: int, pad_id: int, true_vocab: int, stats: dict
+                     ) -> tuple[dict[int, tuple[list[int], list[float]]], int]:
+        """The live episodes' next turns ({episode: (sampled tokens, their log-probs)}) and
+        the largest KV cache it took. One pass per cap on the new tokens: a row near
+        data.max_seq_len samples no further than its room, the others their
+        rollout.max_new_tokens."""
+        caps: dict[int, list[int]] = {}
+        for j in live:
+            room = self.data.max_seq_len - len(episodes[j])
+            caps.setdefault(min(params.max_new_tokens, room), []).append(j)
+        turns: dict[int, tuple[list[int], list[float]]] = {}
+        kv_bytes = 0
+        for cap, rows in sorted(caps.items()):
+            turn_params = dataclasses.replace(params, max_new_tokens=cap)
+            turn_stats: dict = {}
+            gen = generate(model, [episodes[j].prompt + episodes[j].tokens for j in rows],
+                           turn_params, eos_id=eos_id, pad_id=pad_id,
+                           true_vocab=true_vocab, stats=turn_stats,
+                           row_seeds=[derive_seed("turn", seed, indices[j], turn)
+                                      for j in rows])
+            kv_bytes = max(kv_bytes, turn_stats["kv_cache_bytes"])
+            for key in ("decode_slots", "idle_decode_slots"):
+                stats[key] = stats.get(key, 0) + turn_stats[key]
+            for b, j in enumerate(rows):
+                n = int(gen.fed_mask_BT[b].sum())
+                turns[j] = (gen.response_tokens_BT[b, :n].tolist(),
+                            gen.logprobs_BT[b, :n].tolist())
+        return turns, kv_bytes
+
+    def _count(self, episodes: list[Episode], indices: list[int], stats: dict) -> None:
+        """The leader's episode counts into ``stats`` (see :func:`episode_metrics`)."""
+        stats["episodes"] = stats.get("episodes", 0) + len(episodes)
+        stats["turns"] = stats.get("turns", 0) + sum(ep.turns for ep in episodes)
+        stats["started"] = stats.get("started", 0) + sum(ep.turns > 0 for ep in episodes)
+        stats["env_done"] = stats.get("env_done", 0) + sum(ep.env_done for ep in episodes)
+        stats["observation_tokens"] = stats.get("observation_tokens", 0) \
+            + sum(ep.obs_tokens for ep in episodes)
+        stats["tool_errors"] = stats.get("tool_errors", 0) + sum(
+            ep.tool_errors for ep in episodes)
+        for ep, index in zip(episodes, indices):
+            if ep.failure is not None:
+                key = "timeouts" if ep.failure.kind == "timeout" else "failed"
+                stats[key] = stats.get(key, 0) + 1
+                stats.setdefault("first_failure", f"rollout.environment.name={self.path}: "
+                                 f"sample {index}: {ep.failure.message}")
 
     def _step(self, episodes: list[Episode], stepped: list, turn: int, host,
               max_len: int) -> dict:
@@ -282,9 +265,9 @@ class Episodes:
             text = self.tokenizer.decode(sampled[:-1])
             texts[j] = (text, sampled[-1])
             turn_in = {"text": text, "tool_calls": [], "index": turn}
-            if self.env.tool_format is not None:
+            if self.environment.tool_format is not None:
                 try:
-                    _, parsed = parse_tool_calls(text, self.env.tool_format)
+                    _, parsed = parse_tool_calls(text, self.environment.tool_format)
                     turn_in["tool_calls"] = [{"name": c.name, "arguments": c.arguments}
                                              for c in parsed]
                 except ToolCallError as err:  # answered here, the environment untouched
@@ -318,11 +301,60 @@ class Episodes:
             tokens = self.observation_tokens(ep, text, stop_id, obs)
         except ValueError as err:
             return Step(reward, [], StepEnd.ENDED, Failure("error", str(err)))
-        budget = self.env.max_observation_tokens
+        budget = self.environment.max_observation_tokens
         over_budget = budget is not None and ep.obs_tokens + len(tokens) > budget
         if over_budget or len(ep) + len(tokens) >= max_len:
             return Step(reward, [], StepEnd.ENDED)  # no room for it and a turn after it
         return Step(reward, tokens, StepEnd.GOES_ON)
+
+
+def _from_leader(group, obj):
+    """The TP leader's ``obj`` on every TP rank of the replica (``group``)."""
+    if group.size() == 1:
+        return obj
+    got = [obj]
+    dist.broadcast_object_list(got, src=dist.get_global_rank(group, 0), group=group)
+    return got[0]
+
+
+def _fail(ep: Episode, failure: Failure) -> None:
+    ep.failure, ep.done = failure, True
+
+
+def _append_turn(ep: Episode, sampled: list[int], logprobs: list[float], stops: set[int]
+                 ) -> bool:
+    """The model's turn appended to its episode; whether it stopped with a stop token (the
+    environment then steps), else the episode ends (cut by max_new_tokens or by
+    data.max_seq_len)."""
+    ep.tokens += sampled
+    ep.observation += [0] * len(sampled)
+    ep.logprobs += logprobs
+    ep.rewards += [0.0] * len(sampled)
+    ep.turns += 1
+    ep.stopped = bool(sampled) and sampled[-1] in stops
+    if not ep.stopped:
+        ep.done = True
+    return ep.stopped
+
+
+def _append_answer(ep: Episode, step: "Step", *, last_turn: bool) -> None:
+    """The environment's answer to a turn: its reward on the turn's last token, then its
+    observation's tokens, unless the episode ends here."""
+    ep.rewards[-1] += step.reward
+    if step.failure is not None:
+        _fail(ep, step.failure)
+        return
+    if step.end is StepEnd.ENV_DONE:
+        ep.env_done = True
+    if step.end is not StepEnd.GOES_ON or last_turn:
+        ep.done = True
+        return
+    obs = step.observation
+    ep.tokens += obs
+    ep.observation += [1] * len(obs)
+    ep.logprobs += [0.0] * len(obs)
+    ep.rewards += [0.0] * len(obs)
+    ep.obs_tokens += len(obs)
 
 
 def _as_generation(episodes: list[Episode], pad_id: int, error_score: float) -> Generation:
