@@ -318,13 +318,15 @@ def test_a_stopped_rollout_rank_is_named_within_the_deadline(tiny_checkpoints):
 def test_the_plan_of_a_split_job_puts_the_kv_cache_on_the_rollout_ranks():
     """megarlhf plan, 16 processes, the last 4 sampling: 12 training ranks at the roles'
     layouts (DP 3), none of them with a rollout KV cache; 4 rollout ranks holding one
-    TP=4 replica's weights in every phase and the KV cache of all 256 samples - 4 times a
-    colocated rank's, whose 4 replicas share them."""
+    TP=4 replica's weights in every phase and the KV cache of all 192 samples - 4 times a
+    colocated rank's, whose 4 replicas share them. A batch the training ranks cannot split
+    (256 samples over DP 3) is refused, as the run refuses it."""
     from megarlhf.config import load_config
     from megarlhf.memory.plan import plan_ppo
-    cfg = load_config("configs/plan_8b.yaml", ["rollout.placement.mode=split", "rollout.placement.ranks=4"])
-    split = plan_ppo(cfg, 16)
-    colocated = plan_ppo(load_config("configs/plan_8b.yaml"), 16)
+    sizes = ["ppo.rollout_batch_size=192", "ppo.mini_batch_size=48"]
+    split_at = ["rollout.placement.mode=split", "rollout.placement.ranks=4"]
+    split = plan_ppo(load_config("configs/plan_8b.yaml", [*split_at, *sizes]), 16)
+    colocated = plan_ppo(load_config("configs/plan_8b.yaml", sizes), 16)
     assert split.world == 12 and split.rollout_ranks == 4 and len(split.ranks) == 16
     assert split.specs["actor"].layout.dp(split.world) == 3
     kv = ("inference", "kv_cache")
@@ -335,6 +337,9 @@ def test_the_plan_of_a_split_job_puts_the_kv_cache_on_the_rollout_ranks():
     assert all(rank[p][("inference", "params")] == params
                for rank in split.ranks[12:] for p in rank)
     assert not any(("actor", "params") in rank["train"] for rank in split.ranks[12:])
+    with pytest.raises(ValueError, match=r"ppo.mini_batch_size \(64\) is not divisible by "
+                                         r"the data-parallel size \(3\)"):
+        plan_ppo(load_config("configs/plan_8b.yaml", split_at), 16)
 
 
 @pytest.mark.extended

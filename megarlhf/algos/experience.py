@@ -68,6 +68,12 @@ class BatchSizes:
                              "samples")
         return self
 
+    def most_packed_micro_batches(self, longest: int) -> int:
+        """Packed: the micro-batches of a mini-batch on the rank with the most tokens, every
+        sample ``longest`` tokens long (its share of the mini-batch rounded up)."""
+        per_rank = -(-self.mini_batch_size // self.dp_size)
+        return -(-per_rank * longest // self.max_tokens)
+
     def describe(self) -> str:
         if self.max_tokens is not None:
             return (f"rollout {self.rollout_batch_size} prompts x {self.group_size} = "

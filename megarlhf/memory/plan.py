@@ -24,7 +24,7 @@ from megarlhf.config import (
     Config, ConfigError, Layout, Written, check_model_layout, check_placement, padded_vocab_size)
 from megarlhf.data.packing import MIN_ROWS
 from megarlhf.roles.offload import LEVEL_PARTS, OFFLOAD_LEVELS
-from megarlhf.roles.spec import RoleSpec, ppo_role_specs
+from megarlhf.roles.spec import RoleSpec, batch_sizes, ppo_role_specs
 from megarlhf.models.shapes import ParamShape, rank_chunks
 
 PHASES = ("rollout", "experience", "train", "save")
@@ -315,64 +315,85 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
     """Predict every rank's memory in every PPO phase. ``prompt_len`` / ``response_len``
     default to the longest the config allows (data.max_prompt_len, rollout.max_new_tokens);
     a measured run passes its batch's own to compare. ``written`` as in
-    ``roles.spec.ppo_role_specs``."""
-    ppo, r = cfg.ppo, cfg.rollout
-    # split: the job's last rollout.placement.ranks processes only sample
-    split = r.placement.mode == "split"
+    ``roles.spec.ppo_role_specs``. Under rollout.placement.mode=split the job's last
+    rollout.placement.ranks processes only sample: they follow the training ranks."""
+    place = cfg.rollout.placement
+    split = place.mode == "split"
     if split:
         world = check_placement(cfg, world)
     specs = specs or ppo_role_specs(cfg, world, written=written, planning=True)
-    P = prompt_len if prompt_len is not None else cfg.data.max_prompt_len
-    T = response_len if response_len is not None else r.max_new_tokens
-    S = P + T
-    actor = specs["actor"]
-    inference = dataclasses.replace(actor, name="inference",
-                                    layout=Layout(tp=rollout_tp or r.tensor_parallel_size),
-                                    optimizer=None)
-    ema = dataclasses.replace(actor, name="ema", optimizer=None) if ppo.ema_decay else None
-    samples = ppo.rollout_batch_size * ppo.group_size
-    inf_dp = inference.layout.dp(world)
-    budget = ppo.max_tokens_per_micro_batch  # packed updates (None: padded)
-    forward_budget = r.forward_max_tokens_per_micro_batch or budget
-    forward_rows = r.forward_micro_batch_size or ppo.micro_batch_size
-    eval_prompts = ppo.num_eval_prompts if cfg.data.eval_path else 0
-    static_cache: dict = {}
+    ppo_plan = _PPOPlanner(cfg, world, specs, rollout_tp, prompt_len, response_len, split)
+    rows = [ppo_plan.training_rank(rank) for rank in range(world)]
+    if split:
+        rows += [ppo_plan.rollout_rank(rank) for rank in range(place.ranks)]
+    return Plan(world, specs, ppo_plan.inference.layout.tp, [r[0] for r in rows],
+                [r[1] for r in rows], ppo_plan.notes(), [r[2] for r in rows],
+                rollout_ranks=place.ranks if split else 0)
 
-    def rollout_kv(rows: int) -> float:
+
+class _PPOPlanner:
+    """One PPO config's shapes - sequence lengths, the inference model, the micro-batches
+    of every pass - and each rank's bytes per phase from them: (parts by phase, totals,
+    measurable totals)."""
+
+    def __init__(self, cfg: Config, world: int, specs: dict[str, RoleSpec],
+                 rollout_tp: int | None, prompt_len: int | None, response_len: int | None,
+                 split: bool):
+        ppo, r = cfg.ppo, cfg.rollout
+        self.r, self.world, self.specs, self.split = r, world, specs, split
+        self.P = prompt_len if prompt_len is not None else cfg.data.max_prompt_len
+        self.T = response_len if response_len is not None else r.max_new_tokens
+        self.S = self.P + self.T
+        self.inference = dataclasses.replace(
+            specs["actor"], name="inference",
+            layout=Layout(tp=rollout_tp or r.tensor_parallel_size), optimizer=None)
+        self.ema = dataclasses.replace(specs["actor"], name="ema", optimizer=None) \
+            if ppo.ema_decay else None
+        self.samples = ppo.rollout_batch_size * ppo.group_size
+        self.inf_dp = self.inference.layout.dp(world)
+        self.sizes = batch_sizes(ppo, specs, world)  # the updates' micro-batches, per role
+        self.budget = ppo.max_tokens_per_micro_batch  # packed updates (None: padded)
+        self.micro_batch_size = ppo.micro_batch_size
+        self.forward_budget = r.forward_max_tokens_per_micro_batch or self.budget
+        self.forward_rows = r.forward_micro_batch_size or ppo.micro_batch_size
+        self.eval_prompts = ppo.num_eval_prompts if cfg.data.eval_path else 0
+        self._static: dict = {}
+
+    def rollout_kv(self, rows: int) -> float:
         """A replica's KV cache for ``rows`` prompts: one static batch, or continuous
         batching's ``rollout.decode_slots`` rows of its longer columns (inference.continuous)."""
-        if r.decode_slots is not None and r.decode_slots < rows:
-            return float(kv_cache_bytes(inference.model, tp=inference.layout.tp,
-                                        batch=r.decode_slots,
-                                        seq=P + T * (-(-rows // r.decode_slots) + 1)))
-        return float(kv_cache_bytes(inference.model, tp=inference.layout.tp, batch=rows, seq=S))
+        slots, inf = self.r.decode_slots, self.inference
+        if slots is not None and slots < rows:
+            return float(kv_cache_bytes(inf.model, tp=inf.layout.tp, batch=slots,
+                                        seq=self.P + self.T * (-(-rows // slots) + 1)))
+        return float(kv_cache_bytes(inf.model, tp=inf.layout.tp, batch=rows, seq=self.S))
 
-    def static(spec: RoleSpec, rank: int) -> dict[str, int]:
-        _, d, s = spec.layout.coordinates(rank, world)
+    def static(self, spec: RoleSpec, rank: int) -> dict[str, int]:
+        _, d, s = spec.layout.coordinates(rank, self.world)
         key = (spec.name, s, d)
-        if key not in static_cache:
-            static_cache[key] = static_bytes(spec, spec.layout.dp(world), s, d)
-        return static_cache[key]
+        if key not in self._static:
+            self._static[key] = static_bytes(spec, spec.layout.dp(self.world), s, d)
+        return self._static[key]
 
-    ranks, totals, measurables = [], [], []
-    for rank in range(world):
-        inf_replica = inference.layout.coordinates(rank, world)[1]
+    def training_rank(self, rank: int) -> tuple[dict, dict, dict]:
+        r, specs, inference, P, S = self.r, self.specs, self.inference, self.P, self.S
+        inf_replica = inference.layout.coordinates(rank, self.world)[1]
         # split: the training ranks generate for evaluation only
-        rollout_rows = 0 if split else len(range(inf_replica, samples, inf_dp))
-        eval_rows = len(range(inf_replica, eval_prompts, inf_dp))
-        kv = rollout_kv(rollout_rows)
+        rollout_rows = 0 if self.split else len(range(inf_replica, self.samples, self.inf_dp))
+        eval_rows = len(range(inf_replica, self.eval_prompts, self.inf_dp))
+        kv = self.rollout_kv(rollout_rows)
         by_phase: dict[str, dict[tuple[str, str], float]] = {p: {} for p in PHASES}
         total: dict[str, float] = {}
         for phase in PHASES:
             parts = by_phase[phase]
             for name, spec in specs.items():
-                for part, value in static(spec, rank).items():
+                for part, value in self.static(spec, rank).items():
                     if _resident(spec, phase, part):
                         parts[(name, part)] = float(value)
             if phase == "rollout" or not r.release_inference_weights:
-                parts[("inference", "params")] = float(static(inference, rank)["params"])
-            if ema is not None:
-                parts[("ema", "params")] = float(static(ema, rank)["params"])
+                parts[("inference", "params")] = float(self.static(inference, rank)["params"])
+            if self.ema is not None:
+                parts[("ema", "params")] = float(self.static(self.ema, rank)["params"])
             total[phase] = sum(parts.values())
         # the KV cache, and generation's prefill buffers (an estimate)
         by_phase["rollout"][("inference", "kv_cache")] = float(kv)
@@ -381,81 +402,95 @@ def plan_ppo(cfg: Config, world: int, *, specs: dict[str, RoleSpec] | None = Non
         gen_rows = max(min(rollout_rows, r.decode_slots or rollout_rows), eval_rows)
         prefill = prefill_bytes(inference, batch=gen_rows, prompt=P)
         by_phase["rollout"][("inference", "activations")] = prefill
-        eval_kv = kv_cache_bytes(inference.model, tp=inference.layout.tp, batch=eval_rows, seq=S)
+        eval_kv = kv_cache_bytes(inference.model, tp=inference.layout.tp, batch=eval_rows,
+                                 seq=S)
         total["rollout"] += prefill + max(0, eval_kv - kv)
         # experience: offloaded frozen roles come on one at a time; one pass's buffers
-        frozen_on = [float(static(spec, rank)["params"]) for spec in specs.values()
+        frozen_on = [float(self.static(spec, rank)["params"]) for spec in specs.values()
                      if not spec.trained and spec.offload == "all"]
         for name, spec in specs.items():
             if not spec.trained and spec.offload == "all":
-                by_phase["experience"][(name, "params")] = float(static(spec, rank)["params"])
+                by_phase["experience"][(name, "params")] = \
+                    float(self.static(spec, rank)["params"])
         passes = {}
         for name, spec in specs.items():
-            _, _, s = spec.layout.coordinates(rank, world)
+            _, _, s = spec.layout.coordinates(rank, self.world)
             if s == spec.layout.pp - 1:
-                shape = packed_shape(forward_budget, P, T, spec.kind) if forward_budget \
-                    else {"batch": forward_rows, "seq": S, "response": T}
+                shape = packed_shape(self.forward_budget, P, self.T, spec.kind) \
+                    if self.forward_budget else \
+                    {"batch": self.forward_rows, "seq": S, "response": self.T}
                 passes[name] = forward_bytes(spec, **shape)
                 by_phase["experience"][(name, "activations")] = passes[name]
         measurable["experience"] += max(frozen_on, default=0.0)
         total["experience"] += max(frozen_on, default=0.0) + max(passes.values(), default=0.0)
         # train: each trained role's activations, one role at a time
-        acts = {}
-        for name, spec in specs.items():
-            if spec.trained:
-                _, _, s = spec.layout.coordinates(rank, world)
-                dp = spec.layout.dp(world)
-                if budget:  # the heaviest rank's tokens, at most full samples
-                    shape = packed_shape(budget, P, T, spec.kind)
-                    micro, micro_batches = 1, -(-(-(-ppo.mini_batch_size // dp) * S) // budget)
-                    seq, response, span = shape["seq"], shape["response"], shape["span"]
-                else:
-                    micro, seq, response, span = ppo.micro_batch_size, S, T, None
-                    micro_batches = max(1, ppo.mini_batch_size // dp // ppo.micro_batch_size)
-                acts[name] = train_activation_bytes(spec, pp_rank=s, micro=micro,
-                                                    micro_batches=micro_batches, seq=seq,
-                                                    response=response, span=span)
-                by_phase["train"][(name, "activations")] = acts[name]
+        acts = {name: self.train_activations(spec, rank)
+                for name, spec in specs.items() if spec.trained}
+        for name, value in acts.items():
+            by_phase["train"][(name, "activations")] = value
         total["train"] += max(acts.values(), default=0.0)
         measurable["train"] += max(acts.values(), default=0.0)
-        ranks.append(by_phase)
-        totals.append(total)
-        measurables.append(measurable)
-    micro_note = "; ".join(
-        f"{what}: " + (f"packed micro-batches of {b} tokens, each taken full, with the most "
-                       "kept outputs its samples can have" if b else f"micro-batch {rows}")
-        for what, b, rows in (("updates", budget, ppo.micro_batch_size),
-                              ("experience passes", forward_budget, forward_rows)))
-    sampling = f"{inf_dp} inference replica(s) of TP={inference.layout.tp}"
-    if split:
-        r_dp = r.placement.ranks // inference.layout.tp
-        sampling = (f"{r_dp} inference replica(s) of TP={inference.layout.tp} on the "
-                    f"{r.placement.ranks} rollout rank(s) {world}.."
-                    f"{world + r.placement.ranks - 1} (the training "
-                    "ranks keep a copy for the weight sync and evaluation)")
-        # the inference model, always resident, and its KV cache
-        for rank in range(r.placement.ranks):
-            replica = inference.layout.coordinates(rank, r.placement.ranks)[1]
-            rows = len(range(replica, samples, r_dp))
-            params = float(static_bytes(inference, r_dp, 0, replica)["params"])
-            by_phase = {p: {("inference", "params"): params} for p in PHASES}
-            kv = rollout_kv(rows)
-            by_phase["rollout"][("inference", "kv_cache")] = kv
-            prefill = prefill_bytes(inference, batch=min(rows, r.decode_slots or rows), prompt=P)
-            by_phase["rollout"][("inference", "activations")] = prefill
-            total = {p: params for p in PHASES}
-            total["rollout"] += kv
-            measurables.append(dict(total))
-            total["rollout"] += prefill
-            ranks.append(by_phase)
-            totals.append(total)
-    notes = [f"sequences of {P} prompt + {T} response tokens; {micro_note}; {samples} "
-             f"rollout samples over {sampling}"]
-    if eval_prompts > samples and not split:
-        notes.append(f"evaluation generates for {eval_prompts} prompts (ppo.num_eval_prompts), "
-                     "more than a rollout: its KV cache is in the rollout total")
-    return Plan(world, specs, inference.layout.tp, ranks, totals, notes, measurables,
-                rollout_ranks=r.placement.ranks if split else 0)
+        return by_phase, total, measurable
+
+    def train_activations(self, spec: RoleSpec, rank: int) -> float:
+        """A trained role's activations in its updates on ``rank``: packed, the heaviest
+        rank's tokens at most full samples; padded, its micro-batches of full samples."""
+        _, _, s = spec.layout.coordinates(rank, self.world)
+        sizes = self.sizes[spec.name]
+        if self.budget:
+            shape = packed_shape(self.budget, self.P, self.T, spec.kind)
+            micro, micro_batches = 1, sizes.most_packed_micro_batches(self.S)
+            seq, response, span = shape["seq"], shape["response"], shape["span"]
+        else:
+            micro, seq, response, span = self.micro_batch_size, self.S, self.T, None
+            micro_batches = sizes.micro_batches_per_mini_batch
+        return train_activation_bytes(spec, pp_rank=s, micro=micro,
+                                      micro_batches=micro_batches, seq=seq,
+                                      response=response, span=span)
+
+    def rollout_rank(self, rank: int) -> tuple[dict, dict, dict]:
+        """A rollout rank under split placement: the inference model, always resident, its
+        KV cache and prefill buffers."""
+        inference, ranks = self.inference, self.r.placement.ranks
+        r_dp = ranks // inference.layout.tp
+        replica = inference.layout.coordinates(rank, ranks)[1]
+        rows = len(range(replica, self.samples, r_dp))
+        params = float(static_bytes(inference, r_dp, 0, replica)["params"])
+        by_phase = {p: {("inference", "params"): params} for p in PHASES}
+        kv = self.rollout_kv(rows)
+        by_phase["rollout"][("inference", "kv_cache")] = kv
+        prefill = prefill_bytes(inference, batch=min(rows, self.r.decode_slots or rows),
+                                prompt=self.P)
+        by_phase["rollout"][("inference", "activations")] = prefill
+        total = {p: params for p in PHASES}
+        total["rollout"] += kv
+        measurable = dict(total)
+        total["rollout"] += prefill
+        return by_phase, total, measurable
+
+    def notes(self) -> list[str]:
+        micro_note = "; ".join(
+            f"{what}: " + (f"packed micro-batches of {b} tokens, each taken full, with the "
+                           "most kept outputs its samples can have" if b
+                           else f"micro-batch {rows}")
+            for what, b, rows in (("updates", self.budget, self.micro_batch_size),
+                                  ("experience passes", self.forward_budget,
+                                   self.forward_rows)))
+        inference, world = self.inference, self.world
+        sampling = f"{self.inf_dp} inference replica(s) of TP={inference.layout.tp}"
+        if self.split:
+            ranks = self.r.placement.ranks
+            sampling = (f"{ranks // inference.layout.tp} inference replica(s) of "
+                        f"TP={inference.layout.tp} on the {ranks} rollout rank(s) "
+                        f"{world}..{world + ranks - 1} (the training ranks keep a copy for "
+                        "the weight sync and evaluation)")
+        notes = [f"sequences of {self.P} prompt + {self.T} response tokens; {micro_note}; "
+                 f"{self.samples} rollout samples over {sampling}"]
+        if self.eval_prompts > self.samples and not self.split:
+            notes.append(f"evaluation generates for {self.eval_prompts} prompts "
+                         "(ppo.num_eval_prompts), more than a rollout: its KV cache is in "
+                         "the rollout total")
+        return notes
 
 
 # ------------------------------------------------------------------ reporting

@@ -21,7 +21,7 @@ from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.checkpoint import load_checkpoint, load_object, save_checkpoint
 from megarlhf.memory.accounting import ActivationMeter, MemoryTracker
 from megarlhf.roles.offload import TrainedOffloader
-from megarlhf.roles.spec import ppo_role_specs
+from megarlhf.roles.spec import batch_sizes, ppo_role_specs
 from megarlhf.roles.build import build_role
 from megarlhf.parallel.launch import init_distributed, read_dist_env
 from megarlhf.parallel.placement import Split
@@ -114,11 +114,7 @@ class PPOSession:
         self.specs = specs = ppo_role_specs(cfg, world, self.tokenizer_fingerprint,
                                             written=written)
         # Batch arithmetic per trained role (each splits mini-batches over its own DP).
-        self.sizes = {name: algos.BatchSizes(ppo.rollout_batch_size, ppo.mini_batch_size,
-                                             ppo.micro_batch_size, s.layout.dp(world),
-                                             ppo.group_size,
-                                             ppo.max_tokens_per_micro_batch).validate()
-                      for name, s in specs.items() if s.trained}
+        self.sizes = batch_sizes(ppo, specs, world)
         forward_budget = r.forward_max_tokens_per_micro_batch or ppo.max_tokens_per_micro_batch
         self.cfg, self.tokenizer = cfg, tokenizer
         # an environment's episodes start from data rows (its reset), else from prompts

@@ -13,8 +13,10 @@ import math
 import os
 from dataclasses import dataclass
 
+from megarlhf.algos import BatchSizes
 from megarlhf.config import (
-    Config, ConfigError, Layout, ModelConfig, OptimizerConfig, Written, check_model_layout,
+    Config, ConfigError, Layout, ModelConfig, OptimizerConfig, PPOConfig, Written,
+    check_model_layout,
     check_ppo, check_precision, check_rollout_layout, overlay, padded_vocab_size,
     section_from_dict)
 from megarlhf.engine.checkpoint import read_meta, resolve_checkpoint
@@ -215,6 +217,16 @@ def _check_vocab(specs: dict[str, RoleSpec], tokenizer: dict | None) -> None:
                 and saved != actor.saved_tokenizer:
             raise ConfigError(f"{spec.where}: the checkpoint {spec.checkpoint} was trained "
                               f"with another tokenizer than the actor's ({actor.checkpoint})")
+
+
+def batch_sizes(ppo: PPOConfig, specs: dict[str, RoleSpec], world_size: int
+                ) -> dict[str, BatchSizes]:
+    """The batch arithmetic of each trained role (each splits the mini-batches over its own
+    data-parallel size), checked: what the run trains with and the planner counts."""
+    return {name: BatchSizes(ppo.rollout_batch_size, ppo.mini_batch_size,
+                             ppo.micro_batch_size, spec.layout.dp(world_size), ppo.group_size,
+                             ppo.max_tokens_per_micro_batch).validate()
+            for name, spec in specs.items() if spec.trained}
 
 
 def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, *,
