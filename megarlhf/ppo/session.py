@@ -145,22 +145,22 @@ class PPOSession:
                               role=build_role(specs["reward"], seed=seed)
                               if "reward" in specs else None)
         inf_layout = inference_layout(r.tensor_parallel_size)
-        self.sampler = Sampler(cfg, self.actor, inf_layout,
+        self.sampler = Sampler(r, self.actor, inf_layout,
                                build_inference_model(specs["actor"], inf_layout),
                                eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                                release_inference=r.release_inference_weights,
                                end_ids=tokenizer.end_ids,
                                episodes=Episodes(r.environment, r.rewards, cfg.data, tokenizer)
                                if r.environment.name else None)
-        self.scorer = Scorer(cfg, self.actor, self.reference, reward, self.critic,
+        self.scorer = Scorer(r, self.actor, self.reference, reward, self.critic,
                              pad_id=tokenizer.pad_id,
                              micro_batch_size=r.forward_micro_batch_size
                              or ppo.micro_batch_size, max_tokens=forward_budget,
                              ref_cache=SequenceCache(r.ref_cache_size)
                              if r.ref_cache_size else None)
         # rollout.placement.mode=split: the rollout ranks sample, this world scores and trains
-        self.remote = RemoteRollout(cfg, split, self.sampler) if split is not None else None
-        self.maker = ExperienceMaker(cfg, self.sampler, self.scorer, remote=self.remote)
+        self.remote = RemoteRollout(r.placement, split, self.sampler) if split is not None else None
+        self.maker = ExperienceMaker(ppo, r, self.sampler, self.scorer, remote=self.remote)
         self.rollouts = StaleSchedule(ppo.max_staleness, ppo.num_iterations,
                                       self.sample_batch, log=print0)
         self.kl_ctl = algos.make_kl_controller(ppo.kl.controller, ppo.kl.init_coef,

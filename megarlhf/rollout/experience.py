@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megarlhf import algos
-from megarlhf.config import Config
+from megarlhf.config import PPOConfig, RolloutConfig
 from megarlhf.models import moe
 from megarlhf.inference.generate import Generation
 from megarlhf.rollout.remote import RemoteRollout
@@ -56,7 +56,8 @@ class Sampled:
 
 @dataclass
 class ExperienceMaker:
-    cfg: Config
+    ppo: PPOConfig
+    rollout: RolloutConfig
     sampler: Sampler
     scorer: Scorer
     # rollout.placement.mode=split: the rollout ranks sample
@@ -77,7 +78,7 @@ class ExperienceMaker:
         ``version``, recorded on every response token), score the samples with the reward
         and keep informative groups (DAPO). ``sampled``: the (generation, metrics) of the
         first round, already sampled (by the rollout ranks)."""
-        ppo = self.cfg.ppo
+        ppo = self.ppo
         t0 = time.perf_counter()
         self.scorer.take_padding_fraction()  # count this batch's passes only
         # 1. sample and score the samples
@@ -109,7 +110,7 @@ class ExperienceMaker:
               ) -> tuple[algos.Experience, Generation, dict]:
         """Steps 3-6 of :meth:`make`: the experience passes of the current reference, actor
         and critic over a sampled batch, and the learning targets."""
-        ppo, r = self.cfg.ppo, self.cfg.rollout
+        ppo, r = self.ppo, self.rollout
         gen, has_stop, scores = sampled.gen, sampled.has_stop, sampled.scores
         metrics = dict(sampled.metrics)
         self.scorer.padding.clear()  # the batch's reward passes, then its passes here
@@ -125,10 +126,10 @@ class ExperienceMaker:
         ref_lp = self.scorer.reference_logprobs(gen)
         rollout_lp = gen.logprobs_BT * mask
         routing = None  # the experts the updates replay (rollout.routing_replay r2 / r3)
-        if self.cfg.rollout.recompute_logprobs:
+        if self.rollout.recompute_logprobs:
             actor_lp, routing = self.scorer.actor_logprobs(gen)
             old_lp = actor_lp * mask
-            if gen.routing_BLSK is not None and self.cfg.rollout.routing_replay != "r3":
+            if gen.routing_BLSK is not None and self.rollout.routing_replay != "r3":
                 metrics.update(moe.take_mismatch(self.scorer.actor.layout))
         else:
             old_lp = rollout_lp.clone()
@@ -180,7 +181,7 @@ class ExperienceMaker:
             sampled = (self.remote or self.sampler).rollout(prompts, seed)
         gen, metrics = sampled
         gen, has_stop = self.sampler.finalize(gen)
-        ppo = self.cfg.ppo
+        ppo = self.ppo
         start = time.perf_counter()
         scores = self.scorer.reward_scores(gen)
         metrics["timing/reward"] = time.perf_counter() - start
@@ -192,7 +193,7 @@ class ExperienceMaker:
         scores = algos.shape_scores(
             scores, has_stop, gen.fed_mask_BT.sum(dim=1),
             missing_stop_penalty=ppo.missing_stop_penalty, missing_stop_mode=ppo.missing_stop_mode,
-            max_len=self.cfg.rollout.max_new_tokens, overlong_buffer=ppo.overlong_buffer,
+            max_len=self.rollout.max_new_tokens, overlong_buffer=ppo.overlong_buffer,
             overlong_penalty_value=ppo.overlong_penalty)
         return gen, has_stop, scores, metrics
 

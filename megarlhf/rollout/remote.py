@@ -41,7 +41,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megarlhf.config import Config, ConfigError
+from megarlhf.config import Config, ConfigError, PlacementConfig
 from megarlhf.parallel import signals, watchdog
 from megarlhf.parallel.placement import Split
 from megarlhf.parallel.signals import install_handlers
@@ -121,8 +121,8 @@ class RemoteRollout:
     """The training processes' end of the bridge: :meth:`submit` a batch (sending the
     weights first when the rollout ranks hold another version), :meth:`receive` it."""
 
-    def __init__(self, cfg: Config, split: Split, sampler: Sampler):
-        self.cfg, self.split, self.sampler = cfg, split, sampler
+    def __init__(self, placement: PlacementConfig, split: Split, sampler: Sampler):
+        self.placement, self.split, self.sampler = placement, split, sampler
         self.held: int | None = None  # the version the rollout ranks hold
         inf = sampler.inference_layout
         tp = inf.tp
@@ -143,7 +143,7 @@ class RemoteRollout:
         all ranks); 0 when there was none; counting starts again. Under rollout.placement.partial
         also ``rollout/inflight_updates``: the weights taken by a batch being sampled."""
         out = {"timing/weight_sync": 0.0, "perf/weight_sync_bytes": 0.0,
-               **({"rollout/inflight_updates": 0.0} if self.cfg.rollout.placement.partial else {}),
+               **({"rollout/inflight_updates": 0.0} if self.placement.partial else {}),
                **self.syncs}
         self.syncs = {}
         return out
@@ -159,7 +159,7 @@ class RemoteRollout:
                 send_object(self.split.bridge,
                             {"cmd": "generate", "prompts": prompts, "seed": seed,
                              "version": version, "sync": sync, "request": request,
-                             "partial": self.cfg.rollout.placement.partial},
+                             "partial": self.placement.partial},
                             self.rollout_root, REQUEST)
         metrics = self._send_weights(version) if sync else {}  # this batch's
         self.outstanding = Pending(self, version, metrics, request)
@@ -170,7 +170,7 @@ class RemoteRollout:
         being sampled, if any, once per batch (a collective of the training world). True
         when the rollout ranks take it: they sample the rest of that batch with it."""
         pending = self.outstanding
-        if not self.cfg.rollout.placement.partial or pending is None or pending.pushed \
+        if not self.placement.partial or pending is None or pending.pushed \
                 or version == self.held:
             return False
         pending.pushed = True
@@ -200,7 +200,7 @@ class RemoteRollout:
             sent, works = 0, []
             if self.targets:
                 flats = flat_weights(self.sampler.inference_model)
-                check = digest(flats) if self.cfg.rollout.placement.weight_checksum else None
+                check = digest(flats) if self.placement.weight_checksum else None
                 for dst in self.targets:
                     for flat in flats:
                         works.append(bridge.send([flat], dst, WEIGHTS))
@@ -306,7 +306,7 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
         start = time.perf_counter()
         gen_stats: dict = {}
         with watchdog.phase("generation"):
-            gen = sample_share(cfg, model, [prompts[i] for i in indices], indices,
+            gen = sample_share(cfg.rollout, model, [prompts[i] for i in indices], indices,
                                request["seed"], eos_id=tokenizer.eos_id,
                                pad_id=tokenizer.pad_id, end_ids=tokenizer.end_ids,
                                true_vocab=actor_spec.model.vocab_size, stats=gen_stats,

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megarlhf import algos
-from megarlhf.config import Config
+from megarlhf.config import RolloutConfig
 from megarlhf.models import moe
 from megarlhf.roles.build import Role
 from megarlhf.parallel.gather import gather_objects
@@ -33,7 +33,7 @@ from megarlhf.algos.seeds import derive_seed
 
 @dataclass
 class Sampler:
-    cfg: Config
+    settings: RolloutConfig  # the rollout section
     actor: Role  # trained; its chunks are resharded into ``inference_model``
     inference_layout: RankLayout
     inference_model: torch.nn.Module
@@ -51,7 +51,7 @@ class Sampler:
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        return stop_tokens(self.cfg, self.end_ids)
+        return stop_tokens(self.settings, self.end_ids)
 
     def __post_init__(self):
         self.resharder = Resharder(self.actor.chunks, self.inference_model)
@@ -68,7 +68,7 @@ class Sampler:
         start = time.perf_counter()
         gen_stats: dict = {}
         with watchdog.phase("generation"):
-            gen = sample_share(self.cfg, self.inference_model, mine, indices, seed,
+            gen = sample_share(self.settings, self.inference_model, mine, indices, seed,
                                eos_id=self.eos_id, pad_id=self.pad_id, end_ids=self.end_ids,
                                true_vocab=self.actor.spec.model.vocab_size, stats=gen_stats,
                                record_routing=self.actor.spec.model.moe.enabled,
@@ -83,7 +83,7 @@ class Sampler:
         metrics = {"timing/reshard": stats.seconds, "perf/reshard_bytes": stats.bytes_received,
                    "timing/generate": seconds, **idle_slots(gen_stats)}
         if self.episodes is not None:
-            metrics.update(episode_metrics(gen_stats, self.cfg.rollout.rewards.on_error))
+            metrics.update(episode_metrics(gen_stats, self.settings.rewards.on_error))
         return gen, metrics
 
     def finalize(self, gen: Generation) -> tuple[Generation, torch.Tensor]:
@@ -102,17 +102,16 @@ class Sampler:
             versions_BT=None if gen.versions_BT is None else gen.versions_BT * mask), has_stop
 
 
-def sample_share(cfg: Config, model, prompts: list[list[int]], indices: list[int], seed: int,
-                 *, eos_id: int, pad_id: int, end_ids: tuple[int, ...], true_vocab: int,
+def sample_share(r: RolloutConfig, model, prompts: list[list[int]], indices: list[int],
+                 seed: int, *, eos_id: int, pad_id: int, end_ids: tuple[int, ...], true_vocab: int,
                  stats: dict, record_routing: bool = False,
                  interrupt: Callable[[], bool] | None = None, episodes=None) -> Generation:
     """A replica's share ``prompts`` (the batch's prompts ``indices``) sampled as the
     rollout samples: one static batch, or ``rollout.decode_slots`` rows at a time.
-    ``interrupt``: new weights between decode steps (``rollout.placement.partial``). ``episodes``
-    (``rollout.environment.name``): the prompts are data rows, each played as an episode
-    (``rollout.episodes.Episodes``)."""
-    r = cfg.rollout
-    params = sampling_params(cfg, end_ids)
+    ``interrupt``: new weights between decode steps (``rollout.placement.partial``).
+    ``episodes`` (``rollout.environment.name``): the prompts are data rows, each played as
+    an episode (``rollout.episodes.Episodes``). ``r``: the ``rollout`` section."""
+    params = sampling_params(r, end_ids)
     if episodes is not None:
         return episodes.sample(model, prompts, indices, seed, params=params, eos_id=eos_id,
                                pad_id=pad_id, true_vocab=true_vocab, stats=stats)
@@ -138,18 +137,17 @@ def idle_slots(gen_stats: dict) -> dict[str, float]:
     return {"rollout/idle_decode_slots": float(counts[0] / counts[1]) if counts[1] else 0.0}
 
 
-def stop_tokens(cfg: Config, end_ids: tuple[int, ...]) -> tuple[int, ...]:
+def stop_tokens(r: RolloutConfig, end_ids: tuple[int, ...]) -> tuple[int, ...]:
     """Every token that ends a response besides EOS: rollout.stop_token_ids and the
     model's end tokens (``data.tokenizer.Tokenizer.end_ids``)."""
-    return tuple(dict.fromkeys((*cfg.rollout.stop_token_ids, *end_ids)))
+    return tuple(dict.fromkeys((*r.stop_token_ids, *end_ids)))
 
 
-def sampling_params(cfg: Config, end_ids: tuple[int, ...]) -> SamplingParams:
+def sampling_params(r: RolloutConfig, end_ids: tuple[int, ...]) -> SamplingParams:
     """The rollout's sampling settings (``rollout.*``)."""
-    r = cfg.rollout
     return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                           top_k=r.top_k, top_p=r.top_p, greedy=r.greedy,
-                          stop_token_ids=stop_tokens(cfg, end_ids))
+                          stop_token_ids=stop_tokens(r, end_ids))
 
 
 def row_seeds(seed: int, indices: list[int]) -> list[int]:

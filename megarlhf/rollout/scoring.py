@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megarlhf import algos
-from megarlhf.config import Config
+from megarlhf.config import RolloutConfig
 from megarlhf.data.batching import prompt_response_batch
 from megarlhf.data.packing import pack_prompt_response
 from megarlhf.engine.forward import forward_rows, stack_results
@@ -184,7 +184,7 @@ class RewardSource:
 
 @dataclass
 class Scorer:
-    cfg: Config
+    rollout: RolloutConfig
     actor: Role
     reference: Role
     reward: RewardSource
@@ -223,7 +223,7 @@ class Scorer:
         step = make_sequence_step(role.spec.kind, prompt_len=gen.prompt_tokens_BP.shape[1],
                                   tp_group=role.layout.tp_group,
                                   true_vocab=role.spec.model.vocab_size,
-                                  temperature=self.cfg.rollout.temperature)
+                                  temperature=self.rollout.temperature)
         if self.hooks is not None:
             self.hooks.during_pass()
         lengths = sequence_lengths(gen)
@@ -250,7 +250,7 @@ class Scorer:
         routes otherwise than the rollout (``models.moe.take_mismatch``), and under ``r2``
         keeps this pass's routing for the updates. Dense or ``none``: no routing."""
         rows = list(range(gen.response_tokens_BT.shape[0]))
-        replay = self.cfg.rollout.routing_replay
+        replay = self.rollout.routing_replay
         routing = None
         if gen.routing_BLSK is not None:
             routing = {"r3": "replay", "r2": "record"}.get(replay, "compare")

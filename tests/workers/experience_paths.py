@@ -48,11 +48,11 @@ def case(name, tp, pp, rollout_tp, results, offload_variants=(True,)):
         offload = bool(variant)
         for frozen in (reference, reward):  # as roles.spec resolves roles.<name>.offload
             frozen.spec = dataclasses.replace(frozen.spec, offload="all" if offload else "none")
-        scorer = Scorer(cfg, actor, reference, RewardSource(role=reward), critic, pad_id=0,
+        scorer = Scorer(cfg.rollout, actor, reference, RewardSource(role=reward), critic, pad_id=0,
                         micro_batch_size=8 if variant == "mb8" else 2,
                         ref_cache=SequenceCache())
-        maker = ExperienceMaker(cfg, Sampler(cfg, actor, inf_layout, inf_model, eos_id=2,
-                                             pad_id=0), scorer)
+        sampler = Sampler(cfg.rollout, actor, inf_layout, inf_model, eos_id=2, pad_id=0)
+        maker = ExperienceMaker(cfg.ppo, cfg.rollout, sampler, scorer)
         exp, gen, metrics = maker.make(PROMPTS, seed=5, kl_coef=0.1)
         assert scorer.ref_offloader.offloaded == offload
         exp2, _, metrics2 = maker.make(PROMPTS, seed=5, kl_coef=0.1)  # same samples: all hits
