@@ -33,7 +33,7 @@ from megarlhf.inference.generate import (Generation, SamplingParams, SeededDraws
 @torch.no_grad()
 def generate_continuous(model, prompts: list[list[int]], params: SamplingParams, *,
                         slots: int, eos_id: int, pad_id: int, true_vocab: int,
-                        stop_at_eos: bool = True, row_seeds: list[int] | None = None,
+                        row_seeds: list[int] | None = None,
                         stats: dict | None = None, interrupt: Callable[[], bool] | None = None,
                         recompute_kv: bool = True) -> Generation:
     """As :func:`~megarlhf.inference.generate.generate` (greedy or ``row_seeds``), decoding
@@ -51,7 +51,7 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
     # every column the longest schedule could reach: while prompts wait, all S slots
     # sample, so at most n * T / S steps; then at most T more
     L = P + T * (-(-n // S) + 1)
-    stops = stop_tensor(params, eos_id, stop_at_eos, device)
+    stops = stop_tensor(params, eos_id, device)
     tokens = torch.full((S, L), pad_id, dtype=torch.long, device=device)
     key_mask = torch.zeros(S, L, dtype=torch.long, device=device)
     positions = torch.zeros(S, L, dtype=torch.long, device=device)

@@ -35,6 +35,7 @@ class SamplingParams:
     top_p: float = 1.0
     greedy: bool = False
     stop_token_ids: tuple[int, ...] = ()  # ends a response (EOS is added when stop_at_eos)
+    stop_at_eos: bool = True  # EOS ends a response (false: sample to max_new_tokens)
 
 
 @dataclass
@@ -191,19 +192,18 @@ def sample_next(logits_BV: torch.Tensor, params: SamplingParams, *,
     return token, logprob
 
 
-def stop_tensor(params: SamplingParams, eos_id: int, stop_at_eos: bool, device
+def stop_tensor(params: SamplingParams, eos_id: int, device
                 ) -> torch.Tensor:
     """The tokens that end a response: ``params.stop_token_ids``, and EOS with
-    ``stop_at_eos``."""
-    stops = set(params.stop_token_ids) | ({eos_id} if stop_at_eos else set())
+    ``params.stop_at_eos``."""
+    stops = set(params.stop_token_ids) | ({eos_id} if params.stop_at_eos else set())
     return torch.tensor(sorted(stops), dtype=torch.long, device=device)
 
 
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id: int,
-             pad_id: int, true_vocab: int, stop_at_eos: bool = True,
-             generator: torch.Generator | None = None, row_seeds: list[int] | None = None,
-             use_cache: bool = True, stats: dict | None = None,
+             pad_id: int, true_vocab: int, generator: torch.Generator | None = None,
+             row_seeds: list[int] | None = None, use_cache: bool = True, stats: dict | None = None,
              record_routing: bool = False, interrupt: Callable[[], bool] | None = None,
              recompute_kv: bool = True, static_cache: bool | None = None) -> Generation:
     """Sample up to ``max_new_tokens`` per prompt. Every TP rank of one replica must pass
@@ -236,7 +236,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     prompt_tokens, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
     B, P = prompt_tokens.shape
     T = params.max_new_tokens
-    stops = stop_tensor(params, eos_id, stop_at_eos, device)
+    stops = stop_tensor(params, eos_id, device)
     tokens = torch.cat([prompt_tokens, torch.full((B, T), pad_id, dtype=torch.long, device=device)],
                        dim=1)
     key_mask = torch.cat([prompt_mask, torch.zeros(B, T, dtype=torch.long, device=device)], dim=1)

@@ -27,14 +27,14 @@ def make_evaluator(cfg, sampler, eval_ds, tokenizer, gold_fn):
         mine_idx = inf.strided_share(len(prompts))
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, greedy=True,
                                 temperature=cfg.rollout.temperature,
-                                stop_token_ids=sampler.stop_token_ids)
+                                stop_token_ids=sampler.stop_token_ids,
+                                stop_at_eos=cfg.rollout.stop_at_eos)
         if sampler.episodes is not None:  # the environment's episodes, greedy
             return _evaluate_episodes(cfg, sampler, [prompts[i] for i in mine_idx], mine_idx,
                                       params, tokenizer, prefix)
         gen = generate(sampler.inference_model, [prompts[i] for i in mine_idx], params,
                        eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                       true_vocab=sampler.actor.spec.model.vocab_size,
-                       stop_at_eos=cfg.rollout.stop_at_eos)
+                       true_vocab=sampler.actor.spec.model.vocab_size)
         if sampler.release_inference:
             release_inference_weights(sampler.inference_model)
         local = torch.zeros(3, dtype=torch.float64)

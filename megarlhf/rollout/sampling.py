@@ -120,10 +120,10 @@ def sample_share(r: RolloutConfig, model, prompts: list[list[int]], indices: lis
     if r.decode_slots is not None and r.decode_slots < len(prompts):
         return generate_continuous(model, prompts, params, slots=r.decode_slots,
                                    eos_id=eos_id, pad_id=pad_id, true_vocab=true_vocab,
-                                   stop_at_eos=r.stop_at_eos, row_seeds=seeds, stats=stats,
+                                   row_seeds=seeds, stats=stats,
                                    **partial)
     return generate(model, prompts, params, eos_id=eos_id, pad_id=pad_id, true_vocab=true_vocab,
-                    stop_at_eos=r.stop_at_eos, row_seeds=seeds, stats=stats,
+                    row_seeds=seeds, stats=stats,
                     record_routing=record_routing, **partial)
 
 
@@ -147,7 +147,8 @@ def sampling_params(r: RolloutConfig, end_ids: tuple[int, ...]) -> SamplingParam
     """The rollout's sampling settings (``rollout.*``)."""
     return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                           top_k=r.top_k, top_p=r.top_p, greedy=r.greedy,
-                          stop_token_ids=stop_tokens(r, end_ids))
+                          stop_token_ids=stop_tokens(r, end_ids),
+                          stop_at_eos=r.stop_at_eos)
 
 
 def row_seeds(seed: int, indices: list[int]) -> list[int]:

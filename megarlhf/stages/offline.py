@@ -159,7 +159,8 @@ def gold_evaluator(cfg: Config, tokenizer):
     r = cfg.rollout
     params = SamplingParams(max_new_tokens=r.max_new_tokens, greedy=True,
                             temperature=r.temperature,
-                            stop_token_ids=(*r.stop_token_ids, *tokenizer.end_ids))
+                            stop_token_ids=(*r.stop_token_ids, *tokenizer.end_ids),
+                            stop_at_eos=r.stop_at_eos)
     built: dict = {}
 
     def evaluate(role) -> dict:
@@ -176,7 +177,7 @@ def gold_evaluator(cfg: Config, tokenizer):
         if mine:
             gen = generate(built["model"], [prompts[i] for i in mine], params,
                            eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                           true_vocab=role.spec.model.vocab_size, stop_at_eos=r.stop_at_eos)
+                           true_vocab=role.spec.model.vocab_size)
             if layout.tp_rank == 0:
                 pairs = [decode_sample(gen, b, tokenizer.decode) for b in range(len(mine))]
                 local[1] = float(gen.fed_mask_BT.sum())

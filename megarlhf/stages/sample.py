@@ -108,7 +108,8 @@ def run_generate(cfg: Config, tokenizer, *, input_path: str, output_path: str,
     r = cfg.rollout
     params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                             top_k=r.top_k, top_p=r.top_p, greedy=r.greedy,
-                            stop_token_ids=(*r.stop_token_ids, *tokenizer.end_ids))
+                            stop_token_ids=(*r.stop_token_ids, *tokenizer.end_ids),
+                            stop_at_eos=r.stop_at_eos)
     _log(f"[generate] {spec.describe()}; rollout TP={inf.tp} x {inf.dp} "
            f"replica(s); {len(prompts)} prompts")
     rows = []
@@ -119,7 +120,6 @@ def run_generate(cfg: Config, tokenizer, *, input_path: str, output_path: str,
         if mine:  # one seed per prompt: samples do not depend on the layout
             gen = generate(model, [batch[i] for i in mine], params, eos_id=tokenizer.eos_id,
                            pad_id=tokenizer.pad_id, true_vocab=spec.model.vocab_size,
-                           stop_at_eos=r.stop_at_eos,
                            row_seeds=[derive_seed("row", cfg.run.seed, start + i)
                                       for i in mine])
         else:  # more replicas than prompts left
