@@ -1,9 +1,10 @@
 """Batched, KV-cached sampling on a megatron ``GPTModel`` (inference layout, no PP).
 
 Our own loop (megatron's engines need CUDA events); it runs on CPU and GPU alike. The keys
-and values are cached by megatron's ``StaticInferenceContext``. Prompts are left-padded so every response
-starts at the same column; pad positions are masked out of attention and position ids count real
-tokens only. The returned log-probs are those of the sampled tokens under
+and values are cached by megatron's ``StaticInferenceContext`` (or, where it applies, the
+fixed-shape decoder of :mod:`megarlhf.inference.static_kv`). Prompts are left-padded so
+every response starts at the same column; pad positions are masked out of attention and
+position ids count real tokens only. The returned log-probs are those of the sampled tokens under
 softmax(logits / temperature) - before top-k/top-p filtering - which is what the training
 side recomputes, so the two can be compared.
 """
@@ -237,54 +238,18 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     B, P = prompt_tokens.shape
     T = params.max_new_tokens
     stops = stop_tensor(params, eos_id, device)
-    tokens = torch.cat([prompt_tokens, torch.full((B, T), pad_id, dtype=torch.long, device=device)],
-                       dim=1)
-    key_mask = torch.cat([prompt_mask, torch.zeros(B, T, dtype=torch.long, device=device)], dim=1)
-    # Position ids count real tokens only: prompt tokens 0..n-1, then n, n+1, ...
-    positions = torch.cat([(prompt_mask.cumsum(dim=1) - 1).clamp(min=0),
-                           prompt_mask.sum(dim=1, keepdim=True) + torch.arange(T, device=device)],
-                          dim=1)
+    feed = _Feed(model, prompt_tokens, prompt_mask, T, pad_id=pad_id, true_vocab=true_vocab,
+                 use_cache=use_cache, static_cache=static_cache,
+                 record_routing=record_routing, interrupt=interrupt)
     response = torch.full((B, T), pad_id, dtype=torch.long, device=device)
     response_mask = torch.zeros(B, T, dtype=torch.long, device=device)
     logprobs = torch.zeros(B, T, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
-    static = _static_decoder(model, key_mask, true_vocab, static_cache, use_cache=use_cache,
-                             record_routing=record_routing, interrupt=interrupt)
-    ctx = StaticInferenceContext(B, P + T) if use_cache and static is None else None
     row_draws = SeededDraws(row_seeds, true_vocab, device) if row_seeds else None
     every_row = list(range(B))
     draw = (lambda: row_draws.next(every_row)) if row_draws is not None else None
-    config = unwrap(model).config
-    # a token never fed (the last sampled one) keeps experts 0..k-1: distinct, never read
-    routing = moe.unrouted(B, config.num_layers, P + T, config.moe_router_topk or 1) \
-        if record_routing else None
-
-    def last_logits(length: int, new: int) -> torch.Tensor:
-        """Logits at column ``length - 1`` after feeding the last ``new`` columns."""
-        start = length - new
-        inp = tokens[:, start:length].masked_fill(key_mask[:, start:length] == 0, pad_id)
-        pos = positions[:, start:length]
-        blocked = _attention_blocked(key_mask[:, :length], new)
-        # logits at the last column only (the prefill's other P - 1 are never read)
-        if static is not None:
-            return static.prefill(inp, pos, blocked) if new > 1 else \
-                static.step(inp[:, 0], pos[:, 0], start)
-        with moe.recording(model) if routing is not None else contextlib.nullcontext() as got:
-            if ctx is None:
-                out = model(inp, pos, blocked, runtime_gather_output=True,
-                            positions=slice(-1, None))
-            else:
-                out = model(inp, pos, blocked, inference_context=ctx,
-                            runtime_gather_output=True, positions=slice(-1, None))
-                ctx.sequence_len_offset += new
-                ctx.enable_decode_mode()
-            if routing is not None:
-                routing[:, :, start:length] = moe.routing_of(got(), B, new, config.num_layers,
-                                                             routing.shape[-1])
-        return out[:, -1, :true_vocab].float()
-
     try:
-        logits = last_logits(P, P)
+        logits = feed.logits(P, P)
         # decode steps, and the stopped rows fed in them
         steps, idle = 0, torch.zeros((), dtype=torch.long, device=device)
         swaps = 0
@@ -305,25 +270,22 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
             idle += finished.sum()  # rows fed this step that have stopped (no host sync)
             steps += 1
             col = P + t
-            tokens[:, col] = next_token
-            key_mask[:, col] = active
+            feed.tokens[:, col] = next_token
+            feed.key_mask[:, col] = active
             if interrupt is not None and interrupt():
                 swaps += 1
-                if ctx is not None and recompute_kv:  # the new weights' keys and values
-                    ctx = StaticInferenceContext(B, P + T)
-                    logits = last_logits(col + 1, col + 1)
+                if feed.ctx is not None and recompute_kv:  # the new weights' keys and values
+                    feed.ctx = StaticInferenceContext(B, P + T)
+                    logits = feed.logits(col + 1, col + 1)
                     continue
-            if ctx is None and static is None:
-                logits = last_logits(col + 1, col + 1)
-            else:
-                logits = last_logits(col + 1, 1)
+            logits = feed.logits(col + 1, 1 if feed.cached else col + 1)
         if stats is not None:
-            stats["kv_cache_bytes"] = kv_cache_bytes(ctx) if ctx is not None else \
-                static.cache_bytes() if static is not None else 0
+            stats["kv_cache_bytes"] = feed.cache_bytes()
             stats["decode_slots"], stats["idle_decode_slots"] = B * steps, int(idle)
         # responses as wide as the longest one: when every row stopped early, the passes and
         # the training that follow pay nothing for the columns no row reached
         width = t + 1
+        routing = feed.routing
         return Generation(*(x.cpu() for x in (prompt_tokens, prompt_mask, response[:, :width],
                                               response_mask[:, :width], logprobs[:, :width],
                                               finished)),
@@ -332,8 +294,80 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
                           versions_BT=versions[:, :width] * response_mask[:, :width].cpu()
                           if versions is not None else None)
     finally:
-        if static is not None:  # the layers decode without it again
-            static.close()
+        feed.close()
+
+
+class _Feed:
+    """What :func:`generate` feeds the model: the batch's columns (left-padded prompts,
+    then the response's), their key mask and position ids, and the state that caches the
+    columns fed - megatron's ``StaticInferenceContext``, the static decoder, or nothing
+    (``use_cache=False``: every step feeds the whole sequence) - with the experts each
+    token chose, when recorded."""
+
+    def __init__(self, model, prompt_tokens: torch.Tensor, prompt_mask: torch.Tensor, T: int,
+                 *, pad_id: int, true_vocab: int, use_cache: bool, static_cache: bool | None,
+                 record_routing: bool, interrupt):
+        device = prompt_tokens.device
+        B, P = prompt_tokens.shape
+        self.model, self.pad_id, self.true_vocab, self.B = model, pad_id, true_vocab, B
+        self.tokens = torch.cat([prompt_tokens, torch.full((B, T), pad_id, dtype=torch.long,
+                                                           device=device)], dim=1)
+        self.key_mask = torch.cat([prompt_mask, torch.zeros(B, T, dtype=torch.long,
+                                                            device=device)], dim=1)
+        # Position ids count real tokens only: prompt tokens 0..n-1, then n, n+1, ...
+        self.positions = torch.cat([(prompt_mask.cumsum(dim=1) - 1).clamp(min=0),
+                                    prompt_mask.sum(dim=1, keepdim=True)
+                                    + torch.arange(T, device=device)], dim=1)
+        self.static = _static_decoder(model, self.key_mask, true_vocab, static_cache,
+                                      use_cache=use_cache, record_routing=record_routing,
+                                      interrupt=interrupt)
+        self.ctx = StaticInferenceContext(B, P + T) if use_cache and self.static is None \
+            else None
+        self.config = unwrap(model).config
+        # a token never fed (the last sampled one) keeps experts 0..k-1: distinct, never read
+        self.routing = moe.unrouted(B, self.config.num_layers, P + T,
+                                    self.config.moe_router_topk or 1) \
+            if record_routing else None
+
+    @property
+    def cached(self) -> bool:
+        """Whether a step feeds only its new column (the rest is cached)."""
+        return self.ctx is not None or self.static is not None
+
+    def logits(self, length: int, new: int) -> torch.Tensor:
+        """Logits at column ``length - 1`` after feeding the last ``new`` columns."""
+        start = length - new
+        inp = self.tokens[:, start:length].masked_fill(self.key_mask[:, start:length] == 0,
+                                                       self.pad_id)
+        pos = self.positions[:, start:length]
+        blocked = _attention_blocked(self.key_mask[:, :length], new)
+        # logits at the last column only (the prefill's other P - 1 are never read)
+        if self.static is not None:
+            return self.static.prefill(inp, pos, blocked) if new > 1 else \
+                self.static.step(inp[:, 0], pos[:, 0], start)
+        routing, model, ctx = self.routing, self.model, self.ctx
+        with moe.recording(model) if routing is not None else contextlib.nullcontext() as got:
+            if ctx is None:
+                out = model(inp, pos, blocked, runtime_gather_output=True,
+                            positions=slice(-1, None))
+            else:
+                out = model(inp, pos, blocked, inference_context=ctx,
+                            runtime_gather_output=True, positions=slice(-1, None))
+                ctx.sequence_len_offset += new
+                ctx.enable_decode_mode()
+            if routing is not None:
+                routing[:, :, start:length] = moe.routing_of(got(), self.B, new,
+                                                             self.config.num_layers,
+                                                             routing.shape[-1])
+        return out[:, -1, :self.true_vocab].float()
+
+    def cache_bytes(self) -> int:
+        return kv_cache_bytes(self.ctx) if self.ctx is not None else \
+            self.static.cache_bytes() if self.static is not None else 0
+
+    def close(self) -> None:
+        if self.static is not None:  # the layers decode without it again
+            self.static.close()
 
 
 def _static_decoder(model, key_mask: torch.Tensor, true_vocab: int, wanted: bool | None, *,
