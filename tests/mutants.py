@@ -145,7 +145,7 @@ MUTANTS = [
            "total = total - ent_total",
            (ref("test_every_micro_batch_loss_against_a_loop", "gae_k2"),), ("gae_k2",)),
     Mutant("bypass_ignored", "rollout.recompute_logprobs=false still recomputes",
-           "megarlhf/rollout/experience.py", "if self.cfg.rollout.recompute_logprobs:",
+           "megarlhf/rollout/experience.py", "if self.rollout.recompute_logprobs:",
            "if True:", (ref("test_old_logprobs_are_the_ones_the_mode_promises", "bypass"),),
            ("bypass",)),
     Mutant("old_logprobs_from_sampler", "rollout.recompute_logprobs=true, but the old "
@@ -200,8 +200,8 @@ MUTANTS = [
     Mutant("partial_kv_not_recomputed", "rollout.placement.partial_kv=recompute: the old weights' keys "
            "and values are kept after new weights arrive mid-generation",
            "megarlhf/inference/generate.py",
-           "            if ctx is not None and recompute_kv:",
-           "            if ctx is not None and recompute_kv and False:",
+           "                if feed.ctx is not None and recompute_kv:",
+           "                if feed.ctx is not None and recompute_kv and False:",
            ("tests/test_rollout.py::test_partial_rollout_tokens_carry_their_version_and_"
             "behaviour_logprob[recompute-static]",), ()),
     Mutant("reward_timeout_not_enforced", "rollout.rewards.timeout_s: a reward call that hangs "

@@ -8,6 +8,47 @@ from typing import Literal
 from megarlhf.config.fields import require
 
 
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts",
+                     "mla_up_proj")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RecomputeConfig:
+    """Activation recomputation (megatron-core's): activations are dropped after the
+    forward pass and computed again in the backward pass, trading compute for memory. The
+    numbers do not change (the recomputed forward is the same arithmetic). Set per role
+    with ``roles.<name>.model.recompute``; frozen roles have no backward pass and ignore
+    it."""
+
+    granularity: Literal["full", "selective"] | None = None
+    """full: whole transformer layers are recomputed, only their inputs kept (the most
+    memory saved, about a forward pass more compute); selective: only ``modules`` of each
+    layer are (core attention by default: its scores are the largest activation of a long
+    sequence and the cheapest to recompute). None: every activation is kept."""
+    method: Literal["uniform", "block"] = "uniform"
+    """full: uniform splits each pipeline stage's layers into groups of ``num_layers`` and
+    keeps each group's input; block recomputes the first ``num_layers`` layers of each
+    stage and keeps every activation of the others."""
+    num_layers: int = 1
+    """full: the layers of a group (uniform; must divide a stage's layers), or the layers
+    recomputed per stage (block; at most a stage's layers)."""
+    modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    """selective: the parts recomputed - core_attn (attention scores and softmax), mlp (a
+    dense MLP), layernorm (the norms before attention and MLP), moe (a whole MoE layer),
+    shared_experts, moe_act (needs grouped GEMM experts), mla_up_proj (multi-latent
+    attention's up projections)."""
+
+    def __post_init__(self):
+        require(self.num_layers >= 1, "model.recompute.num_layers", self.num_layers,
+                "must be >= 1")
+        bad = [m for m in self.modules if m not in RECOMPUTE_MODULES]
+        require(not bad, "model.recompute.modules", self.modules,
+                f"has unknown modules {bad}: choose from {', '.join(RECOMPUTE_MODULES)}")
+        require(bool(self.modules) or self.granularity != "selective",
+                "model.recompute.modules", self.modules,
+                "must name at least one module with granularity=selective")
+
+
 @dataclass(kw_only=True, frozen=True)
 class FP8Config:
     enabled: bool = False
@@ -256,6 +297,8 @@ class ModelConfig:
     N(0, 1/sqrt(hidden+1)) (reward model)."""
     fp8: FP8Config = field(default_factory=FP8Config)
     """fp8 settings (GPU with TransformerEngine only)."""
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    """Activation recomputation in training (see RecomputeConfig)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture of experts (llama only): routed experts in place of the dense MLP."""
     mla: MLAConfig = field(default_factory=MLAConfig)
@@ -301,6 +344,17 @@ class ModelConfig:
             require(self.rope_scaling.type in ("none", "yarn"), "model.rope_scaling.type",
                     self.rope_scaling.type,
                     "must be none or yarn with multi-latent attention")
+        selective = self.recompute.modules if self.recompute.granularity == "selective" else []
+        for module, missing in (("moe", not self.moe.enabled),
+                                ("shared_experts", not self.moe.shared_expert_ffn_hidden_size),
+                                ("moe_act", True),
+                                ("mla_up_proj", not self.mla.enabled),
+                                ("mlp", self.moe.enabled and self.moe.first_k_dense == 0)):
+            require(module not in selective or not missing, "model.recompute.modules",
+                    self.recompute.modules,
+                    f"recomputes {module}, which this model does not have"
+                    if module != "moe_act" else "recomputes moe_act, which needs grouped "
+                    "GEMM experts (megarlhf's experts are not grouped): use moe")
 
     @property
     def expert_ffn_size(self) -> int:

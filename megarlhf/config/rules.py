@@ -126,7 +126,8 @@ def check_section(section) -> None:
 def check_model_layout(where: str, model: ModelConfig, layout: Layout,
                        world_size: int | None = None, model_name: str = "model") -> None:
     """The one place where a model's split is checked: heads, query groups and MLP width
-    divisible by TP, layers by the pipeline chunks, the world by TP x PP. ``where`` names
+    divisible by TP, layers by the pipeline chunks (and recomputation's groups of layers
+    within one), the world by TP x PP. ``where`` names
     the layout's config section (``parallel``, ``roles.critic.parallel``) and
     ``model_name`` the model's (``model``, ``roles.reward.model``) in the messages."""
     tp, pp, vpp = layout.tp, layout.pp, layout.vpp
@@ -150,6 +151,17 @@ def check_model_layout(where: str, model: ModelConfig, layout: Layout,
                 f"must be a multiple of tensor x pipeline parallel size = {tp} x {pp} = "
                 f"{tp * pp} ({where})")
     check_expert_layout(where, model, layout, world_size, model_name)
+    recompute = model.recompute
+    if recompute.granularity == "full":
+        per_chunk = model.num_layers // chunks
+        if recompute.method == "uniform":
+            require(per_chunk % recompute.num_layers == 0, f"{model_name}.recompute.num_layers",
+                    recompute.num_layers, f"must divide the {per_chunk} layers of each "
+                    f"pipeline chunk (method=uniform recomputes groups of that many)")
+        else:
+            require(recompute.num_layers <= per_chunk, f"{model_name}.recompute.num_layers",
+                    recompute.num_layers, f"must be at most the {per_chunk} layers of each "
+                    f"pipeline chunk (method=block)")
 
 
 def check_latent_split(field: str, tp: int, model: ModelConfig, model_name: str) -> None:

@@ -81,6 +81,7 @@ def transformer_config(model: ModelConfig, layout: Layout) -> TransformerConfig:
         # (training losses drift; measured); NCCL batches correctly and faster.
         batch_p2p_comm=_backend_is_nccl(),
         transformer_impl="transformer_engine" if impl == "transformer_engine" else "local",
+        **recompute_fields(model),
         **fp8,
         **moe.transformer_fields(model, layout),
         **attention,
@@ -88,6 +89,18 @@ def transformer_config(model: ModelConfig, layout: Layout) -> TransformerConfig:
     if model.rope_scaling.type == "yarn" and not model.mla.enabled:
         _yarn(config, model.rope_scaling)
     return config
+
+
+def recompute_fields(model: ModelConfig) -> dict:
+    """``TransformerConfig``'s activation recomputation for ``model.recompute``."""
+    recompute = model.recompute
+    if recompute.granularity == "full":
+        return dict(recompute_granularity="full", recompute_method=recompute.method,
+                    recompute_num_layers=recompute.num_layers)
+    if recompute.granularity == "selective":
+        return dict(recompute_granularity="selective",
+                    recompute_modules=list(recompute.modules))
+    return {}
 
 
 def mla_fields(model: ModelConfig) -> dict:

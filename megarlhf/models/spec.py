@@ -154,6 +154,16 @@ def resolve_impl(model: ModelConfig) -> str:
         raise ValueError(
             "model.transformer_impl=transformer_engine but TransformerEngine cannot be used "
             f"here (CUDA available: {torch.cuda.is_available()}); use 'auto' or 'local'")
+    recompute = model.recompute
+    for module in ("layernorm", "mla_up_proj"):
+        if recompute.granularity == "selective" and module in recompute.modules and not te:
+            # megatron-core 0.16.1's CheckpointWithoutOutput, which recomputes these, takes
+            # TransformerEngine's fp8 branch whatever its fp8 argument (``fp8 is not None``)
+            raise ValueError(
+                f"model.recompute.modules={recompute.modules}: {module} recomputation needs "
+                "TransformerEngine in megatron-core 0.16.1 (its CheckpointWithoutOutput "
+                "calls TransformerEngine's fp8 state); leave it out here, or use "
+                "granularity=full")
     if model.transformer_impl == "local":
         if model.fp8.enabled:
             raise ValueError("model.fp8.enabled=true needs model.transformer_impl "

@@ -10,9 +10,15 @@ against megarlhf's pin, megatron-core 0.16.1; docs/design.md):
 2. a ``TorchFunctionMode`` rewrites ``device="cuda..."`` arguments to CPU;
 3. ``torch.cuda.synchronize()`` is a no-op;
 4. inside that mode ``Tensor.type()`` reports the CUDA type name and ``Tensor.cuda()``
-   is the identity.
+   is the identity;
+5. activation recomputation (``tensor_parallel.checkpoint``, ``CheckpointWithoutOutput``)
+   saves the CUDA generator's state before a forward and restores it for the recomputed
+   one: there is no CUDA generator here, so megatron's ``_get_cuda_rng_state`` returns an
+   empty state and ``_set_cuda_rng_state`` takes it. Dropout on CPU tensors draws from
+   the CPU generator, whose state megatron saves and restores itself (``torch.get_rng_state``),
+   so a recomputed forward draws what the first one drew.
 
-1 and 3 are process-wide once :func:`activate` ran. The mode (2 and 4) costs a Python call
+1, 3 and 5 are process-wide once :func:`activate` ran. The mode (2 and 4) costs a Python call
 per torch call, so it is entered only at megatron-core's doors - :func:`at_megatron` on
 the engine's entry points: building a role (model, DDP, optimizer), the pipeline
 schedules, the optimizer's step, checkpoint save and load, resharding into the inference
@@ -108,6 +114,7 @@ def activate() -> bool:
     torch.cuda.synchronize = _synchronize
     _state["mode"] = _CudaToCpuMode()
     _suspend_in_backward()
+    _no_cuda_generator()
     return True
 
 
@@ -146,6 +153,22 @@ def _suspend_in_backward() -> None:
     schedules.backward_step = backward_step
 
 
+def _no_cuda_generator() -> None:
+    """Redirection 5: megatron's recomputation saves and restores a CUDA generator's state
+    that does not exist on this machine (the CPU generator's it handles itself)."""
+    from megatron.core.tensor_parallel import random
+
+    _state["saved"]["rng"] = (random._get_cuda_rng_state, random._set_cuda_rng_state)
+
+    def get_state(device="cuda", clone=False, graph_safe=False):
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        return None
+
+    random._get_cuda_rng_state, random._set_cuda_rng_state = get_state, set_state
+
+
 def deactivate() -> None:
     """Undo :func:`activate` (used by tests)."""
     mode = _state["mode"]
@@ -154,7 +177,9 @@ def deactivate() -> None:
     torch.cuda.current_device = _state["saved"]["current_device"]
     torch.cuda.synchronize = _state["saved"]["synchronize"]
     from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random
     schedules.backward_step = _state["saved"]["backward_step"]
+    random._get_cuda_rng_state, random._set_cuda_rng_state = _state["saved"]["rng"]
     _state["mode"] = None
 
 
