@@ -176,7 +176,8 @@ def chunk_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: in
                            ) -> float:
     """One micro-batch through one chunk, bytes saved for backward. On the last chunk the
     last layer's MLP and the head run at the ``response`` positions the PPO losses read
-    with ``speedups.positions`` (the MLP not with fp8, where the head cuts instead);
+    with ``speedups.positions`` (the MLP not with fp8 or recomputation, where the head
+    cuts instead);
     without it everything runs at every position and the losses slice the output. A
     packed micro-batch is one row (``batch`` 1) whose samples attend over at most
     ``span`` tokens each (``seq`` when None); packed, the head always runs at the kept
@@ -184,20 +185,69 @@ def chunk_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: in
     model, tokens = spec.model, batch * seq
     dsize = DTYPE_BYTES[model.params_dtype]
     cut = speedups.enabled("positions") or span is not None
-    total = layers * layer_activation_floats(model, spec.layout.tp, batch, seq,
-                                             packed=span is not None) * tokens * dsize
-    if cut and post and layers and not model.fp8.enabled:
+    layer = layer_activation_floats(model, spec.layout.tp, batch, seq,
+                                    packed=span is not None) * tokens * dsize
+    total = layers * layer - recomputed_bytes(spec, layer, layers=layers, tokens=tokens)
+    # the last MLP is cut, but not under recomputation (its recomputed forward would see
+    # no positions)
+    if cut and post and layers and not model.fp8.enabled and model.recompute.granularity is None:
         total -= mlp_activation_floats(model, spec.layout.tp) * batch * (seq - response) * dsize
     if pre:
         total += tokens * 8 * (2 if model.arch == "gpt2" else 1)  # token (and position) ids
     if post:
-        # the final norm and the head's input, at the kept positions with the cut
-        head_tokens = batch * response if cut and not model.fp8.enabled else tokens
-        total += (3 * model.hidden_size + 2) * head_tokens * dsize + 12 * batch * response * 4
-        if spec.kind == "lm":  # the logits (response's, or all) and the softmax, fp32
-            rows = response if cut else seq
-            total += batch * (rows + response) * (spec.padded_vocab // spec.layout.tp) * 4
+        total += head_activation_bytes(spec, batch=batch, seq=seq, response=response, cut=cut)
     return total
+
+
+def head_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int, cut: bool
+                          ) -> float:
+    """The last chunk's final norm and head, bytes saved for backward: their inputs at
+    the kept positions with the cut, and an LM's logits and softmax (fp32)."""
+    model = spec.model
+    dsize = DTYPE_BYTES[model.params_dtype]
+    head_tokens = batch * response if cut and not model.fp8.enabled else batch * seq
+    total = (3 * model.hidden_size + 2) * head_tokens * dsize + 12 * batch * response * 4
+    if spec.kind == "lm":  # the logits (response's, or all) and the softmax, fp32
+        rows = response if cut else seq
+        total += batch * (rows + response) * (spec.padded_vocab // spec.layout.tp) * 4
+    return total
+
+
+def recomputed_bytes(spec: RoleSpec, layer: float, *, layers: int, tokens: int) -> float:
+    """What ``model.recompute`` keeps out of one micro-batch's activations in a chunk of
+    ``layers`` layers of ``layer`` bytes each. Full: a group's (uniform) or a recomputed
+    layer's (block) activations less its input, which is kept. Selective: the MLP's
+    activations but its input (``mlp``); core attention keeps its inputs (queries, keys,
+    values and the mask) for the recomputation, which are what SDPA's kernels keep
+    anyway, so it saves nothing here."""
+    model = spec.model
+    recompute = model.recompute
+    hidden = model.hidden_size * tokens * DTYPE_BYTES[model.params_dtype]
+    if recompute.granularity == "full":
+        dropped = layers if recompute.method == "uniform" else min(recompute.num_layers, layers)
+        kept_inputs = layers // recompute.num_layers if recompute.method == "uniform" \
+            else dropped
+        return dropped * layer - kept_inputs * hidden
+    if recompute.granularity == "selective" and "mlp" in recompute.modules:
+        inner = mlp_activation_floats(model, spec.layout.tp) - 2 * model.hidden_size - 1 \
+            if model.arch == "llama" else mlp_activation_floats(model, spec.layout.tp) \
+            - 2 * model.hidden_size - 2
+        return layers * inner * tokens * DTYPE_BYTES[model.params_dtype]
+    return 0.0
+
+
+def recompute_peak_bytes(spec: RoleSpec, *, micro: int, seq: int, span: int | None = None
+                         ) -> float:
+    """The activations a recomputation brings back in the backward pass of one
+    micro-batch, at most at once: a group of layers (full, uniform), one layer (full,
+    block), one layer's MLP (selective ``mlp``)."""
+    model = spec.model
+    recompute = model.recompute
+    layer = layer_activation_floats(model, spec.layout.tp, micro, seq, packed=span is not None) \
+        * micro * seq * DTYPE_BYTES[model.params_dtype]
+    if recompute.granularity == "full":
+        return layer * (recompute.num_layers if recompute.method == "uniform" else 1)
+    return recomputed_bytes(spec, layer, layers=1, tokens=micro * seq)
 
 
 def train_activation_bytes(spec: RoleSpec, *, pp_rank: int, micro: int, micro_batches: int,
@@ -212,11 +262,20 @@ def train_activation_bytes(spec: RoleSpec, *, pp_rank: int, micro: int, micro_ba
         pre=pp_rank == 0 and v == 0, post=pp_rank == pp - 1 and v == vpp - 1, span=span)
         for v in range(vpp)]
     if pp == 1:
-        return max(per_chunk)
-    if vpp == 1:
-        return per_chunk[0] * min(pp - pp_rank, micro_batches)
-    in_flight = min((pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1, micro_batches * vpp)
-    return sum(per_chunk) / vpp * in_flight
+        held = max(per_chunk)
+    elif vpp == 1:
+        held = per_chunk[0] * min(pp - pp_rank, micro_batches)
+    else:
+        in_flight = min((pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1, micro_batches * vpp)
+        held = sum(per_chunk) / vpp * in_flight
+    # recomputation: a group of layers comes back in the backward pass, by which time the
+    # last stage's head has freed its part
+    peak = recompute_peak_bytes(spec, micro=micro, seq=seq, span=span)
+    if peak and pp_rank == pp - 1:
+        cut = speedups.enabled("positions") or span is not None
+        peak = max(0.0, peak - head_activation_bytes(spec, batch=micro, seq=seq,
+                                                     response=response, cut=cut))
+    return held + peak
 
 
 def prefill_bytes(spec: RoleSpec, *, batch: int, prompt: int) -> float:
