@@ -232,6 +232,29 @@ def test_plan_command_sizes_an_8b_run_and_suggests_layouts():
         in bad.stdout
 
 
+def test_the_plans_search_recomputes_when_activations_do_not_fit():
+    """The 8B example at 1k + 15k tokens, micro-batch 1: 62.7 GiB of actor activations per
+    rank at TP=4 do not fit 80 GiB GPUs; the layouts the plan lists recompute, and the
+    first of them fits at TP=2 as the plan of that layout says."""
+    from megarlhf.config import read_config
+    from megarlhf.memory.plan import GIB, explain, plan_ppo
+    long = ["rollout.max_new_tokens=15360", "data.max_seq_len=16384",
+            "model.max_position_embeddings=16384",
+            "roles.critic.model.max_position_embeddings=16384",
+            "roles.reward.model.max_position_embeddings=16384", "ppo.micro_batch_size=1",
+            "rollout.forward_micro_batch_size=1", "ppo.rollout_batch_size=64",
+            "ppo.mini_batch_size=16"]
+    cfg, written = read_config("configs/plan_8b.yaml", long)
+    ok, text = explain(cfg, 16, 80 * GIB, 8, written=written)
+    assert not ok and "actor      activations*          -" in text
+    first = text.split("layouts that fit on these GPUs")[1].splitlines()[1].split()
+    assert "parallel.tensor_model_parallel_size=2" in first
+    assert "roles.actor.model.recompute.granularity=full" in first
+    assert "roles.critic.model.recompute.granularity=full" in first
+    cfg, written = read_config("configs/plan_8b.yaml", [*long, *(w for w in first if "=" in w)])
+    assert plan_ppo(cfg, 16, written=written).worst()[0] <= 0.9 * 80 * GIB
+
+
 def test_plan_numbers_by_hand():
     """8B Llama at TP=4, DP=4, bf16, distributed optimizer: per rank the grads are the
     fp32 buffer, the optimizer 12 bytes per parameter of a quarter of the shard."""

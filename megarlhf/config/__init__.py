@@ -6,7 +6,8 @@ from megarlhf.config.layout import Layout
 from megarlhf.config.loader import (
     ALIASES, ConfigError, Loaded, config_from_dict, dump_config, load_config, overlay,
     parse_overrides, read_config, section_from_dict)
-from megarlhf.config.model import (FP8Config, MLAConfig, ModelConfig, MoEConfig, RopeScalingConfig,
+from megarlhf.config.model import (FP8Config, MLAConfig, ModelConfig, MoEConfig, RecomputeConfig,
+                                   RopeScalingConfig,
                                    padded_vocab_size)
 from megarlhf.config.parallel import ParallelConfig, RoleParallelConfig
 from megarlhf.config.ppo import (CorrectionConfig, EnvironmentConfig, KLConfig, PlacementConfig,
@@ -28,5 +29,5 @@ __all__ = [
     "check_model_layout", "check_placement", "check_precision", "check_rollout_layout", "overlay",
     "section_from_dict", "check_ppo", "check_roles", "check_supervised", "check_section", "check_launch", "ALIASES",
     "Loaded", "read_config", "Written", "CorrectionConfig", "EnvironmentConfig", "KLConfig",
-    "PlacementConfig", "RewardsConfig",
+    "PlacementConfig", "RecomputeConfig", "RewardsConfig",
 ]

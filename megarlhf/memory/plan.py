@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from megarlhf import speedups
 from megarlhf.config import (
-    Config, ConfigError, Layout, Written, check_model_layout, check_placement, padded_vocab_size)
+    Config, ConfigError, Layout, RecomputeConfig, Written, check_model_layout, check_placement,
+    padded_vocab_size)
 from megarlhf.data.packing import MIN_ROWS
 from megarlhf.roles.offload import LEVEL_PARTS, OFFLOAD_LEVELS
 from megarlhf.roles.spec import RoleSpec, batch_sizes, ppo_role_specs
@@ -631,25 +632,34 @@ def format_plan(plan: Plan, capacity: float | None, headroom: float) -> str:
 
 
 def relayout(specs: dict[str, RoleSpec], cfg: Config, world: int, tp: int, pp: int,
-             level: str) -> dict[str, RoleSpec]:
+             level: str, recompute: bool = False) -> dict[str, RoleSpec]:
     """``specs`` with every role at TP x PP (rollout TP = TP) and the trained roles
-    offloading at ``level``; ConfigError when a model does not split that way."""
+    offloading at ``level`` (and, with ``recompute``, recomputing every layer in the
+    backward pass); ConfigError when a model does not split that way."""
     out = {}
     for name, spec in specs.items():
         layout = Layout(tp=tp, pp=pp)
-        check_model_layout(spec.where, spec.model, layout, world)
+        model = dataclasses.replace(spec.model, recompute=FULL_RECOMPUTE) \
+            if recompute and spec.trained else spec.model
+        check_model_layout(spec.where, model, layout, world)
         padded = padded_vocab_size(spec.model.vocab_size,
                                    cfg.parallel.make_vocab_size_divisible_by, tp)
-        out[name] = dataclasses.replace(spec, layout=layout, padded_vocab=padded,
+        out[name] = dataclasses.replace(spec, layout=layout, padded_vocab=padded, model=model,
                                         offload=level if spec.trained else spec.offload)
     return out
 
 
+# the search's recomputation: every layer, its input kept (the most memory saved)
+FULL_RECOMPUTE = RecomputeConfig(granularity="full", method="uniform", num_layers=1)
+
+
 def layouts_that_fit(cfg: Config, specs: dict[str, RoleSpec], world: int, gpus_per_node: int,
                      capacity: float, headroom: float, limit: int = 6
-                     ) -> list[tuple[int, int, str, float]]:
-    """(TP, PP, trained-role offload, peak bytes) of uniform layouts that fit: TP within a
-    node, fewest model-parallel ranks first, then the least offloading."""
+                     ) -> list[tuple[int, int, bool, str, float]]:
+    """(TP, PP, full recomputation of the trained roles, their offload, peak bytes) of
+    uniform layouts that fit: TP within a node; fewest model-parallel ranks first, then
+    without recomputation (it costs a forward pass of the layers), then the least
+    offloading. Without recomputation a trained role keeps its own setting."""
     found = []
     for tp in (1, 2, 4, 8, 16):
         if tp > gpus_per_node or world % tp:
@@ -657,17 +667,22 @@ def layouts_that_fit(cfg: Config, specs: dict[str, RoleSpec], world: int, gpus_p
         for pp in (1, 2, 4, 8, 16):
             if world % (tp * pp):
                 continue
-            for level in OFFLOAD_LEVELS:
-                try:
-                    plan = plan_ppo(cfg, world, specs=relayout(specs, cfg, world, tp, pp, level),
-                                    rollout_tp=tp)
-                except (ConfigError, ValueError):
+            for recompute in (False, True):
+                fit = None
+                for level in OFFLOAD_LEVELS:
+                    try:
+                        plan = plan_ppo(cfg, world, rollout_tp=tp, specs=relayout(
+                            specs, cfg, world, tp, pp, level, recompute))
+                    except (ConfigError, ValueError):
+                        break
+                    peak = plan.worst()[0]
+                    if peak <= capacity * (1.0 - headroom):
+                        fit = (tp, pp, recompute, level, peak)
+                        break
+                if fit is not None:
+                    found.append(fit)
                     break
-                peak = plan.worst()[0]
-                if peak <= capacity * (1.0 - headroom):
-                    found.append((tp, pp, level, peak))
-                    break
-    found.sort(key=lambda f: (f[0] * f[1], OFFLOAD_LEVELS.index(f[2])))
+    found.sort(key=lambda f: (f[0] * f[1], f[2], OFFLOAD_LEVELS.index(f[3])))
     return found[:limit]
 
 
@@ -685,11 +700,14 @@ def explain(cfg: Config, world: int, capacity: float, gpus_per_node: int,
         options = layouts_that_fit(cfg, plan.specs, world, gpus_per_node, capacity, headroom)
         if options:
             text += "\nlayouts that fit on these GPUs (every role, rollout TP = TP):"
-            for tp, pp, level, peak in options:
+            trained = [name for name in ("actor", "critic") if name in plan.specs]
+            for tp, pp, recompute, level, peak in options:
                 text += (f"\n  parallel.tensor_model_parallel_size={tp} "
                          f"parallel.pipeline_model_parallel_size={pp} "
-                         f"rollout.tensor_parallel_size={tp} roles.actor.offload={level}"
-                         + (f" roles.critic.offload={level}" if "critic" in plan.specs else "")
+                         f"rollout.tensor_parallel_size={tp}"
+                         + "".join(f" roles.{name}.offload={level}" for name in trained)
+                         + ("".join(f" roles.{name}.model.recompute.granularity=full"
+                                    for name in trained) if recompute else "")
                          + f"  (peak {peak / _unit(peak)[1]:.1f} {_unit(peak)[0]})")
         else:
             text += ("\nno uniform layout of TP x PP on these GPUs fits: more GPUs, smaller "
