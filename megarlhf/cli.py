@@ -165,7 +165,9 @@ def cmd_plot(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from megarlhf.memory.plan import GIB, explain, format_plan, parse_bytes, plan_ppo
+    from megarlhf.memory.estimates import GIB
+    from megarlhf.memory.plan import plan_ppo
+    from megarlhf.memory.report import explain, format_plan, parse_bytes
 
     cfg = _resolve(args)
     gpus = args.gpus_per_node or cfg.launch.gpus_per_node or cfg.launch.tasks_per_node

@@ -23,7 +23,8 @@ def check_memory(cfg: Config, world: int, written: Written) -> None:
     memory (``megarlhf plan``) does not fit, with the plan and the layouts that would."""
     if cfg.launch.gpu_memory_gib is None:
         return
-    from megarlhf.memory.plan import GIB, explain, missing_checkpoints
+    from megarlhf.memory.estimates import GIB
+    from megarlhf.memory.report import explain, missing_checkpoints
 
     missing = missing_checkpoints(cfg)
     if missing and not (cfg.model.vocab_size and {"num_layers", "hidden_size"}

@@ -237,7 +237,9 @@ def test_the_plans_search_recomputes_when_activations_do_not_fit():
     rank at TP=4 do not fit 80 GiB GPUs; the layouts the plan lists recompute, and the
     first of them fits at TP=2 as the plan of that layout says."""
     from megarlhf.config import read_config
-    from megarlhf.memory.plan import GIB, explain, plan_ppo
+    from megarlhf.memory.estimates import GIB
+    from megarlhf.memory.plan import plan_ppo
+    from megarlhf.memory.report import explain
     long = ["rollout.max_new_tokens=15360", "data.max_seq_len=16384",
             "model.max_position_embeddings=16384",
             "roles.critic.model.max_position_embeddings=16384",
@@ -259,7 +261,7 @@ def test_plan_numbers_by_hand():
     """8B Llama at TP=4, DP=4, bf16, distributed optimizer: per rank the grads are the
     fp32 buffer, the optimizer 12 bytes per parameter of a quarter of the shard."""
     from megarlhf.memory.plan import plan_ppo
-    from megarlhf.memory.plan import model_params
+    from megarlhf.memory.report import model_params
 
     cfg = load_config("configs/plan_8b.yaml")
     plan = plan_ppo(cfg, 16)
@@ -319,7 +321,7 @@ def test_storage_stash_keeps_views_valid():
 
 
 def test_parse_bytes():
-    from megarlhf.memory.plan import parse_bytes
+    from megarlhf.memory.report import parse_bytes
 
     assert parse_bytes("80GiB") == 80 * 2**30
     assert parse_bytes("141GB") == 141 * 10**9

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import build  # noqa: E402
 
 from megarlhf.config import load_config  # noqa: E402
-from megarlhf.memory.plan import kv_cache_bytes  # noqa: E402
+from megarlhf.memory.estimates import kv_cache_bytes  # noqa: E402
 from megarlhf.models.shapes import chunk_params  # noqa: E402
 from megarlhf.inference.generate import SamplingParams, generate  # noqa: E402
 from megarlhf.stages.score import score_sequences  # noqa: E402

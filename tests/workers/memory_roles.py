@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import build, make_config  # noqa: E402
 
 from megarlhf.memory.accounting import role_bytes  # noqa: E402
-from megarlhf.memory.plan import static_bytes  # noqa: E402
+from megarlhf.memory.estimates import static_bytes  # noqa: E402
 from megarlhf.models.shapes import chunk_params  # noqa: E402
 from megarlhf.parallel import cpu_backend  # noqa: E402
 from megarlhf.parallel.layout import reset_layouts  # noqa: E402

@@ -1,0 +1,288 @@
+"""The planner's per-part sizes: what a role, the KV cache and one micro-batch's
+activations take, from the shapes alone (:mod:`megarlhf.memory.plan` puts them together
+per rank and phase).
+
+- **exact** (equal to the measured bytes): parameters (with the distributed optimizer, the
+  padded contiguous buffer megatron allocates), gradient buffers (fp32, padded the same
+  way), optimizer state (Adam's two moments and step per parameter shard, fp32 master
+  copies of low-precision weights), the inference model, the KV cache;
+- **estimated**: activations saved for backward (per-layer terms of this implementation's
+  layers, times the micro-batches a pipeline stage holds, less what recomputation drops),
+  and transient forward buffers (logits) of the experience passes and of generation, which
+  CPU runs do not measure.
+"""
+
+from __future__ import annotations
+
+import math
+
+from megarlhf import speedups
+from megarlhf.data.packing import MIN_ROWS
+from megarlhf.roles.spec import RoleSpec
+from megarlhf.models.shapes import ParamShape, rank_chunks
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIB = 2**30
+
+
+# ------------------------------------------------------------------ exact parts
+
+def ddp_buffer(params: list[ParamShape], dp: int, distributed: bool
+               ) -> tuple[int, dict[str, tuple[int, int]], list[tuple[int, int]]]:
+    """megatron DDP's contiguous buffer for one chunk (bucketing off, as megarlhf builds
+    it): (padded numel, {name: (start, end)}, buckets). Parameters are laid out in
+    reverse order; with the distributed optimizer each starts 64-aligned, a shared
+    embedding gets its own bucket, and buckets end on a multiple of lcm(DP, 128)."""
+    def pad(n: int, d: int) -> int:
+        return -(-n // d) * d
+
+    end_pad = math.lcm(dp, 128) if distributed else 1
+    index: dict[str, tuple[int, int]] = {}
+    buckets: list[tuple[int, int]] = []
+    start = bucket_start = 0
+    in_bucket = 0
+    end = 0
+
+    def close(at: int) -> int:
+        nonlocal bucket_start, in_bucket
+        stop = pad(at, end_pad)
+        buckets.append((bucket_start, stop))
+        bucket_start, in_bucket = stop, 0
+        return stop
+
+    for p in reversed(params):
+        if distributed:
+            start = pad(start, 64)
+        own = p.shared_embedding and distributed
+        if own and in_bucket:
+            start = close(start)
+        end = start + p.numel
+        index[p.name] = (start, end)
+        in_bucket += 1
+        start = close(end) if own else end
+    if in_bucket:
+        close(end)
+    return (buckets[-1][1] if buckets else 0), index, buckets
+
+
+def static_bytes(spec: RoleSpec, dp: int, pp_rank: int, dp_rank: int) -> dict[str, int]:
+    """This rank's parameters, gradients and optimizer state of a built role (a frozen
+    role: parameters only; optimizer state as after the first step)."""
+    dsize = DTYPE_BYTES[spec.model.params_dtype]
+    chunks = rank_chunks(spec.model, kind=spec.kind, padded_vocab=spec.padded_vocab,
+                         layout=spec.layout, pp_rank=pp_rank)
+    if spec.optimizer is None:
+        return {"params": sum(p.numel for chunk in chunks for p in chunk) * dsize}
+    distributed = spec.optimizer.use_distributed_optimizer
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+    master = 4 if dsize != 4 else 0  # fp32 master copy of a low-precision weight
+    for chunk in chunks:
+        numel, index, buckets = ddp_buffer(chunk, dp, distributed)
+        out["grads"] += numel * 4  # grad_reduce_in_fp32
+        if not distributed:
+            out["params"] += sum(p.numel for p in chunk) * dsize
+            out["optimizer"] += sum((8 + master) * p.numel + 4 for p in chunk)
+            continue
+        out["params"] += numel * dsize
+        for b_start, b_end in buckets:
+            shard = (b_end - b_start) // dp
+            lo, hi = b_start + dp_rank * shard, b_start + (dp_rank + 1) * shard
+            for start, end in index.values():
+                if b_start <= start < b_end:
+                    n = max(0, min(end, hi) - max(start, lo))
+                    if n:
+                        out["optimizer"] += (8 + master) * n + 4  # exp_avg, exp_avg_sq, step
+    return out
+
+
+def kv_cache_bytes(model, *, tp: int, batch: int, seq: int) -> int:
+    """megatron's static KV cache: key and value, (seq, batch, groups / TP, head dim) per
+    layer, in the model's dtype; multi-latent attention caches the up-projected keys
+    (heads / TP, its query/key width with the rotary part) and values (heads / TP, its
+    value width)."""
+    if model.mla.enabled:
+        mla = model.mla
+        per_token = (model.num_attention_heads // tp) * (
+            mla.qk_head_dim + mla.qk_pos_emb_head_dim + mla.v_head_dim)
+    else:
+        per_token = 2 * (model.query_groups // tp) * model.head_size
+    return model.num_layers * seq * batch * per_token * DTYPE_BYTES[model.params_dtype]
+
+
+# ------------------------------------------------------------------ estimates
+
+def layer_activation_floats(model, tp: int, batch: int, seq: int, packed: bool = False
+                            ) -> float:
+    """Values one transformer layer of this implementation keeps for backward per token
+    (local layers, SDPA): norms and residuals whole, attention and MLP split over TP,
+    SDPA's float mask (seq per token), RoPE tables (llama). The attention half here, the
+    MLP half in :func:`mlp_activation_floats`. Query-sized values are heads x head size
+    (hidden, unless ``model.head_dim`` is set). ``packed``: one SDPA call per sample
+    (``models.spec.SDPACoreAttention.forward_packed``) keeps no mask but its own
+    contiguous copies of each sample's queries, keys and values."""
+    h, heads = model.hidden_size, model.num_attention_heads
+    kv = model.head_size
+    q, gkv = heads * kv, model.query_groups * kv
+    if model.arch == "llama":
+        whole = 3 * h + 1
+        split = 4 * q + 3 * gkv + heads
+        rope = 4 * kv / batch
+    else:
+        whole = h + 2
+        split = 3 * q + 2 * gkv + heads
+        rope = 0.0
+    if model.qk_layernorm:  # the normalised queries and keys
+        split += q + gkv
+    if packed:
+        return whole + (split + q + 2 * gkv) / tp + rope + mlp_activation_floats(model, tp)
+    return whole + split / tp + seq + rope + mlp_activation_floats(model, tp)
+
+
+def mlp_activation_floats(model, tp: int) -> float:
+    """The part of :func:`layer_activation_floats` that the MLP half of a layer keeps per
+    token: its norm's input and statistics, fc1's input and output, the activation's
+    inputs and fc2's input."""
+    if model.arch == "llama":
+        return 2 * model.hidden_size + 1 + 5 * model.ffn_size / tp
+    return 2 * model.hidden_size + 2 + 2 * model.ffn_size / tp
+
+
+def chunk_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int,
+                           layers: int, pre: bool, post: bool, span: int | None = None
+                           ) -> float:
+    """One micro-batch through one chunk, bytes saved for backward. On the last chunk the
+    last layer's MLP and the head run at the ``response`` positions the PPO losses read
+    with ``speedups.positions`` (the MLP not with fp8 or recomputation, where the head
+    cuts instead);
+    without it everything runs at every position and the losses slice the output. A
+    packed micro-batch is one row (``batch`` 1) whose samples attend over at most
+    ``span`` tokens each (``seq`` when None); packed, the head always runs at the kept
+    positions only (``response`` of them)."""
+    model, tokens = spec.model, batch * seq
+    dsize = DTYPE_BYTES[model.params_dtype]
+    cut = speedups.enabled("positions") or span is not None
+    layer = layer_activation_floats(model, spec.layout.tp, batch, seq,
+                                    packed=span is not None) * tokens * dsize
+    total = layers * layer - recomputed_bytes(spec, layer, layers=layers, tokens=tokens)
+    # the last MLP is cut, but not under recomputation (its recomputed forward would see
+    # no positions)
+    if cut and post and layers and not model.fp8.enabled and model.recompute.granularity is None:
+        total -= mlp_activation_floats(model, spec.layout.tp) * batch * (seq - response) * dsize
+    if pre:
+        total += tokens * 8 * (2 if model.arch == "gpt2" else 1)  # token (and position) ids
+    if post:
+        total += head_activation_bytes(spec, batch=batch, seq=seq, response=response, cut=cut)
+    return total
+
+
+def head_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int, cut: bool
+                          ) -> float:
+    """The last chunk's final norm and head, bytes saved for backward: their inputs at
+    the kept positions with the cut, and an LM's logits and softmax (fp32)."""
+    model = spec.model
+    dsize = DTYPE_BYTES[model.params_dtype]
+    head_tokens = batch * response if cut and not model.fp8.enabled else batch * seq
+    total = (3 * model.hidden_size + 2) * head_tokens * dsize + 12 * batch * response * 4
+    if spec.kind == "lm":  # the logits (response's, or all) and the softmax, fp32
+        rows = response if cut else seq
+        total += batch * (rows + response) * (spec.padded_vocab // spec.layout.tp) * 4
+    return total
+
+
+def recomputed_bytes(spec: RoleSpec, layer: float, *, layers: int, tokens: int) -> float:
+    """What ``model.recompute`` keeps out of one micro-batch's activations in a chunk of
+    ``layers`` layers of ``layer`` bytes each. Full: a group's (uniform) or a recomputed
+    layer's (block) activations less its input, which is kept. Selective: the MLP's
+    activations but its input (``mlp``); core attention keeps its inputs (queries, keys,
+    values and the mask) for the recomputation, which are what SDPA's kernels keep
+    anyway, so it saves nothing here."""
+    model = spec.model
+    recompute = model.recompute
+    hidden = model.hidden_size * tokens * DTYPE_BYTES[model.params_dtype]
+    if recompute.granularity == "full":
+        dropped = layers if recompute.method == "uniform" else min(recompute.num_layers, layers)
+        kept_inputs = layers // recompute.num_layers if recompute.method == "uniform" \
+            else dropped
+        return dropped * layer - kept_inputs * hidden
+    if recompute.granularity == "selective" and "mlp" in recompute.modules:
+        inner = mlp_activation_floats(model, spec.layout.tp) - 2 * model.hidden_size - 1 \
+            if model.arch == "llama" else mlp_activation_floats(model, spec.layout.tp) \
+            - 2 * model.hidden_size - 2
+        return layers * inner * tokens * DTYPE_BYTES[model.params_dtype]
+    return 0.0
+
+
+def recompute_peak_bytes(spec: RoleSpec, *, micro: int, seq: int, span: int | None = None
+                         ) -> float:
+    """The activations a recomputation brings back in the backward pass of one
+    micro-batch, at most at once: a group of layers (full, uniform), one layer (full,
+    block), one layer's MLP (selective ``mlp``)."""
+    model = spec.model
+    recompute = model.recompute
+    layer = layer_activation_floats(model, spec.layout.tp, micro, seq, packed=span is not None) \
+        * micro * seq * DTYPE_BYTES[model.params_dtype]
+    if recompute.granularity == "full":
+        return layer * (recompute.num_layers if recompute.method == "uniform" else 1)
+    return recomputed_bytes(spec, layer, layers=1, tokens=micro * seq)
+
+
+def train_activation_bytes(spec: RoleSpec, *, pp_rank: int, micro: int, micro_batches: int,
+                           seq: int, response: int, span: int | None = None) -> float:
+    """Peak activations of pipeline rank ``pp_rank``: one micro-batch without a pipeline;
+    1F1B holds min(PP - stage, micro-batches); the interleaved schedule holds its warm-up
+    of chunk forwards. ``span``: packed (see :func:`chunk_activation_bytes`)."""
+    pp, vpp = spec.layout.pp, spec.layout.vpp or 1
+    layers = spec.model.num_layers // (pp * vpp)
+    per_chunk = [chunk_activation_bytes(
+        spec, batch=micro, seq=seq, response=response, layers=layers,
+        pre=pp_rank == 0 and v == 0, post=pp_rank == pp - 1 and v == vpp - 1, span=span)
+        for v in range(vpp)]
+    if pp == 1:
+        held = max(per_chunk)
+    elif vpp == 1:
+        held = per_chunk[0] * min(pp - pp_rank, micro_batches)
+    else:
+        in_flight = min((pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1, micro_batches * vpp)
+        held = sum(per_chunk) / vpp * in_flight
+    # recomputation: a group of layers comes back in the backward pass, by which time the
+    # last stage's head has freed its part
+    peak = recompute_peak_bytes(spec, micro=micro, seq=seq, span=span)
+    if peak and pp_rank == pp - 1:
+        cut = speedups.enabled("positions") or span is not None
+        peak = max(0.0, peak - head_activation_bytes(spec, batch=micro, seq=seq,
+                                                     response=response, cut=cut))
+    return held + peak
+
+
+def prefill_bytes(spec: RoleSpec, *, batch: int, prompt: int) -> float:
+    """Transient buffers of generation's prefill (no autograd): one layer's hidden states,
+    MLP intermediates and SDPA's masks for the whole prompt, and the last position's
+    logits with the sampler's copies (megatron materialises only the last token)."""
+    m = spec.model
+    dsize = DTYPE_BYTES[m.params_dtype]
+    tokens = batch * prompt
+    return (tokens * (4 * m.hidden_size + 6 * m.ffn_size / spec.layout.tp) * dsize
+            + 5 * batch * prompt * prompt + 5 * batch * spec.padded_vocab * 4)
+
+
+def packed_shape(budget: int, prompt: int, response: int, kind: str) -> dict:
+    """A packed micro-batch of at most ``budget`` tokens as the estimates take it: one row
+    of ``budget`` tokens whose samples attend over at most prompt + response tokens each,
+    and its most kept outputs: a sample of length L keeps min(L - 1, response) (an LM's
+    predictions of response tokens; a value model's one more, at most L), so at most
+    ``budget`` - ceil(``budget`` / (response + 1)) (LM) or ``budget`` (value). A row, and
+    its kept outputs, are topped up to ``data.packing.MIN_ROWS`` when fewer (a budget that
+    small is a test's, not a run's)."""
+    kept = budget if kind == "value" else budget - -(-budget // (response + 1))
+    return {"batch": 1, "seq": max(budget, MIN_ROWS), "response": max(kept, MIN_ROWS),
+            "span": prompt + response}
+
+
+def forward_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int,
+                  span: int | None = None) -> float:
+    """Transient buffers of a forward-only pass on the last stage: the fp32 logits at the
+    response positions and their softmax (LM), or a few hidden-state copies (value
+    model). ``span`` marks a packed micro-batch (:func:`packed_shape`); unused here."""
+    if spec.kind == "lm":
+        return 2 * batch * response * (spec.padded_vocab // spec.layout.tp) * 4
+    return 4 * batch * seq * spec.model.hidden_size * DTYPE_BYTES[spec.model.params_dtype]
