@@ -1,7 +1,11 @@
 """Single-process checks of the model pieces against plain torch references."""
 
+import os
+
 import torch
 
+from conftest import WORKERS, torchrun
+from megarlhf.memory.accounting import ActivationMeter
 from megarlhf.models.logprobs import vocab_parallel_logprobs
 
 
@@ -49,3 +53,37 @@ def test_logprob_of_a_target_outside_the_vocabulary_is_minus_log_z():
     p = torch.softmax(logits.float(), -1)
     assert torch.allclose(g[0, 1].float(), -p[0, 1], atol=1e-6)
     assert torch.allclose(g[1, 0].float(), -p[1, 0], atol=1e-6)
+
+
+def test_chunks_give_the_same_numbers_and_keep_only_the_logits():
+    """Log-probs, entropy and gradients a position at a time, 7 at a time and all at once
+    are the same numbers (bitwise: the same arithmetic per position), and the backward
+    keeps only the logits given - bf16 here - not fp32 copies, the softmax and its log
+    (which were twice the fp32 logits)."""
+    torch.manual_seed(1)
+    raw = torch.randn(2, 64, 300, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, 290, (2, 64))
+    w1, w2 = torch.randn(2, 64), torch.randn(2, 64)
+    got = {}
+    for chunk in (1, 7, None):
+        logits = raw * 1.0  # a non-leaf, as a model's output is
+        with ActivationMeter() as meter:
+            lp, ent = vocab_parallel_logprobs(logits, target, temperature=0.9, true_vocab=290,
+                                              chunk=chunk)
+        assert meter.peak <= logits.numel() * 2 + 4096, (chunk, meter.peak)
+        (grad,) = torch.autograd.grad((lp * w1).sum() + (ent * w2).sum(), raw)
+        got[chunk] = (lp, ent, grad)
+    for chunk in (1, 7):
+        assert all(torch.equal(a, b) for a, b in zip(got[chunk], got[None])), chunk
+
+
+def test_chunked_logprobs_at_tp2_equal_the_full_vocabulary(tmp_path):
+    """At TP=2, in chunks of 3 positions and in one: log-probs, entropy and gradients
+    (temperature 0.7, padded vocabulary) equal each other and plain torch on the full
+    logits in float64."""
+    torchrun(os.path.join(WORKERS, "logprob_chunks.py"), 2, str(tmp_path))
+    out = torch.load(tmp_path / "logprob_chunks.pt", weights_only=False)
+    ref = out["reference"]
+    for key in ("logprobs", "entropy", "grad"):
+        assert torch.equal(out[3][key], out[10**9][key]), key
+        assert torch.allclose(out[3][key].double(), ref[key].double(), atol=1e-5), key

@@ -178,14 +178,16 @@ def chunk_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: in
 def head_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int, cut: bool
                           ) -> float:
     """The last chunk's final norm and head, bytes saved for backward: their inputs at
-    the kept positions with the cut, and an LM's logits and softmax (fp32)."""
+    the kept positions with the cut, and an LM's logits in the model's dtype (the
+    log-probs keep nothing else: ``models.logprobs`` computes their fp32 softmax a chunk
+    of positions at a time, forward and backward)."""
     model = spec.model
     dsize = DTYPE_BYTES[model.params_dtype]
     head_tokens = batch * response if cut and not model.fp8.enabled else batch * seq
     total = (3 * model.hidden_size + 2) * head_tokens * dsize + 12 * batch * response * 4
-    if spec.kind == "lm":  # the logits (response's, or all) and the softmax, fp32
+    if spec.kind == "lm":  # the logits (response's, or all)
         rows = response if cut else seq
-        total += batch * (rows + response) * (spec.padded_vocab // spec.layout.tp) * 4
+        total += batch * rows * (spec.padded_vocab // spec.layout.tp) * dsize
     return total
 
 

@@ -53,79 +53,131 @@ def _scaled(logits_BTV, temperature: float, true_vocab: int | None, tp_group):
     return logits
 
 
+CHUNK_TOKENS = 4096
+"""Positions whose log-probs are computed at once: the fp32 copies of the logits, the
+softmax and its log exist for one chunk at a time, forward and backward."""
+
+
+def _parts(logits, target, group):
+    """(log-prob of the target, entropy, probabilities, log-probabilities, the targets on
+    another rank's shard, the targets as local indices) of fp32 ``logits``. On one rank:
+    torch's fused ``log_softmax``; over a TP group: megatron's algorithm (global max,
+    summed exp)."""
+    world = 1 if group is None else group.size()
+    if world == 1:
+        shard = logits.shape[-1]
+        target_mask = (target < 0) | (target >= shard)
+        local_target = target.masked_fill(target_mask, 0)
+        log_p = torch.log_softmax(logits, dim=-1)
+        probs = log_p.exp()
+        logprob = log_p.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        # an id outside the vocabulary: -log Z, as the TP path gives an id no rank holds
+        # (a where, not a branch on target_mask.any(): no host sync on a GPU)
+        logprob = torch.where(target_mask, log_p[..., 0] - logits[..., 0], logprob)
+        entropy = -torch.linalg.vecdot(probs, log_p)
+        return logprob, entropy, probs, log_p, target_mask, local_target
+    shifted, world, local_target, target_mask = _shift_and_localize(logits, target, group)
+    predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+    predicted = predicted.masked_fill(target_mask, 0.0)
+    exp_logits = shifted.exp()
+    sums = torch.stack([predicted, exp_logits.sum(-1), (exp_logits * shifted).sum(-1)])
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    predicted, sum_exp, sum_exp_z = sums.unbind(0)
+    log_z = torch.log(sum_exp)
+    logprob = predicted - log_z
+    entropy = log_z - sum_exp_z / sum_exp
+    probs = exp_logits.div_(sum_exp.unsqueeze(-1))
+    log_p = shifted.sub_(log_z.unsqueeze(-1))
+    return logprob, entropy, probs, log_p, target_mask, local_target
+
+
+def _spans(length: int, rows: int, chunk: int) -> list[slice]:
+    """Slices of the position dimension, about ``chunk`` positions (of all ``rows``) each."""
+    step = max(1, chunk // max(rows, 1))
+    return [slice(s, min(s + step, length)) for s in range(0, length, step)]
+
+
 class _VocabParallelLogprob(torch.autograd.Function):
-    """(log-prob of the target, entropy) per position. On one rank: torch's fused
-    ``log_softmax``; over a TP group: megatron's algorithm (global max, summed exp). Both
-    keep the probabilities and log-probabilities for a backward that writes the gradient
-    in two passes over the (B, T, V) logits, one when the entropy takes no gradient
-    (its usual case: logged, not in the loss)."""
+    """(log-prob of the target, entropy) per position from this rank's shard of the raw
+    logits, a chunk of positions at a time (``CHUNK_TOKENS``): the fp32 logits / temperature
+    with the padding masked, the softmax and its log exist for one chunk, and only the raw
+    logits are kept for the backward pass, which computes them again chunk by chunk. The
+    gradient is written in two passes over a chunk, one when the entropy takes no gradient
+    (its usual case: logged, not in the loss). The same arithmetic as on the whole tensor
+    at once, position by position: the values and gradients are the same."""
 
     @staticmethod
-    def forward(ctx, logits, target, group):
+    def forward(ctx, logits, target, group, temperature, true_vocab, chunk):
         ctx.set_materialize_grads(False)
-        world = 1 if group is None else group.size()
-        if world == 1:
-            shard = logits.shape[-1]
-            target_mask = (target < 0) | (target >= shard)
-            local_target = target.masked_fill(target_mask, 0)
-            log_p = torch.log_softmax(logits, dim=-1)
-            probs = log_p.exp()
-            logprob = log_p.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-            # an id outside the vocabulary: -log Z, as the TP path gives an id no rank holds
-            # (a where, not a branch on target_mask.any(): no host sync on a GPU)
-            logprob = torch.where(target_mask, log_p[..., 0] - logits[..., 0], logprob)
-            entropy = -torch.linalg.vecdot(probs, log_p)
-        else:
-            shifted, world, local_target, target_mask = _shift_and_localize(logits, target,
-                                                                            group)
-            predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-            predicted = predicted.masked_fill(target_mask, 0.0)
-            exp_logits = shifted.exp()
-            sums = torch.stack([predicted, exp_logits.sum(-1), (exp_logits * shifted).sum(-1)])
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-            predicted, sum_exp, sum_exp_z = sums.unbind(0)
-            log_z = torch.log(sum_exp)
-            logprob = predicted - log_z
-            entropy = log_z - sum_exp_z / sum_exp
-            probs = exp_logits.div_(sum_exp.unsqueeze(-1))
-            log_p = shifted.sub_(log_z.unsqueeze(-1))
-        ctx.save_for_backward(probs, log_p, entropy, target_mask, local_target)
+        B, T = target.shape
+        outs = [_parts(_scaled(logits[:, s], temperature, true_vocab, group), target[:, s],
+                       group)[:2] for s in _spans(T, B, chunk)]
+        empty = logits.new_zeros((B, 0), dtype=torch.float32)
+        logprob = torch.cat([o[0] for o in outs], dim=1) if outs else empty
+        entropy = torch.cat([o[1] for o in outs], dim=1) if outs else empty
+        ctx.save_for_backward(logits, target, entropy)
+        ctx.group, ctx.temperature, ctx.true_vocab, ctx.chunk = group, temperature, \
+            true_vocab, chunk
         return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
         # d logprob / dz_i = onehot_i - p_i ;  d H / dz_i = -p_i (log p_i + H), so
         # grad_i = g_lp onehot_i + p_i (-(g_lp + g_H H) - g_H log p_i)
-        probs, log_p, entropy, target_mask, local_target = ctx.saved_tensors
+        logits, target, entropy = ctx.saved_tensors
         if grad_logprob is None and grad_entropy is None:
-            return None, None, None
-        if grad_entropy is None:
-            grad = probs * (-grad_logprob).unsqueeze(-1)
-        else:
-            coef = -grad_entropy * entropy
-            if grad_logprob is not None:
-                coef = coef - grad_logprob
-            grad = torch.addcmul(coef.unsqueeze(-1), log_p, -grad_entropy.unsqueeze(-1))
-            grad.mul_(probs)
-        if grad_logprob is not None:
-            flat = grad.view(-1, grad.shape[-1])
-            rows = torch.arange(flat.shape[0], device=flat.device)
-            hit = (~target_mask).view(-1).to(flat.dtype)
-            flat[rows, local_target.reshape(-1)] += hit * grad_logprob.reshape(-1)
-        return grad, None, None
+            return None, None, None, None, None, None
+        group, temperature, true_vocab = ctx.group, ctx.temperature, ctx.true_vocab
+        B, T = target.shape
+        out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for s in _spans(T, B, ctx.chunk):
+            scaled = _scaled(logits[:, s], temperature, true_vocab, group)
+            _, _, probs, log_p, target_mask, local_target = _parts(scaled, target[:, s], group)
+            g_lp = None if grad_logprob is None else grad_logprob[:, s]
+            if grad_entropy is None:
+                grad = probs * (-g_lp).unsqueeze(-1)
+            else:
+                coef = -grad_entropy[:, s] * entropy[:, s]
+                if g_lp is not None:
+                    coef = coef - g_lp
+                grad = torch.addcmul(coef.unsqueeze(-1), log_p, -grad_entropy[:, s].unsqueeze(-1))
+                grad.mul_(probs)
+            if g_lp is not None:
+                flat = grad.view(-1, grad.shape[-1])
+                rows = torch.arange(flat.shape[0], device=flat.device)
+                hit = (~target_mask).view(-1).to(flat.dtype)
+                flat[rows, local_target.reshape(-1)] += hit * g_lp.reshape(-1)
+            out[:, s] = _unscaled_grad(grad, temperature, true_vocab, group)
+        return out, None, None, None, None, None
+
+
+def _unscaled_grad(grad, temperature: float, true_vocab: int | None, tp_group):
+    """The gradient through :func:`_scaled`: none to the masked padding columns, divided by
+    the temperature (in that order, as autograd would take it)."""
+    if true_vocab is not None:
+        shard = grad.shape[-1]
+        start = shard * (tp_group.rank() if tp_group is not None else 0)
+        first_pad = true_vocab - start
+        if first_pad < shard:
+            grad[..., max(first_pad, 0):] = 0.0
+    if temperature != 1.0:
+        grad = grad / temperature
+    return grad
 
 
 def vocab_parallel_logprobs(logits_BTV: torch.Tensor, target_BT: torch.Tensor, *,
                             tp_group=None, temperature: float = 1.0,
-                            true_vocab: int | None = None
+                            true_vocab: int | None = None, chunk: int | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of ``target`` and entropy under softmax(logits / temperature).
 
     ``logits_BTV`` is this rank's vocabulary shard (B, T, V/tp); returns two fp32
-    (B, T) tensors, identical on every TP rank. Differentiable in the logits.
+    (B, T) tensors, identical on every TP rank. Differentiable in the logits, of which it
+    keeps only the tensor given (no fp32 copy, softmax or log-softmax of all positions:
+    those exist ``chunk`` positions at a time; default ``CHUNK_TOKENS``).
     """
-    logits = _scaled(logits_BTV, temperature, true_vocab, tp_group)
-    return _VocabParallelLogprob.apply(logits, target_BT, tp_group)
+    return _VocabParallelLogprob.apply(logits_BTV, target_BT, tp_group, temperature,
+                                       true_vocab, chunk or CHUNK_TOKENS)
 
 
 @torch.no_grad()

@@ -1,0 +1,50 @@
+"""Chunked vocab-parallel log-probs at TP = the world size (run under torchrun):
+``logprob_chunks.py OUT``. Every rank makes the same full (B, T, V) logits, keeps its
+vocabulary shard, and computes log-probs and entropy with their gradients in chunks of
+3 positions and in one chunk; rank 0 also computes them from the full logits with plain
+torch. Results -> OUT/logprob_chunks.pt on rank 0."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megarlhf.models.logprobs import vocab_parallel_logprobs
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    g = torch.Generator().manual_seed(0)
+    B, T, V, true_vocab = 3, 11, 64, 58
+    full = torch.randn(B, T, V, generator=g)
+    target = torch.randint(0, true_vocab, (B, T), generator=g)
+    w1, w2 = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    shard = V // world
+    out = {}
+    for chunk in (3, 10**9):
+        mine = full[..., rank * shard:(rank + 1) * shard].clone().requires_grad_(True)
+        lp, ent = vocab_parallel_logprobs(mine, target, tp_group=group, temperature=0.7,
+                                          true_vocab=true_vocab, chunk=chunk)
+        ((lp * w1).sum() + (ent * w2).sum()).backward()
+        grads = [torch.empty_like(mine.grad) for _ in range(world)]
+        dist.all_gather(grads, mine.grad, group=group)
+        out[chunk] = {"logprobs": lp.detach(), "entropy": ent.detach(),
+                      "grad": torch.cat(grads, -1)}
+    if rank == 0:
+        ref_in = full.clone().requires_grad_(True)
+        lsm = torch.log_softmax(ref_in[..., :true_vocab].double() / 0.7, -1)
+        ref_lp = lsm.gather(-1, target[..., None]).squeeze(-1)
+        ref_ent = -(lsm.exp() * lsm).sum(-1)
+        ((ref_lp * w1.double()).sum() + (ref_ent * w2.double()).sum()).backward()
+        out["reference"] = {"logprobs": ref_lp, "entropy": ref_ent, "grad": ref_in.grad}
+        torch.save(out, os.path.join(sys.argv[1], "logprob_chunks.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
