@@ -163,7 +163,8 @@ def chunk_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: in
     cut = speedups.enabled("positions") or span is not None
     layer = layer_activation_floats(model, spec.layout.tp, batch, seq,
                                     packed=span is not None) * tokens * dsize
-    total = layers * layer - recomputed_bytes(spec, layer, layers=layers, tokens=tokens)
+    total = layers * layer - recomputed_bytes(spec, layer, layers=layers, batch=batch,
+                                              seq=seq, packed=span is not None)
     # the last MLP is cut, but not under recomputation (its recomputed forward would see
     # no positions)
     if cut and post and layers and not model.fp8.enabled and model.recompute.granularity is None:
@@ -191,21 +192,25 @@ def head_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int
     return total
 
 
-def recomputed_bytes(spec: RoleSpec, layer: float, *, layers: int, tokens: int) -> float:
+def recomputed_bytes(spec: RoleSpec, layer: float, *, layers: int, batch: int, seq: int,
+                     packed: bool) -> float:
     """What ``model.recompute`` keeps out of one micro-batch's activations in a chunk of
     ``layers`` layers of ``layer`` bytes each. Full: a group's (uniform) or a recomputed
-    layer's (block) activations less its input, which is kept. Selective: the MLP's
-    activations but its input (``mlp``); core attention keeps its inputs (queries, keys,
-    values and the mask) for the recomputation, which are what SDPA's kernels keep
-    anyway, so it saves nothing here."""
+    layer's (block) activations less its input, which is kept, and less the block's
+    attention mask (a padded micro-batch's (B, 1, S, S) booleans), which the recomputation
+    keeps for every group. Selective: the MLP's activations but its input (``mlp``); core
+    attention keeps its inputs (queries, keys, values and the mask) for the recomputation,
+    which are what SDPA's kernels keep anyway, so it saves nothing here."""
     model = spec.model
     recompute = model.recompute
+    tokens = batch * seq
     hidden = model.hidden_size * tokens * DTYPE_BYTES[model.params_dtype]
     if recompute.granularity == "full":
         dropped = layers if recompute.method == "uniform" else min(recompute.num_layers, layers)
         kept_inputs = layers // recompute.num_layers if recompute.method == "uniform" \
             else dropped
-        return dropped * layer - kept_inputs * hidden
+        mask = 0 if packed or not dropped else batch * seq * seq
+        return dropped * layer - kept_inputs * hidden - mask
     if recompute.granularity == "selective" and "mlp" in recompute.modules:
         inner = mlp_activation_floats(model, spec.layout.tp) - 2 * model.hidden_size - 1 \
             if model.arch == "llama" else mlp_activation_floats(model, spec.layout.tp) \
@@ -225,7 +230,8 @@ def recompute_peak_bytes(spec: RoleSpec, *, micro: int, seq: int, span: int | No
         * micro * seq * DTYPE_BYTES[model.params_dtype]
     if recompute.granularity == "full":
         return layer * (recompute.num_layers if recompute.method == "uniform" else 1)
-    return recomputed_bytes(spec, layer, layers=1, tokens=micro * seq)
+    return recomputed_bytes(spec, layer, layers=1, batch=micro, seq=seq,
+                            packed=span is not None)
 
 
 def train_activation_bytes(spec: RoleSpec, *, pp_rank: int, micro: int, micro_batches: int,
