@@ -493,3 +493,19 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
     assert lines[1].endswith(", kl=0.30]") and "\r" not in log.getvalue()
     assert isinstance(common.progress(3, 0, "sft", False, stream=log), tqdm)  # off: silent
 
+
+
+def test_a_mixture_of_experts_trains_at_tp1_until_sequence_parallelism():
+    """Megatron-core trains MoE layers at TP > 1 only with sequence parallelism (it raises
+    in the first training forward, after the rollout): a trained MoE role at TP=2 is
+    refused before any work, naming the setting; frozen at TP=2 it is allowed."""
+    from megarlhf.config import Layout, check_model_layout
+    cfg = load_config(None, ["model.num_layers=2", "model.hidden_size=64",
+                             "model.num_attention_heads=4", "model.moe.num_experts=4",
+                             "model.moe.top_k=2"])
+    with pytest.raises((ConfigError, ValueError),
+                       match="roles.actor.parallel.tensor_model_parallel_size=2 is invalid: "
+                             "must be 1 to train the mixture"):
+        check_model_layout("roles.actor.parallel", cfg.model, Layout(tp=2), 2, trained=True)
+    check_model_layout("roles.reference.parallel", cfg.model, Layout(tp=2), 2)
+    check_model_layout("roles.actor.parallel", cfg.model, Layout(tp=1, ep=2), 2, trained=True)

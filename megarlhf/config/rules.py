@@ -124,12 +124,16 @@ def check_section(section) -> None:
 # ------------------------------------------------------------------ across sections
 
 def check_model_layout(where: str, model: ModelConfig, layout: Layout,
-                       world_size: int | None = None, model_name: str = "model") -> None:
+                       world_size: int | None = None, model_name: str = "model",
+                       trained: bool = False) -> None:
     """The one place where a model's split is checked: heads, query groups and MLP width
     divisible by TP, layers by the pipeline chunks (and recomputation's groups of layers
     within one), the world by TP x PP. ``where`` names
     the layout's config section (``parallel``, ``roles.critic.parallel``) and
-    ``model_name`` the model's (``model``, ``roles.reward.model``) in the messages."""
+    ``model_name`` the model's (``model``, ``roles.reward.model``) in the messages.
+    ``trained``: the model trains at this layout (a mixture of experts then needs TP=1:
+    megatron-core trains MoE layers at TP > 1 only with sequence parallelism, which
+    megarlhf does not run yet)."""
     tp, pp, vpp = layout.tp, layout.pp, layout.vpp
     require(model.num_attention_heads % tp == 0, f"{where}.tensor_model_parallel_size", tp,
             f"must divide {model_name}.num_attention_heads={model.num_attention_heads}")
@@ -151,6 +155,11 @@ def check_model_layout(where: str, model: ModelConfig, layout: Layout,
                 f"must be a multiple of tensor x pipeline parallel size = {tp} x {pp} = "
                 f"{tp * pp} ({where})")
     check_expert_layout(where, model, layout, world_size, model_name)
+    require(not (trained and model.moe.enabled and tp > 1), f"{where}.tensor_model_parallel_size",
+            tp, f"must be 1 to train the mixture of experts {model_name}: megatron-core "
+            "trains MoE layers at TP > 1 only with sequence parallelism, which megarlhf does "
+            "not run yet (split the experts with expert_model_parallel_size; a frozen role "
+            "or the rollout may use TP > 1)")
     recompute = model.recompute
     if recompute.granularity == "full":
         per_chunk = model.num_layers // chunks

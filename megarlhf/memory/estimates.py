@@ -18,6 +18,7 @@ import math
 
 from megarlhf import speedups
 from megarlhf.data.packing import MIN_ROWS
+from megarlhf.models.logprobs import CHUNK_TOKENS
 from megarlhf.roles.spec import RoleSpec
 from megarlhf.models.shapes import ParamShape, rank_chunks
 
@@ -288,9 +289,14 @@ def packed_shape(budget: int, prompt: int, response: int, kind: str) -> dict:
 
 def forward_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int,
                   span: int | None = None) -> float:
-    """Transient buffers of a forward-only pass on the last stage: the fp32 logits at the
-    response positions and their softmax (LM), or a few hidden-state copies (value
-    model). ``span`` marks a packed micro-batch (:func:`packed_shape`); unused here."""
+    """Transient buffers of a forward-only pass on the last stage: an LM's logits at the
+    response positions in the model's dtype, and the fp32 copy, softmax and log-softmax of
+    one chunk of them (``models.logprobs.CHUNK_TOKENS`` positions); a few hidden-state
+    copies of a value model. ``span`` marks a packed micro-batch (:func:`packed_shape`);
+    unused here."""
     if spec.kind == "lm":
-        return 2 * batch * response * (spec.padded_vocab // spec.layout.tp) * 4
+        shard = spec.padded_vocab // spec.layout.tp
+        chunk = min(batch * response, CHUNK_TOKENS)
+        return batch * response * shard * DTYPE_BYTES[spec.model.params_dtype] \
+            + 3 * chunk * shard * 4
     return 4 * batch * seq * spec.model.hidden_size * DTYPE_BYTES[spec.model.params_dtype]

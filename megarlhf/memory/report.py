@@ -112,15 +112,15 @@ def format_plan(plan: Plan, capacity: float | None, headroom: float) -> str:
 
 def relayout(specs: dict[str, RoleSpec], cfg: Config, world: int, tp: int, pp: int,
              level: str, recompute: bool = False) -> dict[str, RoleSpec]:
-    """``specs`` with every role at TP x PP (rollout TP = TP) and the trained roles
-    offloading at ``level`` (and, with ``recompute``, recomputing every layer in the
+    """``specs`` with every role at TP x PP (its experts split as they were) and the trained
+    roles offloading at ``level`` (and, with ``recompute``, recomputing every layer in the
     backward pass); ConfigError when a model does not split that way."""
     out = {}
     for name, spec in specs.items():
-        layout = Layout(tp=tp, pp=pp)
+        layout = Layout(tp=tp, pp=pp, ep=spec.layout.ep, etp=spec.layout.etp)
         model = dataclasses.replace(spec.model, recompute=FULL_RECOMPUTE) \
             if recompute and spec.trained else spec.model
-        check_model_layout(spec.where, model, layout, world)
+        check_model_layout(spec.where, model, layout, world, trained=spec.trained)
         padded = padded_vocab_size(spec.model.vocab_size,
                                    cfg.parallel.make_vocab_size_divisible_by, tp)
         out[name] = dataclasses.replace(spec, layout=layout, padded_vocab=padded, model=model,
@@ -134,11 +134,13 @@ FULL_RECOMPUTE = RecomputeConfig(granularity="full", method="uniform", num_layer
 
 def layouts_that_fit(cfg: Config, specs: dict[str, RoleSpec], world: int, gpus_per_node: int,
                      capacity: float, headroom: float, limit: int = 6
-                     ) -> list[tuple[int, int, bool, str, float]]:
-    """(TP, PP, full recomputation of the trained roles, their offload, peak bytes) of
-    uniform layouts that fit: TP within a node; fewest model-parallel ranks first, then
-    without recomputation (it costs a forward pass of the layers), then the least
-    offloading. Without recomputation a trained role keeps its own setting."""
+                     ) -> list[tuple[int, int, int, bool, str, float]]:
+    """(TP, PP, rollout TP, full recomputation of the trained roles, their offload, peak
+    bytes) of uniform layouts that fit: TP within a node; fewest model-parallel ranks
+    first, then without recomputation (it costs a forward pass of the layers), then the
+    least offloading. The rollout takes the training TP, or a larger one within the node
+    when nothing fits with it (a mixture of experts trains at TP=1, its experts split,
+    but samples unsplit). Without recomputation a trained role keeps its own setting."""
     found = []
     for tp in (1, 2, 4, 8, 16):
         if tp > gpus_per_node or world % tp:
@@ -146,23 +148,32 @@ def layouts_that_fit(cfg: Config, specs: dict[str, RoleSpec], world: int, gpus_p
         for pp in (1, 2, 4, 8, 16):
             if world % (tp * pp):
                 continue
-            for recompute in (False, True):
-                fit = None
-                for level in OFFLOAD_LEVELS:
-                    try:
-                        plan = plan_ppo(cfg, world, rollout_tp=tp, specs=relayout(
-                            specs, cfg, world, tp, pp, level, recompute))
-                    except (ConfigError, ValueError):
-                        break
-                    peak = plan.worst()[0]
-                    if peak <= capacity * (1.0 - headroom):
-                        fit = (tp, pp, recompute, level, peak)
-                        break
+            for rollout_tp in [r for r in (1, 2, 4, 8, 16)
+                               if r >= tp and r <= gpus_per_node and world % r == 0]:
+                fit = _first_fit(cfg, specs, world, tp, pp, rollout_tp,
+                                 capacity * (1.0 - headroom))
                 if fit is not None:
                     found.append(fit)
                     break
-    found.sort(key=lambda f: (f[0] * f[1], f[2], OFFLOAD_LEVELS.index(f[3])))
+    found.sort(key=lambda f: (f[0] * f[1], f[3], OFFLOAD_LEVELS.index(f[4]), f[2]))
     return found[:limit]
+
+
+def _first_fit(cfg: Config, specs: dict[str, RoleSpec], world: int, tp: int, pp: int,
+               rollout_tp: int, usable: float) -> tuple[int, int, int, bool, str, float] | None:
+    """The first of (no recomputation, full recomputation) x the offload levels, least
+    first, whose plan's peak is within ``usable`` bytes at this layout."""
+    for recompute in (False, True):
+        for level in OFFLOAD_LEVELS:
+            try:
+                plan = plan_ppo(cfg, world, rollout_tp=rollout_tp, specs=relayout(
+                    specs, cfg, world, tp, pp, level, recompute))
+            except (ConfigError, ValueError):
+                return None
+            peak = plan.worst()[0]
+            if peak <= usable:
+                return tp, pp, rollout_tp, recompute, level, peak
+    return None
 
 
 def explain(cfg: Config, world: int, capacity: float, gpus_per_node: int,
@@ -178,12 +189,12 @@ def explain(cfg: Config, world: int, capacity: float, gpus_per_node: int,
     if not ok:
         options = layouts_that_fit(cfg, plan.specs, world, gpus_per_node, capacity, headroom)
         if options:
-            text += "\nlayouts that fit on these GPUs (every role, rollout TP = TP):"
+            text += "\nlayouts that fit on these GPUs (every role):"
             trained = [name for name in ("actor", "critic") if name in plan.specs]
-            for tp, pp, recompute, level, peak in options:
+            for tp, pp, rollout_tp, recompute, level, peak in options:
                 text += (f"\n  parallel.tensor_model_parallel_size={tp} "
                          f"parallel.pipeline_model_parallel_size={pp} "
-                         f"rollout.tensor_parallel_size={tp}"
+                         f"rollout.tensor_parallel_size={rollout_tp}"
                          + "".join(f" roles.{name}.offload={level}" for name in trained)
                          + ("".join(f" roles.{name}.model.recompute.granularity=full"
                                     for name in trained) if recompute else "")

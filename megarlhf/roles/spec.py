@@ -175,7 +175,7 @@ def _spec(cfg: Config, *, name: str, kind: str, where: str, saved: SavedRole | N
     role_block = where.startswith("roles.")
     model_name = f"{where}.model" if role_block else "model"
     check_model_layout(f"{where}.parallel" if role_block else "parallel", model, layout,
-                       world_size, model_name)
+                       world_size, model_name, trained=optimizer is not None)
     check_precision(model, model_name)
     trunk_only = _check_kind(where, saved, kind, allow_trunk)
     padded = padded_vocab_size(model.vocab_size, cfg.parallel.make_vocab_size_divisible_by,
