@@ -191,7 +191,7 @@ SLOW_FILES = {"test_run_guards.py": 130, "test_convert.py": 118, "test_moe.py": 
               "test_walkthrough.py": 101, "test_engine.py": 96, "test_ppo_modes.py": 96,
               "test_ppo_reference.py": 84, "test_packing.py": 82, "test_layouts.py": 73,
               "test_async.py": 71, "test_memory.py": 69, "test_multiturn.py": 59,
-              "test_speedups.py": 50, "test_recompute.py": 27}
+              "test_speedups.py": 50, "test_recompute.py": 20}
 
 
 def pytest_collection_modifyitems(config, items):

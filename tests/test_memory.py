@@ -264,6 +264,8 @@ def _long_activations(tmp_path, length: int) -> dict:
     return torch.load(tmp_path / "long_activations.pt", weights_only=False)
 
 
+@pytest.mark.extended
+@pytest.mark.slow
 def test_long_sequence_activations_are_what_the_plan_says(tmp_path):
     """One PPO update of one 4096-token sample (512 prompt) on a tiny-width llama: the bytes
     kept for backward without recomputation, with full recomputation and with the MLPs

@@ -16,15 +16,15 @@ import torch
 from conftest import WORKERS, torchrun
 from megarlhf.config import ConfigError, load_config
 
-FAST = "none full_uniform_1 full_block_1 selective_mlp dropout dropout_full"
+FAST = "none full_uniform_1 selective_mlp dropout dropout_full"
 
 
-def _results(tmp_path, variants: str | None) -> dict:
+def _results(tmp_path, variants: str | None, world: int = 2) -> dict:
     env = {"MEGARLHF_SPEEDUPS": "-positions"}  # see test_recomputation_keeps_the_numbers
     if variants:
         env["RECOMPUTE_VARIANTS"] = variants
-    torchrun(os.path.join(WORKERS, "recompute_paths.py"), 2, str(tmp_path), env=env)
-    return torch.load(tmp_path / "recompute_world2.pt", weights_only=False)
+    torchrun(os.path.join(WORKERS, "recompute_paths.py"), world, str(tmp_path), env=env)
+    return torch.load(tmp_path / f"recompute_world{world}.pt", weights_only=False)
 
 
 def _check(results: dict) -> None:
@@ -49,21 +49,23 @@ def _check(results: dict) -> None:
 
 
 def test_recomputation_keeps_the_numbers_and_drops_activations(tmp_path):
-    """Full recomputation (groups of one layer; the first layer of each stage as a block),
-    selective (core attention and the MLP), and full with dropout 0.1, at TP=2 and PP=2:
+    """Full recomputation (groups of one layer), selective (core attention and the MLP),
+    and full with dropout 0.1, in one process (the extended test: TP=2 and PP=2, blocks,
+    groups of two):
     losses and gradients within 1e-6 of keeping every activation (with dropout: the
     recomputed forward draws the masks the first one drew - the CPU backend's RNG
     redirection), and the bytes kept for backward lower (full, groups of one: below 45%).
     The positions speed-up is off: without recomputation it cuts the last MLP to the loss's
     positions, so a run with dropout would draw fewer numbers there than one with it."""
-    _check(_results(tmp_path, FAST))
+    _check(_results(tmp_path, FAST, world=1))
 
 
 @pytest.mark.extended
 @pytest.mark.slow
 def test_every_recomputation_setting_keeps_the_numbers(tmp_path):
-    """FAST plus groups of two layers and core attention alone (whose memory megarlhf's
-    SDPA attention does not lower: its kernels keep no score matrix to drop)."""
+    """Every setting at TP=2 and at PP=2: FAST plus groups of two layers, the first layer
+    of each stage as a block, and core attention alone (whose memory megarlhf's SDPA
+    attention does not lower: its kernels keep no score matrix to drop)."""
     _check(_results(tmp_path, None))
 
 
