@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 from conftest import WORKERS, torchrun
@@ -77,6 +78,8 @@ def test_chunks_give_the_same_numbers_and_keep_only_the_logits():
         assert all(torch.equal(a, b) for a, b in zip(got[chunk], got[None])), chunk
 
 
+@pytest.mark.extended
+@pytest.mark.slow
 def test_chunked_logprobs_at_tp2_equal_the_full_vocabulary(tmp_path):
     """At TP=2, in chunks of 3 positions and in one: log-probs, entropy and gradients
     (temperature 0.7, padded vocabulary) equal each other and plain torch on the full

@@ -232,6 +232,7 @@ def test_plan_command_sizes_an_8b_run_and_suggests_layouts():
         in bad.stdout
 
 
+@pytest.mark.extended
 def test_the_plans_search_recomputes_when_activations_do_not_fit():
     """The 8B example at 1k + 15k tokens, micro-batch 1: 60.0 GiB of actor activations per
     rank at TP=4 do not fit 80 GiB GPUs; the layouts the plan lists recompute, and the
