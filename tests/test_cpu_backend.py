@@ -57,6 +57,37 @@ def test_redirections_and_deactivate():
         assert torch.ones(1).type() == "torch.FloatTensor"
 
 
+def test_the_named_generator_states_are_cpu_ones():
+    """Redirection 6: megatron's tracker (sequence parallelism's dropout forks into its
+    tensor-parallel state) seeds CPU generator states as ``model_parallel_cuda_manual_seed``
+    does - a state per TP rank - and a fork draws from the named state, keeps where it got
+    to, and puts the generator back where it was."""
+    from megatron.core.tensor_parallel import random as mrandom
+    was_active = cpu_backend.is_active()
+    cpu_backend.activate()
+    try:
+        draws = {}
+        for tp_rank in (0, 1):
+            mrandom.model_parallel_cuda_manual_seed(5, tp_rank=tp_rank, ep_rank=0, etp_rank=0,
+                                                    force_reset_rng=True)
+            tracker = mrandom.get_cuda_rng_tracker()
+            torch.manual_seed(99)
+            outer = torch.get_rng_state()
+            with tracker.fork():
+                first = torch.rand(4)
+            assert torch.equal(torch.get_rng_state(), outer)  # the generator put back
+            with tracker.fork():
+                second = torch.rand(4)  # goes on from where the first fork stopped
+            want = torch.Generator().manual_seed(5 + 2718 + tp_rank)  # megatron's TP seed
+            assert torch.equal(first, torch.rand(4, generator=want))
+            assert torch.equal(second, torch.rand(4, generator=want))
+            draws[tp_rank] = first
+        assert not torch.equal(draws[0], draws[1])
+    finally:
+        if not was_active:
+            cpu_backend.deactivate()
+
+
 def test_suspended_lifts_only_the_mode():
     was_active = cpu_backend.is_active()
     cpu_backend.activate()

@@ -16,9 +16,15 @@ against megarlhf's pin, megatron-core 0.16.1; docs/design.md):
    one: there is no CUDA generator here, so megatron's ``_get_cuda_rng_state`` returns an
    empty state and ``_set_cuda_rng_state`` takes it. Dropout on CPU tensors draws from
    the CPU generator, whose state megatron saves and restores itself (``torch.get_rng_state``),
-   so a recomputed forward draws what the first one drew.
+   so a recomputed forward draws what the first one drew;
+6. megatron's tracker of named generator states (``get_cuda_rng_tracker``: the
+   tensor-parallel state that sequence parallelism's dropout forks into, the expert
+   state) keeps CPU generator states: :class:`CpuRNGStatesTracker` seeds them as
+   megatron's ``model_parallel_cuda_manual_seed`` does, and a fork swaps the CPU
+   generator to the named state and back (recomputation saves and restores them as on
+   CUDA).
 
-1, 3 and 5 are process-wide once :func:`activate` ran. The mode (2 and 4) costs a Python call
+1, 3, 5 and 6 are process-wide once :func:`activate` ran. The mode (2 and 4) costs a Python call
 per torch call, so it is entered only at megatron-core's doors - :func:`at_megatron` on
 the engine's entry points: building a role (model, DDP, optimizer), the pipeline
 schedules, the optimizer's step, checkpoint save and load, resharding into the inference
@@ -115,6 +121,7 @@ def activate() -> bool:
     _state["mode"] = _CudaToCpuMode()
     _suspend_in_backward()
     _no_cuda_generator()
+    _cpu_rng_tracker()
     return True
 
 
@@ -169,6 +176,46 @@ def _no_cuda_generator() -> None:
     random._get_cuda_rng_state, random._set_cuda_rng_state = get_state, set_state
 
 
+class CpuRNGStatesTracker:
+    """Redirection 6: megatron's ``CudaRNGStatesTracker`` over the CPU generator (made a
+    subclass of it when installed, :func:`_cpu_rng_tracker`). A named state is a CPU
+    generator state seeded from the name's seed; ``fork`` runs its body on that state,
+    keeps where it got to, and puts the generator back where it was."""
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def _cpu_rng_tracker() -> None:
+    """Redirection 6: megatron builds its tracker from the module's
+    ``CudaRNGStatesTracker`` when first asked (or reset): the CPU one in its place."""
+    from megatron.core.tensor_parallel import random
+
+    original = random.CudaRNGStatesTracker
+    _state["saved"]["tracker"] = original
+    random.CudaRNGStatesTracker = type("CpuRNGStatesTracker",
+                                       (CpuRNGStatesTracker, original), {})
+    random.initialize_rng_tracker(force_reset=True)
+
+
 def deactivate() -> None:
     """Undo :func:`activate` (used by tests)."""
     mode = _state["mode"]
@@ -180,6 +227,8 @@ def deactivate() -> None:
     from megatron.core.tensor_parallel import random
     schedules.backward_step = _state["saved"]["backward_step"]
     random._get_cuda_rng_state, random._set_cuda_rng_state = _state["saved"]["rng"]
+    random.CudaRNGStatesTracker = _state["saved"]["tracker"]
+    random.initialize_rng_tracker(force_reset=True)
     _state["mode"] = None
 
 

@@ -69,10 +69,11 @@ def build_role(spec: RoleSpec, *, seed: int, total_steps: int = 1) -> Role:
     without gradients, trained roles get DDP + optimizer + LR schedule over
     ``total_steps``. Every rank must build the same roles in the same order."""
     layout = build_layout(spec.layout)
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or cpu_backend.is_active():
+        # megatron's named generator states (on CPU the backend's tracker keeps them)
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-        model_parallel_cuda_manual_seed(seed, tp_rank=layout.tp_rank, ep_rank=0, etp_rank=0,
-                                        force_reset_rng=True)
+        model_parallel_cuda_manual_seed(seed, tp_rank=layout.tp_rank, ep_rank=0,
+                                        etp_rank=0, force_reset_rng=True)
     chunks = build_chunks(spec, layout)
     for chunk in chunks:
         init_weights(chunk, spec.model, seed)
