@@ -495,17 +495,39 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
 
 
 
-def test_a_mixture_of_experts_trains_at_tp1_until_sequence_parallelism():
+def test_a_mixture_of_experts_trains_at_tp2_with_sequence_parallelism():
     """Megatron-core trains MoE layers at TP > 1 only with sequence parallelism (it raises
-    in the first training forward, after the rollout): a trained MoE role at TP=2 is
-    refused before any work, naming the setting; frozen at TP=2 it is allowed."""
+    in the first training forward, after the rollout): a trained MoE role at TP=2 without
+    it is refused before any work, naming the setting; with it, or frozen, it is allowed.
+    Sequence parallelism without TP is refused the same way, from the config's own
+    sections (a role inherits the actor's only where its TP > 1)."""
     from megarlhf.config import Layout, check_model_layout
     cfg = load_config(None, ["model.num_layers=2", "model.hidden_size=64",
                              "model.num_attention_heads=4", "model.moe.num_experts=4",
                              "model.moe.top_k=2"])
     with pytest.raises((ConfigError, ValueError),
-                       match="roles.actor.parallel.tensor_model_parallel_size=2 is invalid: "
-                             "must be 1 to train the mixture"):
+                       match="roles.actor.parallel.sequence_parallel=False is invalid: "
+                             "must be true to train the mixture"):
         check_model_layout("roles.actor.parallel", cfg.model, Layout(tp=2), 2, trained=True)
+    check_model_layout("roles.actor.parallel", cfg.model, Layout(tp=2, sp=True), 2,
+                       trained=True)
     check_model_layout("roles.reference.parallel", cfg.model, Layout(tp=2), 2)
     check_model_layout("roles.actor.parallel", cfg.model, Layout(tp=1, ep=2), 2, trained=True)
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel=True is invalid: needs "
+                                          "tensor_model_parallel_size > 1"):
+        load_config(None, ["parallel.sequence_parallel=true"])
+    from megarlhf.config import read_config
+    from megarlhf.roles.spec import ppo_role_specs
+    base = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+            "model.vocab_size=300", "rollout.rewards.fn=a:b", "ppo.critic_init=sft",
+            "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
+    cfg, written = read_config(None, [*base, "roles.critic.parallel.tensor_model_parallel_size=1"])
+    specs = ppo_role_specs(cfg, 2, written=written, planning=True)
+    assert {name: spec.layout.sp for name, spec in specs.items()} == \
+        {"actor": True, "reference": True, "critic": False}
+    cfg, written = read_config(None, [*base, "roles.critic.parallel.tensor_model_parallel_size=1",
+                                      "roles.critic.parallel.sequence_parallel=true"])
+    with pytest.raises((ConfigError, ValueError),
+                       match="roles.critic.parallel.sequence_parallel=True is invalid: needs "
+                             "tensor_model_parallel_size > 1"):
+        ppo_role_specs(cfg, 2, written=written, planning=True)

@@ -17,7 +17,7 @@ class Layout:
     """Tensor (``tp``), pipeline (``pp``, with ``vpp`` virtual stages per rank for the
     interleaved schedule) and expert parallelism (``ep`` expert-parallel ranks, ``etp``
     tensor-parallel ranks per expert, None for TP; room for mixture-of-experts models, 1 for dense
-    ones). The rest of the world forms data-parallel replicas. Ranks are ordered TP
+    ones) and sequence parallelism (``sp``, at TP > 1). The rest of the world forms data-parallel replicas. Ranks are ordered TP
     fastest, then DP, then PP (megatron's ``tp-cp-ep-dp-pp``), so a TP group stays within
     a node."""
 
@@ -26,6 +26,7 @@ class Layout:
     vpp: int | None = None
     ep: int = 1
     etp: int | None = None
+    sp: bool = False
 
     @property
     def expert_tp(self) -> int:
@@ -64,6 +65,8 @@ class Layout:
         text = f"TP={self.tp} PP={self.pp}"
         if world_size is not None:
             text += f" DP={self.dp(world_size)}"
+        if self.sp:
+            text += " SP"
         if self.vpp:
             text += f" VPP={self.vpp}"
         if self.ep > 1 or self.expert_tp != self.tp:

@@ -24,6 +24,13 @@ class ParallelConfig:
     expert_tensor_parallel_size x pipeline_model_parallel_size."""
     expert_tensor_parallel_size: int | None = None
     """Tensor-parallel size inside each expert; None: tensor_model_parallel_size."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (needs tensor_model_parallel_size > 1): the parts
+    of each layer that TP does not split (norms, dropout, residual adds) work on 1/TP of
+    the sequence, so their activations shrink by TP; the linears gather and reduce-scatter
+    along the sequence in place of TP's all-reduce. Required to train a mixture of experts
+    at TP > 1. Micro-batches are lengthened to a multiple of TP (positions no loss reads).
+    The rollout's KV-cached decode never uses it (one token a step)."""
     make_vocab_size_divisible_by: int = 128
     """The vocabulary is padded to a multiple of this times the TP size."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -46,6 +53,10 @@ class ParallelConfig:
         if self.expert_tensor_parallel_size is not None:
             require(self.expert_tensor_parallel_size >= 1, "parallel.expert_tensor_parallel_size",
                     self.expert_tensor_parallel_size, "must be >= 1 or null")
+        require(not self.sequence_parallel or self.tensor_model_parallel_size > 1,
+                "parallel.sequence_parallel", self.sequence_parallel,
+                "needs tensor_model_parallel_size > 1 (it splits the sequence over the "
+                "tensor-parallel ranks)")
 
     @property
     def layout(self) -> Layout:
@@ -54,7 +65,7 @@ class ParallelConfig:
         return Layout(tp=tp, pp=self.pipeline_model_parallel_size,
                       vpp=self.virtual_pipeline_model_parallel_size,
                       ep=self.expert_model_parallel_size,
-                      etp=self.expert_tensor_parallel_size)
+                      etp=self.expert_tensor_parallel_size, sp=self.sequence_parallel)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -71,6 +82,9 @@ class RoleParallelConfig:
     when this role's model has experts, else 1."""
     expert_tensor_parallel_size: int | None = None
     """Tensor-parallel size inside this role's experts; None: its tensor-parallel size."""
+    sequence_parallel: bool | None = None
+    """Sequence parallelism for this role (``parallel.sequence_parallel``); None: the
+    actor's while this role's TP > 1, else off."""
 
     def __post_init__(self):
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -93,4 +107,6 @@ class RoleParallelConfig:
             vpp = base.vpp if pp == base.pp else None
         ep = self.expert_model_parallel_size or (base.ep if experts else 1)
         etp = self.expert_tensor_parallel_size or base.etp
-        return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+        sp = self.sequence_parallel if self.sequence_parallel is not None \
+            else base.sp and tp > 1
+        return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, sp=sp)

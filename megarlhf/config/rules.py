@@ -131,9 +131,8 @@ def check_model_layout(where: str, model: ModelConfig, layout: Layout,
     within one), the world by TP x PP. ``where`` names
     the layout's config section (``parallel``, ``roles.critic.parallel``) and
     ``model_name`` the model's (``model``, ``roles.reward.model``) in the messages.
-    ``trained``: the model trains at this layout (a mixture of experts then needs TP=1:
-    megatron-core trains MoE layers at TP > 1 only with sequence parallelism, which
-    megarlhf does not run yet)."""
+    ``trained``: the model trains at this layout (a mixture of experts then needs sequence
+    parallelism at TP > 1, as megatron-core does)."""
     tp, pp, vpp = layout.tp, layout.pp, layout.vpp
     require(model.num_attention_heads % tp == 0, f"{where}.tensor_model_parallel_size", tp,
             f"must divide {model_name}.num_attention_heads={model.num_attention_heads}")
@@ -155,11 +154,18 @@ def check_model_layout(where: str, model: ModelConfig, layout: Layout,
                 f"must be a multiple of tensor x pipeline parallel size = {tp} x {pp} = "
                 f"{tp * pp} ({where})")
     check_expert_layout(where, model, layout, world_size, model_name)
-    require(not (trained and model.moe.enabled and tp > 1), f"{where}.tensor_model_parallel_size",
-            tp, f"must be 1 to train the mixture of experts {model_name}: megatron-core "
-            "trains MoE layers at TP > 1 only with sequence parallelism, which megarlhf does "
-            "not run yet (split the experts with expert_model_parallel_size; a frozen role "
-            "or the rollout may use TP > 1)")
+    require(not layout.sp or tp > 1, f"{where}.sequence_parallel", layout.sp,
+            "needs tensor_model_parallel_size > 1 (it splits the sequence over the "
+            "tensor-parallel ranks)")
+    require(not (layout.sp and model.mla.enabled), f"{where}.sequence_parallel", layout.sp,
+            f"does not take multi-latent attention ({model_name}.mla) yet: megarlhf gathers "
+            "MLA's down projections on the layers themselves, which is not checked against "
+            "one process with the sequence split; use TP without it, or TP=1")
+    require(not (trained and model.moe.enabled and tp > 1 and not layout.sp),
+            f"{where}.sequence_parallel", layout.sp,
+            f"must be true to train the mixture of experts {model_name} at "
+            f"tensor_model_parallel_size={tp}: megatron-core trains MoE layers at TP > 1 "
+            "only with sequence parallelism")
     recompute = model.recompute
     if recompute.granularity == "full":
         per_chunk = model.num_layers // chunks

@@ -33,6 +33,8 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
         return []
     if layout.layout.ep > 1:  # lengthened to the expert group's (_same_count)
         seq_length = max(seq_length, *(b["tokens"].shape[1] for b in microbatches))
+    if layout.layout.sp:  # the model lengthens each micro-batch (engine.steps.model_forward)
+        seq_length = -(-seq_length // layout.tp) * layout.tp
     device = next(unwrap(model_chunks[0]).parameters()).device
     vpp, pp, pgc = layout.vpp or 1, layout.pp, layout.pg_collection
     assert len(model_chunks) == vpp, (len(model_chunks), layout.describe())
@@ -93,7 +95,7 @@ def _same_count(microbatches: list, layout: RankLayout) -> list:
     weight (their outputs are ignored by the callers). On CPU the experts' dispatcher
     gathers every rank's tokens (megatron's ``allgather``; the ``alltoall`` one on GPU
     takes uneven counts), so the ranks also agree on each micro-batch's length and
-    lengthen theirs to it (:func:`_lengthen`)."""
+    lengthen theirs to it (:func:`lengthen`)."""
     if layout.layout.ep == 1 or layout.dp == 1:
         return microbatches
     counts = torch.tensor([len(microbatches), -len(microbatches)])
@@ -109,10 +111,10 @@ def _same_count(microbatches: list, layout: RankLayout) -> list:
         return out
     lengths = torch.tensor([b["tokens"].shape[1] for b in out])
     dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=layout.dp_group)
-    return [_lengthen(b, int(n)) for b, n in zip(out, lengths)]
+    return [lengthen(b, int(n)) for b, n in zip(out, lengths)]
 
 
-def _lengthen(batch: dict, length: int) -> dict:
+def lengthen(batch: dict, length: int) -> dict:
     """A micro-batch ``length`` tokens long: packed, one more segment of padding
     (``data.packing.pad_packed``); padded (right-padded rows), every (B, S, ...) field
     extended with zeros along S - positions no loss reads - and an attention mask with
@@ -130,6 +132,11 @@ def _lengthen(batch: dict, length: int) -> dict:
             grown[:, :, :S, :S] = value
             grown[:, :, range(S, length), range(S, length)] = False
             out[key] = grown
+        elif key == "routing":  # (B, layers, S, k): the new positions to experts 0..k-1,
+            # as models.moe.unrouted routes a position whose outputs nobody reads
+            k = value.shape[3]
+            filler = torch.arange(k, dtype=value.dtype).expand(B, value.shape[1], extra, k)
+            out[key] = torch.cat([value, filler], dim=2)
         elif isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (B, S):
             out[key] = torch.cat([value, value.new_zeros(B, extra, *value.shape[2:])], dim=1)
         else:

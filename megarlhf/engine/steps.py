@@ -11,7 +11,9 @@ import torch
 
 from megarlhf.config import PPOConfig
 from megarlhf.data.packing import unpack
+from megarlhf.engine.schedule import lengthen
 from megarlhf.models import moe
+from megarlhf.models.gpt import unwrap
 from megarlhf.models.logprobs import vocab_parallel_logprobs
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
@@ -23,7 +25,22 @@ def model_forward(model, batch: dict, positions: slice | torch.Tensor | None = N
     (``cu_seqlens``, ``data.packing``) runs in megatron-core's THD format. A
     mixture of experts routes as the batch says: ``routing`` is replayed; otherwise the
     experts this pass chooses are compared with ``rollout_routing`` and, with
-    ``routing_rows`` (the batch's row indices), kept (``models.moe``)."""
+    ``routing_rows`` (the batch's row indices), kept (``models.moe``). Under sequence
+    parallelism the model runs the micro-batch lengthened to a multiple of TP and the last
+    stage returns the outputs of its own positions."""
+    core = unwrap(model)
+    length = batch["tokens"].shape[1]
+    split = core.config.tensor_model_parallel_size if core.config.sequence_parallel else 1
+    if length % split:
+        batch = lengthen(batch, length + split - length % split)
+        if isinstance(positions, slice):  # in the micro-batch's own length
+            positions = slice(*positions.indices(length))
+        out = _model_forward(model, batch, positions, length)
+        return out[:, :length] if positions is None and core.post_process else out
+    return _model_forward(model, batch, positions, length)
+
+
+def _model_forward(model, batch: dict, positions, length: int):
     with cpu_backend.suspended():
         mask, extra = attention_inputs(model, batch)
         if "rollout_routing" in batch or "routing_rows" in batch:
@@ -31,7 +48,10 @@ def model_forward(model, batch: dict, positions: slice | torch.Tensor | None = N
                 out = model(batch["tokens"], batch["position_ids"], mask, positions=positions,
                             **extra)
                 recorded = got()
-                if "source" in batch:  # packed: into the padded layout of its rows
+                if "source" not in batch:  # padded: the micro-batch's own positions
+                    rows = batch["tokens"].shape[0]
+                    recorded = {layer: idx[:length * rows] for layer, idx in recorded.items()}
+                else:  # packed: into the padded layout of its rows
                     B, _, S, k = batch["rollout_routing"].shape
                     recorded = moe.from_packed(recorded, batch["source"], B, S, k)
                 if "rollout_routing" in batch:

@@ -13,13 +13,15 @@ import math
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megarlhf import speedups
 from megarlhf.config import Layout, ModelConfig, RopeScalingConfig
 from megarlhf.models import moe
-from megarlhf.models.spec import activation, block_spec, layer_spec, resolve_impl
+from megarlhf.models.spec import (activation, block_spec, layer_spec, resolve_impl,
+                                  sequence_parallel_spec)
 from megarlhf.speedups import linears, positions as cuts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,6 +66,7 @@ def transformer_config(model: ModelConfig, layout: Layout) -> TransformerConfig:
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
+        sequence_parallel=layout.sp,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
@@ -168,6 +171,11 @@ class ScalarHead(MegatronModule):
         self.sequence_parallel = False
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.config.sequence_parallel:
+            # (S/tp, B, H) -> (S, B, H). Every TP rank then computes the whole head and the
+            # same loss, so the backward takes its own part of the gradient (no sum).
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False, group=self.tp_group)
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
@@ -281,6 +289,11 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, layout:
             and not model_cfg.mla.enabled \
             and cuts.mlp_cut_allowed(tcfg, spec):
         spec = cuts.block_spec(spec, tcfg, vp_stage=vp_stage, pp_rank=pg_collection.pp.rank())
+    if tcfg.sequence_parallel:
+        _memory_buffer()
+        if tcfg.transformer_impl == "local":
+            spec = sequence_parallel_spec(spec, tcfg, vp_stage=vp_stage,
+                                          pp_rank=pg_collection.pp.rank())
     model = RoleModel(
         kind=kind,
         true_vocab=model_cfg.vocab_size,
@@ -310,6 +323,15 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, layout:
         # fp32 main copies assume (a mixed model breaks its state-dict mapping).
         model.to(tcfg.params_dtype)
     return model
+
+
+def _memory_buffer() -> None:
+    """Sequence parallelism's linears gather the sequence into megatron's global memory
+    buffer, which its ``initialize_model_parallel`` (not used: each role has its own
+    groups) would create."""
+    from megatron.core import parallel_state
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
 
 
 def _gather_latents(model) -> None:

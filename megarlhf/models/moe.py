@@ -229,6 +229,15 @@ def _take_drops(model: ModelConfig, layout) -> dict[str, float]:
 # in one process).
 
 
+def _sequence_group(model):
+    """The TP group a model's sequence is split over (sequence parallelism), else None."""
+    while hasattr(model, "module"):
+        model = model.module
+    if not model.config.sequence_parallel:
+        return None
+    return model.pg_collection.tp
+
+
 def _routers(model) -> list:
     """``(layer index, RouterReplay)`` of the model's MoE routers (a DDP-wrapped or bare
     chunk; layer indices global, 0-based)."""
@@ -243,15 +252,30 @@ def _routers(model) -> list:
 @contextlib.contextmanager
 def recording(model):
     """Record the experts chosen in one forward pass: yields a function returning
-    ``{layer: (tokens, top_k) indices}`` (tokens in the pass's (sequence, batch) order)."""
+    ``{layer: (tokens, top_k) indices}`` (tokens in the pass's (sequence, batch) order; under
+    sequence parallelism every TP rank routes its own part of the sequence, and the parts
+    are gathered)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     routers = _routers(model)
     for _, replay in routers:
         replay.clear_indices()
         replay.set_router_replay_action(RouterReplayAction.RECORD)
+    group = _sequence_group(model)
+
+    def got():
+        out = {layer: replay.get_recorded_indices() for layer, replay in routers}
+        if group is None:
+            return out
+        import torch.distributed as dist
+        for layer, idx in out.items():
+            parts = [torch.empty_like(idx) for _ in range(group.size())]
+            dist.all_gather(parts, idx.contiguous(), group=group)
+            out[layer] = torch.cat(parts)
+        return out
+
     try:
-        yield lambda: {layer: replay.get_recorded_indices() for layer, replay in routers}
+        yield got
     finally:
         for _, replay in routers:
             replay.clear_router_replay_action()
@@ -270,10 +294,13 @@ def replaying(model, routing_BLSK: torch.Tensor | None):
 
     routers = _routers(model)
     B, _, S, k = routing_BLSK.shape
+    group = _sequence_group(model)
+    part = slice(None) if group is None else \
+        slice(group.rank() * S // group.size(), (group.rank() + 1) * S // group.size())
     for layer, replay in routers:
         replay.clear_indices()
-        replay.set_target_indices(routing_BLSK[:, layer].permute(1, 0, 2).reshape(S * B, k)
-                                  .long())
+        replay.set_target_indices(routing_BLSK[:, layer, part].permute(1, 0, 2)
+                                  .reshape(-1, k).long())
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     try:
         yield
@@ -370,7 +397,7 @@ def count_mismatch(recorded: dict, rollout_BLSK: torch.Tensor, mask_BS: torch.Te
     layers = sorted(recorded)
     mine = routing_of(recorded, B, S, rollout_BLSK.shape[1], k)[:, layers]
     same = same_experts(mine, rollout_BLSK[:, layers])  # (B, L', S)
-    real = mask_BS.bool().unsqueeze(1).expand_as(same)
+    real = mask_BS[:, :S].bool().unsqueeze(1).expand_as(same)  # (a lengthened batch's mask)
     _MISMATCH["tokens"] += int(real.sum())
     _MISMATCH["differ"] += int((~same & real).sum())
 

@@ -6,6 +6,7 @@ The model code never branches on the implementation: it receives a ``ModuleSpec`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -208,6 +209,49 @@ def block_spec(model: ModelConfig, config, *, vp_stage: int | None, pp_rank: int
             if hasattr(spec.submodules.mlp.submodules, "router"):
                 spec.submodules.mlp.submodules.router = moe.drop_counting_router()
     return block
+
+
+class SequenceParallelNorm:
+    """megatron's local norm (``WrappedTorchNorm``: torch's ``LayerNorm`` / ``RMSNorm``)
+    under sequence parallelism, which megatron-core 0.16.1 refuses for it. Each TP rank
+    normalises its own part of the sequence, so a norm's gradient is a partial sum: its
+    parameters are marked ``sequence_parallel``, and megatron's gradient finalisation sums
+    them over the TP group (as it does TransformerEngine's norms)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
+        norm_class = {"LayerNorm": torch.nn.LayerNorm,
+                      "RMSNorm": torch.nn.RMSNorm}[config.normalization]
+        norm = norm_class(normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+
+def sequence_parallel_spec(spec, config, *, vp_stage: int | None, pp_rank: int):
+    """``spec`` (a layer's ``ModuleSpec`` or a block's submodules) with
+    :class:`SequenceParallelNorm` for every local norm, the block's final norm included."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules, get_num_layers_to_build)
+
+    def swap(item):
+        if item is WrappedTorchNorm:
+            return SequenceParallelNorm
+        if isinstance(item, ModuleSpec):
+            return dataclasses.replace(item, module=swap(item.module),
+                                       submodules=swap(item.submodules))
+        if dataclasses.is_dataclass(item) and not isinstance(item, type):
+            return dataclasses.replace(item, **{f.name: swap(getattr(item, f.name))
+                                                for f in dataclasses.fields(item) if f.init})
+        if isinstance(item, list):
+            return [swap(x) for x in item]
+        return item
+
+    if isinstance(spec, ModuleSpec):  # one layer's spec: the block megatron would make
+        spec = TransformerBlockSubmodules(
+            layer_specs=[spec] * get_num_layers_to_build(config, vp_stage, pp_rank),
+            layer_norm=WrappedTorchNorm)
+    return swap(spec)
 
 
 def activation(model: ModelConfig):
