@@ -112,15 +112,16 @@ def kv_cache_bytes(model, *, tp: int, batch: int, seq: int) -> int:
 
 # ------------------------------------------------------------------ estimates
 
-def layer_activation_floats(model, tp: int, batch: int, seq: int, packed: bool = False
-                            ) -> float:
+def layer_activation_floats(model, tp: int, batch: int, seq: int, packed: bool = False,
+                            sp: bool = False) -> float:
     """Values one transformer layer of this implementation keeps for backward per token
     (local layers, SDPA): norms and residuals whole, attention and MLP split over TP,
     SDPA's float mask (seq per token), RoPE tables (llama). The attention half here, the
     MLP half in :func:`mlp_activation_floats`. Query-sized values are heads x head size
     (hidden, unless ``model.head_dim`` is set). ``packed``: one SDPA call per sample
     (``models.spec.SDPACoreAttention.forward_packed``) keeps no mask but its own
-    contiguous copies of each sample's queries, keys and values."""
+    contiguous copies of each sample's queries, keys and values. ``sp`` (sequence
+    parallelism): the whole values are each TP rank's part of the sequence."""
     h, heads = model.hidden_size, model.num_attention_heads
     kv = model.head_size
     q, gkv = heads * kv, model.query_groups * kv
@@ -134,18 +135,26 @@ def layer_activation_floats(model, tp: int, batch: int, seq: int, packed: bool =
         rope = 0.0
     if model.qk_layernorm:  # the normalised queries and keys
         split += q + gkv
+    if sp:
+        whole /= tp
+    mlp = mlp_activation_floats(model, tp, sp)
     if packed:
-        return whole + (split + q + 2 * gkv) / tp + rope + mlp_activation_floats(model, tp)
-    return whole + split / tp + seq + rope + mlp_activation_floats(model, tp)
+        return whole + (split + q + 2 * gkv) / tp + rope + mlp
+    return whole + split / tp + seq + rope + mlp
 
 
-def mlp_activation_floats(model, tp: int) -> float:
+def mlp_norm_floats(model, tp: int, sp: bool = False) -> float:
+    """What the MLP half's norm keeps per token (its input and statistics, and fc1's input:
+    the norm's output), each TP rank's part of it under sequence parallelism."""
+    return (2 * model.hidden_size + (1 if model.arch == "llama" else 2)) / (tp if sp else 1)
+
+
+def mlp_activation_floats(model, tp: int, sp: bool = False) -> float:
     """The part of :func:`layer_activation_floats` that the MLP half of a layer keeps per
     token: its norm's input and statistics, fc1's input and output, the activation's
     inputs and fc2's input."""
-    if model.arch == "llama":
-        return 2 * model.hidden_size + 1 + 5 * model.ffn_size / tp
-    return 2 * model.hidden_size + 2 + 2 * model.ffn_size / tp
+    inner = 5 * model.ffn_size if model.arch == "llama" else 2 * model.ffn_size
+    return mlp_norm_floats(model, tp, sp) + inner / tp
 
 
 def chunk_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int,
@@ -161,20 +170,28 @@ def chunk_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: in
     positions only (``response`` of them)."""
     model, tokens = spec.model, batch * seq
     dsize = DTYPE_BYTES[model.params_dtype]
-    cut = speedups.enabled("positions") or span is not None
+    cut = head_cut(spec, span)
     layer = layer_activation_floats(model, spec.layout.tp, batch, seq,
-                                    packed=span is not None) * tokens * dsize
+                                    packed=span is not None, sp=spec.layout.sp) * tokens * dsize
     total = layers * layer - recomputed_bytes(spec, layer, layers=layers, batch=batch,
                                               seq=seq, packed=span is not None)
     # the last MLP is cut, but not under recomputation (its recomputed forward would see
     # no positions)
     if cut and post and layers and not model.fp8.enabled and model.recompute.granularity is None:
-        total -= mlp_activation_floats(model, spec.layout.tp) * batch * (seq - response) * dsize
+        total -= mlp_activation_floats(model, spec.layout.tp, spec.layout.sp) \
+            * batch * (seq - response) * dsize
     if pre:
         total += tokens * 8 * (2 if model.arch == "gpt2" else 1)  # token (and position) ids
     if post:
         total += head_activation_bytes(spec, batch=batch, seq=seq, response=response, cut=cut)
     return total
+
+
+def head_cut(spec: RoleSpec, span: int | None) -> bool:
+    """Whether the head runs at the kept positions only: with ``speedups.positions`` or
+    packed (``span``), and not under sequence parallelism, whose head input is split along
+    the sequence (``models.gpt.RoleModel``)."""
+    return (speedups.enabled("positions") or span is not None) and not spec.layout.sp
 
 
 def head_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int, cut: bool
@@ -186,6 +203,8 @@ def head_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int
     model = spec.model
     dsize = DTYPE_BYTES[model.params_dtype]
     head_tokens = batch * response if cut and not model.fp8.enabled else batch * seq
+    if spec.layout.sp:  # the final norm and the head keep their part of the sequence
+        head_tokens /= spec.layout.tp
     total = (3 * model.hidden_size + 2) * head_tokens * dsize + 12 * batch * response * 4
     if spec.kind == "lm":  # the logits (response's, or all)
         rows = response if cut else seq
@@ -206,6 +225,8 @@ def recomputed_bytes(spec: RoleSpec, layer: float, *, layers: int, batch: int, s
     recompute = model.recompute
     tokens = batch * seq
     hidden = model.hidden_size * tokens * DTYPE_BYTES[model.params_dtype]
+    if spec.layout.sp:  # a group's input: this rank's part of the sequence
+        hidden /= spec.layout.tp
     if recompute.granularity == "full":
         dropped = layers if recompute.method == "uniform" else min(recompute.num_layers, layers)
         kept_inputs = layers // recompute.num_layers if recompute.method == "uniform" \
@@ -213,9 +234,8 @@ def recomputed_bytes(spec: RoleSpec, layer: float, *, layers: int, batch: int, s
         mask = 0 if packed or not dropped else batch * seq * seq
         return dropped * layer - kept_inputs * hidden - mask
     if recompute.granularity == "selective" and "mlp" in recompute.modules:
-        inner = mlp_activation_floats(model, spec.layout.tp) - 2 * model.hidden_size - 1 \
-            if model.arch == "llama" else mlp_activation_floats(model, spec.layout.tp) \
-            - 2 * model.hidden_size - 2
+        tp, sp = spec.layout.tp, spec.layout.sp
+        inner = mlp_activation_floats(model, tp, sp) - mlp_norm_floats(model, tp, sp)
         return layers * inner * tokens * DTYPE_BYTES[model.params_dtype]
     return 0.0
 
@@ -227,7 +247,8 @@ def recompute_peak_bytes(spec: RoleSpec, *, micro: int, seq: int, span: int | No
     block), one layer's MLP (selective ``mlp``)."""
     model = spec.model
     recompute = model.recompute
-    layer = layer_activation_floats(model, spec.layout.tp, micro, seq, packed=span is not None) \
+    layer = layer_activation_floats(model, spec.layout.tp, micro, seq, packed=span is not None,
+                                    sp=spec.layout.sp) \
         * micro * seq * DTYPE_BYTES[model.params_dtype]
     if recompute.granularity == "full":
         return layer * (recompute.num_layers if recompute.method == "uniform" else 1)
@@ -239,7 +260,10 @@ def train_activation_bytes(spec: RoleSpec, *, pp_rank: int, micro: int, micro_ba
                            seq: int, response: int, span: int | None = None) -> float:
     """Peak activations of pipeline rank ``pp_rank``: one micro-batch without a pipeline;
     1F1B holds min(PP - stage, micro-batches); the interleaved schedule holds its warm-up
-    of chunk forwards. ``span``: packed (see :func:`chunk_activation_bytes`)."""
+    of chunk forwards. ``span``: packed (see :func:`chunk_activation_bytes`). Under
+    sequence parallelism a micro-batch runs lengthened to a multiple of TP."""
+    if spec.layout.sp:
+        seq = -(-seq // spec.layout.tp) * spec.layout.tp
     pp, vpp = spec.layout.pp, spec.layout.vpp or 1
     layers = spec.model.num_layers // (pp * vpp)
     per_chunk = [chunk_activation_bytes(
@@ -257,7 +281,7 @@ def train_activation_bytes(spec: RoleSpec, *, pp_rank: int, micro: int, micro_ba
     # last stage's head has freed its part
     peak = recompute_peak_bytes(spec, micro=micro, seq=seq, span=span)
     if peak and pp_rank == pp - 1:
-        cut = speedups.enabled("positions") or span is not None
+        cut = head_cut(spec, span)
         peak = max(0.0, peak - head_activation_bytes(spec, batch=micro, seq=seq,
                                                      response=response, cut=cut))
     return held + peak

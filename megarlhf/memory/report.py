@@ -112,12 +112,13 @@ def format_plan(plan: Plan, capacity: float | None, headroom: float) -> str:
 
 def relayout(specs: dict[str, RoleSpec], cfg: Config, world: int, tp: int, pp: int,
              level: str, recompute: bool = False) -> dict[str, RoleSpec]:
-    """``specs`` with every role at TP x PP (its experts split as they were) and the trained
-    roles offloading at ``level`` (and, with ``recompute``, recomputing every layer in the
-    backward pass); ConfigError when a model does not split that way."""
+    """``specs`` with every role at TP x PP (its experts split as they were; sequence
+    parallelism at TP > 1) and the trained roles offloading at ``level`` (and, with
+    ``recompute``, recomputing every layer in the backward pass); ConfigError when a model
+    does not split that way."""
     out = {}
     for name, spec in specs.items():
-        layout = Layout(tp=tp, pp=pp, ep=spec.layout.ep, etp=spec.layout.etp)
+        layout = Layout(tp=tp, pp=pp, ep=spec.layout.ep, etp=spec.layout.etp, sp=tp > 1)
         model = dataclasses.replace(spec.model, recompute=FULL_RECOMPUTE) \
             if recompute and spec.trained else spec.model
         check_model_layout(spec.where, model, layout, world, trained=spec.trained)
@@ -136,11 +137,11 @@ def layouts_that_fit(cfg: Config, specs: dict[str, RoleSpec], world: int, gpus_p
                      capacity: float, headroom: float, limit: int = 6
                      ) -> list[tuple[int, int, int, bool, str, float]]:
     """(TP, PP, rollout TP, full recomputation of the trained roles, their offload, peak
-    bytes) of uniform layouts that fit: TP within a node; fewest model-parallel ranks
+    bytes) of uniform layouts that fit, with sequence parallelism wherever TP > 1 (it
+    only saves memory): TP within a node; fewest model-parallel ranks
     first, then without recomputation (it costs a forward pass of the layers), then the
     least offloading. The rollout takes the training TP, or a larger one within the node
-    when nothing fits with it (a mixture of experts trains at TP=1, its experts split,
-    but samples unsplit). Without recomputation a trained role keeps its own setting."""
+    when nothing fits with it. Without recomputation a trained role keeps its own setting."""
     found = []
     for tp in (1, 2, 4, 8, 16):
         if tp > gpus_per_node or world % tp:
@@ -195,6 +196,7 @@ def explain(cfg: Config, world: int, capacity: float, gpus_per_node: int,
                 text += (f"\n  parallel.tensor_model_parallel_size={tp} "
                          f"parallel.pipeline_model_parallel_size={pp} "
                          f"rollout.tensor_parallel_size={rollout_tp}"
+                         + (" parallel.sequence_parallel=true" if tp > 1 else "")
                          + "".join(f" roles.{name}.offload={level}" for name in trained)
                          + ("".join(f" roles.{name}.model.recompute.granularity=full"
                                     for name in trained) if recompute else "")
