@@ -62,6 +62,7 @@ def one_process_ref(task, tmp_path_factory):
     return losses(out, "ref")
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name, extra", [
     ("vpp2", ["parallel.pipeline_model_parallel_size=2",
               "parallel.virtual_pipeline_model_parallel_size=2"]),

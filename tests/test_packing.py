@@ -6,6 +6,9 @@ long-tailed lengths at TP=2, PP=2, PP=2 with VPP=2, DP=2, TP=2 x PP=2 and PP=2 x
 llama), and at one process and TP=2 (GPT-2, whose learned positions read the position ids):
 the experience passes (log-probs, entropy, values, last values), then one update of actor
 and critic whose old log-probs are the packed pass's, regrouped at another token budget.
+Sequence parallelism (issue 57) runs the same cases at TP=2 (the extended tier: with PP=2,
+and with full recomputation at DP=2), micro-batches of odd lengths included, and a
+Qwen3-MoE-shaped model trains at TP=2 x EP=2 with it against its own single process.
 """
 
 import os
@@ -257,14 +260,23 @@ def layouts(tmp_path_factory):
     return Layouts(str(tmp_path_factory.mktemp("packing")))
 
 
+# "+sp": sequence parallelism; "+full": full recomputation too (issue 57)
 CASES = [("llama", 1, 1, 1, 1), ("llama", 2, 1, 1, 1), ("llama", 1, 2, 1, 1),
          ("llama", 1, 2, 2, 1), ("llama", 1, 1, 1, 2), ("llama", 2, 2, 1, 1),
-         ("llama", 1, 2, 1, 2), ("gpt2", 1, 1, 1, 1), ("gpt2", 2, 1, 1, 1)]
+         ("llama", 1, 2, 1, 2), ("gpt2", 1, 1, 1, 1), ("gpt2", 2, 1, 1, 1),
+         ("llama+sp", 2, 1, 1, 1), ("llama+sp", 2, 2, 1, 1), ("llama+sp+full", 2, 1, 1, 2),
+         ("qwen3moe", 1, 1, 1, 1), ("qwen3moe+sp+ep2", 2, 1, 1, 1)]
 IDS = "{}-tp{}-pp{}-vpp{}-dp{}".format
-# the 4-process combinations (TP=2 x PP=2, PP=2 x DP=2) in the extended tier: the fast
-# tier keeps every dimension alone (and never starts the 4-process worker)
+# the 4-process combinations (TP=2 x PP=2, PP=2 x DP=2, SP x PP=2, SP x recomputation x
+# DP=2) in the extended tier: the fast tier keeps every dimension alone (and never starts
+# the 4-process worker)
 TIERED = [pytest.param(c, marks=pytest.mark.extended if c[1] * c[2] * c[4] == 4 else ())
           for c in CASES]
+
+
+def reference(layouts, case) -> dict:
+    """The single-process padded run of the case's architecture."""
+    return layouts[(case[0].split("+")[0], 1, 1, 1, 1)]
 
 
 def close(a, b, what):
@@ -276,7 +288,9 @@ def close(a, b, what):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", TIERED, ids=lambda c: IDS(*c))
 def test_packed_passes_equal_the_single_process_padded_ones(layouts, case):
-    ref, got = layouts[(case[0], 1, 1, 1, 1)], layouts[case]
+    ref, got = reference(layouts, case), layouts[case]
+    on, marked = got["sequence_parallel"]
+    assert on == ("+sp" in case[0]) and (marked > 0) == on, got["sequence_parallel"]
     for key in ("logprobs", "entropy", "values", "last"):
         close(got["forward"][True][key], ref["forward"][False][key], key)
     # the same layout's padded pass too (the worker's long tail: most positions padding)
@@ -291,7 +305,7 @@ def test_packed_update_equals_the_padded_one(layouts, case, role):
     """Every loss as the metrics report it (its sum over the mini-batch over the loss
     count), the token counts, the global gradient norm (against one padded process), and
     each parameter shard's gradient (against the padded update at the same layout)."""
-    ref, got = layouts[(case[0], 1, 1, 1, 1)][role], layouts[case][role]
+    ref, got = reference(layouts, case)[role], layouts[case][role]
     logs, want = got["packed"]["logs"], ref["padded"]["logs"]
     assert set(logs) == set(want)
     assert logs["tokens"] == want["tokens"] and logs["loss_count"] == want["loss_count"]
@@ -322,7 +336,7 @@ def test_packed_supervised_losses_equal_the_padded_ones(layouts, case, task):
     ``stages.supervised.micro_batches`` packs (shares balanced by tokens, whole pairs per
     micro-batch) against padded ones of 2 samples in one process: every summed log, the
     gradient norm, and each gradient shard against the padded pass at the same layout."""
-    ref = layouts[(case[0], 1, 1, 1, 1)]["supervised"][task]
+    ref = reference(layouts, case)["supervised"][task]
     got = layouts[case]["supervised"][task]
     logs, want = got["packed"]["logs"], ref["padded"]["logs"]
     assert set(logs) == set(want)

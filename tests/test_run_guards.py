@@ -176,7 +176,7 @@ def test_a_short_run_that_went_wrong_does_not_end_done(tiny_checkpoints):
     assert "[ppo] done" not in proc.stdout
 
 
-@pytest.mark.parametrize("lr", ["5e-4", "1e6"])
+@pytest.mark.parametrize("lr", [pytest.param("5e-4", marks=pytest.mark.extended), "1e6"])
 def test_a_metric_out_of_its_band_stops_the_run(tiny_checkpoints, lr):
     """PPO at optimizer.lr=1e6 for 2 iterations (the issue's run: the policy is wrecked in
     the first update, its KL from the reference jumps): with a KL band, exit 2 naming the

@@ -123,7 +123,8 @@ def test_transformers_greedy_generation_equals_megarlhf(walk):
 
 @pytest.mark.parametrize("layout", [["parallel.tensor_model_parallel_size=2",
                                      "rollout.tensor_parallel_size=2"],
-                                    ["parallel.pipeline_model_parallel_size=2"]])
+                                    pytest.param(["parallel.pipeline_model_parallel_size=2"],
+                                                 marks=pytest.mark.extended)])
 def test_generate_at_other_layouts_equals_one_process(walk, layout):
     one, _ = _megarlhf_greedy(walk, 1)
     two, _ = _megarlhf_greedy(walk, 2, *layout)

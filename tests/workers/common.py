@@ -15,12 +15,17 @@ from megarlhf.parallel.launch import init_distributed
 QWEN3_FIELDS = ("model.head_dim=32", "model.qk_layernorm=true", "model.rope_scaling.type=llama3",
                 "model.rope_scaling.factor=4",
                 "model.rope_scaling.original_max_position_embeddings=8")
-FAMILIES = {"llama": ("llama", ()), "gpt2": ("gpt2", ()), "qwen3": ("llama", QWEN3_FIELDS)}
+# A Qwen3-MoE-shaped one: 4 experts, top 2, no load-balancing loss (a padded pass's routers
+# would count the padding tokens a packed one does not feed).
+MOE_FIELDS = (*QWEN3_FIELDS, "model.moe.num_experts=4", "model.moe.top_k=2",
+              "model.moe.ffn_hidden_size=32", "model.moe.aux_loss_coeff=0")
+FAMILIES = {"llama": ("llama", ()), "gpt2": ("gpt2", ()), "qwen3": ("llama", QWEN3_FIELDS),
+            "qwen3moe": ("llama", MOE_FIELDS)}
 
 
 def make_config(arch: str, tp: int, pp: int, *, vocab: int = 300, layers: int = 4,
                 hidden: int = 64, extra: tuple = ()):
-    """A tiny model config; ``arch`` is a key of FAMILIES (llama, gpt2, qwen3)."""
+    """A tiny model config; ``arch`` is a key of FAMILIES (llama, gpt2, qwen3, qwen3moe)."""
     arch, fields = FAMILIES[arch]
     extra = (*fields, *extra)
     return load_config(None, [

@@ -41,6 +41,7 @@ from megarlhf.stages.rm import packed_pairs, pair_microbatches, pair_tokens  # n
 from megarlhf.stages.sft import make_microbatches  # noqa: E402
 from megarlhf.stages.supervised import SupervisedTask, micro_batches  # noqa: E402
 from megarlhf.inference.generate import Generation, left_pad  # noqa: E402
+from megarlhf.models.gpt import unwrap  # noqa: E402
 from megarlhf.rollout.scoring import (packed_batch_fn, sequence_batch_fn,  # noqa: E402
                                       sequence_lengths)
 from megarlhf.ppo.learner import (dp_share, experience_batches,  # noqa: E402
@@ -53,11 +54,19 @@ RESPONSE_LENS = [1, 2, 3, 41, 5, 1, 9, 2, 50, 4, 17, 3]  # long-tailed
 # exchange their shapes (and the interleaved schedule over gloo pads them to one).
 FORWARD_BUDGET, TRAIN_BUDGET = 90, 70
 # (arch, tp, pp, vpp); DP is what the world leaves. GPT-2's learned positions read the
-# position ids (a llama's rotary positions restart from cu_seqlens).
-LAYOUTS = {1: [("llama", 1, 1, 1), ("gpt2", 1, 1, 1)],
+# position ids (a llama's rotary positions restart from cu_seqlens). An arch's "+sp"
+# turns on sequence parallelism, "+full" full recomputation (one layer a group), "+ep2"
+# the experts over two ranks, whole on each (a mixture of experts at TP=2 x EP=2 on two
+# processes).
+LAYOUTS = {1: [("llama", 1, 1, 1), ("gpt2", 1, 1, 1), ("qwen3moe", 1, 1, 1)],
            2: [("llama", 2, 1, 1), ("llama", 1, 2, 1), ("llama", 1, 2, 2), ("llama", 1, 1, 1),
-               ("gpt2", 2, 1, 1)],
-           4: [("llama", 2, 2, 1), ("llama", 1, 2, 1)]}
+               ("gpt2", 2, 1, 1), ("llama+sp", 2, 1, 1), ("qwen3moe+sp+ep2", 2, 1, 1)],
+           4: [("llama", 2, 2, 1), ("llama", 1, 2, 1), ("llama+sp", 2, 2, 1),
+               ("llama+sp+full", 2, 1, 1)]}
+LEVERS = {"sp": ["parallel.sequence_parallel=true"],
+          "ep2": ["parallel.expert_model_parallel_size=2",
+                  "parallel.expert_tensor_parallel_size=1"],
+          "full": ["model.recompute.granularity=full", "model.recompute.num_layers=1"]}
 
 
 def generation() -> Generation:
@@ -221,11 +230,18 @@ def case(arch, tp, pp, vpp) -> dict:
              "optimizer.use_distributed_optimizer=false"]
     if vpp > 1:
         extra.append(f"parallel.virtual_pipeline_model_parallel_size={vpp}")
+    arch, *levers = arch.split("+")
+    for lever in levers:
+        extra.extend(LEVERS[lever])
     cfg = make_config(arch, tp, pp, extra=tuple(extra))
     actor = build(cfg, "lm", trained=True)
     critic = build(cfg, "value", trained=True, seed_offset=2)
     gen = generation()
-    out = {"forward": {}}
+    core = unwrap(actor.chunks[0])
+    # what reached megatron: its config, and the norms whose gradients it sums over TP
+    out = {"forward": {}, "sequence_parallel": (
+        core.config.sequence_parallel,
+        sum(getattr(p, "sequence_parallel", False) for p in core.parameters()))}
     for packed in (False, True):
         out["forward"][packed] = {**passes(actor, gen, packed), **passes(critic, gen, packed)}
     fwd = out["forward"][True]
