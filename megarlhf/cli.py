@@ -180,9 +180,13 @@ def cmd_plan(args) -> int:
     print(f"megarlhf plan: PPO of {args.config} on {nodes} node(s) x {gpus} GPU(s) = "
           f"{world} processes")
     if capacity is None:
+        if args.search:
+            raise ConfigError("megarlhf plan --search needs the GPUs' memory: --gpu-memory "
+                              "(e.g. 80GiB) or launch.gpu_memory_gib")
         print(format_plan(plan_ppo(cfg, world, written=args.written), None, args.headroom))
         return 0
-    ok, text = explain(cfg, world, capacity, gpus, args.headroom, written=args.written)
+    ok, text = explain(cfg, world, capacity, gpus, args.headroom, written=args.written,
+                       search=args.search)
     print(text)
     return 0 if ok else 1
 
@@ -362,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
         "gradients, optimizer state and the KV cache exactly (megatron's padded buffers "
         "and distributed-optimizer shards included), activations and transient logits as "
         "estimates. Says whether the run fits the GPUs, names the largest consumer, and "
-        "when it does not fit lists uniform layouts and offload levels that would. "
+        "when it does not fit (or with --search) lists the cheapest uniform layouts, "
+        "recomputation, offload levels and micro-batches that would. "
         "Roles whose checkpoints do not exist yet are sized from the config's model "
         "(model.* and roles.<name>.model.*). Runs in one process; no GPU needed. Exit "
         "status 1 when it does not fit.\n\nexample (an 8B actor, critic and reference and "
@@ -381,6 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--headroom", type=float, default=0.1,
                       help="fraction of GPU memory kept for the CUDA context, NCCL and "
                       "fragmentation (default 0.1)")
+    plan.add_argument("--search", action="store_true",
+                      help="list the cheapest uniform layouts that fit even when the "
+                      "config does: TP x PP (sequence parallelism at TP > 1), the rollout's "
+                      "TP, full recomputation, the trained roles' offload and the "
+                      "micro-batch (needs --gpu-memory or launch.gpu_memory_gib)")
     plan.set_defaults(func=cmd_plan)
     gen = sub.add_parser(
         "generate", help="sample from a checkpoint (any layout) with the rollout settings",

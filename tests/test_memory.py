@@ -252,6 +252,34 @@ def test_plan_command_sizes_an_8b_run_and_suggests_layouts():
         in bad.stdout
 
 
+def test_plan_search_lists_the_cheapest_layouts_that_fit():
+    """``--search`` lists layouts even when the config fits (exit 0), cheapest first:
+    fewest model-parallel ranks, sequence parallelism at TP > 1, and a smaller micro-batch
+    where only that makes a layout fit (TP=1 x PP=2: micro-batch 1, the optimizer
+    offloaded). Each listed layout's own plan fits. Without a GPU size it is an error."""
+    from megarlhf.config import read_config
+    from megarlhf.memory.estimates import GIB
+    from megarlhf.memory.plan import plan_ppo
+    proc = run_cli("plan", "configs/plan_8b.yaml", "--gpu-memory", "80GiB", "--search")
+    assert "fits: 80.0 GiB" in proc.stdout
+    listed = [line.split("  (peak")[0].split() for line in
+              proc.stdout.split("layouts that fit on these GPUs")[1].splitlines()[1:]
+              if line.startswith("  parallel.")]
+    assert len(listed) >= 4
+    ranks = [int(w[0].split("=")[1]) * int(w[1].split("=")[1]) for w in listed]
+    assert ranks == sorted(ranks)
+    assert all(("parallel.sequence_parallel=true" in w)
+               == (w[0] != "parallel.tensor_model_parallel_size=1") for w in listed)
+    smaller = [w for w in listed if "ppo.micro_batch_size=1" in w]
+    assert smaller and "parallel.pipeline_model_parallel_size=2" in smaller[0]
+    for words in (listed[0], smaller[0]):
+        cfg, written = read_config("configs/plan_8b.yaml", words)
+        assert plan_ppo(cfg, 16, written=written).worst()[0] <= 0.9 * 80 * GIB
+    bad = run_cli("plan", "configs/plan_8b.yaml", "--search", "launch.gpu_memory_gib=null",
+                  check=False)
+    assert bad.returncode != 0 and "--search needs the GPUs' memory" in bad.stderr + bad.stdout
+
+
 @pytest.mark.extended
 def test_the_plans_search_recomputes_when_activations_do_not_fit():
     """The 8B example at 1k + 15k tokens, micro-batch 1: 60.0 GiB of actor activations per

@@ -4,6 +4,7 @@ layouts, offload levels and recomputation that would when it does not."""
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from megarlhf.config import (
     Config, ConfigError, Layout, RecomputeConfig, Written, check_model_layout,
@@ -133,15 +134,51 @@ def relayout(specs: dict[str, RoleSpec], cfg: Config, world: int, tp: int, pp: i
 FULL_RECOMPUTE = RecomputeConfig(granularity="full", method="uniform", num_layers=1)
 
 
+class Fit(NamedTuple):
+    """One answer of the search: a uniform layout and the settings that make it fit."""
+
+    tp: int
+    pp: int
+    rollout_tp: int
+    recompute: bool  # full recomputation of the trained roles
+    offload: str  # the trained roles' offload level
+    micro_batch: int  # ppo.micro_batch_size
+    peak: float  # bytes, the plan's largest rank and phase
+
+    def overrides(self, cfg: Config, trained: list[str]) -> str:
+        """The command-line overrides that select it."""
+        text = (f"parallel.tensor_model_parallel_size={self.tp} "
+                f"parallel.pipeline_model_parallel_size={self.pp} "
+                f"rollout.tensor_parallel_size={self.rollout_tp}"
+                + (" parallel.sequence_parallel=true" if self.tp > 1 else "")
+                + "".join(f" roles.{name}.offload={self.offload}" for name in trained))
+        if self.recompute:
+            text += "".join(f" roles.{name}.model.recompute.granularity=full"
+                            for name in trained)
+        if self.micro_batch != cfg.ppo.micro_batch_size:
+            text += f" ppo.micro_batch_size={self.micro_batch}"
+        return text
+
+
+def micro_batches(cfg: Config) -> list[int]:
+    """``ppo.micro_batch_size`` and its halves down to 1: what the search may lower."""
+    out, m = [], cfg.ppo.micro_batch_size
+    while m >= 1:
+        out.append(m)
+        m //= 2
+    return out
+
+
 def layouts_that_fit(cfg: Config, specs: dict[str, RoleSpec], world: int, gpus_per_node: int,
-                     capacity: float, headroom: float, limit: int = 6
-                     ) -> list[tuple[int, int, int, bool, str, float]]:
-    """(TP, PP, rollout TP, full recomputation of the trained roles, their offload, peak
-    bytes) of uniform layouts that fit, with sequence parallelism wherever TP > 1 (it
-    only saves memory): TP within a node; fewest model-parallel ranks
-    first, then without recomputation (it costs a forward pass of the layers), then the
-    least offloading. The rollout takes the training TP, or a larger one within the node
-    when nothing fits with it. Without recomputation a trained role keeps its own setting."""
+                     capacity: float, headroom: float, limit: int = 6) -> list[Fit]:
+    """Uniform layouts that fit, with sequence parallelism wherever TP > 1 (it only saves
+    memory), cheapest first: TP within a node; fewest model-parallel ranks first, then
+    without recomputation (it costs a forward pass of the layers), then the least
+    offloading, then the largest micro-batch. At each layout the first that fits of:
+    without and then with full recomputation, each at the offload levels from none up,
+    each with the micro-batch from the configured one halved down to 1. The rollout takes the training TP, or a larger one
+    within the node when nothing fits with it. Without recomputation a trained role keeps
+    its own setting."""
     found = []
     for tp in (1, 2, 4, 8, 16):
         if tp > gpus_per_node or world % tp:
@@ -156,30 +193,40 @@ def layouts_that_fit(cfg: Config, specs: dict[str, RoleSpec], world: int, gpus_p
                 if fit is not None:
                     found.append(fit)
                     break
-    found.sort(key=lambda f: (f[0] * f[1], f[3], OFFLOAD_LEVELS.index(f[4]), f[2]))
+    found.sort(key=lambda f: (f.tp * f.pp, f.recompute, OFFLOAD_LEVELS.index(f.offload),
+                              -f.micro_batch, f.rollout_tp))
     return found[:limit]
 
 
 def _first_fit(cfg: Config, specs: dict[str, RoleSpec], world: int, tp: int, pp: int,
-               rollout_tp: int, usable: float) -> tuple[int, int, int, bool, str, float] | None:
+               rollout_tp: int, usable: float) -> Fit | None:
     """The first of (no recomputation, full recomputation) x the offload levels, least
-    first, whose plan's peak is within ``usable`` bytes at this layout."""
+    first, x the micro-batch from the configured one down, whose plan's peak is within
+    ``usable`` bytes at this layout."""
     for recompute in (False, True):
         for level in OFFLOAD_LEVELS:
             try:
-                plan = plan_ppo(cfg, world, rollout_tp=rollout_tp, specs=relayout(
-                    specs, cfg, world, tp, pp, level, recompute))
+                relaid = relayout(specs, cfg, world, tp, pp, level, recompute)
             except (ConfigError, ValueError):
                 return None
-            peak = plan.worst()[0]
-            if peak <= usable:
-                return tp, pp, rollout_tp, recompute, level, peak
+            for micro in micro_batches(cfg):
+                try:
+                    smaller = dataclasses.replace(
+                        cfg, ppo=dataclasses.replace(cfg.ppo, micro_batch_size=micro))
+                    plan = plan_ppo(smaller, world, rollout_tp=rollout_tp, specs=relaid)
+                except (ConfigError, ValueError):
+                    continue
+                peak = plan.worst()[0]
+                if peak <= usable:
+                    return Fit(tp, pp, rollout_tp, recompute, level, micro, peak)
     return None
 
 
 def explain(cfg: Config, world: int, capacity: float, gpus_per_node: int,
-            headroom: float = 0.1, written: Written | None = None) -> tuple[bool, str]:
-    """(fits, the plan's report with the layouts that would fit when it does not)."""
+            headroom: float = 0.1, written: Written | None = None, search: bool = False
+            ) -> tuple[bool, str]:
+    """(fits, the plan's report with the layouts that would fit when it does not, or
+    always with ``search``)."""
     plan = plan_ppo(cfg, world, written=written)
     ok = fits(plan, capacity, headroom)
     text = format_plan(plan, capacity, headroom)
@@ -187,20 +234,14 @@ def explain(cfg: Config, world: int, capacity: float, gpus_per_node: int,
     if missing:
         text += ("\nnot on this machine, sized from the config's model: "
                  + ", ".join(missing))
-    if not ok:
+    if search or not ok:
         options = layouts_that_fit(cfg, plan.specs, world, gpus_per_node, capacity, headroom)
         if options:
             text += "\nlayouts that fit on these GPUs (every role):"
             trained = [name for name in ("actor", "critic") if name in plan.specs]
-            for tp, pp, rollout_tp, recompute, level, peak in options:
-                text += (f"\n  parallel.tensor_model_parallel_size={tp} "
-                         f"parallel.pipeline_model_parallel_size={pp} "
-                         f"rollout.tensor_parallel_size={rollout_tp}"
-                         + (" parallel.sequence_parallel=true" if tp > 1 else "")
-                         + "".join(f" roles.{name}.offload={level}" for name in trained)
-                         + ("".join(f" roles.{name}.model.recompute.granularity=full"
-                                    for name in trained) if recompute else "")
-                         + f"  (peak {peak / _unit(peak)[1]:.1f} {_unit(peak)[0]})")
+            for fit in options:
+                unit, scale = _unit(fit.peak)
+                text += f"\n  {fit.overrides(cfg, trained)}  (peak {fit.peak / scale:.1f} {unit})"
         else:
             text += ("\nno uniform layout of TP x PP on these GPUs fits: more GPUs, smaller "
                      "micro-batches or shorter sequences")
