@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 _MASKED = -1e30  # finite, so 0 * log p stays 0 in the entropy
 
@@ -127,28 +128,76 @@ class _VocabParallelLogprob(torch.autograd.Function):
         logits, target, entropy = ctx.saved_tensors
         if grad_logprob is None and grad_entropy is None:
             return None, None, None, None, None, None
-        group, temperature, true_vocab = ctx.group, ctx.temperature, ctx.true_vocab
         B, T = target.shape
         out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for s in _spans(T, B, ctx.chunk):
-            scaled = _scaled(logits[:, s], temperature, true_vocab, group)
-            _, _, probs, log_p, target_mask, local_target = _parts(scaled, target[:, s], group)
-            g_lp = None if grad_logprob is None else grad_logprob[:, s]
-            if grad_entropy is None:
-                grad = probs * (-g_lp).unsqueeze(-1)
-            else:
-                coef = -grad_entropy[:, s] * entropy[:, s]
-                if g_lp is not None:
-                    coef = coef - g_lp
-                grad = torch.addcmul(coef.unsqueeze(-1), log_p, -grad_entropy[:, s].unsqueeze(-1))
-                grad.mul_(probs)
-            if g_lp is not None:
-                flat = grad.view(-1, grad.shape[-1])
-                rows = torch.arange(flat.shape[0], device=flat.device)
-                hit = (~target_mask).view(-1).to(flat.dtype)
-                flat[rows, local_target.reshape(-1)] += hit * g_lp.reshape(-1)
-            out[:, s] = _unscaled_grad(grad, temperature, true_vocab, group)
+            out[:, s] = _chunk_grad(ctx, logits[:, s], target[:, s], grad_logprob, grad_entropy,
+                                    entropy, s)
         return out, None, None, None, None, None
+
+
+def _chunk_grad(ctx, logits, target, grad_logprob, grad_entropy, entropy, s):
+    """The gradient of (log-prob, entropy) in one chunk ``s`` of positions of the raw
+    ``logits`` (fp32; see :class:`_VocabParallelLogprob`)."""
+    group, temperature, true_vocab = ctx.group, ctx.temperature, ctx.true_vocab
+    scaled = _scaled(logits, temperature, true_vocab, group)
+    _, _, probs, log_p, target_mask, local_target = _parts(scaled, target, group)
+    g_lp = None if grad_logprob is None else grad_logprob[:, s]
+    if grad_entropy is None:
+        grad = probs * (-g_lp).unsqueeze(-1)
+    else:
+        coef = -grad_entropy[:, s] * entropy[:, s]
+        if g_lp is not None:
+            coef = coef - g_lp
+        grad = torch.addcmul(coef.unsqueeze(-1), log_p, -grad_entropy[:, s].unsqueeze(-1))
+        grad.mul_(probs)
+    if g_lp is not None:
+        flat = grad.view(-1, grad.shape[-1])
+        rows = torch.arange(flat.shape[0], device=flat.device)
+        hit = (~target_mask).view(-1).to(flat.dtype)
+        flat[rows, local_target.reshape(-1)] += hit * g_lp.reshape(-1)
+    return _unscaled_grad(grad, temperature, true_vocab, group)
+
+
+class _HeadLogprob(torch.autograd.Function):
+    """(log-prob of the target, entropy) per position from the hidden states the LM head
+    reads and this rank's shard of the head's weight, a chunk of positions at a time: the
+    logits exist for one chunk, forward and backward (which computes them again), so the
+    head's memory is one chunk's, not positions x vocabulary. Returns the gradient of the
+    hidden states this rank's shard gives (the caller sums them over TP) and of the
+    weight. Per chunk the arithmetic of the head's matmul and :class:`_VocabParallelLogprob`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, group, temperature, true_vocab, chunk):
+        ctx.set_materialize_grads(False)
+        B, T = target.shape
+        outs = [_parts(_scaled(F.linear(hidden[:, s], weight), temperature, true_vocab, group),
+                       target[:, s], group)[:2] for s in _spans(T, B, chunk)]
+        empty = hidden.new_zeros((B, 0), dtype=torch.float32)
+        logprob = torch.cat([o[0] for o in outs], dim=1) if outs else empty
+        entropy = torch.cat([o[1] for o in outs], dim=1) if outs else empty
+        ctx.save_for_backward(hidden, weight, target, entropy)
+        ctx.group, ctx.temperature, ctx.true_vocab, ctx.chunk = group, temperature, \
+            true_vocab, chunk
+        return logprob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        hidden, weight, target, entropy = ctx.saved_tensors
+        if grad_logprob is None and grad_entropy is None:
+            return None, None, None, None, None, None, None
+        B, T = target.shape
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight)
+        for s in _spans(T, B, ctx.chunk):
+            part = hidden[:, s]
+            logits = F.linear(part, weight)
+            grad = _chunk_grad(ctx, logits, target[:, s], grad_logprob, grad_entropy, entropy,
+                               s).to(logits.dtype)
+            grad_hidden[:, s] = grad @ weight
+            grad_weight.addmm_(grad.reshape(-1, grad.shape[-1]).t(),
+                               part.reshape(-1, part.shape[-1]))
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _unscaled_grad(grad, temperature: float, true_vocab: int | None, tp_group):
@@ -178,6 +227,18 @@ def vocab_parallel_logprobs(logits_BTV: torch.Tensor, target_BT: torch.Tensor, *
     """
     return _VocabParallelLogprob.apply(logits_BTV, target_BT, tp_group, temperature,
                                        true_vocab, chunk or CHUNK_TOKENS)
+
+
+def head_logprobs(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, target_BT: torch.Tensor,
+                  *, tp_group=None, temperature: float = 1.0, true_vocab: int | None = None,
+                  chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`vocab_parallel_logprobs` of the logits ``hidden_BTH @ weight_VH^T`` (the LM
+    head: this rank's (V/tp, H) shard of its weight) without making them: ``chunk``
+    positions at a time, forward and backward. ``hidden_BTH`` is the head's input, whole
+    on every TP rank (``models.gpt.RoleModel``'s deferred head hands it over with its
+    gradient summed over TP)."""
+    return _HeadLogprob.apply(hidden_BTH, weight_VH, target_BT, tp_group, temperature,
+                              true_vocab, chunk or CHUNK_TOKENS)
 
 
 @torch.no_grad()
