@@ -14,12 +14,13 @@ from megarlhf.data.packing import unpack
 from megarlhf.engine.schedule import lengthen
 from megarlhf.models import moe
 from megarlhf.models.gpt import unwrap
-from megarlhf.models.logprobs import vocab_parallel_logprobs
+from megarlhf.models.logprobs import head_logprobs, vocab_parallel_logprobs
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
 
 
-def model_forward(model, batch: dict, positions: slice | torch.Tensor | None = None):
+def model_forward(model, batch: dict, positions: slice | torch.Tensor | None = None, *,
+                  hidden: bool = False):
     """``model`` on one micro-batch, its outputs (logits or values) at sequence
     ``positions`` only (all when None; see ``models.gpt.RoleModel``). A packed micro-batch
     (``cu_seqlens``, ``data.packing``) runs in megatron-core's THD format. A
@@ -27,8 +28,13 @@ def model_forward(model, batch: dict, positions: slice | torch.Tensor | None = N
     experts this pass chooses are compared with ``rollout_routing`` and, with
     ``routing_rows`` (the batch's row indices), kept (``models.moe``). Under sequence
     parallelism the model runs the micro-batch lengthened to a multiple of TP and the last
-    stage returns the outputs of its own positions."""
+    stage returns the outputs of its own positions. ``hidden``: an LM's last stage returns
+    the head's input instead of the logits, for :func:`token_logprobs` (the head applied a
+    chunk of positions at a time)."""
     core = unwrap(model)
+    if hidden:
+        with core.hidden_out():
+            return model_forward(model, batch, positions)
     length = batch["tokens"].shape[1]
     split = core.config.tensor_model_parallel_size if core.config.sequence_parallel else 1
     if length % split:
@@ -80,19 +86,33 @@ def attention_inputs(model, batch: dict) -> tuple[torch.Tensor | None, dict]:
         max_seqlen_kv=longest)}
 
 
+def token_logprobs(model, out: torch.Tensor, target: torch.Tensor, *, tp_group,
+                   true_vocab: int | None, temperature: float = 1.0, logits: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropy) of ``target`` from an LM's last-stage output: the head's input
+    (``model_forward(..., hidden=True)``), the head's logits made a chunk of positions at a
+    time (``models.logprobs.head_logprobs``); or, with ``logits``, the logits the head
+    made."""
+    if logits:
+        return vocab_parallel_logprobs(out, target, tp_group=tp_group, temperature=temperature,
+                                       true_vocab=true_vocab)
+    return head_logprobs(out, unwrap(model).head_weight(), target, tp_group=tp_group,
+                         temperature=temperature, true_vocab=true_vocab)
+
+
 def make_score_step(role: str, *, tp_group, true_vocab: int, temperature: float = 1.0):
     """Forward-only step returning per-token log-probs and entropy of ``tokens[:, 1:]``
     (role ``lm``) or per-token values (role ``value``) from the last stage."""
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model_forward(model, batch)
+        output = model_forward(model, batch, hidden=True)
 
         def loss_func(output_tensor, non_loss_data=True):
             if role == "value":
                 return {"values": output_tensor.squeeze(-1).float()}  # (B, T)
-            logprobs_BT, entropy_BT = vocab_parallel_logprobs(
-                output_tensor[:, :-1], batch["tokens"][:, 1:], tp_group=tp_group,
+            logprobs_BT, entropy_BT = token_logprobs(
+                model, output_tensor[:, :-1], batch["tokens"][:, 1:], tp_group=tp_group,
                 temperature=temperature, true_vocab=true_vocab)
             return {"logprobs": logprobs_BT, "entropy": entropy_BT}
 
@@ -101,18 +121,18 @@ def make_score_step(role: str, *, tp_group, true_vocab: int, temperature: float 
     return forward_step
 
 
-def weighted_logprobs(logits, batch: dict, *, tp_group, true_vocab: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def weighted_logprobs(model, out, batch: dict, *, tp_group, true_vocab: int,
+                      logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, weights) of the next tokens a supervised loss reads, (B, S - 1) each of
     a padded micro-batch (``loss_mask`` weighs each position), or of a packed one
     (``data.packing.pack_weighted``) the kept outputs in its (B, width) ``grid``: a row's
-    weighted sum is the same either way."""
+    weighted sum is the same either way. ``out`` as :func:`token_logprobs` takes it."""
     if "keep" in batch:
-        logprobs, _ = vocab_parallel_logprobs(logits, batch["targets"], tp_group=tp_group,
-                                              true_vocab=true_vocab)
+        logprobs, _ = token_logprobs(model, out, batch["targets"], tp_group=tp_group,
+                                     true_vocab=true_vocab, logits=logits)
         return unpack(logprobs, batch), batch["loss_mask"]
-    logprobs, _ = vocab_parallel_logprobs(logits[:, :-1], batch["tokens"][:, 1:],
-                                          tp_group=tp_group, true_vocab=true_vocab)
+    logprobs, _ = token_logprobs(model, out[:, :-1], batch["tokens"][:, 1:], tp_group=tp_group,
+                                 true_vocab=true_vocab, logits=logits)
     return logprobs, batch["loss_mask"][:, :-1]
 
 
@@ -123,10 +143,10 @@ def make_lm_loss_step(*, tp_group, true_vocab: int):
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model_forward(model, batch, batch.get("keep"))
+        output = model_forward(model, batch, batch.get("keep"), hidden=True)
 
-        def loss_func(logits_BSV, non_loss_data=False):
-            logprobs_BS, weights = weighted_logprobs(logits_BSV, batch, tp_group=tp_group,
+        def loss_func(hidden, non_loss_data=False):
+            logprobs_BS, weights = weighted_logprobs(model, hidden, batch, tp_group=tp_group,
                                                      true_vocab=true_vocab)
             loss_sum = -(logprobs_BS * weights).sum()
             num_tokens = weights.sum()
@@ -205,7 +225,8 @@ def make_sequence_step(kind: str, *, prompt_len: int, tp_group=None, true_vocab:
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         packed = "keep" in batch
-        output = model_forward(model, batch, batch["keep"] if packed else response_positions)
+        output = model_forward(model, batch, batch["keep"] if packed else response_positions,
+                               hidden=True)
 
         def loss_func(out, non_loss_data=True):
             if kind == "value" and packed:  # out: (1, K, 1)
@@ -215,8 +236,8 @@ def make_sequence_step(kind: str, *, prompt_len: int, tp_group=None, true_vocab:
                 rows = torch.arange(out.shape[0], device=out.device)
                 return {"values": out[:, :-1, 0].float(),
                         "last": out[rows, batch["last_index"] - (P - 1), 0].float()}
-            logprobs, entropy = vocab_parallel_logprobs(
-                out, batch["targets"] if packed else batch["tokens"][:, P:],
+            logprobs, entropy = token_logprobs(
+                model, out, batch["targets"] if packed else batch["tokens"][:, P:],
                 tp_group=tp_group, temperature=temperature, true_vocab=true_vocab)
             if packed:
                 logprobs, entropy = unpack(logprobs, batch), unpack(entropy, batch)
@@ -246,14 +267,14 @@ def make_policy_step(*, prompt_len: int, tp_group, true_vocab: int, temperature:
 
     P = prompt_len
 
-    def ptx_loss(logits, batch):
+    def ptx_loss(model, hidden, batch):
         if "keep" in batch:  # packed rows (data.packing.pack_weighted)
-            logprobs_BS, _ = vocab_parallel_logprobs(logits, batch["targets"],
-                                                     tp_group=tp_group, true_vocab=true_vocab)
+            logprobs_BS, _ = token_logprobs(model, hidden, batch["targets"], tp_group=tp_group,
+                                            true_vocab=true_vocab)
             logprobs_BS, weights = unpack(logprobs_BS, batch), batch["ptx_loss_mask"]
         else:
-            logprobs_BS, _ = vocab_parallel_logprobs(logits[:, :-1], batch["tokens"][:, 1:],
-                                                     tp_group=tp_group, true_vocab=true_vocab)
+            logprobs_BS, _ = token_logprobs(model, hidden[:, :-1], batch["tokens"][:, 1:],
+                                            tp_group=tp_group, true_vocab=true_vocab)
             weights = batch["ptx_loss_mask"][:, :-1]
         nll_sum = -(logprobs_BS * weights).sum()
         logs = {"ptx_nll_sum": nll_sum.detach(), "ptx_tokens": weights.sum()}
@@ -264,13 +285,13 @@ def make_policy_step(*, prompt_len: int, tp_group, true_vocab: int, temperature:
         ptx = "ptx_loss_mask" in batch  # pretraining rows: logits everywhere (padded)
         packed = "keep" in batch
         output = model_forward(model, batch, batch["keep"] if packed else
-                               None if ptx else slice(P - 1, -1))
+                               None if ptx else slice(P - 1, -1), hidden=True)
 
-        def loss_func(logits, non_loss_data=False):
+        def loss_func(hidden, non_loss_data=False):
             if ptx:
-                return ptx_loss(logits, batch)
-            logprobs_BT, entropy_BT = vocab_parallel_logprobs(
-                logits, batch["targets"] if packed else batch["tokens"][:, P:],
+                return ptx_loss(model, hidden, batch)
+            logprobs_BT, entropy_BT = token_logprobs(
+                model, hidden, batch["targets"] if packed else batch["tokens"][:, P:],
                 tp_group=tp_group, temperature=temperature, true_vocab=true_vocab)
             if packed:  # (1, K) -> the padded (B, T) grid every loss reads
                 logprobs_BT, entropy_BT = unpack(logprobs_BT, batch), unpack(entropy_BT, batch)
@@ -351,10 +372,10 @@ def make_dpo_step(*, tp_group, true_vocab: int, beta: float, loss: str,
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model_forward(model, batch, batch.get("keep"))
+        output = model_forward(model, batch, batch.get("keep"), hidden=True)
 
-        def loss_func(logits, non_loss_data=False):
-            logprobs_BS, weights = weighted_logprobs(logits, batch, tp_group=tp_group,
+        def loss_func(hidden, non_loss_data=False):
+            logprobs_BS, weights = weighted_logprobs(model, hidden, batch, tp_group=tp_group,
                                                      true_vocab=true_vocab)
             seq = (logprobs_BS * weights).sum(-1)
             if loss == "ipo":
@@ -404,8 +425,8 @@ def make_distill_step(*, tp_group, true_vocab: int, divergence: str, temperature
             total = kl_sum
             logs = {"kl_sum": kl_sum.detach(), "tokens": weights.sum()}
             if nll_coef:
-                logprobs_BS, _ = weighted_logprobs(logits, batch, tp_group=tp_group,
-                                                   true_vocab=true_vocab)
+                logprobs_BS, _ = weighted_logprobs(model, logits, batch, tp_group=tp_group,
+                                                   true_vocab=true_vocab, logits=True)
                 nll_sum = -(logprobs_BS * weights).sum()
                 total = total + nll_coef * nll_sum
                 logs["nll_sum"] = nll_sum.detach()

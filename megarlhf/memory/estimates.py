@@ -197,18 +197,19 @@ def head_cut(spec: RoleSpec, span: int | None) -> bool:
 def head_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int, cut: bool
                           ) -> float:
     """The last chunk's final norm and head, bytes saved for backward: their inputs at
-    the kept positions with the cut, and an LM's logits in the model's dtype (the
-    log-probs keep nothing else: ``models.logprobs`` computes their fp32 softmax a chunk
-    of positions at a time, forward and backward)."""
+    the kept positions with the cut, and an LM head's input once more (whole on every TP
+    rank, in the model's dtype): the log-probs keep nothing else - ``models.logprobs``'s
+    ``head_logprobs`` makes the logits and their fp32 softmax a chunk of positions at a
+    time, forward and backward."""
     model = spec.model
     dsize = DTYPE_BYTES[model.params_dtype]
     head_tokens = batch * response if cut and not model.fp8.enabled else batch * seq
     if spec.layout.sp:  # the final norm and the head keep their part of the sequence
         head_tokens /= spec.layout.tp
     total = (3 * model.hidden_size + 2) * head_tokens * dsize + 12 * batch * response * 4
-    if spec.kind == "lm":  # the logits (response's, or all)
+    if spec.kind == "lm":  # the head's input the log-probs keep (response's, or all)
         rows = response if cut else seq
-        total += batch * rows * (spec.padded_vocab // spec.layout.tp) * dsize
+        total += batch * rows * model.hidden_size * dsize
     return total
 
 
@@ -313,14 +314,15 @@ def packed_shape(budget: int, prompt: int, response: int, kind: str) -> dict:
 
 def forward_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int,
                   span: int | None = None) -> float:
-    """Transient buffers of a forward-only pass on the last stage: an LM's logits at the
-    response positions in the model's dtype, and the fp32 copy, softmax and log-softmax of
-    one chunk of them (``models.logprobs.CHUNK_TOKENS`` positions); a few hidden-state
-    copies of a value model. ``span`` marks a packed micro-batch (:func:`packed_shape`);
-    unused here."""
+    """Transient buffers of a forward-only pass on the last stage: an LM head's input at
+    the response positions, and one chunk's logits (``models.logprobs.CHUNK_TOKENS``
+    positions) in the model's dtype with their fp32 copy, softmax and log-softmax; a few
+    hidden-state copies of a value model. ``span`` marks a packed micro-batch
+    (:func:`packed_shape`); unused here."""
+    dsize = DTYPE_BYTES[spec.model.params_dtype]
     if spec.kind == "lm":
         shard = spec.padded_vocab // spec.layout.tp
         chunk = min(batch * response, CHUNK_TOKENS)
-        return batch * response * shard * DTYPE_BYTES[spec.model.params_dtype] \
-            + 3 * chunk * shard * 4
+        return batch * response * spec.model.hidden_size * dsize \
+            + chunk * shard * (dsize + 3 * 4)
     return 4 * batch * seq * spec.model.hidden_size * DTYPE_BYTES[spec.model.params_dtype]

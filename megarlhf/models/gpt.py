@@ -7,6 +7,8 @@ Nothing here knows how the model is split: the layout arrives as a
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import math
 
@@ -179,6 +181,57 @@ class ScalarHead(MegatronModule):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
+class DeferredHead:
+    """The LM head (megatron's ``ColumnParallelLinear`` or the speed-up's class) that, while
+    ``defer`` is set, hands its input over instead of the logits: the hidden states whole
+    on every TP rank (gathered along the sequence under sequence parallelism), whose
+    gradient is summed over TP on the way back - what the column-parallel linear itself does
+    with its input. ``weight`` keeps the weight the forward would have used (a tied model's
+    embedding). :func:`megarlhf.models.logprobs.head_logprobs` then takes the log-probs a
+    chunk of positions at a time, so the positions x vocabulary logits never exist."""
+
+    defer = False
+    weight_used = None
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        if not self.defer:
+            return super().forward(input_, weight=weight,
+                                   runtime_gather_output=runtime_gather_output)
+        # a plain attribute (nn.Module would register a Parameter as this module's own)
+        object.__setattr__(self, "weight_used", self.weight if weight is None else weight)
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(
+                input_, tensor_parallel_output_grad=True, group=self.tp_group)
+        elif self.tp_group.size() > 1:
+            hidden = _SumGradOverTP.apply(input_, self.tp_group)
+        else:
+            hidden = input_
+        return hidden, None
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """The identity, whose gradient is summed over the TP group: megatron's
+    ``copy_to_tensor_model_parallel_region``, but for a gradient that arrives
+    non-contiguous (the head's input sliced to the positions a loss reads) - megatron-core
+    0.16.1's all-reduce there reduces a contiguous copy and returns the gradient unreduced."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return input_.view_as(input_)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+@functools.cache
+def _deferred_head_class(base: type) -> type:
+    return type(f"Deferred{base.__name__}", (DeferredHead, base), {})
+
+
 class RoleModel(GPTModel):
     """megatron's ``GPTModel`` as a role uses it: the LM head (``kind="lm"``: policy,
     reference) or :class:`ScalarHead` (``"value"``: critic, reward model), outputs at
@@ -201,6 +254,8 @@ class RoleModel(GPTModel):
         elif self.post_process and speedups.enabled("linears"):
             # megatron's GPTModel builds its head itself, outside the layer spec
             self.output_layer.__class__ = linears.head_class(type(self.output_layer))
+        if kind == "lm" and self.post_process:
+            self.output_layer.__class__ = _deferred_head_class(type(self.output_layer))
         self.cuts_early = self.post_process and speedups.enabled("positions") \
             and cuts.head_cut_allowed(self.config)
         self._head_positions = None  # while a forward cuts at the head
@@ -223,6 +278,26 @@ class RoleModel(GPTModel):
             if isinstance(last, cuts.CutLayer):
                 last.positions = None
             self._head_positions = None
+
+    @contextlib.contextmanager
+    def hidden_out(self):
+        """Forward passes whose last stage returns the LM head's input (B, S, H) in place of
+        the logits (:class:`DeferredHead`); :meth:`head_weight` is then the weight shard to
+        take the log-probs with (``models.logprobs.head_logprobs``). Nothing changes on
+        earlier stages or in a value model."""
+        head = self.output_layer if self.post_process and self.kind == "lm" else None
+        if head is None:
+            yield
+            return
+        head.defer = True
+        try:
+            yield
+        finally:
+            head.defer = False
+
+    def head_weight(self):
+        """The LM head's weight shard of the last deferred forward (:meth:`hidden_out`)."""
+        return self.output_layer.weight_used
 
     def _postprocess(self, hidden_states, **kwargs):
         if self._head_positions is not None:
