@@ -7,7 +7,7 @@ import torch
 
 from conftest import WORKERS, torchrun
 from megarlhf.memory.accounting import ActivationMeter
-from megarlhf.models.logprobs import vocab_parallel_logprobs
+from megarlhf.models.logprobs import head_logprobs, vocab_parallel_logprobs
 
 
 def test_logprobs_entropy_and_grads_match_log_softmax():
@@ -78,15 +78,54 @@ def test_chunks_give_the_same_numbers_and_keep_only_the_logits():
         assert all(torch.equal(a, b) for a, b in zip(got[chunk], got[None])), chunk
 
 
+def test_the_head_a_chunk_at_a_time_equals_the_logits_path_and_keeps_no_logits():
+    """``head_logprobs`` (the LM head's matmul inside the chunks) against the head's logits
+    through ``vocab_parallel_logprobs``: log-probs, entropy and the gradients of the hidden
+    states and of the head's weight within 1e-6, in chunks of 1, 7 and all positions; and
+    what the backward keeps is the hidden states it was given, not the positions x
+    vocabulary logits (the weight is a parameter: not counted)."""
+    torch.manual_seed(2)
+    B, T, H, V = 2, 40, 16, 300
+    raw = torch.randn(B, T, H, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(V, H) * 0.3)
+    target = torch.randint(0, 290, (B, T))
+    w1, w2 = torch.randn(B, T), torch.randn(B, T)
+    hidden = raw * 1.0
+    lp, ent = vocab_parallel_logprobs(torch.nn.functional.linear(hidden, weight), target,
+                                      temperature=0.9, true_vocab=290)
+    want = (lp, ent, *torch.autograd.grad((lp * w1).sum() + (ent * w2).sum(), (raw, weight)))
+    for chunk in (1, 7, None):
+        hidden = raw * 1.0
+        with ActivationMeter(exclude=[weight]) as meter:
+            lp, ent = head_logprobs(hidden, weight, target, temperature=0.9, true_vocab=290,
+                                    chunk=chunk)
+        assert meter.peak <= hidden.numel() * 4 + 4096, (chunk, meter.peak)
+        got = (lp, ent, *torch.autograd.grad((lp * w1).sum() + (ent * w2).sum(),
+                                             (raw, weight)))
+        for name, a, b in zip(("logprobs", "entropy", "hidden grad", "weight grad"), got, want):
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-6), (chunk, name,
+                                                               float((a - b).abs().max()))
+    # the logits path keeps the logits: the saving is real
+    with ActivationMeter(exclude=[weight]) as meter:
+        vocab_parallel_logprobs(torch.nn.functional.linear(raw * 1.0, weight), target)
+    assert meter.peak >= B * T * V * 4
+
+
 @pytest.mark.extended
 @pytest.mark.slow
 def test_chunked_logprobs_at_tp2_equal_the_full_vocabulary(tmp_path):
     """At TP=2, in chunks of 3 positions and in one: log-probs, entropy and gradients
     (temperature 0.7, padded vocabulary) equal each other and plain torch on the full
-    logits in float64."""
+    logits in float64; and so do the head's a chunk at a time (``head_logprobs``: the
+    gradients of the hidden states, summed over TP, and of the weight's shards)."""
     torchrun(os.path.join(WORKERS, "logprob_chunks.py"), 2, str(tmp_path))
     out = torch.load(tmp_path / "logprob_chunks.pt", weights_only=False)
     ref = out["reference"]
     for key in ("logprobs", "entropy", "grad"):
         assert torch.equal(out[3][key], out[10**9][key]), key
         assert torch.allclose(out[3][key].double(), ref[key].double(), atol=1e-5), key
+    head = out["head_reference"]
+    for chunk in (3, 10**9):
+        for key in ("logprobs", "entropy", "hidden_grad", "weight_grad"):
+            assert torch.allclose(out[("head", chunk)][key].double(), head[key].double(),
+                                  atol=1e-5), (chunk, key)

@@ -136,24 +136,6 @@ def test_recomputation_lowers_the_measured_activations_as_planned(runs):
         assert recompute[key] < most * plain[key], (role, recompute[key], plain[key])
 
 
-def test_sequence_parallelism_lowers_the_measured_activations_as_planned(runs):
-    """At TP=2 with sequence parallelism every role that trains keeps fewer bytes for
-    backward than at TP=2 without, on every rank (the plan equals the measurement within
-    5%: test_plan_equals_measured_bytes): the norms, residuals and the head's input are
-    each rank's half of the sequence. Here the saving is small (measured 1%) - 8 new tokens:
-    without it the positions speed-up runs the last MLP and the head at the response's
-    positions only, which the split sequence does not allow, and odd lengths run one
-    position longer - but a setting that did not reach megatron would measure the same
-    bytes exactly. The exact parts are the same."""
-    for rank in range(2):
-        plain, sp = runs("tp2", 2)[rank], runs("tp2_sp", 2)[rank]
-        assert exact_parts(sp) == exact_parts(plain), rank
-        for role in ("actor", "critic"):
-            key = f"train/{role}/activations"
-            assert sp["measured"][key] < plain["measured"][key], \
-                (rank, role, sp["measured"][key], plain["measured"][key])
-
-
 def test_plan_bounds_the_activations_of_packed_micro_batches(runs):
     """Packed micro-batches (``ppo.max_tokens_per_micro_batch``, 4 full samples' worth of
     tokens): the plan takes every micro-batch full, with the most kept outputs its samples
@@ -306,11 +288,11 @@ def test_the_plans_search_recomputes_when_activations_do_not_fit():
     assert plan_ppo(cfg, 16, written=written).worst()[0] <= 0.9 * 80 * GIB
 
 
-def _long_activations(tmp_path, length: int) -> dict:
-    torchrun(os.path.join(WORKERS, "long_activations.py"), 1, str(tmp_path),
+def _long_activations(tmp_path, length: int, world: int = 1) -> dict:
+    torchrun(os.path.join(WORKERS, "long_activations.py"), world, str(tmp_path),
              env={"LONG_LENGTH": str(length)})
     import torch
-    return torch.load(tmp_path / "long_activations.pt", weights_only=False)
+    return torch.load(tmp_path / f"long_activations_world{world}.pt", weights_only=False)
 
 
 @pytest.mark.extended
@@ -329,6 +311,21 @@ def test_8k_token_activations_are_what_the_plan_says(tmp_path):
     """As the 4k test, at 8192 tokens."""
     for name, run in _long_activations(tmp_path, 8192).items():
         assert run["planned"] == pytest.approx(run["measured"], rel=0.05), (name, run)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_sequence_parallel_activations_are_what_the_plan_says(tmp_path):
+    """The 4k-token update at TP=2 without and with sequence parallelism, on two
+    processes: each within 5% of the plan (measured 171.2 / 171.1 MB and 165.4 / 166.0
+    MB), and the split sequence saves at least 80% of what the plan says it saves (5.7 MB
+    measured, 5.1 planned: at this width the per-layer S x S attention mask, which TP
+    does not split, is most of the bytes)."""
+    runs = _long_activations(tmp_path, 4096, world=2)
+    for name, run in runs.items():
+        assert run["planned"] == pytest.approx(run["measured"], rel=0.05), (name, run)
+    saved = runs["tp2"]["measured"] - runs["tp2_sp"]["measured"]
+    assert saved >= 0.8 * (runs["tp2"]["planned"] - runs["tp2_sp"]["planned"]) > 0, runs
 
 
 def test_plan_numbers_by_hand():

@@ -2,7 +2,8 @@
 ``logprob_chunks.py OUT``. Every rank makes the same full (B, T, V) logits, keeps its
 vocabulary shard, and computes log-probs and entropy with their gradients in chunks of
 3 positions and in one chunk; rank 0 also computes them from the full logits with plain
-torch. Results -> OUT/logprob_chunks.pt on rank 0."""
+torch. The same for the LM head a chunk at a time (``head_logprobs``) from hidden states
+and a weight every rank makes whole and keeps its vocabulary shard of. Results -> OUT/logprob_chunks.pt on rank 0."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megarlhf.models.logprobs import vocab_parallel_logprobs
+from megarlhf.models.logprobs import head_logprobs, vocab_parallel_logprobs
 
 
 def main():
@@ -35,6 +36,31 @@ def main():
         dist.all_gather(grads, mine.grad, group=group)
         out[chunk] = {"logprobs": lp.detach(), "entropy": ent.detach(),
                       "grad": torch.cat(grads, -1)}
+    # the head a chunk at a time: hidden states whole on every rank, the weight's shard
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+    H = 8
+    hidden_full = torch.randn(B, T, H, generator=g)
+    weight_full = torch.randn(V, H, generator=g) * 0.5
+    for chunk in (3, 10**9):
+        hidden = hidden_full.clone().requires_grad_(True)
+        weight = weight_full[rank * shard:(rank + 1) * shard].clone().requires_grad_(True)
+        lp, ent = head_logprobs(copy_to_tensor_model_parallel_region(hidden, group=group),
+                                weight, target, tp_group=group, temperature=0.7,
+                                true_vocab=true_vocab, chunk=chunk)
+        ((lp * w1).sum() + (ent * w2).sum()).backward()
+        grads = [torch.empty_like(weight.grad) for _ in range(world)]
+        dist.all_gather(grads, weight.grad, group=group)
+        out[("head", chunk)] = {"logprobs": lp.detach(), "entropy": ent.detach(),
+                                "hidden_grad": hidden.grad, "weight_grad": torch.cat(grads)}
+    if rank == 0:
+        hidden = hidden_full.double().requires_grad_(True)
+        weight = weight_full.double().requires_grad_(True)
+        lsm = torch.log_softmax((hidden @ weight.t())[..., :true_vocab] / 0.7, -1)
+        ref_lp = lsm.gather(-1, target[..., None]).squeeze(-1)
+        ref_ent = -(lsm.exp() * lsm).sum(-1)
+        ((ref_lp * w1.double()).sum() + (ref_ent * w2.double()).sum()).backward()
+        out["head_reference"] = {"logprobs": ref_lp, "entropy": ref_ent,
+                                 "hidden_grad": hidden.grad, "weight_grad": weight.grad}
     if rank == 0:
         ref_in = full.clone().requires_grad_(True)
         lsm = torch.log_softmax(ref_in[..., :true_vocab].double() / 0.7, -1)

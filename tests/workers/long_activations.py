@@ -1,9 +1,10 @@
 """Activations of long sequences, measured against the plan (run under torchrun, one
 process): ``long_activations.py OUT``. A tiny-width llama (2 layers of 64, vocabulary 512)
 trains one PPO policy update on one sample of 512 prompt + LENGTH - 512 response tokens,
-with each recomputation setting; the bytes autograd keeps for backward
+with each recomputation setting (on two processes: at TP=2 without and with sequence
+parallelism); the bytes autograd keeps for backward
 (``memory.accounting.ActivationMeter``) against ``memory.estimates.train_activation_bytes``
-for the same shapes. Results -> OUT/long_activations.pt."""
+for the same shapes. Results -> OUT/long_activations_world{N}.pt."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ SETTINGS = {"none": [],
             "full": ["model.recompute.granularity=full", "model.recompute.num_layers=1"],
             "selective_mlp": ["model.recompute.granularity=selective",
                               "model.recompute.modules=[mlp]"]}
+# on two processes: TP=2 without and with sequence parallelism
+TP2_SETTINGS = {"tp2": ["parallel.tensor_model_parallel_size=2"],
+                "tp2_sp": ["parallel.tensor_model_parallel_size=2",
+                           "parallel.sequence_parallel=true"]}
 
 
 def main():
@@ -40,7 +45,8 @@ def main():
     prompt = torch.randint(3, VOCAB, (1, PROMPT), generator=g)
     response = torch.randint(3, VOCAB, (1, T), generator=g)
     mask = torch.ones(1, T)
-    for name, extra in SETTINGS.items():
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    for name, extra in (TP2_SETTINGS if world == 2 else SETTINGS).items():
         cfg = make_config("llama", 1, 1, vocab=VOCAB, layers=2, hidden=64, extra=(
             f"model.max_position_embeddings={LENGTH}",
             "optimizer.use_distributed_optimizer=false", *extra))
@@ -62,9 +68,13 @@ def main():
         prepare_step(actor.trained)
         planned = train_activation_bytes(actor.spec, pp_rank=0, micro=1, micro_batches=1,
                                          seq=LENGTH, response=T)
-        out[name] = {"measured": meter.peak, "planned": planned}
-        print(name, meter.peak, planned, flush=True)
-    torch.save(out, os.path.join(sys.argv[1], "long_activations.pt"))
+        peak = torch.tensor([float(meter.peak)])
+        if world > 1:  # the TP ranks keep the same shapes: the largest
+            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        out[name] = {"measured": float(peak), "planned": planned}
+        print(name, float(peak), planned, flush=True)
+    if world == 1 or torch.distributed.get_rank() == 0:
+        torch.save(out, os.path.join(sys.argv[1], f"long_activations_world{world}.pt"))
 
 
 if __name__ == "__main__":
