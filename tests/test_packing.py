@@ -3,7 +3,8 @@ packed against padded passes at every layout against a single-process padded ref
 
 The multi-rank worker (``workers/packing_paths.py``) runs one synthetic rollout of
 long-tailed lengths at TP=2, PP=2, PP=2 with VPP=2, DP=2, TP=2 x PP=2 and PP=2 x DP=2 (a
-llama), and at one process and TP=2 (GPT-2, whose learned positions read the position ids):
+llama), and at one process and TP=2 x DP=2 (GPT-2, whose learned positions read the
+position ids):
 the experience passes (log-probs, entropy, values, last values), then one update of actor
 and critic whose old log-probs are the packed pass's, regrouped at another token budget.
 Sequence parallelism (issue 57) runs the same cases at TP=2 (the extended tier: with PP=2,
@@ -263,13 +264,13 @@ def layouts(tmp_path_factory):
 # "+sp": sequence parallelism; "+full": full recomputation too (issue 57)
 CASES = [("llama", 1, 1, 1, 1), ("llama", 2, 1, 1, 1), ("llama", 1, 2, 1, 1),
          ("llama", 1, 2, 2, 1), ("llama", 1, 1, 1, 2), ("llama", 2, 2, 1, 1),
-         ("llama", 1, 2, 1, 2), ("gpt2", 1, 1, 1, 1), ("gpt2", 2, 1, 1, 1),
+         ("llama", 1, 2, 1, 2), ("gpt2", 1, 1, 1, 1), ("gpt2", 2, 1, 1, 2),
          ("llama+sp", 2, 1, 1, 1), ("llama+sp", 2, 2, 1, 1), ("llama+sp+full", 2, 1, 1, 2),
          ("qwen3moe", 1, 1, 1, 1), ("qwen3moe+sp+ep2", 2, 1, 1, 1)]
 IDS = "{}-tp{}-pp{}-vpp{}-dp{}".format
 # the 4-process combinations (TP=2 x PP=2, PP=2 x DP=2, SP x PP=2, SP x recomputation x
-# DP=2) in the extended tier: the fast tier keeps every dimension alone (and never starts
-# the 4-process worker)
+# DP=2, GPT-2 at TP=2 x DP=2) in the extended tier: the fast tier keeps every dimension
+# alone (and never starts the 4-process worker)
 TIERED = [pytest.param(c, marks=pytest.mark.extended if c[1] * c[2] * c[4] == 4 else ())
           for c in CASES]
 

@@ -60,9 +60,9 @@ FORWARD_BUDGET, TRAIN_BUDGET = 90, 70
 # processes).
 LAYOUTS = {1: [("llama", 1, 1, 1), ("gpt2", 1, 1, 1), ("qwen3moe", 1, 1, 1)],
            2: [("llama", 2, 1, 1), ("llama", 1, 2, 1), ("llama", 1, 2, 2), ("llama", 1, 1, 1),
-               ("gpt2", 2, 1, 1), ("llama+sp", 2, 1, 1), ("qwen3moe+sp+ep2", 2, 1, 1)],
+               ("llama+sp", 2, 1, 1), ("qwen3moe+sp+ep2", 2, 1, 1)],
            4: [("llama", 2, 2, 1), ("llama", 1, 2, 1), ("llama+sp", 2, 2, 1),
-               ("llama+sp+full", 2, 1, 1)]}
+               ("llama+sp+full", 2, 1, 1), ("gpt2", 2, 1, 1)]}
 LEVERS = {"sp": ["parallel.sequence_parallel=true"],
           "ep2": ["parallel.expert_model_parallel_size=2",
                   "parallel.expert_tensor_parallel_size=1"],
