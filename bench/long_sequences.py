@@ -111,12 +111,15 @@ def worker(size: str, lengths: list[int], repeats: int, out: str) -> None:
                     peak = max(peak, meter.peak)
                 stats = torch.tensor([float(peak), max(times) if times else 0.0])
                 dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+                # the plan sizes PPO's micro-batches (an attention mask per sample); an SFT
+                # row runs without one
                 planned = train_activation_bytes(actor.spec, pp_rank=0, micro=1,
-                                                 micro_batches=1, seq=length, response=kept)
+                                                 micro_batches=1, seq=length, response=kept) \
+                    if task == "PPO update" else None
                 times.sort()
                 results.append({"length": length, "setting": name, "task": task,
                                 "processes": world, "kept_MB": float(stats[0]) / 1e6,
-                                "planned_MB": planned / 1e6,
+                                "planned_MB": None if planned is None else planned / 1e6,
                                 "step_s": times[len(times) // 2]})
                 if dist.get_rank() == 0:
                     print(json.dumps(results[-1]), flush=True)
@@ -125,6 +128,27 @@ def worker(size: str, lengths: list[int], repeats: int, out: str) -> None:
         with open(out, "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
+
+
+def table(results: list[dict], lengths: list[int], size: str) -> str:
+    """One table per length: bytes kept for backward (measured / planned for the PPO
+    update; measured for the SFT step) and the step time, per setting."""
+    lines = []
+    for length in lengths:
+        lines += [f"\n{length} tokens ({PROMPT} prompt), size {size}: kept for backward (MB; "
+                  "PPO: measured / planned), step (s)",
+                  f"{'setting':28s} {'PPO update':>26s} {'SFT step':>18s}"]
+        for world in (1, 2):
+            for name in SETTINGS[world]:
+                cells = []
+                for task in ("PPO update", "SFT step"):
+                    r = next(r for r in results if r["length"] == length
+                             and r["setting"] == name and r["task"] == task)
+                    kept = f"{r['kept_MB']:7.1f}" + (
+                        f" / {r['planned_MB']:7.1f}" if r["planned_MB"] is not None else "")
+                    cells.append(f"{kept} {r['step_s']:6.2f}s")
+                lines.append(f"{name:28s} {cells[0]:>26s} {cells[1]:>18s}")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -150,19 +174,7 @@ def main() -> None:
         with open(out) as f:
             results += json.load(f)
         os.remove(out)
-    for length in args.lengths:
-        print(f"\n{length} tokens ({PROMPT} prompt), size {args.size}: kept for backward "
-              "(MB, measured / planned), step (s)")
-        print(f"{'setting':28s} {'PPO update':>24s} {'SFT step':>24s}")
-        for world in (1, 2):
-            for name in SETTINGS[world]:
-                cells = []
-                for task in ("PPO update", "SFT step"):
-                    r = next(r for r in results if r["length"] == length
-                             and r["setting"] == name and r["task"] == task)
-                    cells.append(f"{r['kept_MB']:7.1f} / {r['planned_MB']:7.1f} "
-                                 f"{r['step_s']:6.2f}s")
-                print(f"{name:28s} {cells[0]:>24s} {cells[1]:>24s}")
+    print(table(results, args.lengths, args.size))
     path = os.path.join(ROOT, "bench", "results", "long_sequences.json")
     with open(path, "w") as f:
         json.dump({"machine": machine(), "size": args.size, "results": results}, f, indent=1)
