@@ -173,7 +173,9 @@ def take_losses(model: ModelConfig, layout, micro_batches: int) -> dict[str, flo
     """The auxiliary losses megatron's routers recorded in the training passes since the
     last call (its layer-wise tracker, which is then cleared), as metrics: ``moe/aux_loss``
     and ``moe/z_loss``, each without its coefficient, averaged over the MoE layers, the
-    ``micro_batches`` and the data-parallel ranks (``layout``: a RankLayout); with a
+    ``micro_batches`` and the data-parallel ranks (``layout``: a RankLayout; under sequence
+    parallelism summed over the TP ranks' parts of the sequence, as megatron's own logging
+    reduces them over its ``tp_cp`` group); with a
     capacity, the fraction of expert choices dropped (``moe/dropped_frac``, and per layer).
     Every rank of the layout calls it (the sums over pipeline stages and replicas are
     collectives)."""
@@ -191,6 +193,8 @@ def take_losses(model: ModelConfig, layout, micro_batches: int) -> dict[str, flo
     for name in wanted:  # every rank reduces the same names (a stage may hold no MoE layer)
         values = tracker[name]["values"].detach().float().clone() if name in tracker \
             else torch.zeros(model.num_layers)
+        if layout.layout.sp:  # each TP rank's loss covers its part of the sequence
+            dist.all_reduce(values, group=layout.tp_group)
         if layout.pp > 1:  # each stage holds its own layers' values
             dist.all_reduce(values, group=layout.pp_group)
         if layout.dp > 1:
