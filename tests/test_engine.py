@@ -161,6 +161,7 @@ def _copy_checkpoint(tmp_path, src_run: str, tag: str, dst_run: str) -> None:
 RESHARD_TOL = 1e-5
 
 
+@pytest.mark.extended
 def test_resume_is_bitwise_and_reshardable(task, tmp_path):
     """Resume at the same layout is bitwise. Across DP the optimizer changes too
     (``use_distributed_optimizer=auto``: plain at DP=1, distributed at DP=2), and both

@@ -158,6 +158,7 @@ def built_roles(tmp_path_factory):
     return [json.load(open(out / f"memory_roles.rank{r}.json")) for r in range(2)]
 
 
+@pytest.mark.extended
 def test_plan_equals_built_roles_at_more_layouts(built_roles):
     """Tied GPT-2 at PP=2 (the shared embedding's own bucket), plain and distributed
     optimizer, DP=2 shards, a value model at PP=2 x VPP=2, bf16 at TP=2, a frozen role."""
