@@ -198,9 +198,10 @@ def head_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int
                           ) -> float:
     """The last chunk's final norm and head, bytes saved for backward: their inputs at
     the kept positions with the cut, and an LM head's input once more (whole on every TP
-    rank, in the model's dtype): the log-probs keep nothing else - ``models.logprobs``'s
-    ``head_logprobs`` makes the logits and their fp32 softmax a chunk of positions at a
-    time, forward and backward."""
+    rank, in the model's dtype), and its logits when they are one chunk
+    (``models.logprobs.CHUNK_TOKENS`` positions or fewer): ``models.logprobs``'s
+    ``head_logprobs`` keeps those for the backward pass and makes longer logits and their
+    fp32 softmax a chunk of positions at a time, forward and backward."""
     model = spec.model
     dsize = DTYPE_BYTES[model.params_dtype]
     head_tokens = batch * response if cut and not model.fp8.enabled else batch * seq
@@ -210,6 +211,8 @@ def head_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int
     if spec.kind == "lm":  # the head's input the log-probs keep (response's, or all)
         rows = response if cut else seq
         total += batch * rows * model.hidden_size * dsize
+        if max(1, CHUNK_TOKENS // batch) >= rows:
+            total += batch * rows * spec.padded_vocab // spec.layout.tp * dsize
     return total
 
 

@@ -165,25 +165,31 @@ class _HeadLogprob(torch.autograd.Function):
     logits exist for one chunk, forward and backward (which computes them again), so the
     head's memory is one chunk's, not positions x vocabulary. Returns the gradient of the
     hidden states this rank's shard gives (the caller sums them over TP) and of the
-    weight. Per chunk the arithmetic of the head's matmul and :class:`_VocabParallelLogprob`."""
+    weight. Per chunk the arithmetic of the head's matmul and :class:`_VocabParallelLogprob`.
+    Positions that fit in one chunk keep their logits (in the model's dtype) for the
+    backward pass instead of computing them again: one chunk's memory, no second matmul."""
 
     @staticmethod
     def forward(ctx, hidden, weight, target, group, temperature, true_vocab, chunk):
         ctx.set_materialize_grads(False)
         B, T = target.shape
-        outs = [_parts(_scaled(F.linear(hidden[:, s], weight), temperature, true_vocab, group),
-                       target[:, s], group)[:2] for s in _spans(T, B, chunk)]
+        spans = _spans(T, B, chunk)
+        kept = F.linear(hidden, weight) if len(spans) == 1 else None
+        outs = [_parts(_scaled(F.linear(hidden[:, s], weight) if kept is None else kept,
+                               temperature, true_vocab, group),
+                       target[:, s], group)[:2] for s in spans]
         empty = hidden.new_zeros((B, 0), dtype=torch.float32)
         logprob = torch.cat([o[0] for o in outs], dim=1) if outs else empty
         entropy = torch.cat([o[1] for o in outs], dim=1) if outs else empty
-        ctx.save_for_backward(hidden, weight, target, entropy)
+        ctx.save_for_backward(hidden, weight, target, entropy,
+                              *([kept] if kept is not None else []))
         ctx.group, ctx.temperature, ctx.true_vocab, ctx.chunk = group, temperature, \
             true_vocab, chunk
         return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
-        hidden, weight, target, entropy = ctx.saved_tensors
+        hidden, weight, target, entropy, *kept = ctx.saved_tensors
         if grad_logprob is None and grad_entropy is None:
             return None, None, None, None, None, None, None
         B, T = target.shape
@@ -191,7 +197,7 @@ class _HeadLogprob(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight)
         for s in _spans(T, B, ctx.chunk):
             part = hidden[:, s]
-            logits = F.linear(part, weight)
+            logits = kept[0] if kept else F.linear(part, weight)
             grad = _chunk_grad(ctx, logits, target[:, s], grad_logprob, grad_entropy, entropy,
                                s).to(logits.dtype)
             grad_hidden[:, s] = grad @ weight
