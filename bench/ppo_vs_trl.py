@@ -7,11 +7,14 @@ framework runs in its own worker process at 2 threads; the driver hands out iter
 turn, so every row sees the same machine. The first ``--warmup`` iterations of each are not
 counted. Rows (``--rows``):
 
-- ``megarlhf``: defaults (``optimizer.use_distributed_optimizer=auto``: plain at DP=1);
+- ``megarlhf``: defaults (``optimizer.use_distributed_optimizer=auto``: plain at DP=1;
+  packed micro-batches at the ``auto`` token budgets, which here are ``mrl-packed``'s);
 - ``mrl-packed``: packed micro-batches (``ppo.max_tokens_per_micro_batch``,
   ``rollout.forward_max_tokens_per_micro_batch``) at the token budgets of the padded ones:
   a mini-batch's micro-batch of rows x (prompt + longest response) tokens for training, the
   whole batch's for the experience passes - no more memory than padded;
+- ``mrl-padded``: padded micro-batches (``ppo.max_tokens_per_micro_batch=null``), the
+  default before packing was;
 - ``mrl-distopt``: megatron's distributed optimizer forced at DP=1 (the old default);
 - ``mrl-bf16``: every role in bf16 (``model.params_dtype=bfloat16``), fp32 master weights
   and Adam state in the optimizer, as on a GPU;
@@ -71,6 +74,7 @@ TAG = "@@ "  # worker lines meant for the driver
 MEGARLHF_ROWS = {
     "megarlhf": [],
     "mrl-packed": None,  # the budgets follow the shape: packed_overrides()
+    "mrl-padded": ["ppo.max_tokens_per_micro_batch=null"],
     "mrl-distopt": ["optimizer.use_distributed_optimizer=true"],
     "mrl-bf16": ["model.params_dtype=bfloat16", "roles.reference.model.params_dtype=bfloat16",
                  "roles.reward.model.params_dtype=bfloat16",

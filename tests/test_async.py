@@ -320,7 +320,7 @@ def test_the_plan_of_a_split_job_puts_the_kv_cache_on_the_rollout_ranks():
     layouts (DP 3), none of them with a rollout KV cache; 4 rollout ranks holding one
     TP=4 replica's weights in every phase and the KV cache of all 192 samples - 4 times a
     colocated rank's, whose 4 replicas share them. A batch the training ranks cannot split
-    (256 samples over DP 3) is refused, as the run refuses it."""
+    into padded micro-batches (256 samples over DP 3) is refused, as the run refuses it."""
     from megarlhf.config import load_config
     from megarlhf.memory.plan import plan_ppo
     sizes = ["ppo.rollout_batch_size=192", "ppo.mini_batch_size=48"]
@@ -337,9 +337,10 @@ def test_the_plan_of_a_split_job_puts_the_kv_cache_on_the_rollout_ranks():
     assert all(rank[p][("inference", "params")] == params
                for rank in split.ranks[12:] for p in rank)
     assert not any(("actor", "params") in rank["train"] for rank in split.ranks[12:])
+    padded = ["ppo.max_tokens_per_micro_batch=null"]  # packed, shares by token count take it
     with pytest.raises(ValueError, match=r"ppo.mini_batch_size \(64\) is not divisible by "
                                          r"the data-parallel size \(3\)"):
-        plan_ppo(load_config("configs/plan_8b.yaml", split_at), 16)
+        plan_ppo(load_config("configs/plan_8b.yaml", [*split_at, *padded]), 16)
 
 
 @pytest.mark.extended

@@ -249,7 +249,8 @@ def test_crash_during_save_keeps_previous_checkpoint(task, tmp_path):
 
 
 def test_stage_input_errors(task, tmp_path):
-    proc = run_cli(*sft_args(task, tmp_path, "bad", "train.global_batch_size=15"), check=False)
+    proc = run_cli(*sft_args(task, tmp_path, "bad", "train.global_batch_size=15",
+                             "train.max_tokens_per_micro_batch=null"), check=False)  # padded
     assert proc.returncode == 2
     assert "train.global_batch_size per data-parallel rank (15) is not divisible by " \
            "train.micro_batch_size (4)" in proc.stderr

@@ -56,6 +56,7 @@ def base_overrides(tiny_checkpoints) -> list[str]:
     prompts, length = uniform_prompts(task, out)
     return [f"data.train_path={prompts}", f"data.eval_path={task['eval_prompts']}",
             f"data.max_prompt_len={length}", "ppo.num_eval_prompts=4",
+            "ppo.max_tokens_per_micro_batch=null",  # padded; the packed case sets a budget
             f"ppo.sft_checkpoint={out}/sft-tiny/checkpoints/step_0000006",
             f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", "ppo.ppo_epochs=1",
             "ppo.rollout_batch_size=16", "ppo.mini_batch_size=8", "ppo.micro_batch_size=4",

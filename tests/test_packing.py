@@ -194,6 +194,52 @@ def test_budget_below_the_longest_sample_is_refused_before_any_work():
         load_config(None, ["ppo.max_tokens_per_micro_batch=0"])
 
 
+def test_every_pass_packs_by_default_at_the_padded_micro_batchs_bound():
+    """The ``auto`` budgets (the default): micro-batch size x the longest sample the config
+    allows - PPO's prompt + response (an environment's episode: data.max_seq_len), the
+    experience passes' own micro-batch size, a supervised pair twice a sequence, the cache
+    its own rows - and ``null`` (padded), a number, data.packing as written. Catches a
+    default that stops packing, a budget sized by the wrong length or micro-batch size
+    (one too small refuses its own longest sample; too large breaks the memory bound)."""
+    from megarlhf.config.rules import check_ppo, check_supervised
+    from megarlhf.config.written import Written
+    from megarlhf.data.budgets import cache_budget, forward_budget, train_budget, update_budget
+
+    ppo = ["data.max_prompt_len=100", "rollout.max_new_tokens=50", "ppo.micro_batch_size=3",
+           "ppo.sft_checkpoint=/x", "rollout.rewards.fn=a:b", "ppo.critic_init=sft"]
+    cfg = load_config(None, ppo)
+    assert (update_budget(cfg), forward_budget(cfg)) == (450, 450)
+    cfg = load_config(None, ppo + ["rollout.forward_micro_batch_size=8"])
+    assert (update_budget(cfg), forward_budget(cfg)) == (450, 1200)
+    check_ppo(cfg, Written(frozenset({"rollout.forward_micro_batch_size"})))  # it has effect
+    env = ppo[:4] + ["rollout.environment.name=a:b", "ppo.critic_init=sft"]
+    cfg = load_config(None, env + ["data.max_seq_len=300"])
+    assert update_budget(cfg) == 900
+    with pytest.raises(ConfigError, match=r"=899 cannot hold the longest sample, "
+                                          r"data.max_seq_len \(an environment's episode\)"):
+        check_ppo(load_config(None, env + ["data.max_seq_len=900",
+                                           "ppo.max_tokens_per_micro_batch=899"]),
+                  Written(frozenset()))
+    cfg = load_config(None, ppo + ["ppo.max_tokens_per_micro_batch=null"])
+    assert (update_budget(cfg), forward_budget(cfg)) == (None, None)
+    cfg = load_config(None, ppo + ["ppo.max_tokens_per_micro_batch=500"])
+    assert (update_budget(cfg), forward_budget(cfg)) == (500, 500)
+    train = ["data.max_prompt_len=32", "data.max_seq_len=64", "train.micro_batch_size=2",
+             "cache.micro_batch_size=5"]
+    cfg = load_config(None, train)
+    assert (train_budget(cfg), train_budget(cfg, sequences=2), cache_budget(cfg)) \
+        == (128, 256, 320)
+    check_supervised(load_config(None, train + ["data.packing=true"]))  # auto yields to it
+    assert train_budget(load_config(None, train + ["data.packing=true"])) is None
+    cfg = load_config(None, train + ["train.max_tokens_per_micro_batch=null"])
+    assert (train_budget(cfg), cache_budget(cfg)) == (None, None)
+    assert cache_budget(load_config(None, train + ["train.max_tokens_per_micro_batch=99"])) \
+        == 99
+    assert load_config(None, []).ppo.max_tokens_per_micro_batch == "auto"
+    with pytest.raises(ConfigError, match="ppo.max_tokens_per_micro_batch='most'"):
+        load_config(None, ["ppo.max_tokens_per_micro_batch=most"])
+
+
 def test_supervised_packing_settings_are_checked_before_any_work(tmp_path):
     """``train.max_tokens_per_micro_batch`` (sft, rm, dpo, distill): refused beside
     data.packing (train.micro_batch_size is not: the shipped configs set it, and packed

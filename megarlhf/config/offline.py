@@ -74,8 +74,9 @@ class CacheConfig:
     max_tokens_per_micro_batch: int | None = None
     """Pack the build's micro-batches instead: whole rows, at most this many tokens, each
     data-parallel replica a share of balanced token count (data.packing). None:
-    train.max_tokens_per_micro_batch, and padded micro-batches of micro_batch_size rows
-    when that is None too. The cache holds the same numbers either way (to fp32 rounding)."""
+    train.max_tokens_per_micro_batch's value - when it is auto, micro_batch_size rows of
+    data.max_seq_len, and when it is null, padded micro-batches of micro_batch_size rows.
+    The cache holds the same numbers either way (to fp32 rounding)."""
 
     def __post_init__(self):
         require(self.micro_batch_size >= 1, "cache.micro_batch_size", self.micro_batch_size,

@@ -224,17 +224,21 @@ class PPOConfig:
     mini_batch_size: int = 16
     """Samples per optimizer step (global)."""
     micro_batch_size: int = 4
-    """Samples per forward/backward pass on one data-parallel rank (padded to the batch's
-    longest prompt + response), unless max_tokens_per_micro_batch packs them."""
-    max_tokens_per_micro_batch: int | None = None
+    """Samples per forward/backward pass on one data-parallel rank when padded; packed (the
+    default), with the longest sample it sizes the token budget
+    (max_tokens_per_micro_batch)."""
+    max_tokens_per_micro_batch: int | Literal["auto"] | None = "auto"
     """Pack the updates' micro-batches: each forward/backward pass takes whole samples,
     their real prompt and response tokens concatenated into one row (each attends to itself
     only), at most this many tokens (a row under 65 tokens is topped up to 65, see
     data.packing); every data-parallel rank gets a share of each
     mini-batch with balanced token counts. Losses equal the padded computation's. Must
-    hold the longest sample (data.max_prompt_len + rollout.max_new_tokens); verl's
-    ppo_max_token_len_per_gpu, slime's --max-tokens-per-gpu. None: padded micro-batches of
-    micro_batch_size rows. PPO-ptx's pretraining rows are packed the same way."""
+    hold the longest sample (data.max_prompt_len + rollout.max_new_tokens; with an
+    environment, data.max_seq_len); verl's ppo_max_token_len_per_gpu, slime's
+    --max-tokens-per-gpu. auto: micro_batch_size x that longest sample, so a pass holds no
+    more tokens than a padded micro-batch of the longest samples would. null: padded
+    micro-batches of micro_batch_size rows. PPO-ptx's pretraining rows are packed the same
+    way."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     num_iterations: int = 100
@@ -332,9 +336,10 @@ class PPOConfig:
         for name in ("rollout_batch_size", "mini_batch_size", "micro_batch_size",
                      "ppo_epochs", "num_iterations", "group_size"):
             require(getattr(self, name) >= 1, f"ppo.{name}", getattr(self, name), "must be >= 1")
-        require(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
+        require(self.max_tokens_per_micro_batch in (None, "auto")
+                or self.max_tokens_per_micro_batch >= 1,
                 "ppo.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch,
-                "must be >= 1, or null for padded micro-batches")
+                "must be >= 1, auto, or null for padded micro-batches")
         # Batch divisibility counts samples (prompts x group_size) per trained role's
         # data-parallel size: checked by algos.BatchSizes once the layouts are known.
         require(0 < self.clip_eps < 1, "ppo.clip_eps", self.clip_eps, "must be in (0, 1)")
@@ -434,8 +439,9 @@ class RolloutConfig:
     log_prob_micro_batch_size, TRL's local_rollout_forward_batch_size)."""
     forward_max_tokens_per_micro_batch: int | None = None
     """Pack the experience passes' micro-batches into rows of at most this many tokens
-    (as ppo.max_tokens_per_micro_batch packs the updates'); None: that setting's value, and
-    padded micro-batches of forward_micro_batch_size rows when both are None."""
+    (as ppo.max_tokens_per_micro_batch packs the updates'); None: that setting's value -
+    when it is auto, forward_micro_batch_size x the longest sample, and when it is null,
+    padded micro-batches of forward_micro_batch_size rows."""
     routing_replay: Literal["none", "r2", "r3"] = "none"
     """A mixture-of-experts actor's expert choices. ``r3`` records each token's experts in
     the rollout and replays them in every pass of the actor over that batch (its old

@@ -17,6 +17,7 @@ tokenizer's vocabulary) are made where the file is read.
 
 from __future__ import annotations
 
+from megarlhf.config.budget import longest_ppo_sample
 from megarlhf.config.data import DataConfig
 from megarlhf.config.fields import ConfigError, require
 from megarlhf.config.layout import Layout
@@ -296,20 +297,23 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
     if ppo.overlong_buffer >= rollout.max_new_tokens:
         raise ConfigError(f"ppo.overlong_buffer={ppo.overlong_buffer} must be below "
                          f"rollout.max_new_tokens={rollout.max_new_tokens}")
-    longest = data.max_prompt_len + rollout.max_new_tokens
+    longest = longest_ppo_sample(cfg)
+    sample = "data.max_seq_len (an environment's episode)" if rollout.environment.name \
+        else "data.max_prompt_len + rollout.max_new_tokens"
     for field, budget in (("ppo.max_tokens_per_micro_batch", ppo.max_tokens_per_micro_batch),
                           ("rollout.forward_max_tokens_per_micro_batch",
                            rollout.forward_max_tokens_per_micro_batch)):
-        if budget is not None and budget < longest:
+        if isinstance(budget, int) and budget < longest:
             raise ConfigError(
-                f"{field}={budget} cannot hold the longest sample, data.max_prompt_len + "
-                f"rollout.max_new_tokens = {longest} tokens: a packed micro-batch takes whole "
-                f"samples, and one over the budget would break the memory bound it sets. "
-                f"Set it to at least {longest}")
+                f"{field}={budget} cannot hold the longest sample, {sample} = {longest} "
+                f"tokens: a packed micro-batch takes whole samples, and one over the budget "
+                f"would break the memory bound it sets. Set it to at least {longest}, or "
+                f"auto (ppo.micro_batch_size x {longest} = {ppo.micro_batch_size * longest})")
     packing = [f for f in ("rollout.forward_max_tokens_per_micro_batch",
                            "ppo.max_tokens_per_micro_batch") if f in written]
     if said("rollout", "forward_micro_batch_size") and (
-            rollout.forward_max_tokens_per_micro_batch or ppo.max_tokens_per_micro_batch):
+            rollout.forward_max_tokens_per_micro_batch is not None
+            or isinstance(ppo.max_tokens_per_micro_batch, int)):
         raise ConfigError(f"rollout.forward_micro_batch_size has no effect: the experience "
                           f"passes are packed ({packing[0] if packing else 'a token budget'} "
                           "is set)")
@@ -374,7 +378,7 @@ def check_supervised(cfg: Config) -> None:
     """The batch settings of the supervised stages (``sft``, ``rm``, ``dpo``,
     ``distill``) that contradict each other."""
     train = cfg.train
-    if train.max_tokens_per_micro_batch is None:
+    if not isinstance(train.max_tokens_per_micro_batch, int):  # null, or auto (None there)
         return
     if cfg.data.packing:
         raise ConfigError("data.packing (rows of data.max_seq_len with a block-diagonal mask) "

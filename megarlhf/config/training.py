@@ -73,14 +73,17 @@ class TrainConfig:
     global_batch_size: int = 32
     """Samples per optimizer step, all data-parallel ranks (SFT: sequences; RM: pairs)."""
     micro_batch_size: int = 4
-    """Samples per forward/backward pass on one data-parallel rank."""
-    max_tokens_per_micro_batch: int | None = None
-    """Pack micro-batches instead (``sft``, ``rm``, ``dpo``, ``distill``): each holds whole
+    """Samples per forward/backward pass on one data-parallel rank when padded; packed (the
+    default), with data.max_seq_len it sizes the token budget (max_tokens_per_micro_batch)."""
+    max_tokens_per_micro_batch: int | Literal["auto"] | None = "auto"
+    """Pack micro-batches (``sft``, ``rm``, ``dpo``, ``distill``): each holds whole
     samples (a preference pair: both sequences) of at most this many tokens back to back,
     attention kept within each sequence, and each data-parallel rank's share of a global
     batch carries a balanced token count. It bounds a pass's activation memory the way
-    micro_batch_size x the longest sample does when padded; micro_batch_size then has no
-    effect. None: padded micro-batches of micro_batch_size samples."""
+    micro_batch_size x the longest sample does when padded. auto: micro_batch_size x the
+    longest sample (data.max_seq_len; a pair: twice that), and padded micro-batches under
+    data.packing, which packs rows of its own. null: padded micro-batches of
+    micro_batch_size samples."""
     num_epochs: int = 1
     """Passes over the training data."""
     max_steps: int | None = None
@@ -95,7 +98,7 @@ class TrainConfig:
         for name in ("global_batch_size", "micro_batch_size", "num_epochs"):
             require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name),
                      "must be >= 1")
-        if self.max_tokens_per_micro_batch is not None:
+        if self.max_tokens_per_micro_batch not in (None, "auto"):
             require(self.max_tokens_per_micro_batch >= 1, "train.max_tokens_per_micro_batch",
                     self.max_tokens_per_micro_batch, "must be >= 1, or null for padded "
                     "micro-batches of train.micro_batch_size samples")

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megarlhf.config import Config, Layout, Written, check_placement
+from megarlhf.data.budgets import forward_budget, update_budget
 from megarlhf.memory.estimates import (forward_bytes, kv_cache_bytes, packed_shape,
                                        prefill_bytes, static_bytes, train_activation_bytes)
 from megarlhf.roles.offload import LEVEL_PARTS
@@ -119,10 +120,10 @@ class _PPOPlanner:
             if ppo.ema_decay else None
         self.samples = ppo.rollout_batch_size * ppo.group_size
         self.inf_dp = self.inference.layout.dp(world)
-        self.sizes = batch_sizes(ppo, specs, world)  # the updates' micro-batches, per role
-        self.budget = ppo.max_tokens_per_micro_batch  # packed updates (None: padded)
+        self.sizes = batch_sizes(cfg, specs, world)  # the updates' micro-batches, per role
+        self.budget = update_budget(cfg)  # packed updates (None: padded)
         self.micro_batch_size = ppo.micro_batch_size
-        self.forward_budget = r.forward_max_tokens_per_micro_batch or self.budget
+        self.forward_budget = forward_budget(cfg)
         self.forward_rows = r.forward_micro_batch_size or ppo.micro_batch_size
         self.eval_prompts = ppo.num_eval_prompts if cfg.data.eval_path else 0
         self._static: dict = {}

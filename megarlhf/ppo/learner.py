@@ -12,6 +12,7 @@ import torch
 from megarlhf import algos
 from megarlhf.config import Config, ConfigError
 from megarlhf.data.batching import pad_batch, prompt_response_batch
+from megarlhf.data.budgets import update_budget
 from megarlhf.data.packing import budget_groups, pack_prompt_response, pack_weighted
 from megarlhf.data.datasets import tokenize_dataset
 from megarlhf.models import moe
@@ -82,7 +83,7 @@ class PtxData:
                                     .manual_seed(derive_seed("ptx", cfg.run.seed))).tolist()
         self.batch_size = ppo.ptx_batch_size or ppo.mini_batch_size
         self.coef, self.micro, self.pad_id = ppo.ptx_coef, ppo.micro_batch_size, tokenizer.pad_id
-        self.budget = ppo.max_tokens_per_micro_batch  # packed as the actor's updates
+        self.budget = update_budget(cfg)  # packed as the actor's updates
         self.per_iteration = mini_batches_per_iteration * ppo.ppo_epochs
         print0(f"[ppo] ptx: {ds.report()}; {self.batch_size} samples per actor mini-batch, "
                f"coefficient {self.coef:g}")
@@ -232,7 +233,7 @@ class Learner:
         skipped = 0
         step = 0
         moe_sums: dict[str, dict[str, list[float]]] = {}
-        budget = ppo.max_tokens_per_micro_batch  # None: padded micro-batches
+        budget = update_budget(cfg)  # None: padded micro-batches
         positions = [0, 0]  # token positions computed, and real, by this replica's passes
         for epoch in range(ppo.ppo_epochs):
             minis = list(exp.mini_batches(ppo.mini_batch_size, gen))

@@ -16,6 +16,7 @@ import torch
 
 from megarlhf import algos
 from megarlhf.config import Config, Written
+from megarlhf.data.budgets import forward_budget
 from megarlhf.data.datasets import episode_rows, tokenize_dataset
 from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.checkpoint import load_checkpoint, load_object, save_checkpoint
@@ -114,8 +115,8 @@ class PPOSession:
         self.specs = specs = ppo_role_specs(cfg, world, self.tokenizer_fingerprint,
                                             written=written)
         # Batch arithmetic per trained role (each splits mini-batches over its own DP).
-        self.sizes = batch_sizes(ppo, specs, world)
-        forward_budget = r.forward_max_tokens_per_micro_batch or ppo.max_tokens_per_micro_batch
+        self.sizes = batch_sizes(cfg, specs, world)
+        forward_tokens = forward_budget(cfg)
         self.cfg, self.tokenizer = cfg, tokenizer
         # an environment's episodes start from data rows (its reset), else from prompts
         read = (lambda path: episode_rows(path, cfg.data)) if r.environment.name else \
@@ -155,7 +156,7 @@ class PPOSession:
         self.scorer = Scorer(r, self.actor, self.reference, reward, self.critic,
                              pad_id=tokenizer.pad_id,
                              micro_batch_size=r.forward_micro_batch_size
-                             or ppo.micro_batch_size, max_tokens=forward_budget,
+                             or ppo.micro_batch_size, max_tokens=forward_tokens,
                              ref_cache=SequenceCache(r.ref_cache_size)
                              if r.ref_cache_size else None)
         # rollout.placement.mode=split: the rollout ranks sample, this world scores and trains

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 from megarlhf.algos import BatchSizes
 from megarlhf.config import (
-    Config, ConfigError, Layout, ModelConfig, OptimizerConfig, PPOConfig, Written,
+    Config, ConfigError, Layout, ModelConfig, OptimizerConfig, Written,
     check_model_layout,
     check_ppo, check_precision, check_rollout_layout, overlay, padded_vocab_size,
     section_from_dict)
+from megarlhf.data.budgets import update_budget
 from megarlhf.engine.checkpoint import read_meta, resolve_checkpoint
 
 # Fields that decide the shapes of the weights: a config may not contradict the checkpoint.
@@ -219,13 +220,14 @@ def _check_vocab(specs: dict[str, RoleSpec], tokenizer: dict | None) -> None:
                               f"with another tokenizer than the actor's ({actor.checkpoint})")
 
 
-def batch_sizes(ppo: PPOConfig, specs: dict[str, RoleSpec], world_size: int
+def batch_sizes(cfg: Config, specs: dict[str, RoleSpec], world_size: int
                 ) -> dict[str, BatchSizes]:
     """The batch arithmetic of each trained role (each splits the mini-batches over its own
     data-parallel size), checked: what the run trains with and the planner counts."""
+    ppo = cfg.ppo
     return {name: BatchSizes(ppo.rollout_batch_size, ppo.mini_batch_size,
                              ppo.micro_batch_size, spec.layout.dp(world_size), ppo.group_size,
-                             ppo.max_tokens_per_micro_batch).validate()
+                             update_budget(cfg)).validate()
             for name, spec in specs.items() if spec.trained}
 
 

@@ -17,6 +17,7 @@ import torch
 
 from megarlhf.config import Config, ConfigError, Written, check_roles
 from megarlhf.data.batching import batch_length, pad_batch, sft_example
+from megarlhf.data.budgets import cache_budget, train_budget
 from megarlhf.data.packing import pack_weighted
 from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.logit_cache import (LogitCache, build_cache, ensure_cache, make_key)
@@ -42,7 +43,7 @@ def frozen_cache(cfg: Config, spec, rows: list[list[int]], *, top_k: int,
                    top_k=top_k)
     path = cache_path(cfg, spec.name)
 
-    budget = cfg.cache.max_tokens_per_micro_batch or cfg.train.max_tokens_per_micro_batch
+    budget = cache_budget(cfg)
     longest = max((len(r) for r in rows), default=0)
     if budget is not None and longest > budget:
         field = "cache.max_tokens_per_micro_batch" if cfg.cache.max_tokens_per_micro_batch \
@@ -213,10 +214,10 @@ def run_dpo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
                           response_logprob(results_for[2 * i + 1], len(prompt), len(rejected),
                                            mean))
 
-    step_plan(cfg, policy, len(train_pairs))  # bad batch arithmetic: before any work
-    check_budget(cfg, train_pairs, pair_tokens, "training pair")
-    check_budget(cfg, eval_pairs, pair_tokens, "evaluation pair")
-    budget = cfg.train.max_tokens_per_micro_batch
+    step_plan(cfg, policy, len(train_pairs), 2)  # bad batch arithmetic: before any work
+    check_budget(cfg, train_pairs, pair_tokens, "training pair", 2)
+    check_budget(cfg, eval_pairs, pair_tokens, "evaluation pair", 2)
+    budget = train_budget(cfg, sequences=2)
     check_writable(cfg)
     init_distributed(cfg)
     before_batch = None
@@ -273,7 +274,7 @@ def run_dpo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
                                              loss=d.loss, label_smoothing=d.label_smoothing),
         summarize=summarize, before_batch=before_batch,
         extra_eval=gold_evaluator(cfg, tokenizer), tokens=pair_tokens,
-        make_packed=lambda its: packed_dpo_pairs(its, pad, ref),
+        make_packed=lambda its: packed_dpo_pairs(its, pad, ref), sequences=2,
         describe=f"{d.loss} loss, beta {d.beta}"
                  + (f", label smoothing {d.label_smoothing}" if d.label_smoothing else "")),
         tokenizer)

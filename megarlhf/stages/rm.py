@@ -8,6 +8,7 @@ import torch
 from megarlhf.algos.rewards import fit_score_normalization
 from megarlhf.config import Config, Written
 from megarlhf.data.batching import batch_length, pad_batch, preference_batch
+from megarlhf.data.budgets import train_budget
 from megarlhf.data.datasets import tokenize_dataset
 from megarlhf.data.packing import pack_rows, unpack
 from megarlhf.engine.forward import forward_rows, stack_results
@@ -126,7 +127,7 @@ def run_rm(cfg: Config, tokenizer, written: Written | None = None) -> dict:
         name="rm", train_items=pairs, eval_items=eval_pairs,
         make_batches=lambda items, training: pair_microbatches(items, mbs, max_len, pad),
         rows_per_micro_batch=2 * mbs, make_step=lambda role: make_pairwise_rm_step(),
-        tokens=pair_tokens, make_packed=lambda items: packed_pairs(items, pad),
+        tokens=pair_tokens, make_packed=lambda items: packed_pairs(items, pad), sequences=2,
         summarize=summarize, describe="micro-batches hold chosen and rejected of each pair",
         finish=lambda role: normalize(role, cfg, tokenizer, norm_seqs, norm_source, max_len)),
         tokenizer)
@@ -143,7 +144,7 @@ def normalization_samples(cfg: Config, tokenizer, pairs: list) -> tuple[list[lis
     else:
         seqs = [p + c for p, c, _ in pairs] + [p + r for p, _, r in pairs]
         source = "training pairs (chosen and rejected)"
-    budget = cfg.train.max_tokens_per_micro_batch
+    budget = train_budget(cfg, sequences=2)  # the budget of the pairs' passes
     longest = max((len(seq) for seq in seqs), default=0)
     if budget is not None and longest > budget:
         raise ValueError(f"{source}: a sequence of {longest} tokens exceeds "
@@ -157,7 +158,7 @@ def normalize(role, cfg: Config, tokenizer, seqs: list[list[int]], source: str,
     """Ziegler et al.: gain and bias so that scores of ``seqs`` (SFT samples,
     :func:`normalization_samples`) have mean 0, std 1."""
     raw = score_last_tokens(role, seqs, cfg.train.micro_batch_size, max_len, tokenizer.pad_id,
-                            cfg.train.max_tokens_per_micro_batch)
+                            train_budget(cfg, sequences=2))
     gain, bias = fit_score_normalization(raw)
     print0(f"[rm] reward normalisation on {len(seqs)} samples from {source}: raw mean "
            f"{raw.mean():.4f} std {raw.std(unbiased=False):.4f} -> gain {gain:.4f} "

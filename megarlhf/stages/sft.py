@@ -6,6 +6,7 @@ import torch
 
 from megarlhf.config import Config, Written
 from megarlhf.data.batching import batch_length, pack_examples, pad_batch, stack_batches
+from megarlhf.data.budgets import train_budget
 from megarlhf.data.datasets import TokenizedDataset, tokenize_dataset
 from megarlhf.data.packing import pack_weighted
 from megarlhf.engine.steps import make_lm_loss_step, ratio
@@ -83,6 +84,6 @@ def run_sft(cfg: Config, tokenizer, written: Written | None = None) -> dict:
 
 
 def describe(cfg: Config) -> str:
-    if cfg.train.max_tokens_per_micro_batch is not None:
+    if train_budget(cfg) is not None:
         return "packed micro-batches (train.max_tokens_per_micro_batch)"
     return f"packing {'on: rows of data.max_seq_len' if cfg.data.packing else 'off'}"

@@ -16,6 +16,7 @@ import torch
 from megarlhf.algos.experience import exact_div
 from megarlhf.config import Config, Written, check_supervised
 from megarlhf.data.tokenizer import fingerprint
+from megarlhf.data.budgets import train_budget
 from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, save_checkpoint
 from megarlhf.engine.metrics import MetricsLogger
 from megarlhf.engine.optimizer import check_runaway, train_step
@@ -143,6 +144,8 @@ class SupervisedTask:
     extra_eval: Callable[[Role], dict] | None = None  # more eval/* metrics (gold score)
     tokens: Callable[[object], int] | None = None  # an item's token count (all its rows)
     make_packed: Callable[[list], dict] | None = None  # items -> one packed micro-batch
+    sequences: int = 1  # sequences per item (a pair: 2): train.max_tokens_per_micro_batch's
+    # auto budget is micro_batch_size items of data.max_seq_len each
 
 
 def supervised_spec(cfg: Config, name: str, kind: str, tokenizer,
@@ -156,23 +159,26 @@ def supervised_spec(cfg: Config, name: str, kind: str, tokenizer,
     return spec
 
 
-def step_plan(cfg: Config, spec: RoleSpec, num_items: int) -> StepPlan:
-    """The batch arithmetic of training ``spec`` on ``num_items``; bad arithmetic raises
-    here, before any work."""
+def step_plan(cfg: Config, spec: RoleSpec, num_items: int, sequences: int = 1) -> StepPlan:
+    """The batch arithmetic of training ``spec`` on ``num_items`` of ``sequences``
+    sequences each (``config.train_budget``); bad arithmetic raises here, before any
+    work."""
     train = cfg.train
     world = read_dist_env().world_size
     plan = StepPlan(train.global_batch_size, train.micro_batch_size,
                     spec.layout.dp(world), num_items, train.num_epochs,
-                    train.max_steps, train.max_tokens_per_micro_batch)
+                    train.max_steps, train_budget(cfg, sequences))
     plan.validate()
     return plan
 
 
-def check_budget(cfg: Config, items: list, tokens: Callable[[object], int], what: str) -> None:
-    """Every item fits ``train.max_tokens_per_micro_batch`` (when set), checked before any
-    work: a packed micro-batch takes whole items (a pair: both sequences), and one over
-    the budget would break the memory bound it sets mid-run."""
-    budget = cfg.train.max_tokens_per_micro_batch
+def check_budget(cfg: Config, items: list, tokens: Callable[[object], int], what: str,
+                 sequences: int = 1) -> None:
+    """Every item (of ``sequences`` sequences) fits ``train.max_tokens_per_micro_batch``
+    (when packed), checked before any work: a packed micro-batch takes whole items (a
+    pair: both sequences), and one over the budget would break the memory bound it sets
+    mid-run."""
+    budget = train_budget(cfg, sequences)
     if budget is None or not items:
         return
     longest = max(range(len(items)), key=lambda i: tokens(items[i]))
@@ -187,13 +193,13 @@ def run_supervised(cfg: Config, spec: RoleSpec, task: SupervisedTask, tokenizer)
     """Train ``spec`` on ``task``: build it (or resume the run's latest checkpoint, at any
     layout), then global batches -> micro-batches -> one optimizer step each, with
     evaluation, metrics, progress, preemption and checkpoints."""
-    plan = step_plan(cfg, spec, len(task.train_items))
+    plan = step_plan(cfg, spec, len(task.train_items), task.sequences)
     if plan.max_tokens is not None:
         if task.make_packed is None or task.tokens is None:
             raise ValueError(f"{task.name} does not pack micro-batches: unset "
                              "train.max_tokens_per_micro_batch")
-        check_budget(cfg, task.train_items, task.tokens, "training sample")
-        check_budget(cfg, task.eval_items, task.tokens, "evaluation sample")
+        check_budget(cfg, task.train_items, task.tokens, "training sample", task.sequences)
+        check_budget(cfg, task.eval_items, task.tokens, "evaluation sample", task.sequences)
     check_writable(cfg)
     init_distributed(cfg)
     role = build_role(spec, seed=cfg.run.seed, total_steps=plan.total_steps)
@@ -288,7 +294,7 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
           logger: MetricsLogger, bar, saved: dict) -> dict:
     """``saved``: what every checkpoint records with the role (its tokenizer)."""
     train, layout = cfg.train, role.layout
-    budget = train.max_tokens_per_micro_batch
+    budget = plan.max_tokens
     guard = PreemptionGuard()
     step_fn = task.make_step(role)
     bands = MetricBands(cfg)

@@ -2,7 +2,8 @@
 tests/test_ppo_reference.py: ``ppo_trace.py CASES.json OUT_DIR`` (one process).
 
 For every case the worker builds a ``PPOSession`` from its ``config`` (default
-configs/demo/ppo.yaml) plus the case's overrides, runs its iterations (the case's ``iterations``, default 1) and writes
+configs/demo/ppo.yaml) plus the case's overrides (padded micro-batches,
+``ppo.max_tokens_per_micro_batch=null``, unless they set a budget), runs its iterations (the case's ``iterations``, default 1) and writes
 ``OUT_DIR/<name>.pt``: the tokenized prompts (``prompts``), the run's ``seed`` and, for
 each iteration, in ``iterations``:
 
@@ -136,7 +137,12 @@ def main() -> None:
     for name, case in cases.items():
         if only and name not in only:
             continue
-        cfg = load_config(case.get("config", "configs/demo/ppo.yaml"), case["overrides"])
+        # padded micro-batches unless the case packs: the references read padded rows
+        # (tests/test_packing.py holds the packed passes to the padded ones)
+        padded = [] if any("max_tokens_per_micro_batch" in o for o in case["overrides"]) \
+            else ["ppo.max_tokens_per_micro_batch=null"]
+        cfg = load_config(case.get("config", "configs/demo/ppo.yaml"),
+                          padded + case["overrides"])
         tokenizer = load_tokenizer(cfg.tokenizer)
         session = PPOSession(cfg, tokenizer)
         sampler, scorer = session.sampler, session.scorer
