@@ -114,13 +114,45 @@ def test_the_head_a_chunk_at_a_time_equals_the_logits_path_and_keeps_no_logits()
     assert meter.peak >= B * T * V * 4
 
 
+def test_several_ids_a_chunk_at_a_time_equal_the_logits_path_and_keep_no_logits():
+    """``head_gather_logprobs`` (distillation's student log-probs of the teacher's top-k
+    ids) against the head's logits through ``vocab_parallel_gather_logprobs``: the
+    log-probs and the gradients of the hidden states and the weight within 1e-6 in chunks
+    of 1, 7 and all positions (temperature, padded vocabulary, an id repeated); what the
+    chunked backward keeps is the hidden states, the one-chunk one's also the logits."""
+    from megarlhf.models.logprobs import head_gather_logprobs, vocab_parallel_gather_logprobs
+    torch.manual_seed(3)
+    B, T, H, V, K = 2, 40, 16, 300, 5
+    raw = torch.randn(B, T, H, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(V, H) * 0.3)
+    ids = torch.randint(0, 290, (B, T, K))
+    ids[..., 1] = ids[..., 0]
+    w = torch.randn(B, T, K)
+    lp = vocab_parallel_gather_logprobs(torch.nn.functional.linear(raw * 1.0, weight), ids,
+                                        temperature=0.9, true_vocab=290)
+    want = (lp, *torch.autograd.grad((lp * w).sum(), (raw, weight)))
+    for chunk in (1, 7, None):
+        hidden = raw * 1.0
+        with ActivationMeter(exclude=[weight]) as meter:
+            lp = head_gather_logprobs(hidden, weight, ids, temperature=0.9, true_vocab=290,
+                                      chunk=chunk)
+        logits = 0 if chunk else B * T * V * 4
+        assert logits + hidden.numel() * 4 <= meter.peak \
+            <= logits + hidden.numel() * 4 + ids.numel() * 8 + 4096, (chunk, meter.peak)
+        got = (lp, *torch.autograd.grad((lp * w).sum(), (raw, weight)))
+        for name, a, b in zip(("logprobs", "hidden grad", "weight grad"), got, want):
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-6), (chunk, name,
+                                                               float((a - b).abs().max()))
+
+
 @pytest.mark.extended
 @pytest.mark.slow
 def test_chunked_logprobs_at_tp2_equal_the_full_vocabulary(tmp_path):
     """At TP=2, in chunks of 3 positions and in one: log-probs, entropy and gradients
     (temperature 0.7, padded vocabulary) equal each other and plain torch on the full
     logits in float64; and so do the head's a chunk at a time (``head_logprobs``: the
-    gradients of the hidden states, summed over TP, and of the weight's shards)."""
+    gradients of the hidden states, summed over TP, and of the weight's shards), and
+    several ids' log-probs per position that way (``head_gather_logprobs``)."""
     torchrun(os.path.join(WORKERS, "logprob_chunks.py"), 2, str(tmp_path))
     out = torch.load(tmp_path / "logprob_chunks.pt", weights_only=False)
     ref = out["reference"]
@@ -131,4 +163,9 @@ def test_chunked_logprobs_at_tp2_equal_the_full_vocabulary(tmp_path):
     for chunk in (3, 10**9):
         for key in ("logprobs", "entropy", "hidden_grad", "weight_grad"):
             assert torch.allclose(out[("head", chunk)][key].double(), head[key].double(),
+                                  atol=1e-5), (chunk, key)
+    gather = out["gather_reference"]
+    for chunk in (3, 10**9):
+        for key in ("logprobs", "hidden_grad", "weight_grad"):
+            assert torch.allclose(out[("gather", chunk)][key].double(), gather[key].double(),
                                   atol=1e-5), (chunk, key)

@@ -14,7 +14,7 @@ from megarlhf.data.packing import unpack
 from megarlhf.engine.schedule import lengthen
 from megarlhf.models import moe
 from megarlhf.models.gpt import unwrap
-from megarlhf.models.logprobs import head_logprobs, vocab_parallel_logprobs
+from megarlhf.models.logprobs import head_logprobs
 from megarlhf.parallel import cpu_backend
 from megarlhf.parallel.gather import gather_objects
 
@@ -87,15 +87,11 @@ def attention_inputs(model, batch: dict) -> tuple[torch.Tensor | None, dict]:
 
 
 def token_logprobs(model, out: torch.Tensor, target: torch.Tensor, *, tp_group,
-                   true_vocab: int | None, temperature: float = 1.0, logits: bool = False
+                   true_vocab: int | None, temperature: float = 1.0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs, entropy) of ``target`` from an LM's last-stage output: the head's input
-    (``model_forward(..., hidden=True)``), the head's logits made a chunk of positions at a
-    time (``models.logprobs.head_logprobs``); or, with ``logits``, the logits the head
-    made."""
-    if logits:
-        return vocab_parallel_logprobs(out, target, tp_group=tp_group, temperature=temperature,
-                                       true_vocab=true_vocab)
+    """(log-probs, entropy) of ``target`` from an LM's last-stage output, the head's input
+    (``model_forward(..., hidden=True)``): the head's logits made a chunk of positions at a
+    time (``models.logprobs.head_logprobs``)."""
     return head_logprobs(out, unwrap(model).head_weight(), target, tp_group=tp_group,
                          temperature=temperature, true_vocab=true_vocab)
 
@@ -121,18 +117,18 @@ def make_score_step(role: str, *, tp_group, true_vocab: int, temperature: float 
     return forward_step
 
 
-def weighted_logprobs(model, out, batch: dict, *, tp_group, true_vocab: int,
-                      logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def weighted_logprobs(model, out, batch: dict, *, tp_group, true_vocab: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, weights) of the next tokens a supervised loss reads, (B, S - 1) each of
     a padded micro-batch (``loss_mask`` weighs each position), or of a packed one
     (``data.packing.pack_weighted``) the kept outputs in its (B, width) ``grid``: a row's
     weighted sum is the same either way. ``out`` as :func:`token_logprobs` takes it."""
     if "keep" in batch:
         logprobs, _ = token_logprobs(model, out, batch["targets"], tp_group=tp_group,
-                                     true_vocab=true_vocab, logits=logits)
+                                     true_vocab=true_vocab)
         return unpack(logprobs, batch), batch["loss_mask"]
     logprobs, _ = token_logprobs(model, out[:, :-1], batch["tokens"][:, 1:], tp_group=tp_group,
-                                 true_vocab=true_vocab, logits=logits)
+                                 true_vocab=true_vocab)
     return logprobs, batch["loss_mask"][:, :-1]
 
 
@@ -405,18 +401,20 @@ def make_distill_step(*, tp_group, true_vocab: int, divergence: str, temperature
     next-token NLL. Returns (sum, tokens, logs). Padded, or packed
     (``data.packing.pack_weighted``; the teacher's (1, K, k) at the kept outputs)."""
     from megarlhf.algos.preference import topk_kl
-    from megarlhf.models.logprobs import vocab_parallel_gather_logprobs
+    from megarlhf.models.logprobs import head_gather_logprobs
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         packed = "keep" in batch
-        output = model_forward(model, batch, batch.get("keep"))
+        output = model_forward(model, batch, batch.get("keep"), hidden=True)
 
-        def loss_func(logits, non_loss_data=False):
+        def loss_func(hidden, non_loss_data=False):
             own = slice(None) if packed else slice(None, -1)  # positions the loss reads
-            student = vocab_parallel_gather_logprobs(
-                logits[:, own], batch["teacher_ids"][:, own], tp_group=tp_group,
-                temperature=temperature, true_vocab=true_vocab)
+            # the student's log-probs of the teacher's ids, the head's logits a chunk of
+            # positions at a time
+            student = head_gather_logprobs(
+                hidden[:, own], unwrap(model).head_weight(), batch["teacher_ids"][:, own],
+                tp_group=tp_group, temperature=temperature, true_vocab=true_vocab)
             kl = topk_kl(student, batch["teacher_logprobs"][:, own], divergence)
             weights = batch["loss_mask"] if packed else batch["loss_mask"][:, :-1]
             if packed:
@@ -425,8 +423,8 @@ def make_distill_step(*, tp_group, true_vocab: int, divergence: str, temperature
             total = kl_sum
             logs = {"kl_sum": kl_sum.detach(), "tokens": weights.sum()}
             if nll_coef:
-                logprobs_BS, _ = weighted_logprobs(model, logits, batch, tp_group=tp_group,
-                                                   true_vocab=true_vocab, logits=True)
+                logprobs_BS, _ = weighted_logprobs(model, hidden, batch, tp_group=tp_group,
+                                                   true_vocab=true_vocab)
                 nll_sum = -(logprobs_BS * weights).sum()
                 total = total + nll_coef * nll_sum
                 logs["nll_sum"] = nll_sum.detach()

@@ -279,17 +279,9 @@ class _VocabParallelGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, group):
-        shifted, world, local, off = _shift_and_localize(logits, ids, group)
-        picked = shifted.gather(-1, local).masked_fill(off, 0.0)
-        exp_logits = shifted.exp()
-        sum_exp = exp_logits.sum(-1)
-        if world > 1:
-            dist.all_reduce(picked, group=group)
-            dist.all_reduce(sum_exp, group=group)
-        log_z = torch.log(sum_exp)
-        probs = exp_logits / sum_exp.unsqueeze(-1)
+        logprobs, probs, local, off = _gather_parts(logits, ids, group)
         ctx.save_for_backward(probs, off, local)
-        return picked - log_z.unsqueeze(-1)
+        return logprobs
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -298,6 +290,73 @@ class _VocabParallelGather(torch.autograd.Function):
         grad = -probs * grad_out.sum(-1, keepdim=True)
         grad.scatter_add_(-1, local, grad_out.masked_fill(off, 0.0))
         return grad, None, None
+
+
+def _gather_parts(logits, ids, group):
+    """(log-probs of the global ``ids`` (B, T, K), probabilities, the ids as local indices,
+    the ids on another rank's shard) of fp32 ``logits``, over the TP group."""
+    shifted, world, local, off = _shift_and_localize(logits, ids, group)
+    picked = shifted.gather(-1, local).masked_fill(off, 0.0)
+    exp_logits = shifted.exp()
+    sum_exp = exp_logits.sum(-1)
+    if world > 1:
+        dist.all_reduce(picked, group=group)
+        dist.all_reduce(sum_exp, group=group)
+    log_z = torch.log(sum_exp)
+    return picked - log_z.unsqueeze(-1), exp_logits.div_(sum_exp.unsqueeze(-1)), local, off
+
+
+class _HeadGather(torch.autograd.Function):
+    """(B, T, K) log-probs of the ids ``ids`` from the LM head's input and this rank's
+    shard of its weight, a chunk of positions at a time, as :class:`_HeadLogprob` takes
+    (log-prob, entropy): the logits exist for one chunk, forward and backward (which makes
+    them again), but for positions that fit one chunk, which keep theirs. Per chunk the
+    arithmetic of the head's matmul and :func:`vocab_parallel_gather_logprobs`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, group, temperature, true_vocab, chunk):
+        B, T, _ = ids.shape
+        spans = _spans(T, B, chunk)
+        kept = F.linear(hidden, weight) if len(spans) == 1 else None
+        outs = [_gather_parts(_scaled(F.linear(hidden[:, s], weight) if kept is None else kept,
+                                      temperature, true_vocab, group), ids[:, s], group)[0]
+                for s in spans]
+        ctx.save_for_backward(hidden, weight, ids, *([kept] if kept is not None else []))
+        ctx.group, ctx.temperature, ctx.true_vocab, ctx.chunk = group, temperature, \
+            true_vocab, chunk
+        return torch.cat(outs, dim=1) if outs else hidden.new_zeros((B, 0, ids.shape[-1]))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        # d logp_j / dz_i = [i == id_j] - p_i
+        hidden, weight, ids, *kept = ctx.saved_tensors
+        B, T, _ = ids.shape
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight)
+        for s in _spans(T, B, ctx.chunk):
+            part = hidden[:, s]
+            logits = kept[0] if kept else F.linear(part, weight)
+            scaled = _scaled(logits, ctx.temperature, ctx.true_vocab, ctx.group)
+            _, probs, local, off = _gather_parts(scaled, ids[:, s], ctx.group)
+            g = grad_out[:, s]
+            grad = probs.mul_(-g.sum(-1, keepdim=True))
+            grad.scatter_add_(-1, local, g.masked_fill(off, 0.0))
+            grad = _unscaled_grad(grad, ctx.temperature, ctx.true_vocab,
+                                  ctx.group).to(logits.dtype)
+            grad_hidden[:, s] = grad @ weight
+            grad_weight.addmm_(grad.reshape(-1, grad.shape[-1]).t(),
+                               part.reshape(-1, part.shape[-1]))
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def head_gather_logprobs(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor,
+                         ids_BTK: torch.Tensor, *, tp_group=None, temperature: float = 1.0,
+                         true_vocab: int | None = None, chunk: int | None = None
+                         ) -> torch.Tensor:
+    """:func:`vocab_parallel_gather_logprobs` of the logits ``hidden_BTH @ weight_VH^T``
+    without making them but ``chunk`` positions at a time (as :func:`head_logprobs`)."""
+    return _HeadGather.apply(hidden_BTH, weight_VH, ids_BTK, tp_group, temperature,
+                             true_vocab, chunk or CHUNK_TOKENS)
 
 
 def vocab_parallel_gather_logprobs(logits_BTV: torch.Tensor, ids_BTK: torch.Tensor, *,

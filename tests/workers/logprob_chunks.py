@@ -3,7 +3,9 @@
 vocabulary shard, and computes log-probs and entropy with their gradients in chunks of
 3 positions and in one chunk; rank 0 also computes them from the full logits with plain
 torch. The same for the LM head a chunk at a time (``head_logprobs``) from hidden states
-and a weight every rank makes whole and keeps its vocabulary shard of. Results -> OUT/logprob_chunks.pt on rank 0."""
+and a weight every rank makes whole and keeps its vocabulary shard of, and for the
+log-probs of several ids per position that way (``head_gather_logprobs``, distillation's).
+Results -> OUT/logprob_chunks.pt on rank 0."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megarlhf.models.logprobs import head_logprobs, vocab_parallel_logprobs
+from megarlhf.models.logprobs import head_gather_logprobs, head_logprobs, vocab_parallel_logprobs
 
 
 def main():
@@ -52,6 +54,27 @@ def main():
         dist.all_gather(grads, weight.grad, group=group)
         out[("head", chunk)] = {"logprobs": lp.detach(), "entropy": ent.detach(),
                                 "hidden_grad": hidden.grad, "weight_grad": torch.cat(grads)}
+    ids = torch.randint(0, true_vocab, (B, T, 4), generator=g)
+    w3 = torch.randn(B, T, 4, generator=g)
+    for chunk in (3, 10**9):
+        hidden = hidden_full.clone().requires_grad_(True)
+        weight = weight_full[rank * shard:(rank + 1) * shard].clone().requires_grad_(True)
+        lp = head_gather_logprobs(copy_to_tensor_model_parallel_region(hidden, group=group),
+                                  weight, ids, tp_group=group, temperature=0.7,
+                                  true_vocab=true_vocab, chunk=chunk)
+        (lp * w3).sum().backward()
+        grads = [torch.empty_like(weight.grad) for _ in range(world)]
+        dist.all_gather(grads, weight.grad, group=group)
+        out[("gather", chunk)] = {"logprobs": lp.detach(), "hidden_grad": hidden.grad,
+                                  "weight_grad": torch.cat(grads)}
+    if rank == 0:
+        hidden = hidden_full.double().requires_grad_(True)
+        weight = weight_full.double().requires_grad_(True)
+        lsm = torch.log_softmax((hidden @ weight.t())[..., :true_vocab] / 0.7, -1)
+        ref_lp = lsm.gather(-1, ids)
+        (ref_lp * w3.double()).sum().backward()
+        out["gather_reference"] = {"logprobs": ref_lp, "hidden_grad": hidden.grad,
+                                   "weight_grad": weight.grad}
     if rank == 0:
         hidden = hidden_full.double().requires_grad_(True)
         weight = weight_full.double().requires_grad_(True)
