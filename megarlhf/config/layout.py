@@ -17,9 +17,10 @@ class Layout:
     """Tensor (``tp``), pipeline (``pp``, with ``vpp`` virtual stages per rank for the
     interleaved schedule) and expert parallelism (``ep`` expert-parallel ranks, ``etp``
     tensor-parallel ranks per expert, None for TP; room for mixture-of-experts models, 1 for dense
-    ones) and sequence parallelism (``sp``, at TP > 1). The rest of the world forms data-parallel replicas. Ranks are ordered TP
-    fastest, then DP, then PP (megatron's ``tp-cp-ep-dp-pp``), so a TP group stays within
-    a node."""
+    ones), sequence parallelism (``sp``, at TP > 1) and context parallelism (``cp`` ranks
+    split each sequence, ``parallel.context``). The rest of the world forms data-parallel
+    replicas. Ranks are ordered TP fastest, then CP, DP, PP (megatron's ``tp-cp-ep-dp-pp``),
+    so a TP group stays within a node."""
 
     tp: int = 1
     pp: int = 1
@@ -27,6 +28,7 @@ class Layout:
     ep: int = 1
     etp: int | None = None
     sp: bool = False
+    cp: int = 1
 
     @property
     def expert_tp(self) -> int:
@@ -41,10 +43,11 @@ class Layout:
     def dp(self, world_size: int) -> int:
         """Data-parallel replicas on ``world_size`` ranks (the layout must divide it: the
         config's layout checks say so first, with the field names)."""
-        if world_size % self.model_parallel:
+        ranks = self.model_parallel * self.cp
+        if world_size % ranks:
             raise ValueError(f"{self.describe()} does not divide the world of {world_size} "
-                             f"processes (TP x PP = {self.model_parallel})")
-        return world_size // self.model_parallel
+                             f"processes (TP x PP{' x CP' if self.cp > 1 else ''} = {ranks})")
+        return world_size // ranks
 
     def expert_dp(self, world_size: int) -> int:
         """Data-parallel replicas of each expert: the world over ETP x EP x PP (megatron's
@@ -55,9 +58,15 @@ class Layout:
         return world_size // (self.expert_tp * self.ep * self.pp)
 
     def coordinates(self, rank: int, world_size: int) -> tuple[int, int, int]:
-        """``rank``'s (tp_rank, dp_rank, pp_rank): rank = tp + TP * (dp + DP * pp)."""
+        """``rank``'s (tp_rank, dp_rank, pp_rank): rank = tp + TP * (cp + CP * (dp + DP *
+        pp)); its CP rank is :meth:`cp_rank`."""
         dp = self.dp(world_size)
-        return rank % self.tp, (rank // self.tp) % dp, rank // (self.tp * dp)
+        inner = self.tp * self.cp
+        return rank % self.tp, (rank // inner) % dp, rank // (inner * dp)
+
+    def cp_rank(self, rank: int) -> int:
+        """``rank``'s place in its context-parallel group."""
+        return (rank // self.tp) % self.cp
 
     def describe(self, world_size: int | None = None) -> str:
         """``TP=2 PP=1 DP=2`` (DP when the world size is given), with VPP and EP when
@@ -67,6 +76,8 @@ class Layout:
             text += f" DP={self.dp(world_size)}"
         if self.sp:
             text += " SP"
+        if self.cp > 1:
+            text += f" CP={self.cp}"
         if self.vpp:
             text += f" VPP={self.vpp}"
         if self.ep > 1 or self.expert_tp != self.tp:

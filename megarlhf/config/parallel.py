@@ -31,6 +31,14 @@ class ParallelConfig:
     along the sequence in place of TP's all-reduce. Required to train a mixture of experts
     at TP > 1. Micro-batches are lengthened to a multiple of TP (positions no loss reads).
     The rollout's KV-cached decode never uses it (one token a step)."""
+    context_parallel_size: int = 1
+    """Context parallelism: each sequence is split over this many ranks along its
+    positions (2 x CP chunks, an early one with a late one on each rank, megatron's
+    load-balanced split) and attention gathers the keys and values of the others, so a
+    layer's activations shrink by CP. Micro-batches are lengthened to a multiple of 2 x CP
+    (x TP under sequence parallelism; a packed one sample by sample); the outputs are put
+    back together for the losses. Gradients are reduced over DP x CP. The rollout's
+    inference layout stays at CP = 1 (a decode step has one position)."""
     make_vocab_size_divisible_by: int = 128
     """The vocabulary is padded to a multiple of this times the TP size."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -45,7 +53,8 @@ class ParallelConfig:
 
     def __post_init__(self):
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "make_vocab_size_divisible_by", "expert_model_parallel_size"):
+                     "make_vocab_size_divisible_by", "expert_model_parallel_size",
+                     "context_parallel_size"):
             require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
                     "must be >= 1")
         require(self.timeout_minutes > 0, "parallel.timeout_minutes", self.timeout_minutes,
@@ -65,7 +74,8 @@ class ParallelConfig:
         return Layout(tp=tp, pp=self.pipeline_model_parallel_size,
                       vpp=self.virtual_pipeline_model_parallel_size,
                       ep=self.expert_model_parallel_size,
-                      etp=self.expert_tensor_parallel_size, sp=self.sequence_parallel)
+                      etp=self.expert_tensor_parallel_size, sp=self.sequence_parallel,
+                      cp=self.context_parallel_size)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -85,11 +95,14 @@ class RoleParallelConfig:
     sequence_parallel: bool | None = None
     """Sequence parallelism for this role (``parallel.sequence_parallel``); None: the
     actor's while this role's TP > 1, else off."""
+    context_parallel_size: int | None = None
+    """Context-parallel size of this role (``parallel.context_parallel_size``); None: the
+    actor's."""
 
     def __post_init__(self):
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
-                     "expert_tensor_parallel_size"):
+                     "expert_tensor_parallel_size", "context_parallel_size"):
             value = getattr(self, name)
             if value is not None:
                 require(value >= 1, f"parallel.{name}", value, "must be >= 1 or null")
@@ -109,4 +122,5 @@ class RoleParallelConfig:
         etp = self.expert_tensor_parallel_size or base.etp
         sp = self.sequence_parallel if self.sequence_parallel is not None \
             else base.sp and tp > 1
-        return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, sp=sp)
+        return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, sp=sp,
+                      cp=self.context_parallel_size or base.cp)

@@ -124,6 +124,26 @@ def check_section(section) -> None:
 
 # ------------------------------------------------------------------ across sections
 
+def check_context_parallel(where: str, model: ModelConfig, layout: Layout,
+                           model_name: str) -> None:
+    """What context parallelism does not take yet, refused naming the setting:
+    multi-latent attention (its own rotary embedding), a mixture of experts (its routers'
+    statistics and replay count the whole sequence), TransformerEngine's layers (their
+    attention splits the sequence its own way, which megarlhf has not checked against one
+    process) and the interleaved pipeline schedule."""
+    if layout.cp == 1:
+        return
+    field = f"{where}.context_parallel_size"
+    for flag, what in ((model.mla.enabled, f"multi-latent attention ({model_name}.mla)"),
+                       (model.moe.enabled, f"a mixture of experts ({model_name}.moe)"),
+                       (model.transformer_impl == "transformer_engine",
+                        f"TransformerEngine's layers ({model_name}.transformer_impl)"),
+                       (layout.vpp is not None,
+                        f"the interleaved pipeline ({where}.virtual_pipeline_model_parallel_"
+                        f"size), whose stages exchange one fixed length over gloo")):
+        require(not flag, field, layout.cp, f"does not take {what} yet: use 1")
+
+
 def check_model_layout(where: str, model: ModelConfig, layout: Layout,
                        world_size: int | None = None, model_name: str = "model",
                        trained: bool = False) -> None:
@@ -150,10 +170,16 @@ def check_model_layout(where: str, model: ModelConfig, layout: Layout,
     require(model.num_layers % chunks == 0, f"{model_name}.num_layers", model.num_layers,
             f"must be divisible by the number of pipeline chunks {chunks} "
             f"({where}.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size)")
-    if world_size is not None:
+    cp = layout.cp
+    if world_size is not None and cp == 1:
         require(world_size % (tp * pp) == 0, "world size", world_size,
                 f"must be a multiple of tensor x pipeline parallel size = {tp} x {pp} = "
                 f"{tp * pp} ({where})")
+    if world_size is not None and cp > 1:
+        require(world_size % (tp * pp * cp) == 0, "world size", world_size,
+                f"must be a multiple of tensor x pipeline x context parallel size = {tp} x "
+                f"{pp} x {cp} = {tp * pp * cp} ({where})")
+    check_context_parallel(where, model, layout, model_name)
     check_expert_layout(where, model, layout, world_size, model_name)
     require(not layout.sp or tp > 1, f"{where}.sequence_parallel", layout.sp,
             "needs tensor_model_parallel_size > 1 (it splits the sequence over the "

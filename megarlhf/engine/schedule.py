@@ -35,6 +35,9 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
         seq_length = max(seq_length, *(b["tokens"].shape[1] for b in microbatches))
     if layout.layout.sp:  # the model lengthens each micro-batch (engine.steps.model_forward)
         seq_length = -(-seq_length // layout.tp) * layout.tp
+    if layout.cp > 1:  # each CP rank runs its part of the lengthened sequence (same place)
+        unit = 2 * layout.cp * (layout.tp if layout.layout.sp else 1)
+        seq_length = -(-seq_length // unit) * unit // layout.cp
     device = next(unwrap(model_chunks[0]).parameters()).device
     vpp, pp, pgc = layout.vpp or 1, layout.pp, layout.pg_collection
     assert len(model_chunks) == vpp, (len(model_chunks), layout.describe())
@@ -47,6 +50,9 @@ def run_schedule(model_chunks: list, forward_step: Callable, microbatches: list[
     # Packed micro-batches differ in shape: the stages then send each activation's shape
     # ahead of it (megatron's variable_seq_lengths); fixed shapes skip that exchange.
     variable = pp > 1 and len({tuple(b["tokens"].shape) for b in microbatches}) > 1
+    # under context parallelism a packed row is lengthened sample by sample
+    variable = variable or (pp > 1 and layout.cp > 1
+                            and any("cu_seqlens" in b for b in microbatches))
     if variable and vpp > 1 and not core.config.batch_p2p_comm:
         # megatron sends those shapes with batch_isend_irecv, which gloo mis-pairs in the
         # interleaved schedule (as it does activations, see models.gpt): one length instead

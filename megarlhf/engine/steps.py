@@ -15,7 +15,7 @@ from megarlhf.engine.schedule import lengthen
 from megarlhf.models import moe
 from megarlhf.models.gpt import unwrap
 from megarlhf.models.logprobs import head_logprobs
-from megarlhf.parallel import cpu_backend
+from megarlhf.parallel import context, cpu_backend
 from megarlhf.parallel.gather import gather_objects
 
 
@@ -37,6 +37,8 @@ def model_forward(model, batch: dict, positions: slice | torch.Tensor | None = N
             return model_forward(model, batch, positions)
     length = batch["tokens"].shape[1]
     split = core.config.tensor_model_parallel_size if core.config.sequence_parallel else 1
+    if core.config.context_parallel_size > 1:
+        return _context_parallel_forward(model, batch, positions, 2 * split)
     if length % split:
         batch = lengthen(batch, length + split - length % split)
         if isinstance(positions, slice):  # in the micro-batch's own length
@@ -44,6 +46,49 @@ def model_forward(model, batch: dict, positions: slice | torch.Tensor | None = N
         out = _model_forward(model, batch, positions, length)
         return out[:, :length] if positions is None and core.post_process else out
     return _model_forward(model, batch, positions, length)
+
+
+def _context_parallel_forward(model, batch: dict, positions, unit: int):
+    """:func:`model_forward` under context parallelism (``parallel.context``): this CP
+    rank runs its part of each sequence - the micro-batch lengthened to a multiple of
+    ``unit`` x CP (a packed one sample by sample, each sample's padding after it), then
+    chunks ``cp_rank`` and ``2 CP - 1 - cp_rank`` - and the last stage puts the outputs
+    back together on every CP rank, in the micro-batch's own positions, before taking
+    ``positions``."""
+    core = unwrap(model)
+    group = core.pg_collection.cp
+    cp, rank = group.size(), group.rank()
+    step = unit * cp
+    tokens = batch["tokens"]
+    B, length = tokens.shape
+    if "cu_seqlens" in batch:  # one row of samples back to back
+        bounds = batch["cu_seqlens"].tolist()
+        sizes = [-(-(b - a) // step) * step for a, b in zip(bounds[:-1], bounds[1:])]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        place = torch.cat([torch.arange(a, b) - a + s
+                           for a, b, s in zip(bounds[:-1], bounds[1:], starts)])
+        whole = {key: batch[key].new_zeros(1, sum(sizes)).index_copy_(1, place, batch[key])
+                 for key in ("tokens", "position_ids")}
+        parts = [torch.cat([context.chunk_positions(n, cp, r) + s
+                            for n, s in zip(sizes, starts)]) for r in range(cp)]
+        mine = {key: value.index_select(1, parts[rank]) for key, value in whole.items()}
+        mine["cu_seqlens"] = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()],
+                                          dtype=batch["cu_seqlens"].dtype)
+        out = _model_forward(model, mine, None, mine["tokens"].shape[1])
+        if not core.post_process:
+            return out
+        out = context.gather_sequence(out, 1, group, torch.cat(parts)).index_select(1, place)
+    else:
+        padded = lengthen(batch, -(-length // step) * step)
+        rows = context.chunk_positions(padded["tokens"].shape[1], cp, rank)
+        mine = {key: padded[key].index_select(1, rows) for key in ("tokens", "position_ids")}
+        if padded.get("attention_mask") is not None:  # this rank's query rows, every key
+            mine["attention_mask"] = padded["attention_mask"].index_select(2, rows)
+        out = _model_forward(model, mine, None, rows.numel())
+        if not core.post_process:
+            return out
+        out = context.gather_sequence(out, 1, group)[:, :length]
+    return out if positions is None else out[:, positions]
 
 
 def _model_forward(model, batch: dict, positions, length: int):

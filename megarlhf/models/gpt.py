@@ -8,6 +8,7 @@ Nothing here knows how the model is split: the layout arrives as a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import math
@@ -69,6 +70,7 @@ def transformer_config(model: ModelConfig, layout: Layout) -> TransformerConfig:
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         sequence_parallel=layout.sp,
+        context_parallel_size=layout.cp,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
@@ -354,6 +356,10 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, layout:
         raise ValueError(f"kind must be 'lm' or 'value', got {kind!r}")
     if model_cfg.vocab_size is None:
         raise ValueError("model.vocab_size is unset: set it or configure a tokenizer")
+    if layout.cp > 1 and model_cfg.transformer_impl == "auto":
+        # context parallelism runs megarlhf's own attention (models.spec.SDPACoreAttention,
+        # parallel.context); TransformerEngine's is refused under it (config.rules)
+        model_cfg = dataclasses.replace(model_cfg, transformer_impl="local")
     tcfg = transformer_config(model_cfg, layout)
     if model_cfg.moe.enabled or model_cfg.mla.enabled:
         moe.prepare_megatron()

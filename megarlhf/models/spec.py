@@ -20,6 +20,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megarlhf import speedups
 from megarlhf.config import ModelConfig
 from megarlhf.models import moe
+from megarlhf.parallel import context
 from megarlhf.speedups import linears
 
 
@@ -42,6 +43,9 @@ class SDPACoreAttention(MegatronModule):
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         self.tp_group = pg_collection.tp  # megatron's sharded_state_dict reads it
         tp_size = pg_collection.tp.size()
+        # context parallelism: this rank holds part of each sequence (parallel.context)
+        cp = getattr(pg_collection, "cp", None)
+        self.cp_group = cp if config.context_parallel_size > 1 else None
         self.attn_mask_type = attn_mask_type
         self.heads = config.num_attention_heads // tp_size
         self.groups = config.num_query_groups // tp_size
@@ -58,6 +62,12 @@ class SDPACoreAttention(MegatronModule):
                 attention_bias=None, packed_seq_params=None):
         if packed_seq_params is not None:
             return self.forward_packed(query, key, value, packed_seq_params)
+        if self.cp_group is not None:
+            sq = query.shape[0]
+            out = context.attention(self._attend_allowed, query.permute(1, 2, 0, 3),
+                                    key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
+                                    self.cp_group, attention_mask)
+            return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], self.heads * self.value_dim)
         kv = self.static_kv
         if kv is not None and kv.shared.decoding:
             kv.write(key, value)
@@ -79,6 +89,10 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError(f"packed sequences in the {packed_seq_params.qkv_format!r} "
                              "format: the local attention takes 'thd'")
         bounds = packed_seq_params.cu_seqlens_q.tolist()
+        if self.cp_group is not None:  # the samples' bounds in the whole row
+            out = context.attention_packed(self._attend_allowed, query, key, value, bounds,
+                                           self.cp_group)
+            return out.reshape(out.shape[0], -1)
         outs = []
         for start, stop in zip(bounds[:-1], bounds[1:]):
             q, k, v = (x[start:stop].permute(1, 0, 2).unsqueeze(0).contiguous()
@@ -86,6 +100,13 @@ class SDPACoreAttention(MegatronModule):
             out = self.attend(q, k, v, None, AttnMaskType.causal)  # (1, heads, n, hd)
             outs.append(out[0].permute(1, 0, 2).reshape(stop - start, -1))
         return torch.cat(outs)
+
+    def _attend_allowed(self, q, k, v, allowed) -> torch.Tensor:
+        """SDPA under the boolean mask ``allowed`` (True = may attend)."""
+        dropout = self.dropout_p if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout,
+                                              scale=self.softmax_scale,
+                                              enable_gqa=self.groups != self.heads)
 
     def attend(self, q, k, v, attention_mask, attn_mask_type=None) -> torch.Tensor:
         """The attention in SDPA's layout: q (B, heads, sq, hd), k and v (B, groups, sk,

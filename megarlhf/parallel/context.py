@@ -82,31 +82,40 @@ class _StackKeysValues(torch.autograd.Function):
 
 
 class _GatherSequence(torch.autograd.Function):
-    """The ranks' parts along the sequence (dim 0) in position order; the backward keeps
-    CP x this rank's positions' gradient (see the module docstring)."""
+    """The ranks' parts along dim 0 put in position order: ``stacked`` gives the position
+    of each element of the parts stacked rank after rank. The backward keeps CP x this
+    rank's positions' gradient (see :func:`gather_sequence`)."""
 
     @staticmethod
-    def forward(ctx, local, group):
+    def forward(ctx, local, group, stacked):
         ctx.group = group
-        stacked = _stack(local, group)
-        return stacked.index_select(0, _order(stacked.shape[0], group.size(), local.device))
+        ctx.own = stacked[group.rank() * local.shape[0]:(group.rank() + 1) * local.shape[0]]
+        return _stack(local, group).index_select(0, torch.argsort(stacked))
 
     @staticmethod
     def backward(ctx, grad):
-        return local_part(grad, 0, ctx.group) * ctx.group.size(), None
+        return grad.index_select(0, ctx.own) * ctx.group.size(), None, None
 
 
-def gather_sequence(local: torch.Tensor, dim: int, group) -> torch.Tensor:
+def gather_sequence(local: torch.Tensor, dim: int, group,
+                    stacked: torch.Tensor | None = None) -> torch.Tensor:
     """The whole sequence of a per-position output from every CP rank's part, in position
-    order, on every rank. Its backward hands this rank CP times the gradient of its own
-    positions: a loss computed from the whole output is the same on every CP rank, and
-    megatron's reduction over DP x CP sums the ranks' gradients and divides by a token
-    count that every CP rank counted in full - so a weight used before the gather (its
-    gradient from this rank's positions) and one used after it (the whole gradient on
-    every CP rank) both come out right."""
-    if group.size() == 1:
+    order, on every rank. ``stacked``: the position of each element of the ranks' parts
+    stacked rank after rank (default: :func:`chunk_positions`' split of one sequence).
+
+    Its backward hands this rank CP times the gradient of its own positions: a loss
+    computed from the whole output is the same on every CP rank, and megatron's reduction
+    over DP x CP sums the ranks' gradients and divides by a token count that every CP rank
+    counted in full - so a weight used before the gather (its gradient from this rank's
+    positions) and one used after it (the whole gradient on every CP rank) both come out
+    right."""
+    cp = group.size()
+    if cp == 1:
         return local
-    return _GatherSequence.apply(local.movedim(dim, 0), group).movedim(0, dim)
+    if stacked is None:
+        length = cp * local.shape[dim]
+        stacked = torch.cat([chunk_positions(length, cp, r, local.device) for r in range(cp)])
+    return _GatherSequence.apply(local.movedim(dim, 0), group, stacked).movedim(0, dim)
 
 
 def attention(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
@@ -131,3 +140,27 @@ def attention(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
         allowed = allowed.clone()
         allowed[..., torch.arange(rows.numel(), device=q.device), rows] = True
     return attend(q, keys, values, allowed)
+
+
+def attention_packed(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens: list[int], group) -> torch.Tensor:
+    """:func:`attention` over a packed row (megatron's THD format under CP): ``q`` (t,
+    heads, hd), ``k`` and ``v`` (t, groups, hd) hold this rank's part of each sample back
+    to back, ``cu_seqlens`` the samples' bounds in the whole row (each sample a multiple of
+    2 x CP positions, and this rank's part of it 1/CP of them). Causal attention within
+    each sample. Returns (t, heads, hd)."""
+    cp, rank = group.size(), group.rank()
+    local = q.shape[0]
+    keys, values = (_StackKeysValues.apply(x, group) for x in (k, v))  # (cp x t, ...)
+    outs = []
+    for start, stop in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        length, first, last = stop - start, start // cp, stop // cp
+        order = _order(length, cp, q.device)
+        k_i, v_i = (torch.cat([x[r * local + first:r * local + last] for r in range(cp)])
+                    .index_select(0, order) for x in (keys, values))
+        rows = chunk_positions(length, cp, rank, q.device)
+        allowed = rows[:, None] >= torch.arange(length, device=q.device)[None, :]
+        out = attend(q[first:last].transpose(0, 1)[None], k_i.transpose(0, 1)[None],
+                     v_i.transpose(0, 1)[None], allowed)  # (1, heads, n, hd)
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs)

@@ -22,9 +22,13 @@ against megarlhf's pin, megatron-core 0.16.1; docs/design.md):
    state) keeps CPU generator states: :class:`CpuRNGStatesTracker` seeds them as
    megatron's ``model_parallel_cuda_manual_seed`` does, and a fork swaps the CPU
    generator to the named state and back (recomputation saves and restores them as on
-   CUDA).
+   CUDA);
+7. context parallelism's rotary embedding (``get_pos_emb_on_this_cp_rank``, used by
+   megatron's rotary embeddings) builds its chunk index in pinned host memory and moves
+   it to CUDA: :func:`_pos_emb_on_this_cp_rank` takes the same chunks on the embedding's
+   own device.
 
-1, 3, 5 and 6 are process-wide once :func:`activate` ran. The mode (2 and 4) costs a Python call
+1, 3, 5, 6 and 7 are process-wide once :func:`activate` ran. The mode (2 and 4) costs a Python call
 per torch call, so it is entered only at megatron-core's doors - :func:`at_megatron` on
 the engine's entry points: building a role (model, DDP, optimizer), the pipeline
 schedules, the optimizer's step, checkpoint save and load, resharding into the inference
@@ -122,6 +126,7 @@ def activate() -> bool:
     _suspend_in_backward()
     _no_cuda_generator()
     _cpu_rng_tracker()
+    _cp_rotary()
     return True
 
 
@@ -216,6 +221,29 @@ def _cpu_rng_tracker() -> None:
     random.initialize_rng_tracker(force_reset=True)
 
 
+def _pos_emb_on_this_cp_rank(pos_emb, seq_dim: int, cp_group):
+    """Redirection 7: megatron's ``get_pos_emb_on_this_cp_rank`` - chunks ``cp_rank`` and
+    ``2 cp - 1 - cp_rank`` of 2 x CP along ``seq_dim`` - with the index on
+    ``pos_emb``'s device."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp, rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([rank, 2 * cp - rank - 1], device=pos_emb.device)
+    shaped = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1:])
+    picked = shaped.index_select(seq_dim, index)
+    return picked.view(*picked.shape[:seq_dim], -1, *picked.shape[seq_dim + 2:])
+
+
+def _cp_rotary() -> None:
+    """Redirection 7, in the modules that call it."""
+    from megatron.core.models.common.embeddings import (rotary_pos_embedding,
+                                                        yarn_rotary_pos_embedding)
+
+    _state["saved"]["cp_rotary"] = rotary_pos_embedding.get_pos_emb_on_this_cp_rank
+    for module in (rotary_pos_embedding, yarn_rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
+
+
 def deactivate() -> None:
     """Undo :func:`activate` (used by tests)."""
     mode = _state["mode"]
@@ -229,6 +257,10 @@ def deactivate() -> None:
     random._get_cuda_rng_state, random._set_cuda_rng_state = _state["saved"]["rng"]
     random.CudaRNGStatesTracker = _state["saved"]["tracker"]
     random.initialize_rng_tracker(force_reset=True)
+    from megatron.core.models.common.embeddings import (rotary_pos_embedding,
+                                                        yarn_rotary_pos_embedding)
+    for module in (rotary_pos_embedding, yarn_rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = _state["saved"]["cp_rotary"]
     _state["mode"] = None
 
 

@@ -33,6 +33,7 @@ class RankLayout:
     dp_rank: int
     pp_rank: int
     pg_collection: object
+    cp_rank: int = 0
 
     @property
     def tp(self) -> int:
@@ -88,10 +89,18 @@ class RankLayout:
         return self.pg_collection.pp
 
     @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
+    def cp_group(self):
+        return self.pg_collection.cp
+
+    @property
     def writes_results(self) -> bool:
         """The one rank per data-parallel replica that holds a pass's outputs: the last
-        pipeline stage's TP rank 0 (TP ranks hold copies)."""
-        return self.is_last_stage and self.tp_rank == 0
+        pipeline stage's TP and CP rank 0 (TP and CP ranks hold copies)."""
+        return self.is_last_stage and self.tp_rank == 0 and self.cp_rank == 0
 
     def describe(self) -> str:
         return self.layout.describe(self.world_size)
@@ -106,8 +115,8 @@ def _groups(layout: Layout, world: int):
     collective). Experts have a grid of their own over the same ranks, megatron's
     ``tp-ep-dp-pp`` with ETP and EP: its groups are the collection's ``ep``, ``expt_tp``,
     ``expt_dp``, ``tp_ep`` and ``tp_ep_pp`` (for a dense layout, the dense grid's)."""
-    tp, pp, ep, etp = layout.tp, layout.pp, layout.ep, layout.expert_tp
-    key = (tp, pp, ep, etp, world)
+    tp, pp, ep, etp, cp = layout.tp, layout.pp, layout.ep, layout.expert_tp, layout.cp
+    key = (tp, pp, ep, etp, cp, world)
     if key in _GROUPS:
         return _GROUPS[key]
     from megatron.core.hyper_comm_grid import HyperCommGrid
@@ -117,7 +126,7 @@ def _groups(layout: Layout, world: int):
 
     dp = layout.dp(world)
     timeout = group_timeout()  # parallel.timeout_minutes: torch's own default otherwise
-    grid = HyperCommGrid([tp, 1, 1, dp, pp], ["tp", "cp", "ep", "dp", "pp"])
+    grid = HyperCommGrid([tp, cp, 1, dp, pp], ["tp", "cp", "ep", "dp", "pp"])
     g = {name: grid.create_pg(name, timeout=timeout) for name in ("tp", "cp", "ep", "dp", "pp")}
     pp_ranks = dist.get_process_group_ranks(g["pp"])
     # Word embeddings live on the first and last stage (tied weights are kept in sync
@@ -126,7 +135,7 @@ def _groups(layout: Layout, world: int):
     # megatron's parallel_state does).
     embd = pos_embd = None
     rank = dist.get_rank()
-    for ranks in _all_pp_groups(tp, dp, pp):
+    for ranks in _all_pp_groups(tp, dp, pp, cp):
         embd_ranks = default_embedding_ranks(ranks)
         pos_ranks = default_position_embedding_ranks(ranks)
         e, p = (dist.new_group(embd_ranks, timeout=timeout),
@@ -135,13 +144,14 @@ def _groups(layout: Layout, world: int):
             embd = e
         if rank in pos_ranks:
             pos_embd = p
-    assert pp_ranks == next(r for r in _all_pp_groups(tp, dp, pp) if rank in r), \
+    assert pp_ranks == next(r for r in _all_pp_groups(tp, dp, pp, cp) if rank in r), \
         "HyperCommGrid's rank order is not tp-cp-ep-dp-pp"
     dp_cp = grid.create_pg(["cp", "dp"], timeout=timeout)
+    # the ranks holding different parts of the weights (not CP: its ranks hold copies)
+    mp = grid.create_pg(["tp", "ep", "pp"], timeout=timeout)
     if ep == 1 and etp == tp:
         experts = {"ep": g["ep"], "expt_tp": g["tp"], "expt_dp": g["dp"],
-                   "tp_ep": grid.create_pg(["tp", "ep"], timeout=timeout),
-                   "tp_ep_pp": grid.create_pg(["tp", "ep", "pp"], timeout=timeout)}
+                   "tp_ep": grid.create_pg(["tp", "ep"], timeout=timeout), "tp_ep_pp": mp}
     else:
         egrid = HyperCommGrid([etp, ep, layout.expert_dp(world), pp], ["tp", "ep", "dp", "pp"])
         e = {name: egrid.create_pg(name, timeout=timeout) for name in ("tp", "ep", "dp")}
@@ -151,7 +161,7 @@ def _groups(layout: Layout, world: int):
     pgc = ProcessGroupCollection(
         tp=g["tp"], cp=g["cp"], pp=g["pp"], dp=g["dp"], embd=embd,
         pos_embd=pos_embd, tp_cp=grid.create_pg(["tp", "cp"], timeout=timeout),
-        mp=grid.create_pg(["tp", "cp", "ep", "pp"], timeout=timeout), **experts,
+        mp=mp, **experts,
         dp_cp=dp_cp, tp_dp_cp=grid.create_pg(["tp", "cp", "dp"], timeout=timeout), intra_dp_cp=dp_cp,
         intra_expt_dp=experts["expt_dp"],
         intra_dist_opt=grid.create_pg(["tp", "cp", "ep", "dp", "pp"], timeout=timeout))
@@ -159,9 +169,12 @@ def _groups(layout: Layout, world: int):
     return pgc
 
 
-def _all_pp_groups(tp: int, dp: int, pp: int) -> list[list[int]]:
-    """Ranks of every pipeline group, stage order (rank = tp + TP * dp + TP * DP * pp)."""
-    return [[t + tp * d + tp * dp * s for s in range(pp)] for d in range(dp) for t in range(tp)]
+def _all_pp_groups(tp: int, dp: int, pp: int, cp: int = 1) -> list[list[int]]:
+    """Ranks of every pipeline group, stage order (rank = tp + TP * (cp + CP * (dp + DP *
+    pp)))."""
+    inner = tp * cp
+    return [[t + tp * c + inner * d + inner * dp * s for s in range(pp)]
+            for d in range(dp) for c in range(cp) for t in range(tp)]
 
 
 def build_layout(layout: Layout) -> RankLayout:
@@ -171,10 +184,12 @@ def build_layout(layout: Layout) -> RankLayout:
     world = dist.get_world_size()
     pgc = _groups(layout, world)
     tp_rank, dp_rank, pp_rank = layout.coordinates(dist.get_rank(), world)
-    assert (tp_rank, dp_rank, pp_rank) == (pgc.tp.rank(), pgc.dp.rank(), pgc.pp.rank()), \
+    cp_rank = layout.cp_rank(dist.get_rank())
+    assert (tp_rank, dp_rank, pp_rank, cp_rank) == (pgc.tp.rank(), pgc.dp.rank(),
+                                                    pgc.pp.rank(), pgc.cp.rank()), \
         "HyperCommGrid's groups do not follow Layout.coordinates"
     return RankLayout(layout=layout, world_size=world, tp_rank=tp_rank, dp_rank=dp_rank,
-                      pp_rank=pp_rank, pg_collection=pgc)
+                      pp_rank=pp_rank, pg_collection=pgc, cp_rank=cp_rank)
 
 
 def reset_layouts() -> None:

@@ -74,4 +74,4 @@ def block_spec(layer_spec: ModuleSpec, config, *, vp_stage: int | None, pp_rank:
 def head_cut_allowed(config) -> bool:
     """Whether the head may run at some positions only: not with its input sharded along
     the sequence."""
-    return not config.sequence_parallel
+    return not config.sequence_parallel and config.context_parallel_size == 1
