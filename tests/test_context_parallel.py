@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from conftest import WORKERS, torchrun
+from conftest import WORKERS, run_cli, torchrun
 from megarlhf.parallel import context
 
 
@@ -37,3 +37,103 @@ def test_attention_over_two_cp_ranks_equals_one_process(tmp_path):
     for key in ("out", "q", "k", "v"):
         torch.testing.assert_close(out["cp"][key], out["reference"][key], rtol=1e-10,
                                    atol=1e-10, msg=key)
+
+
+# ------------------------------------------------------------------ whole runs at CP=2
+
+def _metrics(out, name) -> list[dict]:
+    from megarlhf.engine.metrics import read_metrics
+    return read_metrics(os.path.join(str(out), name))
+
+
+def _follows(one: list[dict], two: list[dict], tol: float) -> None:
+    """Two runs' metrics (but timings, speeds and memory) agree within ``tol``,
+    relative."""
+    assert len(one) == len(two) > 1
+    for a, b in zip(one, two, strict=True):
+        for key, value in a.items():
+            if key.startswith(("timing/", "perf/", "memory/")) or not isinstance(
+                    value, (int, float)):
+                continue
+            assert abs(value - b[key]) <= tol * max(1.0, abs(value)), (a["step"], key, value,
+                                                                      b[key])
+
+
+def _sft(tiny, name, *extra):
+    out, task, common = tiny
+    return ["sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
+            "checkpoint.save_interval=0", "run.deterministic=true", f"run.name={name}",
+            *common, *extra]
+
+
+def _ppo(tiny, name, *extra):
+    out, task, common = tiny
+    return ["ppo", "configs/demo/ppo.yaml", f"data.train_path={task['prompts']}",
+            f"data.eval_path={task['eval_prompts']}",
+            f"ppo.sft_checkpoint={out}/sft-tiny/checkpoints/step_0000006",
+            f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", "ppo.num_iterations=2",
+            "ppo.eval_interval=2", "ppo.num_eval_prompts=8", "checkpoint.save_interval=0",
+            "run.deterministic=true", f"run.name={name}", *common, *extra]
+
+
+@pytest.mark.slow
+def test_sft_and_ppo_at_cp2_follow_one_process(tiny_checkpoints):
+    """SFT (three steps, packed micro-batches: the default) and PPO (two iterations: the
+    experience passes of the actor, reference, reward model and critic at CP=2, the
+    rollout at CP=1 from the CP=2 actor's weights, the actor's and the critic's updates)
+    on two processes at CP=2 equal one process: the losses, gradient norms, rewards, KL
+    and every other metric within 1e-6 (SFT) and 1e-5 (PPO). Catches a wrong split or
+    gather order, rotary positions of the wrong chunks, gradients not summed over CP (or
+    summed twice), a grad norm that counts the CP ranks' copies, and CP ranks writing
+    results twice."""
+    out = tiny_checkpoints[0]
+    run_cli(*_sft(tiny_checkpoints, "sft_cp1", "train.max_steps=3"))
+    proc = torchrun(_sft(tiny_checkpoints, "sft_cp2", "train.max_steps=3",
+                         "parallel.context_parallel_size=2"), 2)
+    assert "layout TP=1 PP=1 DP=1 CP=2" in proc.stdout
+    _follows(_metrics(out, "sft_cp1"), _metrics(out, "sft_cp2"), 1e-6)
+    run_cli(*_ppo(tiny_checkpoints, "ppo_cp1"))
+    torchrun(_ppo(tiny_checkpoints, "ppo_cp2", "parallel.context_parallel_size=2"), 2)
+    _follows(_metrics(out, "ppo_cp1"), _metrics(out, "ppo_cp2"), 1e-5)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ["train.max_tokens_per_micro_batch=null"],  # padded rows, left-padded prompts
+    ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+    ["parallel.pipeline_model_parallel_size=2"],
+    ["optimizer.use_distributed_optimizer=true"]],  # DP=2 x CP=2, sharded over both
+    ids=["padded", "tp2_sp", "pp2", "dp2_distopt"])
+def test_sft_at_cp2_in_combination_follows_one_process(tiny_checkpoints, layout):
+    """CP=2 with padded micro-batches, with TP=2 and sequence parallelism, with PP=2, and
+    with DP=2 under the distributed optimizer (4 processes but padded): three SFT steps
+    equal one process within 1e-6."""
+    out = tiny_checkpoints[0]
+    name = "cp_" + "_".join(o.split("=")[0].rsplit(".", 1)[-1] for o in layout)
+    ref = [o for o in layout if o.startswith(("train.", "optimizer."))]
+    run_cli(*_sft(tiny_checkpoints, name + "_one", "train.max_steps=3", *ref))
+    world = 2 if layout[0].startswith("train.") else 4
+    torchrun(_sft(tiny_checkpoints, name, "train.max_steps=3",
+                  "parallel.context_parallel_size=2", *layout), world)
+    _follows(_metrics(out, name + "_one"), _metrics(out, name), 1e-6)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_a_cp2_checkpoint_resumes_at_cp1(tiny_checkpoints):
+    """Six SFT steps at CP=2 (distributed optimizer over DP x CP = 2 ranks), resumed at
+    CP=1 (plain optimizer) for six more: the steps after the resume follow the unbroken
+    one-process run within the resharding tolerance of tests/test_engine.py."""
+    out = tiny_checkpoints[0]
+    common = ("optimizer.lr_schedule=constant", "optimizer.warmup_steps=0",
+              "checkpoint.save_interval=6")
+    run_cli(*_sft(tiny_checkpoints, "cp_unbroken", "train.max_steps=12", *common))
+    torchrun(_sft(tiny_checkpoints, "cp_broken", "train.max_steps=6",
+                  "parallel.context_parallel_size=2", *common), 2)
+    proc = run_cli(*_sft(tiny_checkpoints, "cp_broken", "train.max_steps=12", *common))
+    assert "parallel.context_parallel_size: 2 -> 1" in proc.stdout
+    unbroken = {r["step"]: r for r in _metrics(out, "cp_unbroken") if "train/loss" in r}
+    broken = {r["step"]: r for r in _metrics(out, "cp_broken") if "train/loss" in r}
+    for step in range(7, 13):
+        assert abs(broken[step]["train/loss"] - unbroken[step]["train/loss"]) < 2e-6, step

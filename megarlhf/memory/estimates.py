@@ -143,6 +143,22 @@ def layer_activation_floats(model, tp: int, batch: int, seq: int, packed: bool =
     return whole + split / tp + seq + rope + mlp
 
 
+def layer_bytes(spec: RoleSpec, *, batch: int, seq: int, span: int | None = None) -> float:
+    """One layer's activations of one micro-batch on a rank of ``spec``'s layout, bytes
+    (:func:`layer_activation_floats`). Under context parallelism each rank keeps its 1/CP
+    of the tokens, with the keys and values of the others that its attention gathered
+    (``parallel.context``: SDPA keeps them) and, packed, each sample's mask of its rows
+    over its keys."""
+    model, layout = spec.model, spec.layout
+    per_token = layer_activation_floats(model, layout.tp, batch, seq, packed=span is not None,
+                                        sp=layout.sp)
+    if layout.cp > 1:
+        per_token += 2 * model.query_groups * model.head_size * (layout.cp - 1) / layout.tp
+        if span is not None:
+            per_token += span
+    return per_token * batch * seq / layout.cp * DTYPE_BYTES[model.params_dtype]
+
+
 def mlp_norm_floats(model, tp: int, sp: bool = False) -> float:
     """What the MLP half's norm keeps per token (its input and statistics, and fc1's input:
     the norm's output), each TP rank's part of it under sequence parallelism."""
@@ -158,8 +174,8 @@ def mlp_activation_floats(model, tp: int, sp: bool = False) -> float:
 
 
 def chunk_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int,
-                           layers: int, pre: bool, post: bool, span: int | None = None
-                           ) -> float:
+                           layers: int, pre: bool, post: bool, span: int | None = None,
+                           own: int | None = None) -> float:
     """One micro-batch through one chunk, bytes saved for backward. On the last chunk the
     last layer's MLP and the head run at the ``response`` positions the PPO losses read
     with ``speedups.positions`` (the MLP not with fp8 or recomputation, where the head
@@ -171,8 +187,7 @@ def chunk_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: in
     model, tokens = spec.model, batch * seq
     dsize = DTYPE_BYTES[model.params_dtype]
     cut = head_cut(spec, span)
-    layer = layer_activation_floats(model, spec.layout.tp, batch, seq,
-                                    packed=span is not None, sp=spec.layout.sp) * tokens * dsize
+    layer = layer_bytes(spec, batch=batch, seq=seq, span=span)
     total = layers * layer - recomputed_bytes(spec, layer, layers=layers, batch=batch,
                                               seq=seq, packed=span is not None)
     # the last MLP is cut, but not under recomputation (its recomputed forward would see
@@ -180,22 +195,24 @@ def chunk_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: in
     if cut and post and layers and not model.fp8.enabled and model.recompute.granularity is None:
         total -= mlp_activation_floats(model, spec.layout.tp, spec.layout.sp) \
             * batch * (seq - response) * dsize
-    if pre:
-        total += tokens * 8 * (2 if model.arch == "gpt2" else 1)  # token (and position) ids
+    if pre:  # token (and position) ids
+        total += tokens / spec.layout.cp * 8 * (2 if model.arch == "gpt2" else 1)
     if post:
-        total += head_activation_bytes(spec, batch=batch, seq=seq, response=response, cut=cut)
+        total += head_activation_bytes(spec, batch=batch, seq=seq, response=response, cut=cut,
+                                       own=own)
     return total
 
 
 def head_cut(spec: RoleSpec, span: int | None) -> bool:
     """Whether the head runs at the kept positions only: with ``speedups.positions`` or
-    packed (``span``), and not under sequence parallelism, whose head input is split along
-    the sequence (``models.gpt.RoleModel``)."""
-    return (speedups.enabled("positions") or span is not None) and not spec.layout.sp
+    packed (``span``), and not under sequence or context parallelism, whose head input is
+    split along the sequence (``models.gpt.RoleModel``, ``engine.steps.model_forward``)."""
+    return (speedups.enabled("positions") or span is not None) and not spec.layout.sp \
+        and spec.layout.cp == 1
 
 
-def head_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int, cut: bool
-                          ) -> float:
+def head_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int, cut: bool,
+                          own: int | None = None) -> float:
     """The last chunk's final norm and head, bytes saved for backward: their inputs at
     the kept positions with the cut, and an LM head's input once more (whole on every TP
     rank, in the model's dtype), and its logits when they are one chunk
@@ -207,12 +224,15 @@ def head_activation_bytes(spec: RoleSpec, *, batch: int, seq: int, response: int
     head_tokens = batch * response if cut and not model.fp8.enabled else batch * seq
     if spec.layout.sp:  # the final norm and the head keep their part of the sequence
         head_tokens /= spec.layout.tp
+    head_tokens /= spec.layout.cp  # the final norm's part; the head reads it gathered
     total = (3 * model.hidden_size + 2) * head_tokens * dsize + 12 * batch * response * 4
-    if spec.kind == "lm":  # the head's input the log-probs keep (response's, or all)
-        rows = response if cut else seq
+    if spec.kind == "lm":  # the head's input the log-probs keep (response's, or all of the
+        # micro-batch's ``own`` positions: a lengthened one's outputs are cut back)
+        rows = response if cut else (own or seq)
         total += batch * rows * model.hidden_size * dsize
-        if max(1, CHUNK_TOKENS // batch) >= rows:
-            total += batch * rows * spec.padded_vocab // spec.layout.tp * dsize
+        if max(1, CHUNK_TOKENS // batch) >= response:  # the logits of one chunk: the
+            # log-probs read the response positions of it
+            total += batch * response * spec.padded_vocab // spec.layout.tp * dsize
     return total
 
 
@@ -231,16 +251,17 @@ def recomputed_bytes(spec: RoleSpec, layer: float, *, layers: int, batch: int, s
     hidden = model.hidden_size * tokens * DTYPE_BYTES[model.params_dtype]
     if spec.layout.sp:  # a group's input: this rank's part of the sequence
         hidden /= spec.layout.tp
+    hidden /= spec.layout.cp
     if recompute.granularity == "full":
         dropped = layers if recompute.method == "uniform" else min(recompute.num_layers, layers)
         kept_inputs = layers // recompute.num_layers if recompute.method == "uniform" \
             else dropped
-        mask = 0 if packed or not dropped else batch * seq * seq
+        mask = 0 if packed or not dropped else batch * seq * seq / spec.layout.cp
         return dropped * layer - kept_inputs * hidden - mask
     if recompute.granularity == "selective" and "mlp" in recompute.modules:
         tp, sp = spec.layout.tp, spec.layout.sp
         inner = mlp_activation_floats(model, tp, sp) - mlp_norm_floats(model, tp, sp)
-        return layers * inner * tokens * DTYPE_BYTES[model.params_dtype]
+        return layers * inner * tokens / spec.layout.cp * DTYPE_BYTES[model.params_dtype]
     return 0.0
 
 
@@ -251,9 +272,7 @@ def recompute_peak_bytes(spec: RoleSpec, *, micro: int, seq: int, span: int | No
     block), one layer's MLP (selective ``mlp``)."""
     model = spec.model
     recompute = model.recompute
-    layer = layer_activation_floats(model, spec.layout.tp, micro, seq, packed=span is not None,
-                                    sp=spec.layout.sp) \
-        * micro * seq * DTYPE_BYTES[model.params_dtype]
+    layer = layer_bytes(spec, batch=micro, seq=seq, span=span)
     if recompute.granularity == "full":
         return layer * (recompute.num_layers if recompute.method == "uniform" else 1)
     return recomputed_bytes(spec, layer, layers=1, batch=micro, seq=seq,
@@ -265,15 +284,17 @@ def train_activation_bytes(spec: RoleSpec, *, pp_rank: int, micro: int, micro_ba
     """Peak activations of pipeline rank ``pp_rank``: one micro-batch without a pipeline;
     1F1B holds min(PP - stage, micro-batches); the interleaved schedule holds its warm-up
     of chunk forwards. ``span``: packed (see :func:`chunk_activation_bytes`). Under
-    sequence parallelism a micro-batch runs lengthened to a multiple of TP."""
-    if spec.layout.sp:
-        seq = -(-seq // spec.layout.tp) * spec.layout.tp
+    sequence parallelism a micro-batch runs lengthened to a multiple of TP, under context
+    parallelism to a multiple of 2 x CP (and TP)."""
+    layout = spec.layout
+    unit = (layout.tp if layout.sp else 1) * (2 * layout.cp if layout.cp > 1 else 1)
+    own, seq = seq, -(-seq // unit) * unit
     pp, vpp = spec.layout.pp, spec.layout.vpp or 1
     layers = spec.model.num_layers // (pp * vpp)
     per_chunk = [chunk_activation_bytes(
         spec, batch=micro, seq=seq, response=response, layers=layers,
-        pre=pp_rank == 0 and v == 0, post=pp_rank == pp - 1 and v == vpp - 1, span=span)
-        for v in range(vpp)]
+        pre=pp_rank == 0 and v == 0, post=pp_rank == pp - 1 and v == vpp - 1, span=span,
+        own=own) for v in range(vpp)]
     if pp == 1:
         held = max(per_chunk)
     elif vpp == 1:

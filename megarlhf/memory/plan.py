@@ -139,9 +139,12 @@ class _PPOPlanner:
 
     def static(self, spec: RoleSpec, rank: int) -> dict[str, int]:
         _, d, s = spec.layout.coordinates(rank, self.world)
-        key = (spec.name, s, d)
+        # gradients are reduced, and the distributed optimizer shards, over DP x CP
+        cp = spec.layout.cp
+        shard = d * cp + spec.layout.cp_rank(rank)
+        key = (spec.name, s, shard)
         if key not in self._static:
-            self._static[key] = static_bytes(spec, spec.layout.dp(self.world), s, d)
+            self._static[key] = static_bytes(spec, spec.layout.dp(self.world) * cp, s, shard)
         return self._static[key]
 
     def training_rank(self, rank: int) -> tuple[dict, dict, dict]:

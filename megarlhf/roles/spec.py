@@ -182,9 +182,10 @@ def _spec(cfg: Config, *, name: str, kind: str, where: str, saved: SavedRole | N
     padded = padded_vocab_size(model.vocab_size, cfg.parallel.make_vocab_size_divisible_by,
                                math.lcm(layout.tp, *vocab_tps))
     if optimizer is not None and optimizer.use_distributed_optimizer == "auto":
-        # sharding over one data-parallel rank saves nothing and costs buffer copies
+        # sharding over one rank saves nothing and costs buffer copies; it shards over the
+        # ranks that reduce gradients, DP x CP
         optimizer = dataclasses.replace(
-            optimizer, use_distributed_optimizer=layout.dp(world_size) > 1)
+            optimizer, use_distributed_optimizer=layout.dp(world_size) * layout.cp > 1)
     return RoleSpec(name=name, kind=kind, model=model, layout=layout,
                     padded_vocab=padded, checkpoint=saved.path if saved else None,
                     checkpoint_role=saved.role if saved else None, trunk_only=trunk_only,
