@@ -531,3 +531,49 @@ def test_a_mixture_of_experts_trains_at_tp2_with_sequence_parallelism():
                        match="roles.critic.parallel.sequence_parallel=True is invalid: needs "
                              "tensor_model_parallel_size > 1"):
         ppo_role_specs(cfg, 2, written=written, planning=True)
+
+
+def test_context_parallelism_is_checked_before_any_work():
+    """``parallel.context_parallel_size``: the world must hold TP x PP x CP (named with
+    the sizes), what it does not take yet is refused naming the setting (experts, MLA,
+    TransformerEngine's layers, the interleaved schedule), a role inherits the actor's
+    CP unless it writes its own, the layout says CP and counts DP over it, and a rank's
+    coordinates put CP between TP and DP (megatron's tp-cp-ep-dp-pp)."""
+    from megarlhf.config import Layout, check_model_layout, read_config
+    from megarlhf.roles.spec import ppo_role_specs
+    cfg = load_config(None, ["model.num_layers=4", "model.hidden_size=64",
+                             "model.num_attention_heads=4"])
+    check_model_layout("parallel", cfg.model, Layout(cp=2), 4)
+    with pytest.raises((ConfigError, ValueError),
+                       match=r"world size=6 is invalid: must be a multiple of "
+                             r"tensor x pipeline x context parallel size = 1 x 1 "
+                             r"x 4 = 4"):
+        check_model_layout("parallel", cfg.model, Layout(cp=4), 6)
+    for extra, what in ((["model.moe.num_experts=4", "model.moe.top_k=2"], "a mixture of "
+                         "experts"),
+                        (["model.transformer_impl=transformer_engine"], "TransformerEngine"),
+                        (MLA, "multi-latent attention")):
+        model = load_config(None, ["model.num_layers=2", "model.hidden_size=64",
+                                   "model.num_attention_heads=4", *extra]).model
+        with pytest.raises((ConfigError, ValueError),
+                           match=f"roles.actor.parallel.context_parallel_size=2 is invalid: "
+                                 f"does not take {what}"):
+            check_model_layout("roles.actor.parallel", model, Layout(cp=2), 2)
+    with pytest.raises((ConfigError, ValueError),
+                       match="context_parallel_size=2 is invalid: does not take the "
+                             "interleaved pipeline"):
+        check_model_layout("parallel", cfg.model, Layout(pp=2, vpp=2, cp=2), 4)
+    with pytest.raises(ConfigError, match="parallel.context_parallel_size=0"):
+        load_config(None, ["parallel.context_parallel_size=0"])
+    layout = Layout(tp=2, cp=2)
+    assert layout.dp(8) == 2 and layout.describe(8) == "TP=2 PP=1 DP=2 CP=2"
+    # rank = tp + TP * (cp + CP * dp): ranks 0-3 are DP replica 0, CP ranks 0 0 1 1
+    assert [layout.coordinates(r, 8)[1] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [layout.cp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    base = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+            "model.vocab_size=300", "rollout.rewards.fn=a:b", "ppo.critic_init=sft",
+            "parallel.context_parallel_size=2"]
+    cfg, written = read_config(None, [*base, "roles.reference.parallel.context_parallel_size=1"])
+    specs = ppo_role_specs(cfg, 2, written=written, planning=True)
+    assert {name: spec.layout.cp for name, spec in specs.items()} == \
+        {"actor": 2, "reference": 1, "critic": 2}

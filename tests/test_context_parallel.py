@@ -137,3 +137,24 @@ def test_a_cp2_checkpoint_resumes_at_cp1(tiny_checkpoints):
     broken = {r["step"]: r for r in _metrics(out, "cp_broken") if "train/loss" in r}
     for step in range(7, 13):
         assert abs(broken[step]["train/loss"] - unbroken[step]["train/loss"]) < 2e-6, step
+
+
+LONG = ["rollout.max_new_tokens=4100", "rollout.stop_at_eos=false", "data.max_seq_len=4200",
+        *(f"{m}.max_position_embeddings=4200" for m in
+          ("model", "roles.critic.model", "roles.reward.model", "roles.reference.model")),
+        "ppo.rollout_batch_size=2", "ppo.mini_batch_size=2", "ppo.micro_batch_size=1",
+        "ppo.num_eval_prompts=2", "ppo.num_iterations=1", "ppo.eval_interval=1"]
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_ppo_with_4k_token_responses_at_cp2_follows_one_process(tiny_checkpoints):
+    """A PPO iteration whose responses are 4100 tokens long (no stop token), trained with
+    each sequence split over two CP ranks: its metrics (the evaluation's before and after,
+    rewards, KL, losses, gradient norms) equal one process within 1e-5."""
+    out = tiny_checkpoints[0]
+    run_cli(*_ppo(tiny_checkpoints, "long_cp1", *LONG))
+    torchrun(_ppo(tiny_checkpoints, "long_cp2", *LONG, "parallel.context_parallel_size=2"), 2)
+    one, two = _metrics(out, "long_cp1"), _metrics(out, "long_cp2")
+    assert one[0]["eval/response_len"] == 4100.0
+    _follows(one, two, 1e-5)

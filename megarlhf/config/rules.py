@@ -460,10 +460,12 @@ def check_launch(cfg: Config) -> int:
     job = launch.nodes * launch.tasks_per_node
     world = check_placement(cfg, job)  # the training processes
     for where, layout in _role_layouts(cfg).items():
-        tp, pp, ranks = layout.tp, layout.pp, layout.model_parallel
+        tp, pp, ranks = layout.tp, layout.pp, layout.model_parallel * layout.cp
         if world % ranks:
+            sizes = f"TP x PP x CP = {tp} x {pp} x {layout.cp}" if layout.cp > 1 \
+                else f"TP x PP = {tp} x {pp}"
             raise ConfigError(
-                f"the layout {where}: TP x PP = {tp} x {pp} = {ranks} processes does not fit "
+                f"the layout {where}: {sizes} = {ranks} processes does not fit "
                 f"{launch.nodes} node(s) x {launch.tasks_per_node} task(s) = {world}: use a "
                 f"multiple of {ranks} processes (launch.nodes / launch.tasks_per_node)")
         if tp > launch.tasks_per_node:
