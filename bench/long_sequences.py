@@ -7,12 +7,14 @@ Two steps per length: one PPO policy update of one sample (512 prompt tokens, th
 response; the PPO loss with its KL and entropy terms) and one SFT step of one sample of
 that many tokens. One process: no lever, full recomputation (a layer at a time), the MLPs
 recomputed; two processes: TP=2, TP=2 with sequence parallelism, and with full
-recomputation too. The LM head's log-probs go a chunk of positions at a time in every
+recomputation too, and context parallelism at CP=2, without and with full recomputation. The LM head's log-probs go a chunk of positions at a time in every
 setting (``models.logprobs.head_logprobs``; no off switch).
 
     .venv/bin/python bench/long_sequences.py [--size small] [--lengths 2048 8192] [--repeats 2]
+        [--settings NAME ...] [--out FILE]
 
-Prints one table per length and writes bench/results/long_sequences.json.
+Prints one table per length and writes bench/results/long_sequences.json (``--out``);
+``--settings`` runs only the settings named (e.g. ``"CP=2"``).
 """
 
 from __future__ import annotations
@@ -36,11 +38,14 @@ SETTINGS = {
     2: {"TP=2": ["parallel.tensor_model_parallel_size=2"],
         "TP=2 SP": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
         "TP=2 SP + recompute full": ["parallel.tensor_model_parallel_size=2",
-                                     "parallel.sequence_parallel=true", *RECOMPUTE_FULL]},
+                                     "parallel.sequence_parallel=true", *RECOMPUTE_FULL],
+        "CP=2": ["parallel.context_parallel_size=2"],
+        "CP=2 + recompute full": ["parallel.context_parallel_size=2", *RECOMPUTE_FULL]},
 }
 
 
-def worker(size: str, lengths: list[int], repeats: int, out: str) -> None:
+def worker(size: str, lengths: list[int], repeats: int, out: str,
+           only: list[str] | None = None) -> None:
     import torch
     import torch.distributed as dist
 
@@ -65,6 +70,8 @@ def worker(size: str, lengths: list[int], repeats: int, out: str) -> None:
         prompt = torch.randint(3, s["vocab"], (1, PROMPT), generator=g)
         response = torch.randint(3, s["vocab"], (1, T), generator=g)
         for name, extra in SETTINGS[world].items():
+            if only and name not in only:
+                continue
             cfg = load_config(None, [
                 "model.arch=llama", f"model.vocab_size={s['vocab']}",
                 f"model.num_layers={s['layers']}", f"model.hidden_size={s['hidden']}",
@@ -140,6 +147,8 @@ def table(results: list[dict], lengths: list[int], size: str) -> str:
                   f"{'setting':28s} {'PPO update':>26s} {'SFT step':>18s}"]
         for world in (1, 2):
             for name in SETTINGS[world]:
+                if not any(r["setting"] == name for r in results):
+                    continue
                 cells = []
                 for task in ("PPO update", "SFT step"):
                     r = next(r for r in results if r["length"] == length
@@ -156,26 +165,33 @@ def main() -> None:
     parser.add_argument("--size", default="small", choices=sorted(SIZES))
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--settings", nargs="+", default=None,
+                        help="run only these settings (names as in the table)")
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
+                                                      "long_sequences.json"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.size, args.lengths, args.repeats, args.worker)
+        worker(args.size, args.lengths, args.repeats, args.worker, args.settings)
         return
     print(f"bench/long_sequences.py --size {args.size}: {machine()}")
     results = []
     for world in (1, 2):
+        if args.settings and not set(args.settings) & set(SETTINGS[world]):
+            continue
         out = os.path.join(ROOT, "bench", "results", f".long_sequences_{world}.json")
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))}
         subprocess.run([sys.executable, "-m", "torch.distributed.run",
                         f"--nproc-per-node={world}", "--standalone", os.path.abspath(__file__),
                         "--size", args.size, "--lengths", *map(str, args.lengths),
-                        "--repeats", str(args.repeats), "--worker", out],
+                        "--repeats", str(args.repeats), "--worker", out,
+                        *(["--settings", *args.settings] if args.settings else [])],
                        check=True, env=env, cwd=ROOT)
         with open(out) as f:
             results += json.load(f)
         os.remove(out)
     print(table(results, args.lengths, args.size))
-    path = os.path.join(ROOT, "bench", "results", "long_sequences.json")
+    path = args.out
     with open(path, "w") as f:
         json.dump({"machine": machine(), "size": args.size, "results": results}, f, indent=1)
     print(f"\nwritten: {path}")

@@ -28,15 +28,17 @@ def test_the_split_pairs_an_early_chunk_with_a_late_one_and_covers_the_sequence(
 @pytest.mark.slow
 def test_attention_over_two_cp_ranks_equals_one_process(tmp_path):
     """CP=2 over gloo, float64: the causal attention of each rank's queries over the
-    gathered keys and values (a left-padded row included) and the gradients of the
+    gathered keys and values (with a padding mask, a left-padded row included, and
+    without: each chunk under a lower-right causal bias) and the gradients of the
     queries, keys and values - summed over the ranks whose queries read them - equal
     plain SDPA over the whole sequence. Catches a wrong chunk order, a mask of local
     instead of global positions, and key gradients not summed over the CP ranks."""
     torchrun(os.path.join(WORKERS, "cp_attention.py"), 2, str(tmp_path))
     out = torch.load(tmp_path / "cp_attention.pt", weights_only=True)
-    for key in ("out", "q", "k", "v"):
-        torch.testing.assert_close(out["cp"][key], out["reference"][key], rtol=1e-10,
-                                   atol=1e-10, msg=key)
+    for case in ("padded", "causal"):
+        for key in ("out", "q", "k", "v"):
+            torch.testing.assert_close(out[case][key], out[case + "_reference"][key],
+                                       rtol=1e-10, atol=1e-10, msg=f"{case} {key}")
 
 
 # ------------------------------------------------------------------ whole runs at CP=2

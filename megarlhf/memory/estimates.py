@@ -147,15 +147,15 @@ def layer_bytes(spec: RoleSpec, *, batch: int, seq: int, span: int | None = None
     """One layer's activations of one micro-batch on a rank of ``spec``'s layout, bytes
     (:func:`layer_activation_floats`). Under context parallelism each rank keeps its 1/CP
     of the tokens, with the keys and values of the others that its attention gathered
-    (``parallel.context``: SDPA keeps them) and, packed, each sample's mask of its rows
-    over its keys."""
+    (``parallel.context``: SDPA keeps them). A packed row's causal attention takes a
+    lower-right causal bias that the GPU kernels apply without making a mask (on the CPU
+    torch's math path makes it and keeps each chunk's attention probabilities: not
+    counted)."""
     model, layout = spec.model, spec.layout
     per_token = layer_activation_floats(model, layout.tp, batch, seq, packed=span is not None,
                                         sp=layout.sp)
     if layout.cp > 1:
         per_token += 2 * model.query_groups * model.head_size * (layout.cp - 1) / layout.tp
-        if span is not None:
-            per_token += span
     return per_token * batch * seq / layout.cp * DTYPE_BYTES[model.params_dtype]
 
 

@@ -123,14 +123,18 @@ def attention(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
     """Causal attention of this CP rank's queries over the whole sequence's keys and
     values. ``q`` (B, heads, 2n, hd), ``k`` and ``v`` (B, groups, 2n, hd): this rank's
     positions (:func:`chunk_positions`); ``blocked``: megatron's mask of this rank's query
-    rows over every key (B or 1, 1, 2n, S), True where a query may not look, or None.
-    ``attend(q, k, v, allowed)`` runs the attention with SDPA's boolean mask (True = may
-    attend). Returns (B, heads, 2n, hd)."""
+    rows over every key (B or 1, 1, 2n, S), True where a query may not look, or None (then
+    each chunk of queries attends to the keys before it under a lower-right causal mask
+    that the kernels take without making it). ``attend(q, k, v, allowed)`` runs the
+    attention with SDPA's ``attn_mask`` (a boolean mask, True = may attend, or torch's
+    causal bias). Returns (B, heads, 2n, hd)."""
     cp, rank = group.size(), group.rank()
     order = _order(cp * k.shape[2], cp, k.device)
     keys, values = (_StackKeysValues.apply(x.movedim(2, 0), group).index_select(0, order)
                     .movedim(0, 2) for x in (k, v))
     length = keys.shape[2]
+    if blocked is None:
+        return torch.cat(_by_chunk(attend, q, keys, values, 2, rank, cp), dim=2)
     rows = chunk_positions(length, cp, rank, q.device)
     allowed = rows[:, None] >= torch.arange(length, device=q.device)[None, :]  # (2n, S)
     if blocked is not None:
@@ -158,9 +162,22 @@ def attention_packed(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         order = _order(length, cp, q.device)
         k_i, v_i = (torch.cat([x[r * local + first:r * local + last] for r in range(cp)])
                     .index_select(0, order) for x in (keys, values))
-        rows = chunk_positions(length, cp, rank, q.device)
-        allowed = rows[:, None] >= torch.arange(length, device=q.device)[None, :]
-        out = attend(q[first:last].transpose(0, 1)[None], k_i.transpose(0, 1)[None],
-                     v_i.transpose(0, 1)[None], allowed)  # (1, heads, n, hd)
-        outs.append(out[0].transpose(0, 1))
+        parts = _by_chunk(attend, q[first:last].transpose(0, 1)[None],
+                          k_i.transpose(0, 1)[None], v_i.transpose(0, 1)[None], 2, rank, cp)
+        outs += [out[0].transpose(0, 1) for out in parts]  # (1, heads, n, hd) each
     return torch.cat(outs)
+
+
+def _by_chunk(attend, q, keys, values, dim: int, rank: int, cp: int) -> list[torch.Tensor]:
+    """This rank's two chunks of queries (along ``dim``), each over the keys up to its
+    own last position under a causal mask aligned to the lower right (torch's
+    ``causal_lower_right``: no mask is made where the kernel takes it)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    n = q.shape[dim] // 2
+    outs = []
+    for j, chunk in enumerate((rank, 2 * cp - 1 - rank)):
+        end = (chunk + 1) * n
+        outs.append(attend(q.narrow(dim, j * n, n), keys.narrow(dim, 0, end),
+                           values.narrow(dim, 0, end), causal_lower_right(n, end)))
+    return outs

@@ -36,23 +36,28 @@ def main():
     pad[1, :3] = True  # row 1's first three positions are left padding
     blocked = pad[:, None, None, :].expand(B, 1, S, S)  # megatron's: True = may not look
     out = {}
-    q, k, v = (context.local_part(x, 2, group).clone().requires_grad_(True)
-               for x in (q_full, k_full, v_full))
     rows = context.chunk_positions(S, world, rank)
-    local = context.attention(attend, q, k, v, group, blocked[:, :, rows])
-    whole = context.gather_sequence(local, 2, group)
-    (whole * weight).sum().backward()
-    # / CP: what the reduction over DP x CP does by its token count (gather_sequence)
-    grads = {name: context.gather_sequence(x.grad, 2, group) / world
-             for name, x in (("q", q), ("k", k), ("v", v))}
+    for case, mask in (("padded", blocked), ("causal", None)):
+        q, k, v = (context.local_part(x, 2, group).clone().requires_grad_(True)
+                   for x in (q_full, k_full, v_full))
+        local = context.attention(attend, q, k, v, group,
+                                  None if mask is None else mask[:, :, rows])
+        whole = context.gather_sequence(local, 2, group)
+        (whole * weight).sum().backward()
+        # / CP: what the reduction over DP x CP does by its token count (gather_sequence)
+        grads = {name: context.gather_sequence(x.grad, 2, group) / world
+                 for name, x in (("q", q), ("k", k), ("v", v))}
+        if rank == 0:
+            out[case] = {"out": whole.detach(), **grads}
+            q, k, v = (x.clone().requires_grad_(True) for x in (q_full, k_full, v_full))
+            allowed = torch.ones(S, S, dtype=torch.bool).tril()
+            if mask is not None:
+                allowed = (allowed & ~mask) | torch.eye(S, dtype=torch.bool)
+            ref = attend(q, k, v, allowed)
+            (ref * weight).sum().backward()
+            out[case + "_reference"] = {"out": ref.detach(), "q": q.grad, "k": k.grad,
+                                        "v": v.grad}
     if rank == 0:
-        out["cp"] = {"out": whole.detach(), **grads}
-        q, k, v = (x.clone().requires_grad_(True) for x in (q_full, k_full, v_full))
-        causal = torch.ones(S, S, dtype=torch.bool).tril()
-        allowed = (causal & ~blocked) | torch.eye(S, dtype=torch.bool)
-        ref = attend(q, k, v, allowed)
-        (ref * weight).sum().backward()
-        out["reference"] = {"out": ref.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
         torch.save(out, os.path.join(sys.argv[1], "cp_attention.pt"))
     dist.destroy_process_group()
 
