@@ -168,6 +168,13 @@ MUTANTS = [
            "        bounds = [0, query.shape[0]]",
            ("tests/test_packing.py::test_packed_passes_equal_the_single_process_padded_ones"
             "[llama-tp1-pp1-vpp1-dp1]",), ()),
+    Mutant("cp_gradient_not_scaled", "context parallelism: the gather of the outputs hands "
+           "each rank its positions' gradient without the CP factor, so the weights used "
+           "before the gather learn at 1/CP of the rate",
+           "megarlhf/parallel/context.py",
+           "        return grad.index_select(0, ctx.own) * ctx.group.size(), None, None",
+           "        return grad.index_select(0, ctx.own), None, None",
+           ("tests/test_context_parallel.py::test_sft_and_ppo_at_cp2_follow_one_process",), ()),
     Mutant("packed_reward_off_by_one", "a packed reward-model micro-batch reads each "
            "sequence's reward one token before its last",
            "megarlhf/stages/rm.py",

@@ -43,9 +43,9 @@ def test_attention_over_two_cp_ranks_equals_one_process(tmp_path):
 
 # ------------------------------------------------------------------ whole runs at CP=2
 
-def _metrics(out, name) -> list[dict]:
+def _metrics(runs, name) -> list[dict]:
     from megarlhf.engine.metrics import read_metrics
-    return read_metrics(os.path.join(str(out), name))
+    return read_metrics(os.path.join(str(runs), name))
 
 
 def _follows(one: list[dict], two: list[dict], tol: float) -> None:
@@ -61,25 +61,28 @@ def _follows(one: list[dict], two: list[dict], tol: float) -> None:
                                                                       b[key])
 
 
-def _sft(tiny, name, *extra):
+def _sft(tiny, runs, name, *extra):
+    """An SFT command on the tiny task, its run in ``runs`` (never in the shared tiny
+    folder, which a resumed run would read back)."""
     out, task, common = tiny
     return ["sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
             "checkpoint.save_interval=0", "run.deterministic=true", f"run.name={name}",
-            *common, *extra]
+            *common, f"run.output_dir={runs}", *extra]
 
 
-def _ppo(tiny, name, *extra):
+def _ppo(tiny, runs, name, *extra):
     out, task, common = tiny
     return ["ppo", "configs/demo/ppo.yaml", f"data.train_path={task['prompts']}",
             f"data.eval_path={task['eval_prompts']}",
             f"ppo.sft_checkpoint={out}/sft-tiny/checkpoints/step_0000006",
             f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", "ppo.num_iterations=2",
             "ppo.eval_interval=2", "ppo.num_eval_prompts=8", "checkpoint.save_interval=0",
-            "run.deterministic=true", f"run.name={name}", *common, *extra]
+            "run.deterministic=true", f"run.name={name}", *common, f"run.output_dir={runs}",
+            *extra]
 
 
 @pytest.mark.slow
-def test_sft_and_ppo_at_cp2_follow_one_process(tiny_checkpoints):
+def test_sft_and_ppo_at_cp2_follow_one_process(tiny_checkpoints, tmp_path):
     """SFT (three steps, packed micro-batches: the default) and PPO (two iterations: the
     experience passes of the actor, reference, reward model and critic at CP=2, the
     rollout at CP=1 from the CP=2 actor's weights, the actor's and the critic's updates)
@@ -88,15 +91,14 @@ def test_sft_and_ppo_at_cp2_follow_one_process(tiny_checkpoints):
     gather order, rotary positions of the wrong chunks, gradients not summed over CP (or
     summed twice), a grad norm that counts the CP ranks' copies, and CP ranks writing
     results twice."""
-    out = tiny_checkpoints[0]
-    run_cli(*_sft(tiny_checkpoints, "sft_cp1", "train.max_steps=3"))
-    proc = torchrun(_sft(tiny_checkpoints, "sft_cp2", "train.max_steps=3",
+    run_cli(*_sft(tiny_checkpoints, tmp_path, "sft_cp1", "train.max_steps=3"))
+    proc = torchrun(_sft(tiny_checkpoints, tmp_path, "sft_cp2", "train.max_steps=3",
                          "parallel.context_parallel_size=2"), 2)
     assert "layout TP=1 PP=1 DP=1 CP=2" in proc.stdout
-    _follows(_metrics(out, "sft_cp1"), _metrics(out, "sft_cp2"), 1e-6)
-    run_cli(*_ppo(tiny_checkpoints, "ppo_cp1"))
-    torchrun(_ppo(tiny_checkpoints, "ppo_cp2", "parallel.context_parallel_size=2"), 2)
-    _follows(_metrics(out, "ppo_cp1"), _metrics(out, "ppo_cp2"), 1e-5)
+    _follows(_metrics(tmp_path, "sft_cp1"), _metrics(tmp_path, "sft_cp2"), 1e-6)
+    run_cli(*_ppo(tiny_checkpoints, tmp_path, "ppo_cp1"))
+    torchrun(_ppo(tiny_checkpoints, tmp_path, "ppo_cp2", "parallel.context_parallel_size=2"), 2)
+    _follows(_metrics(tmp_path, "ppo_cp1"), _metrics(tmp_path, "ppo_cp2"), 1e-5)
 
 
 @pytest.mark.extended
@@ -107,36 +109,34 @@ def test_sft_and_ppo_at_cp2_follow_one_process(tiny_checkpoints):
     ["parallel.pipeline_model_parallel_size=2"],
     ["optimizer.use_distributed_optimizer=true"]],  # DP=2 x CP=2, sharded over both
     ids=["padded", "tp2_sp", "pp2", "dp2_distopt"])
-def test_sft_at_cp2_in_combination_follows_one_process(tiny_checkpoints, layout):
+def test_sft_at_cp2_in_combination_follows_one_process(tiny_checkpoints, tmp_path, layout):
     """CP=2 with padded micro-batches, with TP=2 and sequence parallelism, with PP=2, and
     with DP=2 under the distributed optimizer (4 processes but padded): three SFT steps
     equal one process within 1e-6."""
-    out = tiny_checkpoints[0]
     name = "cp_" + "_".join(o.split("=")[0].rsplit(".", 1)[-1] for o in layout)
     ref = [o for o in layout if o.startswith(("train.", "optimizer."))]
-    run_cli(*_sft(tiny_checkpoints, name + "_one", "train.max_steps=3", *ref))
+    run_cli(*_sft(tiny_checkpoints, tmp_path, name + "_one", "train.max_steps=3", *ref))
     world = 2 if layout[0].startswith("train.") else 4
-    torchrun(_sft(tiny_checkpoints, name, "train.max_steps=3",
+    torchrun(_sft(tiny_checkpoints, tmp_path, name, "train.max_steps=3",
                   "parallel.context_parallel_size=2", *layout), world)
-    _follows(_metrics(out, name + "_one"), _metrics(out, name), 1e-6)
+    _follows(_metrics(tmp_path, name + "_one"), _metrics(tmp_path, name), 1e-6)
 
 
 @pytest.mark.extended
 @pytest.mark.slow
-def test_a_cp2_checkpoint_resumes_at_cp1(tiny_checkpoints):
+def test_a_cp2_checkpoint_resumes_at_cp1(tiny_checkpoints, tmp_path):
     """Six SFT steps at CP=2 (distributed optimizer over DP x CP = 2 ranks), resumed at
     CP=1 (plain optimizer) for six more: the steps after the resume follow the unbroken
     one-process run within the resharding tolerance of tests/test_engine.py."""
-    out = tiny_checkpoints[0]
     common = ("optimizer.lr_schedule=constant", "optimizer.warmup_steps=0",
               "checkpoint.save_interval=6")
-    run_cli(*_sft(tiny_checkpoints, "cp_unbroken", "train.max_steps=12", *common))
-    torchrun(_sft(tiny_checkpoints, "cp_broken", "train.max_steps=6",
+    run_cli(*_sft(tiny_checkpoints, tmp_path, "cp_unbroken", "train.max_steps=12", *common))
+    torchrun(_sft(tiny_checkpoints, tmp_path, "cp_broken", "train.max_steps=6",
                   "parallel.context_parallel_size=2", *common), 2)
-    proc = run_cli(*_sft(tiny_checkpoints, "cp_broken", "train.max_steps=12", *common))
+    proc = run_cli(*_sft(tiny_checkpoints, tmp_path, "cp_broken", "train.max_steps=12", *common))
     assert "parallel.context_parallel_size: 2 -> 1" in proc.stdout
-    unbroken = {r["step"]: r for r in _metrics(out, "cp_unbroken") if "train/loss" in r}
-    broken = {r["step"]: r for r in _metrics(out, "cp_broken") if "train/loss" in r}
+    unbroken = {r["step"]: r for r in _metrics(tmp_path, "cp_unbroken") if "train/loss" in r}
+    broken = {r["step"]: r for r in _metrics(tmp_path, "cp_broken") if "train/loss" in r}
     for step in range(7, 13):
         assert abs(broken[step]["train/loss"] - unbroken[step]["train/loss"]) < 2e-6, step
 
@@ -150,13 +150,12 @@ LONG = ["rollout.max_new_tokens=4100", "rollout.stop_at_eos=false", "data.max_se
 
 @pytest.mark.extended
 @pytest.mark.slow
-def test_ppo_with_4k_token_responses_at_cp2_follows_one_process(tiny_checkpoints):
+def test_ppo_with_4k_token_responses_at_cp2_follows_one_process(tiny_checkpoints, tmp_path):
     """A PPO iteration whose responses are 4100 tokens long (no stop token), trained with
     each sequence split over two CP ranks: its metrics (the evaluation's before and after,
     rewards, KL, losses, gradient norms) equal one process within 1e-5."""
-    out = tiny_checkpoints[0]
-    run_cli(*_ppo(tiny_checkpoints, "long_cp1", *LONG))
-    torchrun(_ppo(tiny_checkpoints, "long_cp2", *LONG, "parallel.context_parallel_size=2"), 2)
-    one, two = _metrics(out, "long_cp1"), _metrics(out, "long_cp2")
+    run_cli(*_ppo(tiny_checkpoints, tmp_path, "long_cp1", *LONG))
+    torchrun(_ppo(tiny_checkpoints, tmp_path, "long_cp2", *LONG, "parallel.context_parallel_size=2"), 2)
+    one, two = _metrics(tmp_path, "long_cp1"), _metrics(tmp_path, "long_cp2")
     assert one[0]["eval/response_len"] == 4100.0
     _follows(one, two, 1e-5)
