@@ -267,7 +267,11 @@ def test_plan_search_lists_the_cheapest_layouts_that_fit():
               proc.stdout.split("layouts that fit on these GPUs")[1].splitlines()[1:]
               if line.startswith("  parallel.")]
     assert len(listed) >= 4
-    ranks = [int(w[0].split("=")[1]) * int(w[1].split("=")[1]) for w in listed]
+    def cp(words):  # context parallelism, when the layout has it
+        return next((int(w.split("=")[1]) for w in words
+                     if w.startswith("parallel.context_parallel_size=")), 1)
+
+    ranks = [int(w[0].split("=")[1]) * int(w[1].split("=")[1]) * cp(w) for w in listed]
     assert ranks == sorted(ranks)
     assert all(("parallel.sequence_parallel=true" in w)
                == (w[0] != "parallel.tensor_model_parallel_size=1") for w in listed)

@@ -112,14 +112,15 @@ def format_plan(plan: Plan, capacity: float | None, headroom: float) -> str:
 
 
 def relayout(specs: dict[str, RoleSpec], cfg: Config, world: int, tp: int, pp: int,
-             level: str, recompute: bool = False) -> dict[str, RoleSpec]:
-    """``specs`` with every role at TP x PP (its experts split as they were; sequence
+             level: str, recompute: bool = False, cp: int = 1) -> dict[str, RoleSpec]:
+    """``specs`` with every role at TP x PP x CP (its experts split as they were; sequence
     parallelism at TP > 1) and the trained roles offloading at ``level`` (and, with
     ``recompute``, recomputing every layer in the backward pass); ConfigError when a model
     does not split that way."""
     out = {}
     for name, spec in specs.items():
-        layout = Layout(tp=tp, pp=pp, ep=spec.layout.ep, etp=spec.layout.etp, sp=tp > 1)
+        layout = Layout(tp=tp, pp=pp, ep=spec.layout.ep, etp=spec.layout.etp, sp=tp > 1,
+                        cp=cp)
         model = dataclasses.replace(spec.model, recompute=FULL_RECOMPUTE) \
             if recompute and spec.trained else spec.model
         check_model_layout(spec.where, model, layout, world, trained=spec.trained)
@@ -144,6 +145,7 @@ class Fit(NamedTuple):
     offload: str  # the trained roles' offload level
     micro_batch: int  # ppo.micro_batch_size
     peak: float  # bytes, the plan's largest rank and phase
+    cp: int = 1  # context parallelism
 
     def overrides(self, cfg: Config, trained: list[str]) -> str:
         """The command-line overrides that select it."""
@@ -151,6 +153,7 @@ class Fit(NamedTuple):
                 f"parallel.pipeline_model_parallel_size={self.pp} "
                 f"rollout.tensor_parallel_size={self.rollout_tp}"
                 + (" parallel.sequence_parallel=true" if self.tp > 1 else "")
+                + (f" parallel.context_parallel_size={self.cp}" if self.cp > 1 else "")
                 + "".join(f" roles.{name}.offload={self.offload}" for name in trained))
         if self.recompute:
             text += "".join(f" roles.{name}.model.recompute.granularity=full"
@@ -172,7 +175,8 @@ def micro_batches(cfg: Config) -> list[int]:
 def layouts_that_fit(cfg: Config, specs: dict[str, RoleSpec], world: int, gpus_per_node: int,
                      capacity: float, headroom: float, limit: int = 6) -> list[Fit]:
     """Uniform layouts that fit, with sequence parallelism wherever TP > 1 (it only saves
-    memory), cheapest first: TP within a node; fewest model-parallel ranks first, then
+    memory), TP x PP x CP (context parallelism where the models take it), cheapest first:
+    TP within a node; fewest model-parallel ranks (TP x PP x CP) first, then
     without recomputation (it costs a forward pass of the layers), then the least
     offloading, then the largest micro-batch. At each layout the first that fits of:
     without and then with full recomputation, each at the offload levels from none up,
@@ -183,30 +187,31 @@ def layouts_that_fit(cfg: Config, specs: dict[str, RoleSpec], world: int, gpus_p
     for tp in (1, 2, 4, 8, 16):
         if tp > gpus_per_node or world % tp:
             continue
-        for pp in (1, 2, 4, 8, 16):
-            if world % (tp * pp):
+        for pp, cp in [(pp, cp) for pp in (1, 2, 4, 8, 16) for cp in (1, 2, 4, 8)]:
+            if world % (tp * pp * cp):
                 continue
             for rollout_tp in [r for r in (1, 2, 4, 8, 16)
                                if r >= tp and r <= gpus_per_node and world % r == 0]:
                 fit = _first_fit(cfg, specs, world, tp, pp, rollout_tp,
-                                 capacity * (1.0 - headroom))
+                                 capacity * (1.0 - headroom), cp)
                 if fit is not None:
                     found.append(fit)
                     break
-    found.sort(key=lambda f: (f.tp * f.pp, f.recompute, OFFLOAD_LEVELS.index(f.offload),
-                              -f.micro_batch, f.rollout_tp))
+    found.sort(key=lambda f: (f.tp * f.pp * f.cp, f.recompute,
+                              OFFLOAD_LEVELS.index(f.offload), -f.micro_batch, f.rollout_tp,
+                              f.cp))
     return found[:limit]
 
 
 def _first_fit(cfg: Config, specs: dict[str, RoleSpec], world: int, tp: int, pp: int,
-               rollout_tp: int, usable: float) -> Fit | None:
+               rollout_tp: int, usable: float, cp: int = 1) -> Fit | None:
     """The first of (no recomputation, full recomputation) x the offload levels, least
     first, x the micro-batch from the configured one down, whose plan's peak is within
     ``usable`` bytes at this layout."""
     for recompute in (False, True):
         for level in OFFLOAD_LEVELS:
             try:
-                relaid = relayout(specs, cfg, world, tp, pp, level, recompute)
+                relaid = relayout(specs, cfg, world, tp, pp, level, recompute, cp)
             except (ConfigError, ValueError):
                 return None
             for micro in micro_batches(cfg):
@@ -218,7 +223,7 @@ def _first_fit(cfg: Config, specs: dict[str, RoleSpec], world: int, tp: int, pp:
                     continue
                 peak = plan.worst()[0]
                 if peak <= usable:
-                    return Fit(tp, pp, rollout_tp, recompute, level, micro, peak)
+                    return Fit(tp, pp, rollout_tp, recompute, level, micro, peak, cp)
     return None
 
 
