@@ -148,9 +148,8 @@ def layer_bytes(spec: RoleSpec, *, batch: int, seq: int, span: int | None = None
     (:func:`layer_activation_floats`). Under context parallelism each rank keeps its 1/CP
     of the tokens, with the keys and values of the others that its attention gathered
     (``parallel.context``: SDPA keeps them). A packed row's causal attention takes a
-    lower-right causal bias that the GPU kernels apply without making a mask (on the CPU a
-    boolean mask of each chunk's rows over its keys, made and dropped layer by layer: not
-    counted)."""
+    lower-right causal bias that the GPU kernels apply without making a mask (on the CPU
+    torch makes it, and the attention keeps it: not counted, the plan is the GPU's)."""
     model, layout = spec.model, spec.layout
     per_token = layer_activation_floats(model, layout.tp, batch, seq, packed=span is not None,
                                         sp=layout.sp)

@@ -170,18 +170,15 @@ def attention_packed(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _by_chunk(attend, q, keys, values, dim: int, rank: int, cp: int) -> list[torch.Tensor]:
     """This rank's two chunks of queries (along ``dim``), each over the keys up to its
-    own last position under a causal mask aligned to the lower right: on a GPU torch's
-    ``causal_lower_right`` bias, which its kernels apply without making a mask; on the
-    CPU a boolean mask, which its fused kernel takes (the bias would send it down the math
-    path, which keeps the attention probabilities for the backward pass)."""
+    own last position under a causal mask aligned to the lower right: torch's
+    ``causal_lower_right`` bias, which the GPU kernels apply without making the mask (on
+    the CPU torch makes it, and its attention keeps it for the backward pass)."""
     from torch.nn.attention.bias import causal_lower_right
 
     n = q.shape[dim] // 2
     outs = []
     for j, chunk in enumerate((rank, 2 * cp - 1 - rank)):
         end = (chunk + 1) * n
-        mask = causal_lower_right(n, end) if q.is_cuda else \
-            torch.ones(n, end, dtype=torch.bool, device=q.device).tril(end - n)
         outs.append(attend(q.narrow(dim, j * n, n), keys.narrow(dim, 0, end),
-                           values.narrow(dim, 0, end), mask))
+                           values.narrow(dim, 0, end), causal_lower_right(n, end)))
     return outs
