@@ -79,12 +79,13 @@ def _context_parallel_forward(model, batch: dict, positions, unit: int):
             return out
         out = context.gather_sequence(out, 1, group, torch.cat(parts)).index_select(1, place)
     else:
+        from megatron.core.utils import get_batch_on_this_cp_rank
         padded = lengthen(batch, -(-length // step) * step)
-        rows = context.chunk_positions(padded["tokens"].shape[1], cp, rank)
-        mine = {key: padded[key].index_select(1, rows) for key in ("tokens", "position_ids")}
-        if padded.get("attention_mask") is not None:  # this rank's query rows, every key
-            mine["attention_mask"] = padded["attention_mask"].index_select(2, rows)
-        out = _model_forward(model, mine, None, rows.numel())
+        # megatron's split (the mask: this rank's query rows over every key)
+        mine = get_batch_on_this_cp_rank({key: padded.get(key) for key in
+                                          ("tokens", "position_ids", "attention_mask")},
+                                         cp_group=group)
+        out = _model_forward(model, mine, None, mine["tokens"].shape[1])
         if not core.post_process:
             return out
         out = context.gather_sequence(out, 1, group)[:, :length]
