@@ -171,14 +171,12 @@ def check_model_layout(where: str, model: ModelConfig, layout: Layout,
             f"must be divisible by the number of pipeline chunks {chunks} "
             f"({where}.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size)")
     cp = layout.cp
-    if world_size is not None and cp == 1:
-        require(world_size % (tp * pp) == 0, "world size", world_size,
-                f"must be a multiple of tensor x pipeline parallel size = {tp} x {pp} = "
-                f"{tp * pp} ({where})")
-    if world_size is not None and cp > 1:
+    if world_size is not None:
+        names, sizes = ("tensor x pipeline", f"{tp} x {pp}") if cp == 1 else \
+            ("tensor x pipeline x context", f"{tp} x {pp} x {cp}")
         require(world_size % (tp * pp * cp) == 0, "world size", world_size,
-                f"must be a multiple of tensor x pipeline x context parallel size = {tp} x "
-                f"{pp} x {cp} = {tp * pp * cp} ({where})")
+                f"must be a multiple of {names} parallel size = {sizes} = {tp * pp * cp} "
+                f"({where})")
     check_context_parallel(where, model, layout, model_name)
     check_expert_layout(where, model, layout, world_size, model_name)
     require(not layout.sp or tp > 1, f"{where}.sequence_parallel", layout.sp,

@@ -59,21 +59,13 @@ def _context_parallel_forward(model, batch: dict, positions, unit: int):
     group = core.pg_collection.cp
     cp, rank = group.size(), group.rank()
     step = unit * cp
-    tokens = batch["tokens"]
-    B, length = tokens.shape
+    length = batch["tokens"].shape[1]
     if "cu_seqlens" in batch:  # one row of samples back to back
-        bounds = batch["cu_seqlens"].tolist()
-        sizes = [-(-(b - a) // step) * step for a, b in zip(bounds[:-1], bounds[1:])]
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        place = torch.cat([torch.arange(a, b) - a + s
-                           for a, b, s in zip(bounds[:-1], bounds[1:], starts)])
-        whole = {key: batch[key].new_zeros(1, sum(sizes)).index_copy_(1, place, batch[key])
+        place, parts, bounds = context.packed_split(batch["cu_seqlens"].tolist(), cp, step)
+        whole = {key: batch[key].new_zeros(1, bounds[-1]).index_copy_(1, place, batch[key])
                  for key in ("tokens", "position_ids")}
-        parts = [torch.cat([context.chunk_positions(n, cp, r) + s
-                            for n, s in zip(sizes, starts)]) for r in range(cp)]
         mine = {key: value.index_select(1, parts[rank]) for key, value in whole.items()}
-        mine["cu_seqlens"] = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()],
-                                          dtype=batch["cu_seqlens"].dtype)
+        mine["cu_seqlens"] = torch.tensor(bounds, dtype=batch["cu_seqlens"].dtype)
         out = _model_forward(model, mine, None, mine["tokens"].shape[1])
         if not core.post_process:
             return out

@@ -102,7 +102,8 @@ class SDPACoreAttention(MegatronModule):
         return torch.cat(outs)
 
     def _attend_allowed(self, q, k, v, allowed) -> torch.Tensor:
-        """SDPA under the boolean mask ``allowed`` (True = may attend)."""
+        """SDPA under ``allowed``: a boolean mask (True = may attend) or torch's causal bias;
+        each K/V group shared by its queries without copying."""
         dropout = self.dropout_p if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout,
                                               scale=self.softmax_scale,
@@ -114,17 +115,12 @@ class SDPACoreAttention(MegatronModule):
         which are laid out so."""
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, sk = q.shape[2], k.shape[2]
-        gqa = self.groups != self.heads  # SDPA shares each K/V group without copying
-        dropout = self.dropout_p if self.training else 0.0
         causal = mask_type == AttnMaskType.causal and sq > 1
         if causal and attention_mask is None and sq == sk:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
-                                                  scale=self.softmax_scale, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v,
-                                              attn_mask=_allowed(attention_mask, causal, sq,
-                                                                 sk, q.device),
-                                              dropout_p=dropout, scale=self.softmax_scale,
-                                              enable_gqa=gqa)
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout_p if self.training else 0.0,
+                scale=self.softmax_scale, enable_gqa=self.groups != self.heads)
+        return self._attend_allowed(q, k, v, _allowed(attention_mask, causal, sq, sk, q.device))
 
 
 def _allowed(attention_mask, causal: bool, sq: int, sk: int, device):

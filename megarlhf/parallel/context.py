@@ -40,6 +40,22 @@ def chunk_positions(length: int, cp: int, rank: int, device=None) -> torch.Tenso
                       torch.arange(second, second + n, device=device)])
 
 
+def packed_split(cu_seqlens: list[int], cp: int, step: int
+                 ) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
+    """A packed row of samples bounded by ``cu_seqlens``, each lengthened to a multiple
+    of ``step`` (2 x CP, times TP under sequence parallelism) with its padding after it:
+    (where each position of the row goes in the lengthened row, each CP rank's positions
+    of the lengthened row - its two chunks of every sample - and the lengthened row's
+    sample bounds)."""
+    sizes = [-(-(b - a) // step) * step for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    place = torch.cat([torch.arange(a, b) - a + s
+                       for a, b, s in zip(cu_seqlens[:-1], cu_seqlens[1:], starts)])
+    parts = [torch.cat([chunk_positions(n, cp, r) + s for n, s in zip(sizes, starts)])
+             for r in range(cp)]
+    return place, parts, [*starts, sum(sizes)]
+
+
 def _order(length: int, cp: int, device=None) -> torch.Tensor:
     """For the ranks' parts stacked rank after rank (cp x 2 chunks), the index of each
     global position in that stack: ``stacked.index_select(dim, _order(...))`` is the
@@ -136,13 +152,10 @@ def attention(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
     if blocked is None:
         return torch.cat(_by_chunk(attend, q, keys, values, 2, rank, cp), dim=2)
     rows = chunk_positions(length, cp, rank, q.device)
-    allowed = rows[:, None] >= torch.arange(length, device=q.device)[None, :]  # (2n, S)
-    if blocked is not None:
-        allowed = allowed & ~blocked
-        # a query row with nothing allowed (a pad position) would give NaN: let each
-        # position see itself
-        allowed = allowed.clone()
-        allowed[..., torch.arange(rows.numel(), device=q.device), rows] = True
+    allowed = (rows[:, None] >= torch.arange(length, device=q.device)[None, :]) & ~blocked
+    # a query row with nothing allowed (a pad position) would give NaN: let each position
+    # see itself
+    allowed[..., torch.arange(rows.numel(), device=q.device), rows] = True
     return attend(q, keys, values, allowed)
 
 
