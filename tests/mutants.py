@@ -175,6 +175,21 @@ MUTANTS = [
            "        return grad.index_select(0, ctx.own) * ctx.group.size(), None, None",
            "        return grad.index_select(0, ctx.own), None, None",
            ("tests/test_context_parallel.py::test_sft_and_ppo_at_cp2_follow_one_process",), ()),
+    Mutant("cp_moe_losses_not_scaled", "context parallelism with a mixture of experts: the "
+           "routers' load-balancing loss reaches megatron at its configured coefficient, so "
+           "its gradient is 1/CP of one process's",
+           "megarlhf/models/moe.py",
+           "        moe_aux_loss_coeff=moe.aux_loss_coeff * cp,",
+           "        moe_aux_loss_coeff=moe.aux_loss_coeff,",
+           ("tests/test_context_parallel.py::"
+            "test_a_mixture_of_experts_at_cp2_ep2_follows_one_process",), ()),
+    Mutant("cp_moe_replays_rank0", "context parallelism with a mixture of experts: every CP "
+           "rank replays the routing of CP rank 0's positions of a packed row",
+           "megarlhf/engine/steps.py",
+           "                .index_select(2, parts[rank])",
+           "                .index_select(2, parts[0])",
+           ("tests/test_context_parallel.py::"
+            "test_a_mixture_of_experts_at_cp2_ep2_follows_one_process",), ()),
     Mutant("packed_reward_off_by_one", "a packed reward-model micro-batch reads each "
            "sequence's reward one token before its last",
            "megarlhf/stages/rm.py",

@@ -535,8 +535,9 @@ def test_a_mixture_of_experts_trains_at_tp2_with_sequence_parallelism():
 
 def test_context_parallelism_is_checked_before_any_work():
     """``parallel.context_parallel_size``: the world must hold TP x PP x CP (named with
-    the sizes), what it does not take yet is refused naming the setting (experts, MLA,
-    TransformerEngine's layers, the interleaved schedule), a role inherits the actor's
+    the sizes), what it does not take yet is refused naming the setting (MLA,
+    TransformerEngine's layers, the interleaved schedule; a mixture of experts is taken,
+    its experts split over the CP ranks too), a role inherits the actor's
     CP unless it writes its own, the layout says CP and counts DP over it, and a rank's
     coordinates put CP between TP and DP (megatron's tp-cp-ep-dp-pp)."""
     from megarlhf.config import Layout, check_model_layout, read_config
@@ -549,9 +550,11 @@ def test_context_parallelism_is_checked_before_any_work():
                              r"tensor x pipeline x context parallel size = 1 x 1 "
                              r"x 4 = 4"):
         check_model_layout("parallel", cfg.model, Layout(cp=4), 6)
-    for extra, what in ((["model.moe.num_experts=4", "model.moe.top_k=2"], "a mixture of "
-                         "experts"),
-                        (["model.transformer_impl=transformer_engine"], "TransformerEngine"),
+    moe = load_config(None, ["model.num_layers=2", "model.hidden_size=64",
+                             "model.num_attention_heads=4", "model.moe.num_experts=4",
+                             "model.moe.top_k=2"]).model
+    check_model_layout("parallel", moe, Layout(cp=2, ep=2), 2)  # experts over the CP ranks
+    for extra, what in ((["model.transformer_impl=transformer_engine"], "TransformerEngine"),
                         (MLA, "multi-latent attention")):
         model = load_config(None, ["model.num_layers=2", "model.hidden_size=64",
                                    "model.num_attention_heads=4", *extra]).model

@@ -37,8 +37,10 @@ class ParallelConfig:
     load-balanced split) and attention gathers the keys and values of the others, so a
     layer's activations shrink by CP. Micro-batches are lengthened to a multiple of 2 x CP
     (x TP under sequence parallelism; a packed one sample by sample); the outputs are put
-    back together for the losses. Gradients are reduced over DP x CP. The rollout's
-    inference layout stays at CP = 1 (a decode step has one position)."""
+    back together for the losses. Gradients are reduced over DP x CP. A mixture of
+    experts routes each rank's part (its experts split over TP x CP x DP ranks, EP
+    included; a replayed routing split the same way). The rollout's inference layout
+    stays at CP = 1 (a decode step has one position)."""
     make_vocab_size_divisible_by: int = 128
     """The vocabulary is padded to a multiple of this times the TP size."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"

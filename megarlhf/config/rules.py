@@ -127,15 +127,13 @@ def check_section(section) -> None:
 def check_context_parallel(where: str, model: ModelConfig, layout: Layout,
                            model_name: str) -> None:
     """What context parallelism does not take yet, refused naming the setting:
-    multi-latent attention (its own rotary embedding), a mixture of experts (its routers'
-    statistics and replay count the whole sequence), TransformerEngine's layers (their
+    multi-latent attention (its own rotary embedding), TransformerEngine's layers (their
     attention splits the sequence its own way, which megarlhf has not checked against one
     process) and the interleaved pipeline schedule."""
     if layout.cp == 1:
         return
     field = f"{where}.context_parallel_size"
     for flag, what in ((model.mla.enabled, f"multi-latent attention ({model_name}.mla)"),
-                       (model.moe.enabled, f"a mixture of experts ({model_name}.moe)"),
                        (model.transformer_impl == "transformer_engine",
                         f"TransformerEngine's layers ({model_name}.transformer_impl)"),
                        (layout.vpp is not None,

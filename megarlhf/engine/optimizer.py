@@ -62,7 +62,7 @@ def finalize_grads(model: list, num_tokens=None, *, pg_collection, **kwargs) -> 
     ``pg_collection``; ``kwargs`` as the schedule passes them), then the routers' expert bias moved (``model.moe.expert_bias``):
     megatron's own update sums the token counts on its global tensor-and-data-parallel
     group, which megarlhf's per-role groups do not set, so it is done by
-    ``moe.update_expert_bias`` on the role's data-parallel group instead."""
+    ``moe.update_expert_bias`` on the role's own TP x DP x CP group instead."""
     config = unwrap(model[0]).config
     if not config.moe_router_enable_expert_bias:
         return finalize_model_grads(model, num_tokens, pg_collection=pg_collection, **kwargs)
@@ -71,7 +71,8 @@ def finalize_grads(model: list, num_tokens=None, *, pg_collection, **kwargs) -> 
         finalize_model_grads(model, num_tokens, pg_collection=pg_collection, **kwargs)
     finally:
         config.moe_router_enable_expert_bias = True
-    moe.update_expert_bias(model, config.moe_router_bias_update_rate, pg_collection.dp)
+    moe.update_expert_bias(model, config.moe_router_bias_update_rate,
+                           pg_collection.tp_dp_cp)
 
 
 @dataclass

@@ -54,7 +54,8 @@ def _context_parallel_forward(model, batch: dict, positions, unit: int):
     ``unit`` x CP (a packed one sample by sample, each sample's padding after it), then
     chunks ``cp_rank`` and ``2 CP - 1 - cp_rank`` - and the last stage puts the outputs
     back together on every CP rank, in the micro-batch's own positions, before taking
-    ``positions``."""
+    ``positions``. A mixture of experts replays the routing of this rank's positions, and
+    the experts its pass chooses are gathered back into the whole micro-batch's."""
     core = unwrap(model)
     group = core.pg_collection.cp
     cp, rank = group.size(), group.rank()
@@ -66,10 +67,19 @@ def _context_parallel_forward(model, batch: dict, positions, unit: int):
                  for key in ("tokens", "position_ids")}
         mine = {key: value.index_select(1, parts[rank]) for key, value in whole.items()}
         mine["cu_seqlens"] = torch.tensor(bounds, dtype=batch["cu_seqlens"].dtype)
-        out = _model_forward(model, mine, None, mine["tokens"].shape[1])
+        if "routing" in batch:
+            mine["routing"] = moe.spread(batch["routing"], place, bounds[-1]) \
+                .index_select(2, parts[rank])
+        stacked = torch.cat(parts)
+
+        def whole_routing(idx):  # (n, k): this rank's positions -> the row's own
+            return context.gather_sequence(idx, 0, group, stacked).index_select(0, place)
+
+        out = _model_forward(model, {**_routing_keys(batch), **mine}, None, length,
+                             whole_routing)
         if not core.post_process:
             return out
-        out = context.gather_sequence(out, 1, group, torch.cat(parts)).index_select(1, place)
+        out = context.gather_sequence(out, 1, group, stacked).index_select(1, place)
     else:
         from megatron.core.utils import get_batch_on_this_cp_rank
         padded = lengthen(batch, -(-length // step) * step)
@@ -77,14 +87,33 @@ def _context_parallel_forward(model, batch: dict, positions, unit: int):
         mine = get_batch_on_this_cp_rank({key: padded.get(key) for key in
                                           ("tokens", "position_ids", "attention_mask")},
                                          cp_group=group)
-        out = _model_forward(model, mine, None, mine["tokens"].shape[1])
+        if "routing" in batch:
+            mine["routing"] = padded["routing"].index_select(
+                2, context.chunk_positions(padded["tokens"].shape[1], cp, rank))
+        rows = batch["tokens"].shape[0]
+
+        def whole_routing(idx):  # (s x rows, k) in (sequence, row) order -> the whole's
+            local = idx.view(-1, rows, idx.shape[-1])
+            return context.gather_sequence(local, 0, group).reshape(-1, idx.shape[-1])
+
+        out = _model_forward(model, {**_routing_keys(batch), **mine}, None, length,
+                             whole_routing)
         if not core.post_process:
             return out
         out = context.gather_sequence(out, 1, group)[:, :length]
     return out if positions is None else out[:, positions]
 
 
-def _model_forward(model, batch: dict, positions, length: int):
+def _routing_keys(batch: dict) -> dict:
+    """What a pass that records its experts reads besides the model's inputs."""
+    return {key: batch[key] for key in ("rollout_routing", "rollout_routing_mask",
+                                        "routing_rows", "source") if key in batch}
+
+
+def _model_forward(model, batch: dict, positions, length: int, whole_routing=None):
+    """The model on ``batch`` (``length``: the micro-batch's own length). ``whole_routing``
+    (context parallelism): this rank's recorded experts of one layer -> the whole
+    micro-batch's, in (sequence, row) order."""
     with cpu_backend.suspended():
         mask, extra = attention_inputs(model, batch)
         if "rollout_routing" in batch or "routing_rows" in batch:
@@ -92,6 +121,8 @@ def _model_forward(model, batch: dict, positions, length: int):
                 out = model(batch["tokens"], batch["position_ids"], mask, positions=positions,
                             **extra)
                 recorded = got()
+                if whole_routing is not None:
+                    recorded = {layer: whole_routing(idx) for layer, idx in recorded.items()}
                 if "source" not in batch:  # padded: the micro-batch's own positions
                     rows = batch["tokens"].shape[0]
                     recorded = {layer: idx[:length * rows] for layer, idx in recorded.items()}

@@ -22,12 +22,20 @@ from megarlhf.config import Layout, ModelConfig
 
 def transformer_fields(model: ModelConfig, layout: Layout) -> dict:
     """``TransformerConfig`` keyword arguments of ``model.moe`` at ``layout`` (none for a
-    dense model)."""
+    dense model).
+
+    Under context parallelism each rank's routers see its part of every sequence, and
+    megatron weighs a rank's auxiliary losses by its own token count while megarlhf's
+    reduction over DP x CP divides by a token count every CP rank counted in full
+    (``parallel.context.gather_sequence``): the losses' gradients would be 1/CP of one
+    process's. The coefficients megatron gets are therefore CP times the configured ones;
+    it logs each loss divided by its coefficient, so the metrics do not change."""
     moe = model.moe
     if not moe.enabled:
         return {}
     cuda = torch.cuda.is_available()
     balancing = "aux_loss" if moe.aux_loss_coeff > 0 else "none"
+    cp = layout.cp
     return dict(
         num_moe_experts=moe.num_experts,
         moe_router_topk=moe.top_k,
@@ -46,8 +54,8 @@ def transformer_fields(model: ModelConfig, layout: Layout) -> dict:
         moe_router_bias_update_rate=moe.expert_bias_update_rate,
         moe_layer_freq=[0] * moe.first_k_dense + [1] * (model.num_layers - moe.first_k_dense),
         moe_router_load_balancing_type=balancing,
-        moe_aux_loss_coeff=moe.aux_loss_coeff,
-        moe_z_loss_coeff=moe.z_loss_coeff or None,
+        moe_aux_loss_coeff=moe.aux_loss_coeff * cp,
+        moe_z_loss_coeff=moe.z_loss_coeff * cp or None,
         moe_expert_capacity_factor=moe.capacity_factor,
         moe_token_drop_policy=moe.drop_policy,
         moe_token_dispatcher_type="alltoall" if cuda else "allgather",
@@ -125,20 +133,22 @@ def _biased_routers(model) -> list:
 
 
 @torch.no_grad()
-def update_expert_bias(model, rate: float, dp_group) -> None:
+def update_expert_bias(model, rate: float, group) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing after a step: each router's expert bias
     moves by ``rate`` towards even load (up for an expert chosen less often than the mean
     over the step's training passes, down for one chosen more; megatron's formula), the
-    counts summed over ``dp_group`` so every replica makes the same move; the counts are
-    then reset. (Tensor-parallel peers count the same tokens; stages their own layers.)"""
+    counts summed over ``group`` - the role's TP x DP x CP ranks, as megatron sums them -
+    so every rank makes the same move; the counts are then reset. (Tensor-parallel peers
+    without sequence parallelism count the same tokens, which scales the counts but not
+    the sign of the move; stages hold their own layers.)"""
     import torch.distributed as dist
 
     routers = _biased_routers(model)
     if not routers:
         return
     counts = torch.stack([r.local_tokens_per_expert.float() for r in routers])
-    if dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(counts, group=dp_group)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
     offset = counts.mean(dim=-1, keepdim=True) - counts
     for router, move in zip(routers, torch.sign(offset) * rate):
         router.expert_bias.add_(move.to(router.expert_bias.dtype))
@@ -174,8 +184,8 @@ def take_losses(model: ModelConfig, layout, micro_batches: int) -> dict[str, flo
     last call (its layer-wise tracker, which is then cleared), as metrics: ``moe/aux_loss``
     and ``moe/z_loss``, each without its coefficient, averaged over the MoE layers, the
     ``micro_batches`` and the data-parallel ranks (``layout``: a RankLayout; under sequence
-    parallelism summed over the TP ranks' parts of the sequence, as megatron's own logging
-    reduces them over its ``tp_cp`` group); with a
+    and context parallelism put together from the TP and CP ranks' parts of the sequence,
+    as megatron's own logging reduces them over its ``tp_cp`` group); with a
     capacity, the fraction of expert choices dropped (``moe/dropped_frac``, and per layer).
     Every rank of the layout calls it (the sums over pipeline stages and replicas are
     collectives)."""
@@ -193,8 +203,11 @@ def take_losses(model: ModelConfig, layout, micro_batches: int) -> dict[str, flo
     for name in wanted:  # every rank reduces the same names (a stage may hold no MoE layer)
         values = tracker[name]["values"].detach().float().clone() if name in tracker \
             else torch.zeros(model.num_layers)
-        if layout.layout.sp:  # each TP rank's loss covers its part of the sequence
-            dist.all_reduce(values, group=layout.tp_group)
+        for group in _sequence_split(layout):  # each rank's loss covers its part: the
+            # load-balancing loss is a part of the whole's (its sum), the z-loss a mean
+            dist.all_reduce(values, group=group)
+            if name == "z_loss":
+                values /= group.size()
         if layout.pp > 1:  # each stage holds its own layers' values
             dist.all_reduce(values, group=layout.pp_group)
         if layout.dp > 1:
@@ -207,9 +220,17 @@ def take_losses(model: ModelConfig, layout, micro_batches: int) -> dict[str, flo
     return out
 
 
+def _sequence_split(layout) -> list:
+    """The groups whose ranks route other parts of each sequence: TP under sequence
+    parallelism, CP."""
+    return [group for on, group in ((layout.layout.sp, layout.tp_group),
+                                    (layout.cp > 1, layout.cp_group)) if on]
+
+
 def _take_drops(model: ModelConfig, layout) -> dict[str, float]:
     """``moe/dropped_frac[/layer<i>]``: the (token, expert) choices the capacity limit
-    dropped over those made, per MoE layer and over all, summed over stages and replicas."""
+    dropped over those made, per MoE layer and over all, summed over stages, replicas and
+    the parts of a split sequence."""
     import torch.distributed as dist
 
     counts = torch.zeros(model.num_layers, 2, dtype=torch.float64)
@@ -219,6 +240,8 @@ def _take_drops(model: ModelConfig, layout) -> dict[str, float]:
     for size, group in ((layout.pp, layout.pp_group), (layout.dp, layout.dp_group)):
         if size > 1:
             dist.all_reduce(counts, group=group)
+    for group in _sequence_split(layout):
+        dist.all_reduce(counts, group=group)
     out = {f"moe/dropped_frac/layer{layer}": float(counts[layer, 0] / counts[layer, 1])
            for layer in range(model.moe.first_k_dense, model.num_layers) if counts[layer, 1]}
     total = counts.sum(dim=0)
@@ -319,6 +342,14 @@ def unrouted(B: int, num_layers: int, S: int, k: int) -> torch.Tensor:
     position no pass recorded holds (a replay needs k distinct experts everywhere; such
     positions are padding or the last sampled token, whose outputs are never read)."""
     return torch.arange(k, dtype=torch.int16).expand(B, num_layers, S, k).clone()
+
+
+def spread(routing_BLSK: torch.Tensor, place: torch.Tensor, length: int) -> torch.Tensor:
+    """``(B, L, length, k)``: ``routing_BLSK``'s positions at ``place`` of a longer
+    sequence (context parallelism's lengthened packed row), the others to experts 0..k-1
+    (:func:`unrouted`)."""
+    B, L, _, k = routing_BLSK.shape
+    return unrouted(B, L, length, k).to(routing_BLSK.dtype).index_copy_(2, place, routing_BLSK)
 
 
 def routing_of(recorded: dict, B: int, S: int, num_layers: int, k: int) -> torch.Tensor:

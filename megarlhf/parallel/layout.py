@@ -114,7 +114,8 @@ def _groups(layout: Layout, world: int):
     shape. Every rank must ask for the same shapes in the same order (group creation is
     collective). Experts have a grid of their own over the same ranks, megatron's
     ``tp-ep-dp-pp`` with ETP and EP: its groups are the collection's ``ep``, ``expt_tp``,
-    ``expt_dp``, ``tp_ep`` and ``tp_ep_pp`` (for a dense layout, the dense grid's)."""
+    ``expt_dp``, ``tp_ep`` and ``tp_ep_pp`` (for a dense layout without CP, the dense
+    grid's; the CP ranks hold copies of every expert, so they are the experts' replicas)."""
     tp, pp, ep, etp, cp = layout.tp, layout.pp, layout.ep, layout.expert_tp, layout.cp
     key = (tp, pp, ep, etp, cp, world)
     if key in _GROUPS:
@@ -149,7 +150,7 @@ def _groups(layout: Layout, world: int):
     dp_cp = grid.create_pg(["cp", "dp"], timeout=timeout)
     # the ranks holding different parts of the weights (not CP: its ranks hold copies)
     mp = grid.create_pg(["tp", "ep", "pp"], timeout=timeout)
-    if ep == 1 and etp == tp:
+    if ep == 1 and etp == tp and cp == 1:  # the experts' grid is the dense one
         experts = {"ep": g["ep"], "expt_tp": g["tp"], "expt_dp": g["dp"],
                    "tp_ep": grid.create_pg(["tp", "ep"], timeout=timeout), "tp_ep_pp": mp}
     else:
