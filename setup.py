@@ -25,10 +25,10 @@ INSTALL_REQUIRES = [
 
 EXTRAS = {
     "fp8": ["transformer-engine[pytorch]"],
-    # transformers and trl are oracles; trl's GRPOTrainer (bench/async_grpo.py) imports
-    # requests, which trl does not declare
+    # transformers, trl and peft are oracles; trl's GRPOTrainer (bench/async_grpo.py)
+    # imports requests, which trl does not declare
     "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers", "trl==1.12.0",
-             "requests"],
+             "peft==0.21.2", "requests"],
     "wandb": ["wandb"],
 }
 

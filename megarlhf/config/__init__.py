@@ -6,9 +6,8 @@ from megarlhf.config.layout import Layout
 from megarlhf.config.loader import (
     ALIASES, ConfigError, Loaded, config_from_dict, dump_config, load_config, overlay,
     parse_overrides, read_config, section_from_dict)
-from megarlhf.config.model import (FP8Config, MLAConfig, ModelConfig, MoEConfig, RecomputeConfig,
-                                   RopeScalingConfig,
-                                   padded_vocab_size)
+from megarlhf.config.model import (FP8Config, LoRAConfig, MLAConfig, ModelConfig, MoEConfig,
+                                   RecomputeConfig, RopeScalingConfig, padded_vocab_size)
 from megarlhf.config.parallel import ParallelConfig, RoleParallelConfig
 from megarlhf.config.ppo import (CorrectionConfig, EnvironmentConfig, KLConfig, PlacementConfig,
                                  PPOConfig, RewardsConfig, RolloutConfig)
@@ -23,7 +22,7 @@ from megarlhf.config.written import Written
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "Layout", "DataConfig", "FP8Config", "LoggingConfig",
-    "MLAConfig", "ModelConfig", "MoEConfig", "RopeScalingConfig", "OptimizerConfig", "config_from_dict", "PPOConfig", "ParallelConfig", "RolloutConfig",
+    "LoRAConfig", "MLAConfig", "ModelConfig", "MoEConfig", "RopeScalingConfig", "OptimizerConfig", "config_from_dict", "PPOConfig", "ParallelConfig", "RolloutConfig",
     "RunConfig", "TokenizerConfig", "TrainConfig", "dump_config", "load_config", "padded_vocab_size",
     "parse_overrides", "validate_layout", "RoleConfig", "RoleParallelConfig", "RolesConfig",
     "check_model_layout", "check_placement", "check_precision", "check_rollout_layout", "overlay",

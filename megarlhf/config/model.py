@@ -211,6 +211,52 @@ class MoEConfig:
         return self.num_experts > 0
 
 
+# PEFT's names of a Llama-style layer's linears (megatron fuses q/k/v into linear_qkv and
+# gate/up into linear_fc1; each keeps its own adapter inside the fused linear)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(kw_only=True, frozen=True)
+class LoRAConfig:
+    """Low-rank adapters (LoRA, as PEFT defines them): each targeted linear computes
+    ``W x + (alpha / rank) B A dropout(x)``, ``A`` (rank x in) and ``B`` (out x rank) its
+    only trained weights; the base weights are frozen (no gradients, no optimizer state).
+    ``A`` starts as PEFT's (uniform within 1/sqrt(in), seeded per tensor so every layout
+    starts alike) and ``B`` at zero, so a new adapter leaves the model as it was. Set per
+    role with ``roles.<name>.model.lora``. Llama-style models (dense or MoE: a mixture of
+    experts' routed experts are not adapted, its attention and dense layers are)."""
+
+    rank: int = 0
+    """Adapter rank r; 0: no adapters (the whole model trains)."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter's output is multiplied by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (PEFT's lora_dropout), in training passes only."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """The linears that get adapters, by PEFT's names: q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj (all of them by default; PEFT's all-linear)."""
+
+    def __post_init__(self):
+        require(self.rank >= 0, "model.lora.rank", self.rank, "must be >= 0 (0: no adapters)")
+        require(self.alpha > 0, "model.lora.alpha", self.alpha, "must be > 0")
+        require(0.0 <= self.dropout < 1.0, "model.lora.dropout", self.dropout,
+                "must be in [0, 1)")
+        unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
+        require(not unknown, "model.lora.target_modules", self.target_modules,
+                f"names {unknown}, which a Llama-style layer does not have: choose from "
+                f"{', '.join(LORA_TARGETS)}")
+        require(bool(self.target_modules) or not self.rank, "model.lora.target_modules",
+                self.target_modules, "must name at least one linear with model.lora.rank > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 @dataclass(kw_only=True, frozen=True)
 class MLAConfig:
     kv_lora_rank: int = 0
@@ -303,6 +349,8 @@ class ModelConfig:
     """Mixture of experts (llama only): routed experts in place of the dense MLP."""
     mla: MLAConfig = field(default_factory=MLAConfig)
     """Multi-latent attention (llama only) in place of grouped-query attention."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters (see LoRAConfig): only they train."""
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads",
@@ -344,6 +392,8 @@ class ModelConfig:
             require(self.rope_scaling.type in ("none", "yarn"), "model.rope_scaling.type",
                     self.rope_scaling.type,
                     "must be none or yarn with multi-latent attention")
+        if self.lora.enabled:
+            self._check_lora()
         selective = self.recompute.modules if self.recompute.granularity == "selective" else []
         for module, missing in (("moe", not self.moe.enabled),
                                 ("shared_experts", not self.moe.shared_expert_ffn_hidden_size),
@@ -355,6 +405,32 @@ class ModelConfig:
                     f"recomputes {module}, which this model does not have"
                     if module != "moe_act" else "recomputes moe_act, which needs grouped "
                     "GEMM experts (megarlhf's experts are not grouped): use moe")
+
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear LoRA can target, by PEFT's name."""
+        attn = self.num_attention_heads * self.head_size
+        kv = self.query_groups * self.head_size
+        h, f = self.hidden_size, self.ffn_size
+        return {"q_proj": (h, attn), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (attn, h),
+                "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+
+    def _check_lora(self) -> None:
+        require(self.arch == "llama", "model.arch", self.arch,
+                "must be llama with LoRA adapters (model.lora.rank > 0): GPT-2's fused "
+                "c_attn / c_fc are not PEFT's targets")
+        require(not self.mla.enabled, "model.mla.kv_lora_rank", self.mla.kv_lora_rank,
+                "does not take LoRA adapters yet (model.lora.rank > 0): its projections "
+                "are not q_proj / k_proj / v_proj")
+        require(self.transformer_impl != "transformer_engine", "model.transformer_impl",
+                self.transformer_impl, "does not take LoRA adapters (model.lora.rank > 0): "
+                "TransformerEngine's layers normalise inside linear_qkv / linear_fc1, whose "
+                "input the adapters read; use auto or local")
+        shapes = self.lora_shapes()
+        for target in self.lora.target_modules:
+            inp, out = shapes[target]
+            require(self.lora.rank <= min(inp, out), "model.lora.rank", self.lora.rank,
+                    f"is larger than {target} ({inp} -> {out}): an adapter's rank is at most "
+                    "the smaller of the layer's widths")
 
     @property
     def expert_ffn_size(self) -> int:

@@ -39,6 +39,7 @@ from megarlhf.engine.optimizer_state import (
     load_optimizer_state,
     sharded_optimizer_state,
 )
+from megarlhf.models import lora
 from megarlhf.models.gpt import sharded_state_dict, unwrap
 from megarlhf.parallel import watchdog
 from megarlhf.parallel.rank import is_first
@@ -62,13 +63,16 @@ class RoleState:
     extra: dict = field(default_factory=dict)  # JSON-able, e.g. reward normalisation
 
 
-def _model_sharded(role: str, chunks: list, skip_head: bool = False) -> dict:
+def _model_sharded(role: str, chunks: list, skip_head: bool = False,
+                   skip_adapters: bool = False) -> dict:
     prefix = f"{role}."
 
     def one(chunk):
         sd = sharded_state_dict(unwrap(chunk), prefix=prefix)
         if skip_head:
             sd = {k: v for k, v in sd.items() if not k.startswith(f"{prefix}output_layer")}
+        if skip_adapters:
+            sd = {k: v for k, v in sd.items() if not lora.is_adapter(k)}
         return sd
 
     if len(chunks) == 1:
@@ -106,10 +110,11 @@ def set_rng_state(state: dict) -> None:
 
 
 def _sharded_state(roles: dict[str, RoleState], loading: bool, with_rng: bool,
-                   skip_head: bool = False, legacy: frozenset = frozenset()) -> dict:
+                   skip_head: bool = False, legacy: frozenset = frozenset(),
+                   skip_adapters: bool = False) -> dict:
     state: dict = {}
     for name, role in roles.items():
-        entry = _model_sharded(name, role.model, skip_head)
+        entry = _model_sharded(name, role.model, skip_head, skip_adapters)
         if role.optimizer is not None:
             # one format for both optimizers (optimizer_state), but for old plain ones
             state_of = legacy_plain_state if name in legacy else sharded_optimizer_state
@@ -347,10 +352,11 @@ def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: b
     source_roles = source_roles or {}
     targets = {name: checkpoint_role(meta, source_roles.get(name, name), path)
                for name in roles}
-    state, use_opt, legacy = {}, {}, set()
+    state, use_opt, legacy, fresh = {}, {}, set(), {}
     for name, role in roles.items():
         src = targets[name]
-        trained = meta["roles"][src].get("trained", False)
+        fresh[name] = _fresh_adapters(meta, src, role.model, path)
+        trained = meta["roles"][src].get("trained", False) and not fresh[name]
         use_opt[name] = load_optimizer and role.optimizer is not None and trained
         if use_opt[name] and _legacy_plain(meta, src):
             if is_distributed(role.optimizer):
@@ -361,7 +367,8 @@ def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: b
             legacy.add(src)
         sub = RoleState(role.model, role.optimizer if use_opt[name] else None)
         state[src] = _sharded_state({src: sub}, loading=True, with_rng=False,
-                                    skip_head=skip_head, legacy=frozenset(legacy))[src]
+                                    skip_head=skip_head, legacy=frozenset(legacy),
+                                    skip_adapters=fresh[name])[src]
     same_layout = meta.get("layout") == layout and meta.get("world_size") == _world()
     if load_rng and same_layout:
         state["rng"] = ShardedObject("rng_state", None, (_world(),), (_rank(),), replica_id=0)
@@ -376,6 +383,8 @@ def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: b
             own = unwrap(chunk).state_dict()
             if skip_head:
                 weights.update({k: v for k, v in own.items() if k.startswith("output_layer")})
+            if fresh[name]:  # a base checkpoint: the adapters keep their new values
+                weights.update({k: v for k, v in own.items() if lora.is_adapter(k)})
             # TransformerEngine's modules keep fp8 metadata as extra state; a checkpoint of
             # the local layers has none: those modules keep their own (fresh) metadata
             weights.update({k: v for k, v in own.items()
@@ -391,6 +400,19 @@ def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: b
         set_rng_state(loaded["rng"])
     meta["rng_restored"] = "rng" in loaded
     return meta
+
+
+def _fresh_adapters(meta: dict, src: str, chunks: list, path: str) -> bool:
+    """Whether the model's LoRA adapters start fresh on the checkpoint's role ``src`` (a
+    base model's checkpoint, saved without adapters); a checkpoint with adapters for a
+    model without them is an error, not a silent loss of what they learnt."""
+    has = any(lora.is_adapter(k) for chunk in chunks for k in unwrap(chunk).state_dict())
+    saved = (meta["roles"][src].get("model") or {}).get("lora", {}).get("rank", 0)
+    if saved and not has:
+        raise ValueError(f"checkpoint {path}: role '{src}' holds LoRA adapters (rank "
+                         f"{saved}) that this model would not load: give it the same "
+                         "model.lora (or export the merged model and start from that)")
+    return has and not saved
 
 
 def _check_absent(keys: set[str], path: str) -> None:

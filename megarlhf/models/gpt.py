@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from megarlhf import speedups
 from megarlhf.config import Layout, ModelConfig, RopeScalingConfig
-from megarlhf.models import moe
+from megarlhf.models import lora, moe
 from megarlhf.models.spec import (activation, block_spec, layer_spec, resolve_impl,
                                   sequence_parallel_spec)
 from megarlhf.speedups import linears, positions as cuts
@@ -356,9 +356,11 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, layout:
         raise ValueError(f"kind must be 'lm' or 'value', got {kind!r}")
     if model_cfg.vocab_size is None:
         raise ValueError("model.vocab_size is unset: set it or configure a tokenizer")
-    if layout.cp > 1 and model_cfg.transformer_impl == "auto":
+    if (layout.cp > 1 or model_cfg.lora.enabled) and model_cfg.transformer_impl == "auto":
         # context parallelism runs megarlhf's own attention (models.spec.SDPACoreAttention,
-        # parallel.context); TransformerEngine's is refused under it (config.rules)
+        # parallel.context), and LoRA's adapters read the input of linear_qkv and
+        # linear_fc1, which TransformerEngine's layers normalise inside the linear; its
+        # layers are refused with either (config.rules, config.model)
         model_cfg = dataclasses.replace(model_cfg, transformer_impl="local")
     tcfg = transformer_config(model_cfg, layout)
     if model_cfg.moe.enabled or model_cfg.mla.enabled:
@@ -395,6 +397,7 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, layout:
     )
     if model_cfg.rope_scaling.type == "llama3":
         _scale_llama3(model.rotary_pos_emb, model_cfg.rope_scaling)
+    lora.attach(model, model_cfg)
     if model_cfg.mla.enabled:
         _gather_latents(model)
     if tcfg.params_dtype != torch.float32:
@@ -461,6 +464,10 @@ def _param_seed(seed: int, key: str, layer_offsets: tuple) -> int:
 def _init_rule(key: str, model_cfg: ModelConfig, role: str):
     """(kind, std) for a global parameter name."""
     leaf = key.rsplit(".", 1)[-1]
+    if leaf == "lora_A":  # PEFT's: kaiming-uniform with a = sqrt(5), within 1/sqrt(in)
+        return "uniform", 0.0
+    if leaf == "lora_B":  # a new adapter adds nothing
+        return "zeros", 0.0
     if key.startswith("output_layer") and role == "value":
         if leaf == "bias" or model_cfg.value_head_init == "zero":
             return "zeros", 0.0
@@ -526,6 +533,9 @@ def initial_value(key: str, full_shape, model_cfg: ModelConfig, role: str, seed:
     if kind == "zeros":
         return torch.zeros(full_shape)
     gen = torch.Generator().manual_seed(_param_seed(seed, key, layer_offsets))
+    if kind == "uniform":
+        bound = 1.0 / math.sqrt(full_shape[-1])
+        return torch.empty(full_shape).uniform_(-bound, bound, generator=gen)
     return torch.empty(full_shape).normal_(0.0, std, generator=gen)
 
 

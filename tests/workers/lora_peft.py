@@ -1,0 +1,64 @@
+"""A LoRA model built from a converted checkpoint with PEFT's adapter loaded: per-token
+log-probs of fixed sequences at every layout of this world, and (one pipeline stage) the
+adapters' gradients of the summed log-probs, whole, by PEFT key. argv: OUT CONV_DIR
+PEFT_DIR RANK ALPHA. Results -> OUT/lora_world{N}.pt"""
+
+from __future__ import annotations
+
+from megarlhf import speedups  # noqa: E402
+speedups.install()
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import build  # noqa: E402
+
+from megarlhf.config import load_config  # noqa: E402
+from megarlhf.engine.steps import model_forward, token_logprobs  # noqa: E402
+from megarlhf.models import lora  # noqa: E402
+from megarlhf.stages.score import score_sequences  # noqa: E402
+
+SEQS = [[5, 17, 42, 8, 99, 250, 3, 77], [9, 3, 120, 121],
+        [(37 * i + 11) % 299 + 1 for i in range(24)]]
+
+
+def main():
+    out_dir, conv, peft_dir, rank, alpha = sys.argv[1:6]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    layouts = [(1, 1, False)] if world == 1 else [(2, 1, False), (2, 1, True), (1, 2, False)]
+    results = {}
+    for tp, pp, sp in layouts:
+        cfg = load_config(os.path.join(conv, "config.yaml"), [
+            f"parallel.tensor_model_parallel_size={tp}",
+            f"parallel.pipeline_model_parallel_size={pp}",
+            f"parallel.sequence_parallel={str(sp).lower()}",
+            f"model.lora.rank={rank}", f"model.lora.alpha={alpha}"])
+        role = build(cfg, "lm")
+        lora.load_peft(role.chunks, lora.read_peft(peft_dir, cfg.model))
+        rows = score_sequences(role, SEQS, micro_batch_size=1)
+        got = {"logprobs": [r["logprobs"] for r in rows]}
+        if pp == 1:
+            chunk = role.chunks[0]
+            for p in lora.adapter_parameters(chunk):
+                p.requires_grad_(True)
+            for seq in SEQS:
+                tokens = torch.tensor([seq])
+                batch = {"tokens": tokens, "position_ids": torch.arange(len(seq))[None]}
+                hidden = model_forward(chunk, batch, hidden=True)
+                logprobs, _ = token_logprobs(chunk, hidden[:, :-1], tokens[:, 1:],
+                                             tp_group=role.layout.tp_group,
+                                             true_vocab=cfg.model.vocab_size)
+                logprobs.sum().backward()
+            got["grads"] = lora.peft_tensors(role.chunks, role.layout.pp_group, grads=True)
+        results[(tp, pp, sp)] = got
+    if dist.get_rank() == 0:
+        torch.save(results, os.path.join(out_dir, f"lora_world{world}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
