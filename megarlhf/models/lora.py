@@ -51,6 +51,8 @@ class Adapters(torch.nn.Module):
         self.shapes = model.lora_shapes()
         self.parts = PARTS[name]
         self.targeted = [p for p in self.parts if p in cfg.target_modules]
+        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
         self.adapters = torch.nn.ModuleDict()
         for part in self.targeted:
             inp, out = self.shapes[part]
@@ -59,6 +61,11 @@ class Adapters(torch.nn.Module):
                 cfg.rank, inp if self.column else inp // tp))
             pair.lora_B = torch.nn.Parameter(torch.zeros(
                 out // tp if self.column else out, cfg.rank))
+            # the TP-split one is megatron's tensor-parallel parameter (the gradient norm
+            # counts every rank's part; a whole one, once)
+            split = "lora_B" if self.column else "lora_A"
+            set_tensor_model_parallel_attributes(getattr(pair, split), True,
+                                                 0 if self.column else 1, 1)
             self.adapters[part] = pair
 
     def _hidden(self, x: torch.Tensor, part: str) -> torch.Tensor:
