@@ -78,6 +78,7 @@ def test_logprobs_and_adapter_gradients_equal_peft(adapted, scored, layout):
     _, model = adapted
     logprobs, grads = _peft_reference(model)
     got = scored[layout]
+    assert got["shapes_agree"]  # the planner lists the built parameters, adapters included
     for ours, ref in zip(got["logprobs"], logprobs, strict=True):
         assert (torch.tensor(ours) - ref).abs().max() < 1e-5
     if "grads" not in got:
@@ -142,3 +143,46 @@ def test_lora_sft_at_tp2_sp_follows_one_process_and_trains_only_the_adapters(
     state = [k for k in saved if k.startswith("optimizer.state.")]
     assert len(state) == 3 * len(adapters)  # the fp32 copy, exp_avg and exp_avg_sq
     assert all("_lora." in k for k in state)
+
+
+def _ppo(tiny, runs, name, *extra):
+    out, task, common = tiny
+    return ["ppo", "configs/demo/ppo.yaml", f"data.train_path={task['prompts']}",
+            f"data.eval_path={task['eval_prompts']}",
+            f"ppo.sft_checkpoint={out}/sft-tiny/checkpoints/step_0000006",
+            f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", "ppo.num_iterations=2",
+            "ppo.eval_interval=2", "ppo.num_eval_prompts=8", "checkpoint.save_interval=0",
+            "ppo.ppo_epochs=1", "ppo.mini_batch_size=32", "ppo.micro_batch_size=8",
+            "run.deterministic=true", f"run.name={name}", *common, f"run.output_dir={runs}",
+            f"model.lora.rank={RANK}", *extra]
+
+
+def test_lora_ppo_scores_the_reference_with_the_adapters_off(tiny_checkpoints, tmp_path):
+    """PPO with a LoRA actor on the SFT checkpoint: its reference is the actor's own
+    model with the adapters off (one process: no reference model resident, said in the
+    log), and that run equals one whose reference is a model of its own (two processes,
+    the reference at TP=2) metric for metric within 1e-5 - the KL to the reference after
+    the adapters moved included. Each iteration's update, one epoch of one mini-batch,
+    is a no-op at the old policy (approx-KL 0, clip fraction 0), and the rollout samples
+    with the adapters (its log-probs equal the actor's). Catches a reference that scores
+    with the adapters on, adapters the rollout does not receive, and base weights that
+    move."""
+    from megarlhf.engine.metrics import read_metrics
+    proc = run_cli(*_ppo(tiny_checkpoints, tmp_path, "shared"))
+    assert "reference the actor's model with its LoRA adapters off" in proc.stdout
+    torchrun(_ppo(tiny_checkpoints, tmp_path, "own",
+                  "roles.reference.parallel.tensor_model_parallel_size=2"), 2)
+    shared, own = ([r for r in read_metrics(str(tmp_path / name)) if "objective/kl" in r]
+                   for name in ("shared", "own"))
+    assert len(shared) == len(own) == 2
+    assert shared[1]["objective/kl"] > 1e-4  # the adapters moved the actor off the base
+    for a, b in zip(shared, own):
+        assert abs(a["ppo/policy/approxkl"]) < 1e-7 and a["ppo/policy/clipfrac"] == 0.0
+        assert a["rollout/logprob_diff_max"] < 1e-5
+        assert not any(k.startswith("memory/") and "/reference/" in k for k in a)
+        assert any(k.startswith("memory/") and "/reference/" in k for k in b)
+        for key, value in a.items():
+            if key.startswith(("timing/", "perf/", "memory/")) or not isinstance(
+                    value, (int, float)):
+                continue
+            assert abs(value - b[key]) <= 1e-5 * max(1.0, abs(value)), (a["step"], key)

@@ -83,7 +83,7 @@ def runs(tiny_checkpoints):
     one = run_cases(out, base, {"tp1": [], "plain_bf16": [
         "optimizer.use_distributed_optimizer=false", "model.params_dtype=bfloat16"],
         "packed": [f"ppo.max_tokens_per_micro_batch={4 * longest}"],
-        "recompute": RECOMPUTE}, 1, "1")
+        "recompute": RECOMPUTE, "lora": ["model.lora.rank=4"]}, 1, "1")
     two = run_cases(out, base, {
         "tp2": ["parallel.tensor_model_parallel_size=2", "rollout.tensor_parallel_size=2"],
         "tp2_sp": ["parallel.tensor_model_parallel_size=2", "rollout.tensor_parallel_size=2",
@@ -91,7 +91,9 @@ def runs(tiny_checkpoints):
         "pp2": ["parallel.pipeline_model_parallel_size=2", "ppo.ema_decay=0.9"],
         "cp2": ["parallel.context_parallel_size=2"],
         "dp2": [], "dp2_offload": OFFLOAD,
-        "dp2_keep": ["rollout.release_inference_weights=false"]}, 2, "2")
+        "dp2_keep": ["rollout.release_inference_weights=false"],
+        "lora_tp2": ["parallel.tensor_model_parallel_size=2", "rollout.tensor_parallel_size=2",
+                     "model.lora.rank=4"]}, 2, "2")
     return lambda name, world: (one if world == 1 else two)(name)
 
 
@@ -100,7 +102,7 @@ def exact_parts(result: dict, key: str = "measured") -> dict:
 
 
 LAYOUTS = [("tp1", 1), ("plain_bf16", 1), ("tp2", 2), ("tp2_sp", 2), ("pp2", 2), ("dp2", 2),
-           ("dp2_keep", 2), ("recompute", 1)]
+           ("dp2_keep", 2), ("recompute", 1), ("lora", 1), ("lora_tp2", 2)]
 
 
 @pytest.mark.parametrize("name,world", LAYOUTS)
@@ -111,21 +113,28 @@ def test_plan_lists_the_parameters_of_every_built_chunk(runs, name, world):
 
 @pytest.mark.parametrize("name,world", LAYOUTS)
 def test_plan_equals_measured_bytes(runs, name, world):
-    """Every exact part of every role in every phase, on every rank, byte for byte;
-    activations within 5% in fp32 (measured: at most 3.1%, TP=2) and 15% in bf16
-    (measured: 14%, the estimate lower), the training phase's total within 2% (measured:
-    at most 1.9%, bf16)."""
+    """Every exact part of every role in every phase, on every rank, byte for byte (with
+    LoRA: the frozen base's parameters, the adapters' gradients and optimizer state, no
+    reference model); activations within 5% in fp32 (measured: at most 3.1%, TP=2) and
+    15% in bf16 (measured: 14%, the estimate lower); with LoRA the estimate is a full
+    fine-tune's, a bound within 20% (measured: 12% and 15% above at TP=1 and TP=2 - the
+    frozen linears keep less); the training phase's total within 2% (measured: at most
+    1.9%, bf16), with LoRA a bound within 20%."""
+    lora = "lora" in name
     activations_tol = 0.15 if name == "plain_bf16" else 0.05
     for rank, result in enumerate(runs(name, world)):
         measured, planned = result["measured"], result["planned"]
         assert exact_parts(result) == exact_parts(result, "planned"), rank
         for key in [k for k in measured if k.startswith("train/") and k.endswith("/activations")]:
-            assert planned[key] == pytest.approx(measured[key], rel=activations_tol), (rank, key)
+            adapted = lora and key == "train/actor/activations"
+            assert planned[key] == pytest.approx(
+                measured[key], rel=0.2 if adapted else activations_tol), (rank, key)
+            assert planned[key] >= measured[key] or not adapted, (rank, key)
         # phase totals: exact but for training, whose activations are estimated
         want, have = result["planned_totals"], result["measured_totals"]
         for phase in ("rollout", "experience", "save"):
             assert want[phase] == have[phase], (rank, phase)
-        assert want["train"] == pytest.approx(have["train"], rel=0.02), rank
+        assert want["train"] == pytest.approx(have["train"], rel=0.2 if lora else 0.02), rank
 
 
 def test_recomputation_lowers_the_measured_activations_as_planned(runs):

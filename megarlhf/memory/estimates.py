@@ -78,6 +78,9 @@ def static_bytes(spec: RoleSpec, dp: int, pp_rank: int, dp_rank: int) -> dict[st
     out = {"params": 0, "grads": 0, "optimizer": 0}
     master = 4 if dsize != 4 else 0  # fp32 master copy of a low-precision weight
     for chunk in chunks:
+        # a LoRA model's frozen base: parameters only, outside DDP's buffers
+        out["params"] += sum(p.numel for p in chunk if p.frozen) * dsize
+        chunk = [p for p in chunk if not p.frozen]
         numel, index, buckets = ddp_buffer(chunk, dp, distributed)
         out["grads"] += numel * 4  # grad_reduce_in_fp32
         if not distributed:

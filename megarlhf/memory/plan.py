@@ -138,6 +138,8 @@ class _PPOPlanner:
         return float(kv_cache_bytes(inf.model, tp=inf.layout.tp, batch=rows, seq=self.S))
 
     def static(self, spec: RoleSpec, rank: int) -> dict[str, int]:
+        if spec.adapters_off:  # the actor's own model (a LoRA actor's reference)
+            return {}
         _, d, s = spec.layout.coordinates(rank, self.world)
         # gradients are reduced, and the distributed optimizer shards, over DP x CP
         cp = spec.layout.cp

@@ -64,6 +64,10 @@ def format_plan(plan: Plan, capacity: float | None, headroom: float) -> str:
     lines = []
     lines.append(f"{'role':10s} {'model':34s} {'layout':22s} offload")
     for name, spec in plan.specs.items():
+        if spec.adapters_off:
+            lines.append(f"{name:10s} the actor's model with its LoRA adapters off (no "
+                         "parameters of its own)")
+            continue
         m = spec.model
         n = model_params(spec)
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
@@ -73,6 +77,11 @@ def format_plan(plan: Plan, capacity: float | None, headroom: float) -> str:
         if spec.optimizer is not None:
             opt = " (distributed optimizer)" if spec.optimizer.use_distributed_optimizer \
                 else " (plain optimizer)"
+            if m.lora.enabled:
+                trained = sum(p.numel for p in rank_chunks(
+                    m, kind=spec.kind, padded_vocab=spec.padded_vocab, layout=Layout(),
+                    pp_rank=0)[0] if not p.frozen)
+                opt += f"; LoRA rank {m.lora.rank}: {trained / 1e6:.1f}M trained"
         lines.append(f"{name:10s} {model:34s} {layout:22s} {spec.offload}{opt}")
     replicas = (plan.rollout_ranks or plan.world) // plan.rollout_tp
     lines.append(f"inference  rollout TP={plan.rollout_tp}, {replicas} replica(s)"

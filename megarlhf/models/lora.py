@@ -24,6 +24,8 @@ the base's: ``linear_qkv`` by query group ([q heads, k, v] of each local group),
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from megarlhf.config import LoRAConfig, ModelConfig
@@ -43,6 +45,7 @@ class Adapters(torch.nn.Module):
         super().__init__()
         self.name, self.column = name, name in COLUMN
         self.tp_group, self.sp = tp_group, sequence_parallel
+        self.off = False  # :func:`disabled`
         cfg: LoRAConfig = model.lora
         self.scale, self.p = cfg.scale, cfg.dropout
         tp = tp_group.size()
@@ -122,9 +125,31 @@ class Adapters(torch.nn.Module):
 
 def _add_adapters(linear, adapters: Adapters):
     def hook(module, args, output):
+        if adapters.off:
+            return output
         out, bias = output
         return out + adapters(args[0]).to(out.dtype), bias
     return linear.register_forward_hook(hook)
+
+
+@contextlib.contextmanager
+def disabled(chunks: list):
+    """The models' passes without their adapters: the base model (a LoRA actor's
+    reference)."""
+    every = [a for chunk in chunks for _, a in layer_adapters(unwrap_chunk(chunk))]
+    for adapters in every:
+        adapters.off = True
+    try:
+        yield
+    finally:
+        for adapters in every:
+            adapters.off = False
+
+
+def unwrap_chunk(chunk):
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
 
 
 def attach(model, model_cfg: ModelConfig) -> None:

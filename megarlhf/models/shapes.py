@@ -16,6 +16,7 @@ class ParamShape:
     name: str
     shape: tuple[int, ...]
     shared_embedding: bool = False  # tied word embedding/output layer split over PP
+    frozen: bool = False  # a LoRA model's base weight: no gradient, no optimizer state
 
     @property
     def numel(self) -> int:
@@ -46,6 +47,7 @@ def _layer(model: ModelConfig, tp: int, prefix: str, moe_layer: bool = False, ep
         out += _mla(model, tp, prefix)
     else:
         out += _attention(model, tp, prefix, norm_bias=bias)
+        out += _adapters(model, tp, prefix + "self_attention.", ("linear_qkv", "linear_proj"))
     norm("pre_mlp_layernorm")
     if moe_layer:  # the router (whole on every rank), this rank's experts, shared experts
         moe, width = model.moe, model.expert_ffn_size // etp
@@ -65,6 +67,25 @@ def _layer(model: ModelConfig, tp: int, prefix: str, moe_layer: bool = False, ep
     out.append(ParamShape(f"{prefix}mlp.linear_fc2.weight", (h, model.ffn_size // tp)))
     if bias:
         out.append(ParamShape(f"{prefix}mlp.linear_fc2.bias", (h,)))
+    return out + _adapters(model, tp, prefix + "mlp.", ("linear_fc1", "linear_fc2"))
+
+
+def _adapters(model: ModelConfig, tp: int, prefix: str, linears: tuple[str, ...]
+              ) -> list[ParamShape]:
+    """LoRA's matrices of ``linears`` (``models.lora``), after the block's own
+    parameters: a column-parallel linear's B split over TP, a row-parallel one's A."""
+    from megarlhf.models.lora import COLUMN, PARTS, SUFFIX
+
+    lora, shapes, out = model.lora, model.lora_shapes(), []
+    if not lora.enabled:
+        return out
+    for linear in linears:
+        column = linear in COLUMN
+        for part in (p for p in PARTS[linear] if p in lora.target_modules):
+            inp, width = shapes[part]
+            name = f"{prefix}{linear}{SUFFIX}.adapters.{part}."
+            out += [ParamShape(name + "lora_A", (lora.rank, inp if column else inp // tp)),
+                    ParamShape(name + "lora_B", (width // tp if column else width, lora.rank))]
     return out
 
 
@@ -146,6 +167,9 @@ def chunk_params(model: ModelConfig, *, kind: str, padded_vocab: int, tp: int, p
         elif not (tied and pre):  # tied on one stage: the embedding is the output layer
             out.append(ParamShape("output_layer.weight", (padded_vocab // tp, h),
                                   shared_embedding=tied))
+    if model.lora.enabled:  # only the adapters train
+        out = [ParamShape(p.name, p.shape, p.shared_embedding, frozen="_lora." not in p.name)
+               for p in out]
     return out
 
 

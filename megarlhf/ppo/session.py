@@ -23,7 +23,7 @@ from megarlhf.engine.checkpoint import load_checkpoint, load_object, save_checkp
 from megarlhf.memory.accounting import ActivationMeter, MemoryTracker
 from megarlhf.roles.offload import TrainedOffloader
 from megarlhf.roles.spec import batch_sizes, ppo_role_specs
-from megarlhf.roles.build import build_role
+from megarlhf.roles.build import Role, build_role
 from megarlhf.parallel.launch import init_distributed, read_dist_env
 from megarlhf.parallel.placement import Split
 from megarlhf.rollout.episodes import Episodes
@@ -141,7 +141,9 @@ class PPOSession:
         self.actor = build_role(specs["actor"], seed=seed, total_steps=total_steps)
         self.critic = build_role(specs["critic"], seed=seed, total_steps=total_steps) \
             if "critic" in specs else None
-        self.reference = build_role(specs["reference"], seed=seed)
+        self.reference = Role(specs["reference"], self.actor.layout, self.actor.chunks,
+                              source="the actor, adapters off") \
+            if specs["reference"].adapters_off else build_role(specs["reference"], seed=seed)
         reward = RewardSource(fn=reward_fn, decode=tokenizer.decode,
                               role=build_role(specs["reward"], seed=seed)
                               if "reward" in specs else None)
@@ -180,7 +182,8 @@ class PPOSession:
         if self.critic is not None:
             self.trained["critic"] = self.critic
         self.tracker = MemoryTracker({
-            "actor": self.actor, "critic": self.critic, "reference": self.reference,
+            "actor": self.actor, "critic": self.critic,
+            "reference": None if specs["reference"].adapters_off else self.reference,
             "reward": reward.role, "ema": self.ema_role,
             "inference": [self.sampler.inference_model]}) if cfg.logging.memory_metrics else None
         self.hooks = self.sampler.hooks = self.scorer.hooks = PhaseHooks(self.trained,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from megarlhf.algos import BatchSizes
 from megarlhf.config import (
-    Config, ConfigError, Layout, ModelConfig, OptimizerConfig, Written,
+    Config, ConfigError, Layout, LoRAConfig, ModelConfig, OptimizerConfig, Written,
     check_model_layout,
     check_ppo, check_precision, check_rollout_layout, overlay, padded_vocab_size,
     section_from_dict)
@@ -55,6 +55,9 @@ class RoleSpec:
     head_affine: tuple[float, float] | None = None  # (gain, bias) folded into the scalar head
     # what leaves the device between phases (roles.offload levels); None: not resolved
     offload: str | None = None
+    # the reference of a LoRA actor on its base checkpoint: the actor's own model with its
+    # adapters off (no model of its own)
+    adapters_off: bool = False
 
     @property
     def trained(self) -> bool:
@@ -67,6 +70,8 @@ class RoleSpec:
             + " optimizer"
 
     def describe(self) -> str:
+        if self.adapters_off:
+            return f"{self.name:9s} the actor's model with its LoRA adapters off"
         m = self.model
         src = (f"{self.checkpoint} [{self.checkpoint_role}]" + (" trunk only"
                if self.trunk_only else "")) if self.checkpoint else "random init"
@@ -262,7 +267,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
     rollout_tp = cfg.rollout.tensor_parallel_size
     specs: dict[str, RoleSpec] = {}
 
-    saved = read(actor_ckpt, ("policy", "actor"), "roles.actor.checkpoint")
+    saved = actor_saved = read(actor_ckpt, ("policy", "actor"), "roles.actor.checkpoint")
     model = _model_of("roles.actor", saved, cfg.model,
                       policy_overrides + [("roles.actor.model", roles.actor.model, None)],
                       written)
@@ -290,10 +295,11 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
     model = _model_of("roles.reference", saved, cfg.model,
                       policy_overrides + [("roles.reference.model", roles.reference.model,
                                            None)], written)
-    specs["reference"] = _spec(cfg, name="reference", kind="lm", where="roles.reference",
-                               saved=saved, model=model,
-                               layout=roles.reference.parallel.over(actor_layout, model.moe.enabled),
-                               world_size=world_size)
+    specs["reference"] = _base_reference(specs["actor"], _spec(
+        cfg, name="reference", kind="lm", where="roles.reference", saved=saved,
+        model=dataclasses.replace(model, lora=_saved_lora(saved)),
+        layout=roles.reference.parallel.over(actor_layout, model.moe.enabled),
+        world_size=world_size), actor_saved)
 
     reward_saved = None
     if reward_ckpt is not None:
@@ -301,6 +307,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
         model = _model_of("roles.reward", reward_saved, cfg.model,
                           [precision, ("roles.reward.model", roles.reward.model, None)],
                           written)
+        model = dataclasses.replace(model, lora=_saved_lora(reward_saved))  # frozen
         specs["reward"] = _spec(cfg, name="reward", kind="value", where="roles.reward",
                                 saved=reward_saved, model=model,
                                 layout=roles.reward.parallel.over(actor_layout, model.moe.enabled),
@@ -313,7 +320,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
                 ppo.critic_init]
         saved = read(critic_ckpt, ("critic", "reward", "policy", "actor"),
                      "roles.critic.checkpoint") if critic_ckpt else None
-        base = specs["actor"].model
+        base = dataclasses.replace(specs["actor"].model, lora=LoRAConfig())  # (the actor's)
         model = _model_of("roles.critic", saved, base,
                           [precision, ("roles.critic.model", roles.critic.model, None)],
                           written)
@@ -333,7 +340,8 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
             entry = read_meta(saved.path)["roles"]["reward"]
             specs["critic"] = dataclasses.replace(specs["critic"], head_affine=(
                 float(entry.get("score_gain", 1.0)), float(entry.get("score_bias", 0.0))))
-    specs = {name: dataclasses.replace(spec, offload=_offload_of(cfg, name, spec.trained))
+    specs = {name: dataclasses.replace(spec, offload="none" if spec.adapters_off else
+                                       _offload_of(cfg, name, spec.trained))
              for name, spec in specs.items()}
     _check_vocab(specs, tokenizer)
     longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
@@ -343,6 +351,28 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
     return {name: dataclasses.replace(spec, model=dataclasses.replace(
                 spec.model, hidden_dropout=0.0, attention_dropout=0.0))
             for name, spec in specs.items()}
+
+
+def _saved_lora(saved: SavedRole | None) -> LoRAConfig:
+    """The adapters a checkpoint's model holds (none for random init)."""
+    return saved.model.lora if saved is not None and saved.model is not None else LoRAConfig()
+
+
+def _base_reference(actor: RoleSpec, reference: RoleSpec, actor_saved: SavedRole | None
+                    ) -> RoleSpec:
+    """The reference of a LoRA actor whose checkpoint holds no adapters: the actor starts
+    as that checkpoint's model, so the reference - the same checkpoint, model and layout -
+    is the actor with its adapters off, and has no model of its own. Any other reference
+    keeps its own model (with its checkpoint's adapters, if any)."""
+    if not actor.model.lora.enabled or _saved_lora(actor_saved).enabled:
+        return reference
+    same = (reference.checkpoint, reference.checkpoint_role, reference.layout,
+            reference.model) == (actor.checkpoint, actor.checkpoint_role, actor.layout,
+                                 dataclasses.replace(actor.model, lora=LoRAConfig()))
+    if not same:
+        return reference
+    return dataclasses.replace(actor, name="reference", where="roles.reference",
+                               optimizer=None, adapters_off=True)
 
 
 def _offload_of(cfg: Config, name: str, trained: bool) -> str:

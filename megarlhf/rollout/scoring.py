@@ -6,6 +6,7 @@ the frozen roles brought on for their pass and offloaded after it."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from megarlhf.engine.forward import forward_rows, stack_results
 from megarlhf.roles.offload import Offloader
 from megarlhf.roles.build import Role
 from megarlhf.engine.steps import make_sequence_step
-from megarlhf.models import moe
+from megarlhf.models import lora, moe
 from megarlhf.inference.generate import Generation
 from megarlhf.rollout.sampling import decode_sample, gen_sequence
 from megarlhf.rewards.verifiers import RewardError
@@ -302,7 +303,9 @@ class Scorer:
         other rows), the reference loaded for the pass and offloaded after it."""
         out = torch.zeros(gen.response_tokens_BT.shape)
         self.ref_offloader.reload()
-        scored = self.score(self.reference, gen, rows)
+        with lora.disabled(self.reference.chunks) if self.reference.spec.adapters_off \
+                else contextlib.nullcontext():
+            scored = self.score(self.reference, gen, rows)
         self.ref_offloader.offload()
         for i, res in zip(rows, scored):
             out[i] = res["logprobs"] * gen.fed_mask_BT[i]

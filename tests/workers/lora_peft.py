@@ -20,6 +20,7 @@ from common import build  # noqa: E402
 from megarlhf.config import load_config  # noqa: E402
 from megarlhf.engine.steps import model_forward, token_logprobs  # noqa: E402
 from megarlhf.models import lora  # noqa: E402
+from megarlhf.models.shapes import chunk_params  # noqa: E402
 from megarlhf.stages.score import score_sequences  # noqa: E402
 
 SEQS = [[5, 17, 42, 8, 99, 250, 3, 77], [9, 3, 120, 121],
@@ -40,7 +41,13 @@ def main():
         role = build(cfg, "lm")
         lora.load_peft(role.chunks, lora.read_peft(peft_dir, cfg.model))
         rows = score_sequences(role, SEQS, micro_batch_size=1)
-        got = {"logprobs": [r["logprobs"] for r in rows]}
+        spec = role.spec  # the planner's parameter shapes (adapters included)
+        want = [(p.name, p.shape, p.frozen) for p in chunk_params(
+            spec.model, kind="lm", padded_vocab=spec.padded_vocab, tp=tp, pp=pp,
+            pp_rank=role.layout.pp_rank)]
+        have = [(n, tuple(p.shape), "_lora." not in n)
+                for n, p in role.chunks[0].named_parameters()]
+        got = {"logprobs": [r["logprobs"] for r in rows], "shapes_agree": want == have}
         if pp == 1:
             chunk = role.chunks[0]
             for p in lora.adapter_parameters(chunk):
