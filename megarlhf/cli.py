@@ -213,7 +213,8 @@ def cmd_export(args) -> int:
                                 "pass --ckpt, or the config and overrides the run used")
     return_freed_memory()  # a layer at a time: what each frees goes back to the system
     info = export_checkpoint(cfg, args.out, ckpt, args.role, args.model_type,
-                             args.shard_layers, tokenizer=args.tokenizer, written=args.written)
+                             args.shard_layers, tokenizer=args.tokenizer, written=args.written,
+                             peft=args.peft)
     for key, value in info.items():
         print(f"{key}: {value}")
     return 0
@@ -438,6 +439,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="HF architecture (default: from the checkpoint)")
     export.add_argument("--shard-layers", type=int, default=0,
                         help="layers per safetensors shard (0: one file)")
+    export.add_argument("--peft", action="store_true",
+                        help="a LoRA model's adapters alone, as a PEFT adapter folder "
+                        "(adapter_config.json, adapter_model.safetensors) that "
+                        "peft.PeftModel.from_pretrained puts on the base model; without "
+                        "it the adapters are merged into the exported weights")
     export.set_defaults(func=cmd_export)
     launch = sub.add_parser("launch", help="render and submit an sbatch script for a stage")
     launch.add_argument("stage", choices=["sft", "rm", "ppo", "dpo", "distill"])

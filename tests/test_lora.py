@@ -186,3 +186,108 @@ def test_lora_ppo_scores_the_reference_with_the_adapters_off(tiny_checkpoints, t
                     value, (int, float)):
                 continue
             assert abs(value - b[key]) <= 1e-5 * max(1.0, abs(value)), (a["step"], key)
+
+
+def test_exports_give_back_peft_bytes_and_peft_merged_weights(adapted, scored, tmp_path):
+    """The checkpoint the worker saved at TP=2 (the converted base, PEFT's adapter as
+    ``model.lora.init_from``), exported in one process: ``--peft`` writes PEFT's two files
+    byte for byte, and the merged export's tensors equal PEFT's ``merge_and_unload`` (each
+    within 1e-6 of its largest value; measured: equal) - catches a q/k/v or gate/up delta
+    folded into the wrong rows, a missing alpha / r, and adapters lost on the way."""
+    import copy
+    import subprocess
+    import sys
+
+    root, model = adapted
+    export = [sys.executable, "-m", "megarlhf.cli", "export", str(root / "conv" / "config.yaml"),
+              "--ckpt", str(root / "ckpt"), f"model.lora.rank={RANK}",
+              f"model.lora.alpha={ALPHA}", f"model.lora.init_from={root / 'peft'}"]
+    for extra in (["--peft", "--out", str(tmp_path / "peft")],
+                  ["--out", str(tmp_path / "merged")]):
+        subprocess.run(export + extra, check=True, capture_output=True, cwd=ROOT)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (tmp_path / "peft" / name).read_bytes() == (root / "peft" / name).read_bytes()
+    want = copy.deepcopy(model).merge_and_unload().state_dict()
+    got = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    assert sorted(got) == sorted(k for k in want if "rotary" not in k)
+    for key, value in got.items():
+        torch.testing.assert_close(value, want[key], rtol=0,
+                                   atol=1e-6 * float(want[key].abs().max()), msg=key)
+
+
+def test_lora_dpo_reference_is_the_policy_with_adapters_off_and_rm_trains_its_head(
+        tiny_checkpoints, tmp_path):
+    """DPO with a LoRA policy on the SFT checkpoint: scoring each batch with the policy's
+    adapters off (``dpo.use_cache=false``, no reference model) gives every step's loss,
+    gradient norm and margins of the run whose reference log-probs come from the base
+    model's cache, bit for bit (the margins moved from zero by the last step: the
+    adapters are trained). A LoRA reward model trains its scalar head with the adapters:
+    the head moved from its checkpoint's, the trunk did not."""
+    from megarlhf.engine.metrics import read_metrics
+    out, task, common = tiny_checkpoints
+    dpo = ["dpo", "configs/dpo_tiny.yaml", f"data.train_path={task['prefs']}",
+           f"checkpoint.load={out}/sft-tiny/checkpoints", "train.global_batch_size=8",
+           "train.micro_batch_size=2", "train.eval_interval=0", "dpo.gold_reward_fn=null",
+           "dpo.gold_eval_path=null", "train.max_steps=3", "checkpoint.save_interval=0",
+           "run.deterministic=true", *common, f"run.output_dir={tmp_path}",
+           f"model.lora.rank={RANK}"]
+    run_cli(*dpo, "run.name=cached", f"cache.path={tmp_path}/cache")
+    proc = run_cli(*dpo, "run.name=shared", "dpo.use_cache=false")
+    assert "reference: the policy's model with its LoRA adapters off" in proc.stdout
+    cached, shared = ([r for r in read_metrics(str(tmp_path / n)) if "train/loss" in r]
+                      for n in ("cached", "shared"))
+    assert cached == [{**r, **{k: v for k, v in c.items() if k.startswith(("timing/", "perf/"))}}
+                      for r, c in zip(shared, cached)]
+    assert abs(shared[-1]["train/rewards/margin"]) > 1e-6
+    run_cli("rm", "configs/rm_tiny.yaml", f"data.train_path={task['prefs']}",
+            f"checkpoint.load={out}/rm-tiny/checkpoints", "train.max_steps=2",
+            "checkpoint.save_interval=0", *common, f"run.output_dir={tmp_path}",
+            "run.name=rm", f"model.lora.rank={RANK}")
+    (base,) = [p for p in (out / "rm-tiny" / "checkpoints").iterdir() if p.name.startswith("step_")]
+    base = _checkpoint_tensors(base)
+    saved = _checkpoint_tensors(tmp_path / "rm" / "checkpoints" / "step_0000002")
+    weights = [k for k in saved if k.startswith("reward.") and "_lora." not in k]
+    assert weights and "reward.output_layer.weight" in weights
+    for key in weights:
+        moved = not torch.equal(saved[key], base[key])  # (the head's bias cancels out of
+        assert moved == (key == "reward.output_layer.weight"), key  # a pair's difference)
+
+
+def test_bad_lora_inputs_are_refused_before_any_work(adapted, tiny_checkpoints, tmp_path):
+    """A target the model does not have, a rank larger than a targeted layer, a model
+    kind LoRA does not take, and a PEFT adapter that does not fit - its rank, another
+    base's shapes, a missing or damaged file - each refused naming the field or file;
+    the run writes nothing."""
+    from megarlhf.config import ConfigError, load_config
+    for extra, message in (
+            (["model.lora.target_modules=[q_proj,qkv_proj]"],
+             r"model.lora.target_modules=.*names \['qkv_proj'\]"),
+            (["model.lora.rank=65"], r"model.lora.rank=65 is invalid: is larger than q_proj"),
+            (["model.lora.rank=4", "model.arch=gpt2"], r"model.arch='gpt2' is invalid: must be llama"),
+            (["model.lora.rank=4", "model.transformer_impl=transformer_engine"],
+             r"model.transformer_impl='transformer_engine' is invalid"),
+            (["model.lora.rank=4", "model.lora.dropout=1.0"], r"model.lora.dropout")):
+        with pytest.raises((ConfigError, ValueError), match=message):
+            load_config(None, ["model.hidden_size=64", "model.num_attention_heads=4", *extra])
+    root, _ = adapted
+    out, task, common = tiny_checkpoints
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text((root / "peft" / "adapter_config.json")
+                                                .read_text())
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    for folder, extra, message in (
+            (root / "peft", [], "adapter_model.safetensors: holds adapters this model does "
+                                "not take: 28 tensors, e.g. base_model.model.model.layers.2"),
+            (root / "peft", ["model.lora.rank=8"], "adapter_config.json: r=4 does not match "
+                                                   "this model's 8"),
+            (tmp_path / "nowhere", [], "adapter_config.json is missing"),
+            (broken, [], "adapter_model.safetensors: not a readable safetensors file")):
+        proc = run_cli("sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
+                       f"checkpoint.load={out}/sft-tiny/checkpoints", *common,
+                       f"run.output_dir={tmp_path}", "run.name=bad", f"model.lora.rank={RANK}",
+                       f"model.lora.alpha={ALPHA}", f"model.lora.init_from={folder}", *extra,
+                       check=False)
+        assert proc.returncode != 0 and "model.lora.init_from=" in proc.stderr, proc.stderr
+        assert message in proc.stderr, proc.stderr
+        assert not (tmp_path / "bad").exists()

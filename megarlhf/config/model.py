@@ -235,6 +235,10 @@ class LoRAConfig:
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     """The linears that get adapters, by PEFT's names: q_proj, k_proj, v_proj, o_proj,
     gate_proj, up_proj, down_proj (all of them by default; PEFT's all-linear)."""
+    init_from: str | None = None
+    """A PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors) the
+    adapters start from, checked against rank, alpha, target_modules and the model's
+    shapes before any work; a checkpoint that holds adapters (a resume) wins over it."""
 
     def __post_init__(self):
         require(self.rank >= 0, "model.lora.rank", self.rank, "must be >= 0 (0: no adapters)")

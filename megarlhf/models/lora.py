@@ -155,14 +155,15 @@ def unwrap_chunk(chunk):
 def attach(model, model_cfg: ModelConfig) -> None:
     """Adapters on every targeted linear of ``model`` (one bare chunk) - its attention and
     dense MLPs; a mixture of experts' experts, routed and shared, keep none - and the base
-    parameters frozen."""
+    parameters frozen but a value model's scalar head (PEFT's ``modules_to_save`` for a
+    sequence classifier: the head is new, so it trains)."""
     if not model_cfg.lora.enabled:
         return
     from megatron.core.transformer.attention import Attention
     from megatron.core.transformer.mlp import MLP
 
-    for p in model.parameters():
-        p.requires_grad_(False)
+    for name, p in model.named_parameters():  # a value model's new scalar head trains
+        p.requires_grad_(model.kind == "value" and name.startswith("output_layer."))
     for where, module in list(model.named_modules()):
         if not isinstance(module, (Attention, MLP)) or "experts" in where:
             continue
@@ -324,3 +325,100 @@ def peft_tensors(chunks: list, pp_group, grads: bool = False) -> dict[str, torch
         dist.all_gather_object(stages, out, group=pp_group)
         out = {key: value for stage in stages for key, value in stage.items()}
     return out
+
+
+def _fused_rows(linear: str, part: str, model: ModelConfig) -> torch.Tensor:
+    """The rows of a whole (TP=1) fused weight that ``part`` of ``linear`` fills:
+    ``linear_qkv`` by query group ([q heads, k, v] of each), ``linear_fc1`` [gate, up]."""
+    if linear == "linear_qkv":
+        hd, groups = model.head_size, model.query_groups
+        per = model.num_attention_heads // groups
+        width = (per + 2) * hd
+        start, size = {"q_proj": (0, per * hd), "k_proj": (per * hd, hd),
+                       "v_proj": ((per + 1) * hd, hd)}[part]
+        return torch.cat([torch.arange(g * width + start, g * width + start + size)
+                          for g in range(groups)])
+    if linear == "linear_fc1":
+        f = model.ffn_size
+        return torch.arange(0, f) if part == "gate_proj" else torch.arange(f, 2 * f)
+    return torch.arange(model.lora_shapes()[part][1])
+
+
+def parse_key(key: str) -> tuple[str, str, str]:
+    """``(the linear's prefix, PEFT part, lora_A / lora_B)`` of an adapter's state-dict
+    key (``decoder.layers.0.self_attention.linear_qkv_lora.adapters.q_proj.lora_A``)."""
+    prefix, rest = key.split(SUFFIX + ".adapters.")
+    part, matrix = rest.split(".")
+    return prefix, part, matrix
+
+
+@torch.no_grad()
+def merged(sd: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """A whole (TP=1) state dict with every adapter folded into its linear's weight -
+    ``W + (B @ A) * alpha / r``, as PEFT's ``merge_and_unload`` computes it - and the
+    adapters' entries gone."""
+    out = {k: v for k, v in sd.items() if not is_adapter(k)}
+    for key in sorted(k for k in sd if is_adapter(k) and k.endswith(".lora_A")):
+        prefix, part, _ = parse_key(key)
+        delta = (sd[key[:-len("lora_A")] + "lora_B"] @ sd[key]) * model.lora.scale
+        name = prefix + ".weight"
+        rows = _fused_rows(prefix.rsplit(".", 1)[1], part, model)
+        weight = out[name] = out[name].clone() if out[name] is sd.get(name) else out[name]
+        weight[rows] += delta.to(weight.dtype)
+    return out
+
+
+def peft_from_state(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a whole (TP=1) state dict by PEFT key."""
+    out = {}
+    for key, value in sd.items():
+        if is_adapter(key):
+            prefix, part, matrix = parse_key(key)
+            layer = int(prefix.split("decoder.layers.")[1].split(".")[0])
+            out[peft_key(layer, part, matrix)] = value
+    return out
+
+
+def write_peft(folder: str, tensors: dict[str, torch.Tensor], model: ModelConfig) -> None:
+    """A PEFT LoRA adapter folder: ``adapter_model.safetensors`` (``tensors`` by PEFT key,
+    as PEFT saves them) and ``adapter_config.json`` - the one the adapters started from
+    (``model.lora.init_from``) byte for byte when it still describes them, else PEFT's
+    fields for ``model.lora``. Each file is written whole or not at all."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    def written(name: str, write) -> None:  # whole or not at all
+        tmp = os.path.join(folder, f".{name}.tmp")
+        write(tmp)
+        os.replace(tmp, os.path.join(folder, name))
+
+    os.makedirs(folder, exist_ok=True)
+    source = model.lora.init_from and os.path.join(model.lora.init_from, "adapter_config.json")
+    text = None
+    if source and os.path.isfile(source):
+        with open(source) as f:
+            text = f.read()
+        try:
+            conf = json.loads(text)
+        except ValueError:
+            conf = {}
+        if (conf.get("r"), conf.get("lora_alpha"), sorted(conf.get("target_modules") or [])) \
+                != (model.lora.rank, model.lora.alpha, sorted(model.lora.target_modules)):
+            text = None
+    if text is None:
+        text = json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": model.lora.rank,
+            "lora_alpha": model.lora.alpha, "lora_dropout": model.lora.dropout,
+            "target_modules": sorted(model.lora.target_modules), "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+            "base_model_name_or_path": None}, indent=2, sort_keys=True) + "\n"
+    written("adapter_model.safetensors", lambda tmp: save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"}))
+
+    def config(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+    written("adapter_config.json", config)

@@ -167,8 +167,9 @@ def chunk_params(model: ModelConfig, *, kind: str, padded_vocab: int, tp: int, p
         elif not (tied and pre):  # tied on one stage: the embedding is the output layer
             out.append(ParamShape("output_layer.weight", (padded_vocab // tp, h),
                                   shared_embedding=tied))
-    if model.lora.enabled:  # only the adapters train
-        out = [ParamShape(p.name, p.shape, p.shared_embedding, frozen="_lora." not in p.name)
+    if model.lora.enabled:  # only the adapters train (and a value model's head)
+        out = [ParamShape(p.name, p.shape, p.shared_embedding, frozen="_lora." not in p.name
+                          and not (kind == "value" and p.name.startswith("output_layer.")))
                for p in out]
     return out
 

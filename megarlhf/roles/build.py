@@ -12,6 +12,7 @@ import torch
 from megarlhf.engine.checkpoint import RoleState, load_checkpoint, read_meta
 from megarlhf.engine.optimizer import TrainedRole, build_optimizer, wrap_ddp
 from megarlhf.roles.spec import RoleSpec
+from megarlhf.models import lora
 from megarlhf.models.gpt import build_model, fold_head_affine, init_weights
 from megarlhf.parallel.launch import compute_device
 from megarlhf.parallel.layout import RankLayout, build_layout
@@ -84,6 +85,10 @@ def build_role(spec: RoleSpec, *, seed: int, total_steps: int = 1) -> Role:
         role.saved = read_meta(spec.checkpoint)["roles"][spec.checkpoint_role]
         role.source = (f"{spec.checkpoint} role '{spec.checkpoint_role}'"
                        + (" (trunk only; new scalar head)" if spec.trunk_only else ""))
+    start = spec.model.lora.init_from
+    if start and not (role.saved.get("model") or {}).get("lora", {}).get("rank", 0):
+        lora.load_peft(chunks, lora.read_peft(start, spec.model))
+        role.source += f"; LoRA adapters from {start}"
     if spec.head_affine is not None:
         fold_head_affine(chunks, *spec.head_affine)
         role.source += " (score normalisation folded into the head)"

@@ -183,6 +183,13 @@ def _spec(cfg: Config, *, name: str, kind: str, where: str, saved: SavedRole | N
     check_model_layout(f"{where}.parallel" if role_block else "parallel", model, layout,
                        world_size, model_name, trained=optimizer is not None)
     check_precision(model, model_name)
+    if model.lora.init_from:  # read and checked now, before any work
+        from megarlhf.models.lora import read_peft
+        try:
+            read_peft(model.lora.init_from, model)
+        except ValueError as err:
+            raise ConfigError(f"{model_name}.lora.init_from={model.lora.init_from!r}: "
+                              f"{err}") from None
     trunk_only = _check_kind(where, saved, kind, allow_trunk)
     padded = padded_vocab_size(model.vocab_size, cfg.parallel.make_vocab_size_divisible_by,
                                math.lcm(layout.tp, *vocab_tps))
@@ -295,7 +302,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
     model = _model_of("roles.reference", saved, cfg.model,
                       policy_overrides + [("roles.reference.model", roles.reference.model,
                                            None)], written)
-    specs["reference"] = _base_reference(specs["actor"], _spec(
+    specs["reference"] = base_reference(specs["actor"], _spec(
         cfg, name="reference", kind="lm", where="roles.reference", saved=saved,
         model=dataclasses.replace(model, lora=_saved_lora(saved)),
         layout=roles.reference.parallel.over(actor_layout, model.moe.enabled),
@@ -358,21 +365,32 @@ def _saved_lora(saved: SavedRole | None) -> LoRAConfig:
     return saved.model.lora if saved is not None and saved.model is not None else LoRAConfig()
 
 
-def _base_reference(actor: RoleSpec, reference: RoleSpec, actor_saved: SavedRole | None
-                    ) -> RoleSpec:
-    """The reference of a LoRA actor whose checkpoint holds no adapters: the actor starts
-    as that checkpoint's model, so the reference - the same checkpoint, model and layout -
-    is the actor with its adapters off, and has no model of its own. Any other reference
-    keeps its own model (with its checkpoint's adapters, if any)."""
-    if not actor.model.lora.enabled or _saved_lora(actor_saved).enabled:
+def base_reference(actor: RoleSpec, reference: RoleSpec,
+                   actor_saved: SavedRole | None = None) -> RoleSpec:
+    """The reference of a LoRA actor (or DPO policy) whose checkpoint holds no adapters:
+    the actor starts as that checkpoint's model, so the reference - the same checkpoint,
+    model and layout - is the actor with its adapters off, and has no model of its own.
+    An actor whose adapters start from a PEFT folder (``model.lora.init_from``) starts
+    as the base with that adapter, which its reference then holds too (frozen). Any other
+    reference keeps its own model (with its checkpoint's adapters, if any).
+    ``actor_saved``: the actor's checkpoint as read (read here when not given)."""
+    if not actor.model.lora.enabled:
         return reference
-    same = (reference.checkpoint, reference.checkpoint_role, reference.layout,
-            reference.model) == (actor.checkpoint, actor.checkpoint_role, actor.layout,
-                                 dataclasses.replace(actor.model, lora=LoRAConfig()))
-    if not same:
+    if actor_saved is None and actor.checkpoint:
+        actor_saved = read_saved_role(actor.checkpoint, (actor.checkpoint_role,), actor.where)
+    if _saved_lora(actor_saved).enabled:
         return reference
-    return dataclasses.replace(actor, name="reference", where="roles.reference",
-                               optimizer=None, adapters_off=True)
+    same_model = (reference.checkpoint, reference.checkpoint_role, reference.model) == (
+        actor.checkpoint, actor.checkpoint_role,
+        dataclasses.replace(actor.model, lora=LoRAConfig()))
+    if actor.model.lora.init_from:  # the actor starts from a PEFT adapter on the base:
+        # the reference is that model, frozen
+        return dataclasses.replace(reference, model=dataclasses.replace(
+            reference.model, lora=actor.model.lora)) if same_model else reference
+    if not same_model or reference.layout != actor.layout:
+        return reference
+    return dataclasses.replace(actor, name=reference.name, where=reference.where,
+                               optimizer=None, adapters_off=True, offload="none")
 
 
 def _offload_of(cfg: Config, name: str, trained: bool) -> str:

@@ -21,6 +21,7 @@ import shutil
 import torch
 
 from megarlhf.config import Config, Written
+from megarlhf.models import lora
 from megarlhf.models.hf_mapping import TOKENIZER_FILES
 
 def hf_config(model_type: str, m: dict, role: str) -> dict:
@@ -161,10 +162,13 @@ def tokenizer_files(cfg: Config, fallback_dir: str | None) -> list[str]:
 def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = None,
                       model_type: str | None = None, shard_layers: int = 0,
                       tokenizer=None, tokenizer_dir: str | None = None,
-                      written: Written | None = None, stream: bool = True) -> dict:
+                      written: Written | None = None, stream: bool = True,
+                      peft: bool = False) -> dict:
     """Write ``ckpt``'s role ``role_name`` (default: its actor/policy, else its only role)
     to ``out``. ``tokenizer`` (when given) fills generation_config.json. ``stream``: read
-    and write a layer at a time (else load the model whole first)."""
+    and write a layer at a time (else load the model whole first). A model with LoRA
+    adapters is written with them merged into its weights, or with ``peft`` as the PEFT
+    adapter folder alone (``models.lora.write_peft``)."""
     from megarlhf.engine.checkpoint import policy_role, read_meta, resolve_checkpoint
     from megarlhf.models.hf_mapping import MOE_NAMES, ConversionError
     from megarlhf.roles.spec import single_role_spec
@@ -200,8 +204,19 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
         raise ConversionError(f"--model-type {model_type} does not fit the checkpoint's "
                               f"{'multi-latent' if mla else 'grouped-query'} attention")
     refuse_routing(model_type, model_cfg)
+    if peft and not (model_cfg.lora.enabled and kind == "lm"):
+        raise ConversionError(f"--peft writes a causal LM's LoRA adapters; role '{role}' "
+                              + ("is a value model" if model_cfg.lora.enabled else
+                                 "has none (model.lora.rank is 0)") + ": export it without "
+                              "--peft")
     init_distributed(cfg)
     try:
+        if peft:
+            tensors = _adapters(spec, role, kind)
+            lora.write_peft(out, tensors, model_cfg)
+            return {"role": f"{role} ({kind})", "checkpoint": ckpt,
+                    "parameters": sum(t.numel() for t in tensors.values()),
+                    "files": ["adapter_config.json", "adapter_model.safetensors"]}
         os.makedirs(out, exist_ok=True)
         write = _write_streamed if stream else _write_whole
         files, count = write(spec, role, kind, model_type, m, out, shard_layers, cfg.run.seed)
@@ -241,8 +256,9 @@ def _write_whole(spec, role: str, kind: str, model_type: str, m: dict, out: str,
     from megarlhf.roles.build import build_role
 
     (chunk,) = build_role(spec, seed=seed).chunks
-    sd = {k: v.detach() for k, v in chunk.state_dict().items()
-          if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    sd = lora.merged({k: v.detach() for k, v in chunk.state_dict().items()
+                      if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")},
+                     spec.model)
     _check_value_bias(kind, sd)
     tensors = megatron_to_hf(model_type, m, sd, spec.model.vocab_size, kind)
     plan = shard_files(list(tensors), m["num_layers"], shard_layers)
@@ -257,17 +273,10 @@ def _write_streamed(spec, role: str, kind: str, model_type: str, m: dict, out: s
     """The model read, converted and written a layer at a time (module docstring)."""
     from megarlhf.engine.checkpoint import load_parameters
     from megarlhf.engine.streaming import SafetensorsFiles
-    from megarlhf.models.gpt import build_model
     from megarlhf.models.hf_mapping import hf_layer_tensors, hf_outer_sources, megatron_to_hf
-    from megarlhf.parallel.layout import build_layout
 
-    layout = build_layout(spec.layout)
-    with torch.device("meta"):  # megatron's modules, no storage: the names and shapes
-        chunk = build_model(spec.model, kind=kind, padded_vocab=spec.padded_vocab,
-                            layout=layout.layout, pg_collection=layout.pg_collection,
-                            pre_process=True, post_process=True)
-    params = {k: v for k, v in chunk.state_dict(keep_vars=True).items()
-              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    chunk, everything = _meta_chunk(spec, kind)
+    params = {k: v for k, v in everything.items() if not lora.is_adapter(k)}
     vocab = spec.model.vocab_size
     shapes = megatron_to_hf(model_type, m, params, vocab, kind)  # meta: shapes only
     plan = shard_files(list(shapes), m["num_layers"], shard_layers)
@@ -281,9 +290,9 @@ def _write_streamed(spec, role: str, kind: str, model_type: str, m: dict, out: s
         for name, (source, make) in hf_outer_sources(model_type, m, vocab, kind).items():
             loaded = load_parameters(spec.checkpoint, role, chunk, [source])
             writer.write(name, make(loaded.pop(source)))
-        for i in range(m["num_layers"]):
-            names = [n for n in params if n.startswith(f"decoder.layers.{i}.")]
-            sd = load_parameters(spec.checkpoint, role, chunk, names)
+        for i in range(m["num_layers"]):  # (a LoRA layer's adapters merged as it is read)
+            names = [n for n in everything if n.startswith(f"decoder.layers.{i}.")]
+            sd = lora.merged(load_parameters(spec.checkpoint, role, chunk, names), spec.model)
             for name, tensor in hf_layer_tensors(model_type, m, i, sd).items():
                 writer.write(name, tensor)
             del sd
@@ -291,6 +300,30 @@ def _write_streamed(spec, role: str, kind: str, model_type: str, m: dict, out: s
     finally:
         writer.close()
     return _index(out, plan), sum(t.numel() for t in shapes.values())
+
+
+def _meta_chunk(spec, kind: str):
+    """The model at TP=1 on the meta device (megatron's modules, no storage) and its
+    tensors' names and shapes."""
+    from megarlhf.models.gpt import build_model
+    from megarlhf.parallel.layout import build_layout
+
+    layout = build_layout(spec.layout)
+    with torch.device("meta"):
+        chunk = build_model(spec.model, kind=kind, padded_vocab=spec.padded_vocab,
+                            layout=layout.layout, pg_collection=layout.pg_collection,
+                            pre_process=True, post_process=True)
+    return chunk, {k: v for k, v in chunk.state_dict(keep_vars=True).items()
+                   if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+
+
+def _adapters(spec, role: str, kind: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's LoRA adapters, whole, by PEFT key (only they are read)."""
+    from megarlhf.engine.checkpoint import load_parameters
+
+    chunk, everything = _meta_chunk(spec, kind)
+    names = [k for k in everything if lora.is_adapter(k)]
+    return lora.peft_from_state(load_parameters(spec.checkpoint, role, chunk, names))
 
 
 def shard_files(names: list[str], num_layers: int, shard_layers: int) -> dict[str, list[str]]:

@@ -10,19 +10,22 @@ optimizer, evaluation, metrics, checkpoints, resume.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
 import os
 
 import torch
 
-from megarlhf.config import Config, ConfigError, Written, check_roles
+from megarlhf.config import Config, ConfigError, LoRAConfig, Written, check_roles
 from megarlhf.data.batching import batch_length, pad_batch, sft_example
 from megarlhf.data.budgets import cache_budget, train_budget
 from megarlhf.data.packing import pack_weighted
 from megarlhf.data.tokenizer import fingerprint
 from megarlhf.engine.logit_cache import (LogitCache, build_cache, ensure_cache, make_key)
-from megarlhf.roles.spec import frozen_role_spec
-from megarlhf.roles.build import build_role
+from megarlhf.models import lora
+from megarlhf.roles.spec import base_reference, frozen_role_spec
+from megarlhf.roles.build import Role, build_role
 from megarlhf.engine.steps import make_distill_step, make_dpo_step, ratio
 from megarlhf.parallel.launch import init_distributed, read_dist_env
 from megarlhf.parallel.rank import print0
@@ -83,7 +86,7 @@ def dpo_specs(cfg: Config, tokenizer, written: Written | None = None):
     reference = frozen_role_spec(cfg, name="reference", checkpoint=ref_ckpt, where=where,
                                  base=policy, world_size=read_dist_env().world_size,
                                  tokenizer=fingerprint(tokenizer), written=written)
-    return policy, reference
+    return policy, base_reference(policy, reference)
 
 
 def pair_rows(pairs: list) -> list[list[int]]:
@@ -193,9 +196,7 @@ def gold_evaluator(cfg: Config, tokenizer):
 
 
 def run_dpo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
-    from megarlhf.engine.forward import forward_rows
     from megarlhf.stages.rm import load_pairs, pair_tokens
-    from megarlhf.stages.score import packed_batch, right_padded_batch
 
     policy, reference = dpo_specs(cfg, tokenizer, written)
     train_pairs, eval_pairs = load_pairs(cfg, tokenizer)
@@ -221,35 +222,38 @@ def run_dpo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
     check_writable(cfg)
     init_distributed(cfg)
     before_batch = None
+    on_built = None
     if cfg.dpo.use_cache:
+        if reference.adapters_off:  # scored by the base model, built for the cache
+            reference = dataclasses.replace(reference, adapters_off=False, model=dataclasses
+                                            .replace(reference.model, lora=LoRAConfig()))
         cache = frozen_cache(cfg, reference, pair_rows(pairs), top_k=0, temperature=1.0,
                              max_len=max_len, pad_id=pad)
         fill(dict(enumerate(cache.logprobs)))
         print0(f"[dpo] reference log-probs of {len(pairs)} pairs from the cache; the "
                "reference model is not resident")
     else:
-        ref_role = build_role(reference, seed=cfg.run.seed)
-        print0(f"[dpo] reference resident at {ref_role.layout.describe()}; it scores every "
-               "batch (dpo.use_cache=false)")
-        from megarlhf.engine.steps import make_score_step
+        held: dict = {}
+        if reference.adapters_off:  # the LoRA policy with its adapters off
+            print0("[dpo] reference: the policy's model with its LoRA adapters off (no model "
+                   "of its own); it scores every batch (dpo.use_cache=false)")
 
-        from megarlhf.engine.steps import make_sequence_step
-
-        kw = dict(tp_group=ref_role.layout.tp_group, true_vocab=reference.model.vocab_size)
-        score = make_score_step("lm", **kw)
-        packed_score = make_sequence_step("lm", prompt_len=1, **kw)
+            def share(role) -> None:
+                held["role"] = Role(reference, role.layout, role.chunks)
+            on_built = share
+        else:
+            held["role"] = build_role(reference, seed=cfg.run.seed)
+            print0(f"[dpo] reference resident at {held['role'].layout.describe()}; it scores "
+                   "every batch (dpo.use_cache=false)")
 
         def before_batch(batch_items: list) -> None:
+            ref_role = held["role"]
+            kw = dict(tp_group=ref_role.layout.tp_group, true_vocab=reference.model.vocab_size)
             rows = pair_rows([(p, c, r) for _, p, c, r in batch_items])
-            if budget is not None:  # packed as the policy's passes are
-                out = forward_rows(ref_role, rows, lambda b: packed_batch(b, "lm"),
-                                   packed_score, micro_batch_size=1, max_tokens=budget,
-                                   lengths=[len(r) for r in rows])
-            else:
-                length = min(batch_length([len(r) for r in rows]), max_len)
-                out = forward_rows(ref_role, rows,
-                                   lambda b: right_padded_batch(b, length, pad), score,
-                                   micro_batch_size=cfg.cache.micro_batch_size)
+            with lora.disabled(ref_role.chunks) if reference.adapters_off \
+                    else contextlib.nullcontext():
+                out = _score_pairs(ref_role, rows, kw, budget, max_len, pad,
+                                   cfg.cache.micro_batch_size)
             results = {}
             for j, (idx, *_rest) in enumerate(batch_items):
                 results[2 * idx], results[2 * idx + 1] = (out[2 * j]["logprobs"],
@@ -275,9 +279,27 @@ def run_dpo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
         summarize=summarize, before_batch=before_batch,
         extra_eval=gold_evaluator(cfg, tokenizer), tokens=pair_tokens,
         make_packed=lambda its: packed_dpo_pairs(its, pad, ref), sequences=2,
+        on_built=on_built,
         describe=f"{d.loss} loss, beta {d.beta}"
                  + (f", label smoothing {d.label_smoothing}" if d.label_smoothing else "")),
         tokenizer)
+
+
+def _score_pairs(ref_role, rows: list, kw: dict, budget, max_len: int, pad: int,
+                 micro_batch_size: int) -> list[dict]:
+    """The reference's per-row log-probs of a batch's pair rows: packed as the policy's
+    passes are (``budget``), or in padded micro-batches."""
+    from megarlhf.engine.forward import forward_rows
+    from megarlhf.engine.steps import make_score_step, make_sequence_step
+    from megarlhf.stages.score import packed_batch, right_padded_batch
+
+    if budget is not None:
+        return forward_rows(ref_role, rows, lambda b: packed_batch(b, "lm"),
+                            make_sequence_step("lm", prompt_len=1, **kw), micro_batch_size=1,
+                            max_tokens=budget, lengths=[len(r) for r in rows])
+    length = min(batch_length([len(r) for r in rows]), max_len)
+    return forward_rows(ref_role, rows, lambda b: right_padded_batch(b, length, pad),
+                        make_score_step("lm", **kw), micro_batch_size=micro_batch_size)
 
 
 # ------------------------------------------------------------------ distillation

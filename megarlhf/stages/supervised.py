@@ -146,6 +146,8 @@ class SupervisedTask:
     make_packed: Callable[[list], dict] | None = None  # items -> one packed micro-batch
     sequences: int = 1  # sequences per item (a pair: 2): train.max_tokens_per_micro_batch's
     # auto budget is micro_batch_size items of data.max_seq_len each
+    on_built: Callable[[Role], None] | None = None  # the trained role once built (DPO's
+    # reference may be the LoRA policy with its adapters off)
 
 
 def supervised_spec(cfg: Config, name: str, kind: str, tokenizer,
@@ -203,6 +205,8 @@ def run_supervised(cfg: Config, spec: RoleSpec, task: SupervisedTask, tokenizer)
     check_writable(cfg)
     init_distributed(cfg)
     role = build_role(spec, seed=cfg.run.seed, total_steps=plan.total_steps)
+    if task.on_built:
+        task.on_built(role)
     start_step = resume(cfg, role, spec.name)
     layout = role.layout
     print0(f"[{task.name}] layout {layout.describe()}; {spec.optimizer_kind}; "

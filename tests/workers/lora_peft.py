@@ -1,7 +1,9 @@
-"""A LoRA model built from a converted checkpoint with PEFT's adapter loaded: per-token
-log-probs of fixed sequences at every layout of this world, and (one pipeline stage) the
-adapters' gradients of the summed log-probs, whole, by PEFT key. argv: OUT CONV_DIR
-PEFT_DIR RANK ALPHA. Results -> OUT/lora_world{N}.pt"""
+"""A LoRA model built from a converted checkpoint, its adapters from a PEFT folder
+(``model.lora.init_from``): per-token log-probs of fixed sequences at every layout of this
+world, the planner's parameter shapes against the built ones, (one pipeline stage) the
+adapters' gradients of the summed log-probs, whole, by PEFT key, and at TP=2 a checkpoint
+(OUT/ckpt) for the exports. argv: OUT CONV_DIR PEFT_DIR RANK ALPHA. Results ->
+OUT/lora_world{N}.pt"""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import build  # noqa: E402
 
 from megarlhf.config import load_config  # noqa: E402
+from megarlhf.engine.checkpoint import save_checkpoint  # noqa: E402
 from megarlhf.engine.steps import model_forward, token_logprobs  # noqa: E402
 from megarlhf.models import lora  # noqa: E402
 from megarlhf.models.shapes import chunk_params  # noqa: E402
@@ -37,10 +40,14 @@ def main():
             f"parallel.tensor_model_parallel_size={tp}",
             f"parallel.pipeline_model_parallel_size={pp}",
             f"parallel.sequence_parallel={str(sp).lower()}",
-            f"model.lora.rank={rank}", f"model.lora.alpha={alpha}"])
-        role = build(cfg, "lm")
-        lora.load_peft(role.chunks, lora.read_peft(peft_dir, cfg.model))
+            f"model.lora.rank={rank}", f"model.lora.alpha={alpha}",
+            f"model.lora.init_from={peft_dir}"])
+        role = build(cfg, "lm")  # the converted base, then PEFT's adapter (init_from)
+        assert role.source.endswith(f"; LoRA adapters from {peft_dir}"), role.source
         rows = score_sequences(role, SEQS, micro_batch_size=1)
+        if (tp, pp, sp) == (2, 1, False):  # for the exports (tests/test_lora.py)
+            save_checkpoint(os.path.join(out_dir, "ckpt"), "step_1", {"policy": role.state()},
+                            trainer_state={"step": 1}, layout=role.layout.describe())
         spec = role.spec  # the planner's parameter shapes (adapters included)
         want = [(p.name, p.shape, p.frozen) for p in chunk_params(
             spec.model, kind="lm", padded_vocab=spec.padded_vocab, tp=tp, pp=pp,
