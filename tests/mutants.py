@@ -190,6 +190,18 @@ MUTANTS = [
            "                .index_select(2, parts[0])",
            ("tests/test_context_parallel.py::"
             "test_a_mixture_of_experts_at_cp2_ep2_follows_one_process",), ()),
+    Mutant("lora_qkv_parts_swapped", "LoRA: the k_proj and v_proj adapters' outputs land "
+           "in each other's rows of the fused linear_qkv",
+           "megarlhf/models/lora.py",
+           "        return torch.cat([q, k, v], dim=-1).reshape(*lead, -1)",
+           "        return torch.cat([q, v, k], dim=-1).reshape(*lead, -1)",
+           ("tests/test_lora.py::test_logprobs_and_adapter_gradients_equal_peft[tp1]",), ()),
+    Mutant("lora_tp_grad_not_summed", "LoRA at TP > 1: a column-parallel adapter's A and its "
+           "input get only this rank's share of the gradient (no sum over TP)",
+           "megarlhf/models/lora.py",
+           "            h = mappings.copy_to_tensor_model_parallel_region(self._hidden(x, part),",
+           "            h = (lambda h, group: h)(self._hidden(x, part),",
+           ("tests/test_lora.py::test_logprobs_and_adapter_gradients_equal_peft[tp2]",), ()),
     Mutant("packed_reward_off_by_one", "a packed reward-model micro-batch reads each "
            "sequence's reward one token before its last",
            "megarlhf/stages/rm.py",

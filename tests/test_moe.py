@@ -35,11 +35,11 @@ def setup(tmp_path_factory):
            f"ppo.sft_checkpoint={out}/moe-sft/checkpoints",
            f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", "ppo.eval_interval=100",
            "logging.sample_table_interval=0", "checkpoint.save_interval=3",
-           "checkpoint.keep_last=2", *common,
+           "checkpoint.keep_last=2",
            # padded rows: the routers' load-balancing loss counts the padding, and packed
            # micro-batches pad differently on one process than on two replicas (measured:
            # the EP=2 x DP=2 run's policy loss 6e-6 apart at the first iteration)
-           "ppo.max_tokens_per_micro_batch=null"]
+           "ppo.max_tokens_per_micro_batch=null", *common]  # (common last: ppo[-4:])
     run_cli(*ppo, "run.name=single", "ppo.num_iterations=5")
     return out, ppo
 
