@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.config import Config, ConfigError, PlacementConfig
+from megarlhf.models import lora
 from megarlhf.parallel import signals, watchdog
 from megarlhf.parallel.placement import Split
 from megarlhf.parallel.signals import install_handlers
@@ -74,19 +75,27 @@ def recv_object(pg, src: int, tag: int):
     return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
 
 
-def flat_weights(model) -> list[torch.Tensor]:
-    """The model's parameters in order, one flat host buffer per dtype (first seen first)."""
+def _synced(model, adapters_only: bool) -> list[torch.Tensor]:
+    """The parameters a weight sync moves, in order: all, or a LoRA model's adapters (its
+    frozen base, once sent, does not change)."""
+    return [p for name, p in model.named_parameters()
+            if not adapters_only or lora.is_adapter(name)]
+
+
+def flat_weights(model, adapters_only: bool = False) -> list[torch.Tensor]:
+    """The model's parameters (:func:`_synced`) in order, one flat host buffer per dtype
+    (first seen first)."""
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in model.parameters():
+    for p in _synced(model, adapters_only):
         groups.setdefault(p.dtype, []).append(p.detach().reshape(-1))
     return [torch.cat(parts).cpu() for parts in groups.values()]
 
 
 @torch.no_grad()
-def load_flat(model, flats: list[torch.Tensor]) -> None:
+def load_flat(model, flats: list[torch.Tensor], adapters_only: bool = False) -> None:
     """Write :func:`flat_weights` buffers into ``model`` (of the same architecture)."""
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in model.parameters():
+    for p in _synced(model, adapters_only):
         groups.setdefault(p.dtype, []).append(p)
     for params, flat in zip(groups.values(), flats, strict=True):
         offset = 0
@@ -195,11 +204,13 @@ class RemoteRollout:
         if hooks is not None:
             hooks.before_generate()
         start = time.perf_counter()
+        # a LoRA actor's base is sent once; then only its adapters change
+        adapters_only = self.held is not None and self.sampler.actor.spec.model.lora.enabled
         with watchdog.phase("weight sync to the rollout ranks"):
             stats = self.sampler.resharder()
             sent, works = 0, []
             if self.targets:
-                flats = flat_weights(self.sampler.inference_model)
+                flats = flat_weights(self.sampler.inference_model, adapters_only)
                 check = digest(flats) if self.placement.weight_checksum else None
                 for dst in self.targets:
                     for flat in flats:
@@ -264,21 +275,24 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
     install_handlers()
     inf = inference_layout(cfg.rollout.tensor_parallel_size)
     model = build_inference_model(actor_spec, inf)
-    shapes = [(f.dtype, f.numel()) for f in flat_weights(model)]
     sender = inf.tp_rank  # replica 0's TP rank j on the training side is job rank j
     bridge, rank = split.bridge, dist.get_rank()
+    synced = {"base": False}  # a LoRA actor's base is sent once, then only its adapters
 
     def take_weights(version: int) -> None:
         """Receive policy ``version``'s shard into the model (and check its SHA-256)."""
+        adapters_only = synced["base"] and actor_spec.model.lora.enabled
         with watchdog.phase("weight sync from the training ranks"):
-            flats = [torch.empty(n, dtype=dtype) for dtype, n in shapes]
+            flats = [torch.empty(f.numel(), dtype=f.dtype)
+                     for f in flat_weights(model, adapters_only)]
             for flat in flats:
                 bridge.recv([flat], sender, WEIGHTS).wait()
-            load_flat(model, flats)
+            load_flat(model, flats, adapters_only)
+            synced["base"] = True
             if cfg.rollout.placement.weight_checksum:
                 sent = torch.empty(32, dtype=torch.uint8)
                 bridge.recv([sent], sender, WEIGHTS).wait()
-                held = digest(flat_weights(model))
+                held = digest(flat_weights(model, adapters_only))
                 if not torch.equal(sent, held):
                     raise RuntimeError(
                         f"weight sync of policy version {version}: the weights rollout rank "
