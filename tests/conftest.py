@@ -266,3 +266,30 @@ def tiny_hf(out, step: int):
 def tiny_common(out, task) -> list[str]:
     return [f"tokenizer.path={task['tokenizer']}", f"run.output_dir={out}",
             "logging.progress_bar=false", "logging.tensorboard=false"]
+
+
+def tiny_ppo_args(tiny, runs, name, *extra) -> list[str]:
+    """A two-iteration PPO command on the tiny task (the SFT policy at step 6 and the reward
+    model), its run in ``runs`` (never the shared tiny folder, which a resumed run would read
+    back); later overrides in ``extra`` win."""
+    out, task, common = tiny
+    return ["ppo", "configs/demo/ppo.yaml", f"data.train_path={task['prompts']}",
+            f"data.eval_path={task['eval_prompts']}",
+            f"ppo.sft_checkpoint={out}/sft-tiny/checkpoints/step_0000006",
+            f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", "ppo.num_iterations=2",
+            "ppo.eval_interval=2", "ppo.num_eval_prompts=8", "checkpoint.save_interval=0",
+            "run.deterministic=true", f"run.name={name}", *common, f"run.output_dir={runs}",
+            *extra]
+
+
+def checkpoint_tensors(path) -> dict:
+    """Every tensor of one megarlhf checkpoint folder, whole, by its sharded key."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+             for k, v in meta.items() if hasattr(v, "chunks")}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from conftest import WORKERS, run_cli, torchrun
+from conftest import WORKERS, run_cli, tiny_ppo_args, torchrun
 from megarlhf.parallel import context
 
 
@@ -70,15 +70,7 @@ def _sft(tiny, runs, name, *extra):
             *common, f"run.output_dir={runs}", *extra]
 
 
-def _ppo(tiny, runs, name, *extra):
-    out, task, common = tiny
-    return ["ppo", "configs/demo/ppo.yaml", f"data.train_path={task['prompts']}",
-            f"data.eval_path={task['eval_prompts']}",
-            f"ppo.sft_checkpoint={out}/sft-tiny/checkpoints/step_0000006",
-            f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", "ppo.num_iterations=2",
-            "ppo.eval_interval=2", "ppo.num_eval_prompts=8", "checkpoint.save_interval=0",
-            "run.deterministic=true", f"run.name={name}", *common, f"run.output_dir={runs}",
-            *extra]
+_ppo = tiny_ppo_args
 
 
 @pytest.mark.slow

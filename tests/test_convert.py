@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, WORKERS, CommandFailed, torchrun
+from conftest import ROOT, WORKERS, CommandFailed, checkpoint_tensors, torchrun
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -515,15 +515,7 @@ def test_the_checkpoint_keeps_the_models_dtype(converted, tmp_path):
     assert (back / "model.safetensors").read_bytes() == (hf / "model.safetensors").read_bytes()
 
 
-def _checkpoint_tensors(path) -> dict:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
-    meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
-             for k, v in meta.items() if hasattr(v, "chunks")}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return state
+_checkpoint_tensors = checkpoint_tensors
 
 
 @pytest.mark.extended

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT, WORKERS, run_cli, torchrun
+from conftest import ROOT, WORKERS, checkpoint_tensors, run_cli, tiny_ppo_args, torchrun
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -89,16 +89,7 @@ def test_logprobs_and_adapter_gradients_equal_peft(adapted, scored, layout):
                                    atol=1e-5 * float(ref.abs().max()), msg=key)
 
 
-def _checkpoint_tensors(path) -> dict:
-    """Every tensor of a megarlhf checkpoint folder, whole, by its sharded key."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
-    meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
-             for k, v in meta.items() if hasattr(v, "chunks")}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return state
+_checkpoint_tensors = checkpoint_tensors
 
 
 def _sft(tiny, runs, name, *extra):
@@ -146,15 +137,9 @@ def test_lora_sft_at_tp2_sp_follows_one_process_and_trains_only_the_adapters(
 
 
 def _ppo(tiny, runs, name, *extra):
-    out, task, common = tiny
-    return ["ppo", "configs/demo/ppo.yaml", f"data.train_path={task['prompts']}",
-            f"data.eval_path={task['eval_prompts']}",
-            f"ppo.sft_checkpoint={out}/sft-tiny/checkpoints/step_0000006",
-            f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", "ppo.num_iterations=2",
-            "ppo.eval_interval=2", "ppo.num_eval_prompts=8", "checkpoint.save_interval=0",
-            "ppo.ppo_epochs=1", "ppo.mini_batch_size=32", "ppo.micro_batch_size=8",
-            "run.deterministic=true", f"run.name={name}", *common, f"run.output_dir={runs}",
-            f"model.lora.rank={RANK}", *extra]
+    """Two PPO iterations with a LoRA actor, each update one epoch of one mini-batch."""
+    return tiny_ppo_args(tiny, runs, name, "ppo.ppo_epochs=1", "ppo.mini_batch_size=32",
+                         "ppo.micro_batch_size=8", f"model.lora.rank={RANK}", *extra)
 
 
 def test_lora_ppo_scores_the_reference_with_the_adapters_off(tiny_checkpoints, tmp_path):
