@@ -16,6 +16,8 @@ counted. Rows (``--rows``):
 - ``mrl-padded``: padded micro-batches (``ppo.max_tokens_per_micro_batch=null``), the
   default before packing was;
 - ``mrl-distopt``: megatron's distributed optimizer forced at DP=1 (the old default);
+- ``mrl-lora``: the actor trains LoRA adapters of rank 16 on every projection (its
+  reference is then the actor with the adapters off; the critic trains whole);
 - ``mrl-bf16``: every role in bf16 (``model.params_dtype=bfloat16``), fp32 master weights
   and Adam state in the optimizer, as on a GPU;
 - ``trl``: TRL as shipped; ``trl-nogc``: TRL with its per-iteration ``gc.collect()``
@@ -76,6 +78,7 @@ MEGARLHF_ROWS = {
     "mrl-packed": None,  # the budgets follow the shape: packed_overrides()
     "mrl-padded": ["ppo.max_tokens_per_micro_batch=null"],
     "mrl-distopt": ["optimizer.use_distributed_optimizer=true"],
+    "mrl-lora": ["model.lora.rank=16", "model.lora.alpha=32"],
     "mrl-bf16": ["model.params_dtype=bfloat16", "roles.reference.model.params_dtype=bfloat16",
                  "roles.reward.model.params_dtype=bfloat16",
                  "roles.critic.model.params_dtype=bfloat16"],

@@ -22,7 +22,7 @@ from megatron.core.resharding.copy_services.base import CopyService
 from megatron.core.resharding.refit import swap_model_weights
 
 from megarlhf.config import Layout
-from megarlhf.models import moe
+from megarlhf.models import lora, moe
 from megarlhf.roles.offload import StorageStash, unique_storages
 from megarlhf.roles.spec import RoleSpec
 from megarlhf.roles.build import build_chunks
@@ -189,6 +189,9 @@ class Resharder:
         self.service = copy_service()
         self.chunks = chunks
         self.expert_bias = bool(chunks[0].config.moe_router_enable_expert_bias)
+        # a LoRA actor's adapters folded into the inference weights after each reshard
+        # (decode at the base model's cost); split placement sends the adapters instead
+        self.merge_adapters = True
 
     @torch.no_grad()
     @cpu_backend.at_megatron()
@@ -200,6 +203,8 @@ class Resharder:
         swap_model_weights([self.src], [self.dst], refit_method=self.service)
         if self.expert_bias:
             moe.copy_expert_bias(self.chunks, self.dst, self.chunks[0].pg_collection.pp)
+        if self.merge_adapters:
+            lora.merge_into_weights(self.dst)
         seconds = time.perf_counter() - start
         plan = getattr(getattr(self.dst, "module", self.dst), "_cached_reshard_plan", None)
         received = 0

@@ -99,6 +99,21 @@ class Adapters(torch.nn.Module):
             outs[part] = h @ self.adapters[part].lora_B.t().to(h.dtype) * self.scale
         return self._lay_out(outs, x)
 
+    def local_rows(self, part: str) -> torch.Tensor:
+        """The rows of this rank's part of the fused column-parallel weight that ``part``
+        fills (the layout :meth:`_lay_out` writes)."""
+        tp = self.tp_group.size()
+        widths = [self.shapes[p][1] // tp for p in self.parts]
+        if self.name != "linear_qkv":
+            start = sum(widths[:self.parts.index(part)])
+            return torch.arange(start, start + widths[self.parts.index(part)])
+        per_group = [w // self.groups for w in widths]  # q, k, v rows of one local group
+        start = sum(per_group[:self.parts.index(part)])
+        size = per_group[self.parts.index(part)]
+        group = sum(per_group)
+        return torch.cat([torch.arange(g * group + start, g * group + start + size)
+                          for g in range(self.groups)])
+
     def _lay_out(self, outs: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """The parts' outputs in the fused linear's local output order (an untargeted
         part adds zeros)."""
@@ -176,6 +191,7 @@ def attach(model, model_cfg: ModelConfig) -> None:
             if adapters.targeted:
                 adapters.to(device=linear.weight.device)
                 module.add_module(name + SUFFIX, adapters)
+                object.__setattr__(adapters, "linear", linear)  # (not a submodule)
                 _add_adapters(linear, adapters)
 
 
@@ -186,6 +202,25 @@ def adapter_parameters(model) -> list[torch.nn.Parameter]:
 def is_adapter(key: str) -> bool:
     """A state-dict or sharded key of an adapter's tensor."""
     return SUFFIX + ".adapters." in key
+
+
+@torch.no_grad()
+def merge_into_weights(model) -> int:
+    """Fold every adapter of ``model`` (a bare chunk at any TP) into its linear's local
+    weight, ``W + (B @ A) * alpha / r`` on this rank's rows or columns, and switch the
+    adapters off: the rollout's inference model then decodes at the base model's cost.
+    Returns the adapters folded. (The next reshard rewrites the weights and adapters.)"""
+    folded = 0
+    for _, adapters in layer_adapters(unwrap_chunk(model)):
+        linear = adapters.linear
+        for part in adapters.targeted:
+            pair = adapters.adapters[part]
+            delta = (pair.lora_B.float() @ pair.lora_A.float()) * adapters.scale
+            rows = adapters.local_rows(part) if adapters.column else slice(None)
+            linear.weight[rows] += delta.to(linear.weight.dtype)
+            folded += 1
+        adapters.off = True
+    return folded
 
 
 # ------------------------------------------------------------------ PEFT's adapters

@@ -132,6 +132,7 @@ class RemoteRollout:
 
     def __init__(self, placement: PlacementConfig, split: Split, sampler: Sampler):
         self.placement, self.split, self.sampler = placement, split, sampler
+        sampler.resharder.merge_adapters = False  # the rollout ranks get them as they are
         self.held: int | None = None  # the version the rollout ranks hold
         inf = sampler.inference_layout
         tp = inf.tp
