@@ -18,7 +18,7 @@ import sys
 from megarlhf.config import load_config
 from megarlhf.engine.checkpoint import load_checkpoint, read_meta, save_checkpoint
 from megarlhf.roles.build import build_from_config
-from megarlhf.parallel.launch import init_distributed
+from megarlhf.parallel.launch import init_distributed, shutdown
 
 
 def main() -> None:
@@ -40,3 +40,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown()  # the process group closed on every rank before the process exits

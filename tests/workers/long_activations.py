@@ -16,6 +16,8 @@ import sys
 
 import torch
 
+from megarlhf.parallel.launch import shutdown
+
 sys.path.insert(0, os.path.dirname(__file__))
 from common import build, make_config  # noqa: E402
 
@@ -79,3 +81,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    shutdown()  # the process group closed on every rank before the process exits

@@ -26,6 +26,7 @@ from megarlhf.config import load_config
 from megarlhf.data.tokenizer import load_tokenizer
 from megarlhf.memory.plan import plan_ppo
 from megarlhf.models.shapes import chunk_params
+from megarlhf.parallel.launch import shutdown
 from megarlhf.ppo.session import PPOSession
 
 
@@ -94,3 +95,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown()  # the process group closed on every rank before the process exits

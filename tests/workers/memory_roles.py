@@ -26,6 +26,7 @@ from common import build, make_config  # noqa: E402
 
 from megarlhf.memory.accounting import role_bytes  # noqa: E402
 from megarlhf.memory.estimates import static_bytes  # noqa: E402
+from megarlhf.parallel.launch import shutdown  # noqa: E402
 from megarlhf.models.shapes import chunk_params  # noqa: E402
 from megarlhf.parallel import cpu_backend  # noqa: E402
 from megarlhf.parallel.layout import reset_layouts  # noqa: E402
@@ -73,3 +74,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown()  # the process group closed on every rank before the process exits

@@ -17,7 +17,7 @@ speedups.install()
 
 from megarlhf.config import config_from_dict  # noqa: E402
 from megarlhf.models import moe  # noqa: E402
-from megarlhf.parallel.launch import init_distributed  # noqa: E402
+from megarlhf.parallel.launch import init_distributed, shutdown  # noqa: E402
 from megarlhf.roles.build import build_from_config  # noqa: E402
 
 E, K, CF = 4, 2, 0.75
@@ -65,3 +65,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    shutdown()  # the process group closed on every rank before the process exits

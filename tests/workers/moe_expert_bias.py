@@ -16,7 +16,7 @@ speedups.install()
 
 from megarlhf.config import config_from_dict  # noqa: E402
 from megarlhf.models import moe  # noqa: E402
-from megarlhf.parallel.launch import init_distributed  # noqa: E402
+from megarlhf.parallel.launch import init_distributed, shutdown  # noqa: E402
 from megarlhf.roles.build import build_from_config  # noqa: E402
 
 COUNTS = {0: [0.0, 9.0, 0.0, 0.0], 1: [5.0, 0.0, 3.0, 3.0]}
@@ -48,3 +48,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    shutdown()  # the process group closed on every rank before the process exits

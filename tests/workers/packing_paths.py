@@ -22,6 +22,8 @@ import os
 import sys
 
 import torch
+
+from megarlhf.parallel.launch import shutdown
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -275,3 +277,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    shutdown()  # the process group closed on every rank before the process exits

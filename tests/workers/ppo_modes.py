@@ -20,6 +20,8 @@ import os
 import sys
 
 import torch
+
+from megarlhf.parallel.launch import shutdown
 import torch.distributed as dist
 
 from megarlhf.config import load_config
@@ -90,3 +92,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown()  # the process group closed on every rank before the process exits
