@@ -37,6 +37,22 @@ COLUMN = ("linear_qkv", "linear_fc1")
 SUFFIX = "_lora"
 
 
+def part_rows(linear: str, part: str, widths: dict[str, int], groups: int) -> torch.Tensor:
+    """The rows of a fused column-parallel weight that ``part`` of ``linear`` fills, given
+    each part's width and the query groups there (one TP rank's, or the whole model's):
+    ``linear_qkv`` by query group ([q heads, k, v] of each), ``linear_fc1`` [gate, up]."""
+    parts = PARTS[linear]
+    sizes = [widths[p] for p in parts]
+    at = parts.index(part)
+    if linear != "linear_qkv":
+        start = sum(sizes[:at])
+        return torch.arange(start, start + sizes[at])
+    per_group = [w // groups for w in sizes]  # q, k, v rows of one group
+    start, size, width = sum(per_group[:at]), per_group[at], sum(per_group)
+    return torch.cat([torch.arange(g * width + start, g * width + start + size)
+                      for g in range(groups)])
+
+
 class Adapters(torch.nn.Module):
     """The adapters of one megatron linear (``name`` in :data:`PARTS`): for each targeted
     projection ``p``, ``<p>.lora_A`` and ``<p>.lora_B`` as this TP rank holds them."""
@@ -50,7 +66,6 @@ class Adapters(torch.nn.Module):
         self.scale, self.p = cfg.scale, cfg.dropout
         tp = tp_group.size()
         self.groups = model.query_groups // tp  # linear_qkv's local query groups
-        self.head = model.head_size
         self.shapes = model.lora_shapes()
         self.parts = PARTS[name]
         self.targeted = [p for p in self.parts if p in cfg.target_modules]
@@ -103,16 +118,8 @@ class Adapters(torch.nn.Module):
         """The rows of this rank's part of the fused column-parallel weight that ``part``
         fills (the layout :meth:`_lay_out` writes)."""
         tp = self.tp_group.size()
-        widths = [self.shapes[p][1] // tp for p in self.parts]
-        if self.name != "linear_qkv":
-            start = sum(widths[:self.parts.index(part)])
-            return torch.arange(start, start + widths[self.parts.index(part)])
-        per_group = [w // self.groups for w in widths]  # q, k, v rows of one local group
-        start = sum(per_group[:self.parts.index(part)])
-        size = per_group[self.parts.index(part)]
-        group = sum(per_group)
-        return torch.cat([torch.arange(g * group + start, g * group + start + size)
-                          for g in range(self.groups)])
+        return part_rows(self.name, part, {p: self.shapes[p][1] // tp for p in self.parts},
+                         self.groups)
 
     def _lay_out(self, outs: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """The parts' outputs in the fused linear's local output order (an untargeted
@@ -362,23 +369,6 @@ def peft_tensors(chunks: list, pp_group, grads: bool = False) -> dict[str, torch
     return out
 
 
-def _fused_rows(linear: str, part: str, model: ModelConfig) -> torch.Tensor:
-    """The rows of a whole (TP=1) fused weight that ``part`` of ``linear`` fills:
-    ``linear_qkv`` by query group ([q heads, k, v] of each), ``linear_fc1`` [gate, up]."""
-    if linear == "linear_qkv":
-        hd, groups = model.head_size, model.query_groups
-        per = model.num_attention_heads // groups
-        width = (per + 2) * hd
-        start, size = {"q_proj": (0, per * hd), "k_proj": (per * hd, hd),
-                       "v_proj": ((per + 1) * hd, hd)}[part]
-        return torch.cat([torch.arange(g * width + start, g * width + start + size)
-                          for g in range(groups)])
-    if linear == "linear_fc1":
-        f = model.ffn_size
-        return torch.arange(0, f) if part == "gate_proj" else torch.arange(f, 2 * f)
-    return torch.arange(model.lora_shapes()[part][1])
-
-
 def parse_key(key: str) -> tuple[str, str, str]:
     """``(the linear's prefix, PEFT part, lora_A / lora_B)`` of an adapter's state-dict
     key (``decoder.layers.0.self_attention.linear_qkv_lora.adapters.q_proj.lora_A``)."""
@@ -393,11 +383,14 @@ def merged(sd: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.T
     ``W + (B @ A) * alpha / r``, as PEFT's ``merge_and_unload`` computes it - and the
     adapters' entries gone."""
     out = {k: v for k, v in sd.items() if not is_adapter(k)}
+    shapes = model.lora_shapes()
     for key in sorted(k for k in sd if is_adapter(k) and k.endswith(".lora_A")):
         prefix, part, _ = parse_key(key)
         delta = (sd[key[:-len("lora_A")] + "lora_B"] @ sd[key]) * model.lora.scale
         name = prefix + ".weight"
-        rows = _fused_rows(prefix.rsplit(".", 1)[1], part, model)
+        linear = prefix.rsplit(".", 1)[1]
+        rows = part_rows(linear, part, {p: shapes[p][1] for p in PARTS[linear]},
+                         model.query_groups) if linear in COLUMN else slice(None)
         weight = out[name] = out[name].clone() if out[name] is sd.get(name) else out[name]
         weight[rows] += delta.to(weight.dtype)
     return out
