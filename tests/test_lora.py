@@ -307,3 +307,36 @@ def test_split_placement_sends_the_base_once_then_only_the_adapters(tiny_checkpo
         for key in ("objective/score", "objective/kl", "ppo/policy/loss", "ppo/val/loss",
                     "rollout/logprob_diff_max"):
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (a["step"], key)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("case", ["moe_ep2", "distill_tp2"])
+def test_lora_with_experts_split_and_in_distillation_follows_one_process(
+        tiny_checkpoints, tmp_path, case):
+    """Three steps with LoRA adapters against one process within 1e-6: SFT of a mixture
+    of experts (padded rows) with its experts over two ranks (EP=2; the attention and none
+    of the experts adapted), and distillation at TP=2 (the student from the SFT policy's
+    step 3, the teacher its step 6)."""
+    from megarlhf.engine.metrics import read_metrics
+    out, task, common = tiny_checkpoints
+    if case == "moe_ep2":
+        argv = ["sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
+                "model.num_layers=2", "model.moe.num_experts=4", "model.moe.top_k=2",
+                "model.moe.ffn_hidden_size=32", "train.max_tokens_per_micro_batch=null"]
+        layout = "parallel.expert_model_parallel_size=2"
+    else:
+        argv = ["distill", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
+                f"distill.teacher_checkpoint={out}/sft-tiny/checkpoints",
+                f"checkpoint.load={out}/sft-tiny/checkpoints/step_0000003",
+                "train.eval_interval=0"]
+        layout = "parallel.tensor_model_parallel_size=2"
+    argv += ["train.max_steps=3", "checkpoint.save_interval=0", "run.deterministic=true",
+             *common, f"run.output_dir={tmp_path}", f"model.lora.rank={RANK}"]
+    run_cli(*argv, "run.name=one", f"cache.path={tmp_path}/cache_one")
+    torchrun([*argv, "run.name=two", f"cache.path={tmp_path}/cache_two", layout], 2)
+    one, two = ([r for r in read_metrics(str(tmp_path / n)) if "train/loss" in r]
+                for n in ("one", "two"))
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):
+        for key in ("train/loss", "train/grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (a["step"], key)
