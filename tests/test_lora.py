@@ -100,6 +100,17 @@ def _sft(tiny, runs, name, *extra):
             *common, f"run.output_dir={runs}", f"model.lora.rank={RANK}", *extra]
 
 
+def _three_steps_agree(runs, one: str, two: str) -> None:
+    """Two training runs' three steps: losses and gradient norms within 1e-6, relative."""
+    from megarlhf.engine.metrics import read_metrics
+    first, second = ([r for r in read_metrics(str(runs / n)) if "train/loss" in r]
+                     for n in (one, two))
+    assert len(first) == len(second) == 3
+    for a, b in zip(first, second):
+        for key in ("train/loss", "train/grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (a["step"], key)
+
+
 def test_lora_sft_at_tp2_sp_follows_one_process_and_trains_only_the_adapters(
         tiny_checkpoints, tmp_path):
     """Three SFT steps with LoRA on the tiny SFT policy: at TP=2 with sequence
@@ -109,17 +120,11 @@ def test_lora_sft_at_tp2_sp_follows_one_process_and_trains_only_the_adapters(
     and the optimizer holds state for the adapters alone. Catches a base weight that
     trains, a gradient norm that counts a split matrix on one rank, and adapters left out
     of the optimizer or the checkpoint."""
-    from megarlhf.engine.metrics import read_metrics
     out, _, _ = tiny_checkpoints
     run_cli(*_sft(tiny_checkpoints, tmp_path, "one"))
     torchrun(_sft(tiny_checkpoints, tmp_path, "tp2", "parallel.tensor_model_parallel_size=2",
                   "parallel.sequence_parallel=true"), 2)
-    one, two = ([r for r in read_metrics(str(tmp_path / name)) if "train/loss" in r]
-                for name in ("one", "tp2"))
-    assert len(one) == len(two) == 3
-    for a, b in zip(one, two):
-        for key in ("train/loss", "train/grad_norm"):
-            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (a["step"], key)
+    _three_steps_agree(tmp_path, "one", "tp2")
     base = _checkpoint_tensors(out / "sft-tiny" / "checkpoints" / "step_0000006")
     saved = _checkpoint_tensors(tmp_path / "one" / "checkpoints" / "step_0000003")
     weights = {k: v for k, v in saved.items() if k.startswith("policy.")}
@@ -317,7 +322,6 @@ def test_lora_with_experts_split_and_in_distillation_follows_one_process(
     of experts (padded rows) with its experts over two ranks (EP=2; the attention and none
     of the experts adapted), and distillation at TP=2 (the student from the SFT policy's
     step 3, the teacher its step 6)."""
-    from megarlhf.engine.metrics import read_metrics
     out, task, common = tiny_checkpoints
     if case == "moe_ep2":
         argv = ["sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
@@ -334,9 +338,4 @@ def test_lora_with_experts_split_and_in_distillation_follows_one_process(
              *common, f"run.output_dir={tmp_path}", f"model.lora.rank={RANK}"]
     run_cli(*argv, "run.name=one", f"cache.path={tmp_path}/cache_one")
     torchrun([*argv, "run.name=two", f"cache.path={tmp_path}/cache_two", layout], 2)
-    one, two = ([r for r in read_metrics(str(tmp_path / n)) if "train/loss" in r]
-                for n in ("one", "two"))
-    assert len(one) == len(two) == 3
-    for a, b in zip(one, two):
-        for key in ("train/loss", "train/grad_norm"):
-            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (a["step"], key)
+    _three_steps_agree(tmp_path, "one", "two")
