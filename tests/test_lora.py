@@ -121,7 +121,7 @@ def test_lora_sft_at_tp2_sp_follows_one_process_and_trains_only_the_adapters(
     trains, a gradient norm that counts a split matrix on one rank, and adapters left out
     of the optimizer or the checkpoint."""
     out, _, _ = tiny_checkpoints
-    run_cli(*_sft(tiny_checkpoints, tmp_path, "one"))
+    run_cli(*_sft(tiny_checkpoints, tmp_path, "one", "checkpoint.adapters_only=false"))
     torchrun(_sft(tiny_checkpoints, tmp_path, "tp2", "parallel.tensor_model_parallel_size=2",
                   "parallel.sequence_parallel=true"), 2)
     _three_steps_agree(tmp_path, "one", "tp2")
@@ -139,6 +139,59 @@ def test_lora_sft_at_tp2_sp_follows_one_process_and_trains_only_the_adapters(
     state = [k for k in saved if k.startswith("optimizer.state.")]
     assert len(state) == 3 * len(adapters)  # the fp32 copy, exp_avg and exp_avg_sq
     assert all("_lora." in k for k in state)
+
+
+def test_an_adapter_only_checkpoint_resumes_at_tp2_and_names_a_missing_or_changed_base(
+        tiny_checkpoints, tmp_path):
+    """LoRA SFT saves its adapters only (``checkpoint.adapters_only``, the default), naming
+    the checkpoint its base came from: steps 1-3 in one process, resumed at TP=2 for steps
+    4-5 (the base read from the named checkpoint, the adapters and their optimizer state
+    resharded), follow the unbroken one-process run within the resharding tolerance of
+    tests/test_engine.py. A base that is gone, or changed since, is refused naming it
+    before any work. Catches an adapter-only load that leaves the base random, loses the
+    adapters' optimizer state, or trusts whatever now lies at the base's path."""
+    import json
+    import shutil
+
+    from megarlhf.engine.metrics import read_metrics
+    out, task, _ = tiny_checkpoints
+    common = ("optimizer.lr_schedule=constant", "optimizer.warmup_steps=0")
+    run_cli(*_sft(tiny_checkpoints, tmp_path, "unbroken", "train.max_steps=5", *common,
+                  "checkpoint.save_interval=3", "checkpoint.adapters_only=false"))
+    run_cli(*_sft(tiny_checkpoints, tmp_path, "broken", *common))
+    saved = tmp_path / "broken" / "checkpoints" / "step_0000003"
+    base = out / "sft-tiny" / "checkpoints" / "step_0000006"
+    stored = checkpoint_tensors(saved)
+    assert stored and all("_lora." in k for k in stored)  # adapters and their Adam state
+    meta = json.loads((saved / "megarlhf_meta.json").read_text())
+    assert meta["roles"]["policy"]["base"]["path"] == str(base)
+    seqs = tmp_path / "seqs.jsonl"
+    seqs.write_text('{"tokens": [3, 7, 9, 11, 4]}\n{"tokens": [5, 6, 7]}\n')
+    for name in ("unbroken", "broken"):  # loaded as a run's start: base, then adapters
+        run_cli("score", "--config", "configs/sft_tiny.yaml", "--input", str(seqs),
+                "--output", str(tmp_path / f"{name}.jsonl"),
+                f"checkpoint.load={tmp_path / name / 'checkpoints' / 'step_0000003'}",
+                f"tokenizer.path={task['tokenizer']}")
+    assert (tmp_path / "broken.jsonl").read_text() == (tmp_path / "unbroken.jsonl").read_text()
+    proc = torchrun(_sft(tiny_checkpoints, tmp_path, "broken", "train.max_steps=5", *common,
+                         "parallel.tensor_model_parallel_size=2"), 2)
+    assert "resumed step_0000003" in proc.stdout
+    unbroken, broken = ({r["step"]: r["train/loss"] for r in read_metrics(str(tmp_path / n))
+                         if "train/loss" in r} for n in ("unbroken", "broken"))
+    for step in (4, 5):  # measured: equal
+        assert abs(broken[step] - unbroken[step]) < 1e-5, (step, broken[step], unbroken[step])
+
+    for fault, says in (("path", "cannot be read"), ("meta_sha256", "has changed since")):
+        copy = tmp_path / f"bad_{fault}"
+        shutil.copytree(saved, copy)
+        bad = json.loads((copy / "megarlhf_meta.json").read_text())
+        bad["roles"]["policy"]["base"][fault] += "x"
+        (copy / "megarlhf_meta.json").write_text(json.dumps(bad))
+        proc = run_cli(*_sft(tiny_checkpoints, tmp_path, f"from_{fault}",
+                             f"checkpoint.load={copy}"), check=False)
+        assert proc.returncode != 0 and says in proc.stdout + proc.stderr, proc.stderr[-2000:]
+        assert "holds LoRA adapters only" in proc.stderr and str(copy) in proc.stderr
+        assert not (tmp_path / f"from_{fault}" / "checkpoints").exists()
 
 
 def _ppo(tiny, runs, name, *extra):
@@ -178,19 +231,26 @@ def test_lora_ppo_scores_the_reference_with_the_adapters_off(tiny_checkpoints, t
             assert abs(value - b[key]) <= 1e-5 * max(1.0, abs(value)), (a["step"], key)
 
 
-def test_exports_give_back_peft_bytes_and_peft_merged_weights(adapted, scored, tmp_path):
+@pytest.mark.parametrize("saved", ["ckpt", "ckpt_adapters"], ids=["whole", "adapters_only"])
+def test_exports_give_back_peft_bytes_and_peft_merged_weights(adapted, scored, tmp_path,
+                                                               saved):
     """The checkpoint the worker saved at TP=2 (the converted base, PEFT's adapter as
-    ``model.lora.init_from``), exported in one process: ``--peft`` writes PEFT's two files
-    byte for byte, and the merged export's tensors equal PEFT's ``merge_and_unload`` (each
-    within 1e-6 of its largest value; measured: equal) - catches a q/k/v or gate/up delta
-    folded into the wrong rows, a missing alpha / r, and adapters lost on the way."""
+    ``model.lora.init_from``) - whole, and with the adapters only, naming the converted
+    base - exported in one process: ``--peft`` writes PEFT's two files byte for byte, and
+    the merged export's tensors equal PEFT's ``merge_and_unload`` (each within 1e-6 of its
+    largest value; measured: equal) - catches a q/k/v or gate/up delta folded into the
+    wrong rows, a missing alpha / r, adapters lost on the way, and an adapter-only
+    checkpoint whose base weights are not read from the base it names."""
     import copy
     import subprocess
     import sys
 
     root, model = adapted
+    if saved == "ckpt_adapters":  # megabytes: the adapters, not the model
+        stored = checkpoint_tensors(root / saved / "step_1")
+        assert stored and all("_lora." in k for k in stored)
     export = [sys.executable, "-m", "megarlhf.cli", "export", str(root / "conv" / "config.yaml"),
-              "--ckpt", str(root / "ckpt"), f"model.lora.rank={RANK}",
+              "--ckpt", str(root / saved), f"model.lora.rank={RANK}",
               f"model.lora.alpha={ALPHA}", f"model.lora.init_from={root / 'peft'}"]
     for extra in (["--peft", "--out", str(tmp_path / "peft")],
                   ["--out", str(tmp_path / "merged")]):

@@ -54,6 +54,11 @@ class CheckpointConfig:
     """Save every N steps; 0 saves only at the end."""
     keep_last: int = 2
     """How many checkpoints to keep."""
+    adapters_only: bool = True
+    """A role with LoRA adapters (``model.lora``) whose base came from a checkpoint saves
+    only what trains - its adapters, a value model's head - and names that base checkpoint
+    (with a digest of its metadata), which loading reads first: a checkpoint of megabytes
+    instead of the model. false saves whole models (a checkpoint that outlives its base)."""
 
     def __post_init__(self):
         require(self.save_interval >= 0, "checkpoint.save_interval", self.save_interval,

@@ -15,6 +15,7 @@ pointing at a complete checkpoint; stale ``.tmp-*`` folders are removed by the n
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -61,10 +62,14 @@ class RoleState:
     optimizer: Any = None
     scheduler: Any = None
     extra: dict = field(default_factory=dict)  # JSON-able, e.g. reward normalisation
+    # LoRA: the whole checkpoint ({"path", "role", "meta_sha256"}: :func:`base_of`) whose
+    # weights the model's frozen base holds. Saving writes only what trains and names it;
+    # loading a checkpoint that names this base skips reading it again.
+    base: dict | None = None
 
 
 def _model_sharded(role: str, chunks: list, skip_head: bool = False,
-                   skip_adapters: bool = False) -> dict:
+                   skip_adapters: bool = False, trained_only: bool = False) -> dict:
     prefix = f"{role}."
 
     def one(chunk):
@@ -73,6 +78,8 @@ def _model_sharded(role: str, chunks: list, skip_head: bool = False,
             sd = {k: v for k, v in sd.items() if not k.startswith(f"{prefix}output_layer")}
         if skip_adapters:
             sd = {k: v for k, v in sd.items() if not lora.is_adapter(k)}
+        if trained_only:  # an adapter-only checkpoint
+            sd = {k: v for k, v in sd.items() if lora.trains(k, unwrap(chunk).kind)}
         return sd
 
     if len(chunks) == 1:
@@ -112,9 +119,12 @@ def set_rng_state(state: dict) -> None:
 def _sharded_state(roles: dict[str, RoleState], loading: bool, with_rng: bool,
                    skip_head: bool = False, legacy: frozenset = frozenset(),
                    skip_adapters: bool = False) -> dict:
+    """``trained_only`` for a role whose ``base`` is set (saving) or that the checkpoint
+    holds without its base (loading: the caller sets ``base``)."""
     state: dict = {}
     for name, role in roles.items():
-        entry = _model_sharded(name, role.model, skip_head, skip_adapters)
+        entry = _model_sharded(name, role.model, skip_head, skip_adapters,
+                               trained_only=role.base is not None)
         if role.optimizer is not None:
             # one format for both optimizers (optimizer_state), but for old plain ones
             state_of = legacy_plain_state if name in legacy else sharded_optimizer_state
@@ -239,7 +249,8 @@ def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
             "tag": tag,
             "roles": {name: {"trained": role.optimizer is not None, **role.extra,
                              **({"optimizer_format": OPTIMIZER_FORMAT}
-                                if role.optimizer is not None else {})}
+                                if role.optimizer is not None else {}),
+                             **({"base": role.base} if role.base is not None else {})}
                       for name, role in roles.items()},
             "trainer": trainer_state or {},
             "config": config or {},
@@ -352,10 +363,13 @@ def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: b
     source_roles = source_roles or {}
     targets = {name: checkpoint_role(meta, source_roles.get(name, name), path)
                for name in roles}
-    state, use_opt, legacy, fresh = {}, {}, set(), {}
+    state, use_opt, legacy, fresh, bases = {}, {}, set(), {}, {}
     for name, role in roles.items():
         src = targets[name]
         fresh[name] = _fresh_adapters(meta, src, role.model, path)
+        bases[name] = meta["roles"][src].get("base")
+        if bases[name] is not None and bases[name] != role.base:
+            _load_base(bases[name], path, src, name, role.model)
         trained = meta["roles"][src].get("trained", False) and not fresh[name]
         use_opt[name] = load_optimizer and role.optimizer is not None and trained
         if use_opt[name] and _legacy_plain(meta, src):
@@ -365,7 +379,8 @@ def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: b
                     "optimizer's old format, which the distributed optimizer cannot read; "
                     "resume it with optimizer.use_distributed_optimizer=false")
             legacy.add(src)
-        sub = RoleState(role.model, role.optimizer if use_opt[name] else None)
+        sub = RoleState(role.model, role.optimizer if use_opt[name] else None,
+                        base=bases[name])
         state[src] = _sharded_state({src: sub}, loading=True, with_rng=False,
                                     skip_head=skip_head, legacy=frozenset(legacy),
                                     skip_adapters=fresh[name])[src]
@@ -385,6 +400,9 @@ def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: b
                 weights.update({k: v for k, v in own.items() if k.startswith("output_layer")})
             if fresh[name]:  # a base checkpoint: the adapters keep their new values
                 weights.update({k: v for k, v in own.items() if lora.is_adapter(k)})
+            if bases[name] is not None:  # adapters only: the base is in the model already
+                kind = unwrap(chunk).kind
+                weights.update({k: v for k, v in own.items() if not lora.trains(k, kind)})
             # TransformerEngine's modules keep fp8 metadata as extra state; a checkpoint of
             # the local layers has none: those modules keep their own (fresh) metadata
             weights.update({k: v for k, v in own.items()
@@ -400,6 +418,46 @@ def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: b
         set_rng_state(loaded["rng"])
     meta["rng_restored"] = "rng" in loaded
     return meta
+
+
+def base_of(path: str, role: str) -> dict:
+    """Checkpoint ``path``'s role ``role`` as the base of LoRA adapters: its folder, the role
+    and a digest of its metadata (a folder since replaced by another checkpoint is told
+    apart); for an adapter-only checkpoint, the base it names."""
+    folder = os.path.abspath(resolve_checkpoint(path))
+    entry = read_meta(folder)["roles"][role]
+    if entry.get("base"):
+        return entry["base"]
+    return {"path": folder, "role": role, "meta_sha256": _meta_digest(folder)}
+
+
+def _meta_digest(folder: str) -> str:
+    with open(os.path.join(folder, META_FILE), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _load_base(base: dict, path: str, src: str, name: str, chunks: list) -> None:
+    """The whole checkpoint an adapter-only role ``src`` of ``path`` names, into ``chunks``
+    (their adapters untouched; a value model's head comes with the adapters)."""
+    check_base(base, path, src)
+    load_checkpoint(base["path"], {name: RoleState(chunks)}, load_optimizer=False,
+                    load_rng=False, source_roles={name: base["role"]},
+                    skip_head=unwrap(chunks[0]).kind == "value")
+
+
+def check_base(base: dict, path: str, src: str) -> None:
+    """The base an adapter-only role names is there and is the checkpoint it was."""
+    where = (f"checkpoint {path}: role '{src}' holds LoRA adapters only, for the base "
+             f"{base['path']} (role '{base['role']}'), which")
+    try:
+        digest = _meta_digest(base["path"])
+    except OSError as err:
+        raise FileNotFoundError(f"{where} cannot be read ({err.strerror}): put it back "
+                                "there, or resume from a checkpoint saved with "
+                                "checkpoint.adapters_only=false") from None
+    if digest != base["meta_sha256"]:
+        raise ValueError(f"{where} has changed since (its {META_FILE} differs): the "
+                         "adapters were trained on other weights; put the original back")
 
 
 def _fresh_adapters(meta: dict, src: str, chunks: list, path: str) -> bool:
@@ -435,7 +493,20 @@ def load_parameters(path: str, role: str, chunk, names: list[str]) -> dict[str, 
     (a layer's slice of a tensor stacked over the layers, an expert's of one stacked over
     the experts); torch's reader fetches those regions' bytes only, so a model can be read
     a layer at a time (the streamed export). (megatron's loader reads whole stored tensors
-    in one process.)"""
+    in one process.) An adapter-only checkpoint's other parameters come from its base."""
+    base = read_meta(path)["roles"][role].get("base")
+    if base is None:
+        return _own_parameters(path, role, chunk, names)
+    check_base(base, path, role)  # adapters only: the rest from their base
+    kind = unwrap(chunk).kind
+    rest = [n for n in names if not lora.trains(n, kind)]
+    names = [n for n in names if lora.trains(n, kind)]
+    return {**(load_parameters(base["path"], base["role"], chunk, rest) if rest else {}),
+            **(_own_parameters(path, role, chunk, names) if names else {})}
+
+
+def _own_parameters(path: str, role: str, chunk, names: list[str]) -> dict:
+    """:func:`load_parameters` from this checkpoint's own files."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
 

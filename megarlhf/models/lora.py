@@ -184,8 +184,8 @@ def attach(model, model_cfg: ModelConfig) -> None:
     from megatron.core.transformer.attention import Attention
     from megatron.core.transformer.mlp import MLP
 
-    for name, p in model.named_parameters():  # a value model's new scalar head trains
-        p.requires_grad_(model.kind == "value" and name.startswith("output_layer."))
+    for name, p in model.named_parameters():
+        p.requires_grad_(trains(name, model.kind))
     for where, module in list(model.named_modules()):
         if not isinstance(module, (Attention, MLP)) or "experts" in where:
             continue
@@ -204,6 +204,13 @@ def attach(model, model_cfg: ModelConfig) -> None:
 
 def adapter_parameters(model) -> list[torch.nn.Parameter]:
     return [p for name, p in model.named_parameters() if SUFFIX + "." in name]
+
+
+def trains(key: str, kind: str) -> bool:
+    """Whether the parameter (a state-dict or sharded key, prefixed or not) trains under
+    LoRA: the adapters and a value model's new scalar head; the base is frozen."""
+    return is_adapter(key) or (kind == "value" and (key.startswith("output_layer.")
+                                                    or ".output_layer." in key))
 
 
 def is_adapter(key: str) -> bool:

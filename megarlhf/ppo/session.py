@@ -200,9 +200,10 @@ class PPOSession:
     def roles(self) -> dict:
         """The checkpoint states of the trained roles and the EMA actor (with the tokenizer
         they were trained with)."""
-        states = {name: role.state() for name, role in self.trained.items()}
+        only = self.cfg.checkpoint.adapters_only
+        states = {name: role.state(only) for name, role in self.trained.items()}
         if self.ema_role is not None:
-            states["ema"] = self.ema_role.state()
+            states["ema"] = self.ema_role.state(only)
             states["ema"].extra.update(decay=self.ema.decay, num_updates=self.ema.num_updates)
         for state in states.values():
             state.extra["tokenizer"] = self.tokenizer_fingerprint

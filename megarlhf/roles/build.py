@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarlhf.engine.checkpoint import RoleState, load_checkpoint, read_meta
+from megarlhf.engine.checkpoint import RoleState, base_of, load_checkpoint, read_meta
 from megarlhf.engine.optimizer import TrainedRole, build_optimizer, wrap_ddp
 from megarlhf.roles.spec import RoleSpec
 from megarlhf.models import lora
@@ -30,6 +30,7 @@ class Role:
     trained: TrainedRole | None = None
     saved: dict = dataclasses.field(default_factory=dict)  # the checkpoint's entry (RM gain)
     source: str = ""
+    base: dict | None = None  # LoRA: the whole checkpoint its frozen base weights came from
 
     @property
     def model(self) -> list:
@@ -40,13 +41,16 @@ class Role:
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for chunk in self.chunks for p in chunk.parameters()]
 
-    def state(self) -> RoleState:
-        """What this role contributes to a checkpoint (with its kind and model)."""
+    def state(self, adapters_only: bool = False) -> RoleState:
+        """What this role contributes to a checkpoint (with its kind and model); with
+        ``adapters_only`` (``checkpoint.adapters_only``) a LoRA role whose base came from a
+        checkpoint gives what trains only, naming that base."""
         extra = {"kind": self.spec.kind, "model": dataclasses.asdict(self.spec.model)}
+        base = self.base if adapters_only else None
         if self.trained is None:
-            return RoleState(self.chunks, extra=extra)
+            return RoleState(self.chunks, extra=extra, base=base)
         return RoleState(self.trained.model, self.trained.optimizer, self.trained.scheduler,
-                         extra)
+                         extra, base=base)
 
 
 def build_chunks(spec: RoleSpec, layout: RankLayout) -> list:
@@ -83,6 +87,8 @@ def build_role(spec: RoleSpec, *, seed: int, total_steps: int = 1) -> Role:
         load_checkpoint(spec.checkpoint, {spec.checkpoint_role: RoleState(chunks)},
                         load_optimizer=False, load_rng=False, skip_head=spec.trunk_only)
         role.saved = read_meta(spec.checkpoint)["roles"][spec.checkpoint_role]
+        if spec.model.lora.enabled:
+            role.base = base_of(spec.checkpoint, spec.checkpoint_role)
         role.source = (f"{spec.checkpoint} role '{spec.checkpoint_role}'"
                        + (" (trunk only; new scalar head)" if spec.trunk_only else ""))
     start = spec.model.lora.init_from

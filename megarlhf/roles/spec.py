@@ -20,7 +20,7 @@ from megarlhf.config import (
     check_ppo, check_precision, check_rollout_layout, overlay, padded_vocab_size,
     section_from_dict)
 from megarlhf.data.budgets import update_budget
-from megarlhf.engine.checkpoint import read_meta, resolve_checkpoint
+from megarlhf.engine.checkpoint import check_base, read_meta, resolve_checkpoint
 
 # Fields that decide the shapes of the weights: a config may not contradict the checkpoint.
 SHAPE_FIELDS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -109,6 +109,11 @@ def read_saved_role(path: str, preferred: tuple[str, ...], where: str) -> SavedR
                               f"{list(preferred)}: point at a checkpoint of that kind")
         role = roles[0]
     info = meta["roles"][role]
+    if info.get("base"):  # LoRA adapters only: their base must be there, unchanged
+        try:
+            check_base(info["base"], resolved, role)
+        except (FileNotFoundError, ValueError) as err:
+            raise ConfigError(f"{where}={path!r}: {err}") from None
     saved = info.get("model") or meta.get("config", {}).get("model")
     model = section_from_dict(ModelConfig, dict(saved), f"{where} (saved model)") \
         if saved else None

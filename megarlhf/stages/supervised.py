@@ -115,7 +115,7 @@ def rank_share(items: list, layout: RankLayout) -> list:
 def save_role(cfg: Config, role: Role, name: str, tag: str, trainer_state: dict,
               extra: dict | None = None) -> str:
     """One trained role as a checkpoint of the run (weights, optimizer, schedule, RNG)."""
-    state = role.state()
+    state = role.state(cfg.checkpoint.adapters_only)
     state.extra.update(extra or {})
     path = save_checkpoint(os.path.join(run_dir(cfg), "checkpoints"), tag, {name: state},
                            trainer_state=trainer_state, config=dataclasses.asdict(cfg),
@@ -234,7 +234,8 @@ def resume(cfg: Config, role: Role, name: str) -> int:
     if not (cfg.checkpoint.resume and os.path.exists(os.path.join(ckpt_dir, LATEST_FILE))):
         return 0
     explain_resume(cfg, ckpt_dir)
-    meta = load_checkpoint(ckpt_dir, {name: role.state()}, layout=role.layout.describe())
+    meta = load_checkpoint(ckpt_dir, {name: role.state(cfg.checkpoint.adapters_only)},
+                           layout=role.layout.describe())
     start = int(meta["trainer"]["step"])
     role.trained.num_skipped_steps = int(meta["trainer"].get("skipped_steps", 0))
     role.source = (f"resumed {meta['tag']} (saved at {meta['layout']}, RNG "

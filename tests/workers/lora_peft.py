@@ -45,9 +45,11 @@ def main():
         role = build(cfg, "lm")  # the converted base, then PEFT's adapter (init_from)
         assert role.source.endswith(f"; LoRA adapters from {peft_dir}"), role.source
         rows = score_sequences(role, SEQS, micro_batch_size=1)
-        if (tp, pp, sp) == (2, 1, False):  # for the exports (tests/test_lora.py)
-            save_checkpoint(os.path.join(out_dir, "ckpt"), "step_1", {"policy": role.state()},
-                            trainer_state={"step": 1}, layout=role.layout.describe())
+        if (tp, pp, sp) == (2, 1, False):  # for the exports (tests/test_lora.py): whole,
+            for name, only in (("ckpt", False), ("ckpt_adapters", True)):  # and adapters
+                save_checkpoint(os.path.join(out_dir, name), "step_1",
+                                {"policy": role.state(adapters_only=only)},
+                                trainer_state={"step": 1}, layout=role.layout.describe())
         spec = role.spec  # the planner's parameter shapes (adapters included)
         want = [(p.name, p.shape, p.frozen) for p in chunk_params(
             spec.model, kind="lm", padded_vocab=spec.padded_vocab, tp=tp, pp=pp,
