@@ -131,26 +131,34 @@ def _check_episodes(gen: dict, tok, end: int) -> int:
     return multi
 
 
-@pytest.mark.parametrize("loss", ["ppo", pytest.param("decoupled", marks=pytest.mark.extended),
+@pytest.mark.parametrize("loss", ["ppo", "lora",
+                                  pytest.param("decoupled", marks=pytest.mark.extended),
                                   pytest.param("truncated_is", marks=pytest.mark.extended)])
 def test_the_update_at_the_old_policy_is_a_no_op_and_a_moved_one_clips(task, loss):
     """One mini-batch, one epoch: the update's ratio is exactly 1 on every model token
-    (approxkl and clipfrac exactly 0) - with the clipped loss, the decoupled loss (its
-    behaviour log-probs the sampler's, its weights 1 to float noise: the sampler's
-    log-probs are the trainer's) and truncated importance weights. Three epochs at
-    a tight clip: the policy moved and clips. Catches old or behaviour log-probs taken
-    from other tokens or positions than the update reads (the environment's tokens
-    shifting them)."""
+    (approxkl and clipfrac exactly 0) - with the clipped loss, with LoRA adapters on the
+    actor (its reference the actor with them off), the decoupled loss (its behaviour
+    log-probs the sampler's, its weights 1 to float noise: the sampler's log-probs are the
+    trainer's) and truncated importance weights. Three epochs at a tight clip: the policy
+    moved and clips. Catches old or behaviour log-probs taken from other tokens or
+    positions than the update reads (the environment's tokens shifting them); with LoRA,
+    episodes sampled without the adapters (the sampler's log-probs then differ from the
+    actor's) and a reference that scores with them (no KL once they moved)."""
     extra = {"ppo": [], "decoupled": ["ppo.policy_loss=decoupled", "ppo.correction.behavior_weight_cap=5"],
-             "truncated_is": ["ppo.correction.is_cap=2.0"]}[loss]
-    _, out = ppo(task, f"noop_{loss}", "ppo.num_iterations=2", "ppo.ppo_epochs=1",
-                 "ppo.rollout_batch_size=8", "ppo.mini_batch_size=16", *extra)
+             "truncated_is": ["ppo.correction.is_cap=2.0"],
+             "lora": ["model.lora.rank=4", "model.lora.alpha=8"]}[loss]
+    proc, out = ppo(task, f"noop_{loss}", "ppo.num_iterations=2", "ppo.ppo_epochs=1",
+                    "ppo.rollout_batch_size=8", "ppo.mini_batch_size=16", *extra)
     rows = metrics(out / "metrics.jsonl")[1:]
     for r in rows:
         assert r["ppo/policy/approxkl"] == 0.0 and r["ppo/policy/clipfrac"] == 0.0, r
         if loss == "decoupled":
             assert r["ppo/policy/behavior_weight"] == pytest.approx(1.0, abs=1e-5), r
     assert max(r["rollout/turns_mean"] for r in rows) > 1.0
+    if loss == "lora":
+        assert "reference the actor's model with its LoRA adapters off" in proc.stdout
+        assert all(r["rollout/logprob_diff_max"] < 1e-5 for r in rows)
+        assert rows[0]["objective/kl"] == 0.0 < rows[-1]["objective/kl"]
     if loss != "ppo":
         return
     _, out = ppo(task, "moved", "ppo.num_iterations=1", "ppo.ppo_epochs=3",

@@ -119,8 +119,8 @@ def set_rng_state(state: dict) -> None:
 def _sharded_state(roles: dict[str, RoleState], loading: bool, with_rng: bool,
                    skip_head: bool = False, legacy: frozenset = frozenset(),
                    skip_adapters: bool = False) -> dict:
-    """``trained_only`` for a role whose ``base`` is set (saving) or that the checkpoint
-    holds without its base (loading: the caller sets ``base``)."""
+    """A role whose ``base`` is set enters with what trains only: an adapter-only
+    checkpoint (saving, it names that base; loading, the base is in the model already)."""
     state: dict = {}
     for name, role in roles.items():
         entry = _model_sharded(name, role.model, skip_head, skip_adapters,
