@@ -350,8 +350,10 @@ def test_split_placement_sends_the_base_once_then_only_the_adapters(tiny_checkpo
                                                                     tmp_path):
     """A LoRA actor sampled on a rollout rank of its own (split placement, the weights'
     SHA-256 checked on arrival): the first sync sends the whole model, every later one the
-    adapters' bytes alone (the frozen base does not change), and the run equals the
-    colocated one metric for metric within 1e-5."""
+    adapters' bytes alone (the frozen base does not change), the run equals the
+    colocated one metric for metric within 1e-5, and each update (one epoch of one
+    mini-batch) is a no-op at the old policy on both: the rollout rank samples with the
+    adapters the training rank has."""
     import dataclasses
 
     from megarlhf.config import LoRAConfig
@@ -372,6 +374,8 @@ def test_split_placement_sends_the_base_once_then_only_the_adapters(tiny_checkpo
     sent = [r["perf/weight_sync_bytes"] for r in split]
     assert sent[0] > 10 * sent[1] and sent[1:] == [4.0 * adapters] * 2, sent
     for a, b in zip(colocated, split, strict=True):
+        for r in (a, b):
+            assert abs(r["ppo/policy/approxkl"]) < 1e-7 and r["ppo/policy/clipfrac"] == 0.0
         for key in ("objective/score", "objective/kl", "ppo/policy/loss", "ppo/val/loss",
                     "rollout/logprob_diff_max"):
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (a["step"], key)
