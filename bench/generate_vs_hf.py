@@ -2,7 +2,12 @@
 same (converted) weights, batch 1 and 16, and against decoding without a KV cache.
 
     .venv/bin/python bench/generate_vs_hf.py [--size small] [--prompt 32] [--new 32]
-                                             [--repeats 7]
+                                             [--repeats 7] [--group K]
+
+``--group K``: instead, batches of 16 and 64 rows made of prompts each repeated K times
+(GRPO's groups), megarlhf with each group's prompt prefilled once
+(``speedups.shared_prefill``) against megarlhf prefilling every row and transformers
+(which prefills every row too). megarlhf runs with the speed-ups the CLI installs.
 
 The two are timed in turn, one call of each per round after one warm-up call of each,
 so both see the same machine (this VM's speed moves by up to 25% within minutes); the
@@ -40,13 +45,17 @@ def alternating(first, second, repeats: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=["tiny", "small"], default="small")
+    parser.add_argument("--size", choices=["tiny", "small", "medium"], default="small")
+    parser.add_argument("--group", type=int, default=1,
+                        help="rows per distinct prompt (> 1: the shared-prefill table)")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7,
                         help="timed calls of each, taken in turn (medians)")
     args = parser.parse_args()
+    from megarlhf import speedups
+    speedups.install()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("MASTER_PORT", "29911")
     tmp = tempfile.mkdtemp()
@@ -63,6 +72,8 @@ def main() -> None:
     init_distributed(cfg)
     (model,) = build_from_config(cfg, kind="lm").chunks
     params = SamplingParams(max_new_tokens=args.new, greedy=True)
+    if args.group > 1:
+        return shared_table(args, model, hf, cfg, params)
     print(f"# generate: {args.size} model, prompt {args.prompt}, {args.new} new tokens, greedy, "
           f"fp32; {machine()}")
     print(f"{'batch':>5} {'megarlhf tok/s':>15} {'HF generate tok/s':>18} {'no-cache tok/s':>15}"
@@ -87,6 +98,39 @@ def main() -> None:
         same = ours().response_tokens_BT.tolist() == theirs()[:, args.prompt:].tolist()
         print(f"{batch:>5} {tokens / t_ours:>15.0f} {tokens / t_hf:>18.0f} "
               f"{tokens / t_nocache:>15.0f} {t_hf / t_ours:>6.2f} {t_nocache / t_ours:>11.2f}"
+              f"   (same tokens: {same})")
+
+
+def shared_table(args, model, hf, cfg, params) -> None:
+    """Batches of prompts repeated ``args.group`` times: megarlhf sharing each group's
+    prefill, megarlhf prefilling every row, transformers."""
+    from megarlhf.parallel import cpu_backend
+    from megarlhf.inference.generate import generate
+
+    print(f"# generate, groups of {args.group} rows per prompt: {args.size} model, prompt "
+          f"{args.prompt}, {args.new} new tokens, greedy, fp32; {machine()}")
+    print(f"{'batch':>5} {'shared tok/s':>13} {'every row tok/s':>16} {'HF tok/s':>9}"
+          f" {'shared vs every row':>20} {'shared vs HF':>13}")
+    for batch in (16, 64):
+        distinct = torch.randint(3, cfg.model.vocab_size, (batch // args.group, args.prompt),
+                                 generator=torch.Generator().manual_seed(batch)).tolist()
+        prompts = [p for p in distinct for _ in range(args.group)]
+
+        def ours(share: bool):
+            return generate(model, prompts, params, eos_id=-1, pad_id=0,
+                            true_vocab=cfg.model.vocab_size, shared_prefill=share)
+
+        def theirs():
+            with torch.no_grad(), cpu_backend.suspended():
+                return hf.generate(torch.tensor(prompts), max_new_tokens=args.new,
+                                   min_new_tokens=args.new, do_sample=False, pad_token_id=0)
+
+        tokens = batch * args.new
+        t_shared, t_every = alternating(lambda: ours(True), lambda: ours(False), args.repeats)
+        t_hf = timed(theirs, repeats=max(1, args.repeats // 2))
+        same = ours(True).response_tokens_BT.tolist() == ours(False).response_tokens_BT.tolist()
+        print(f"{batch:>5} {tokens / t_shared:>13.0f} {tokens / t_every:>16.0f} "
+              f"{tokens / t_hf:>9.0f} {t_every / t_shared:>20.2f} {t_hf / t_shared:>13.2f}"
               f"   (same tokens: {same})")
 
 

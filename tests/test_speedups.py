@@ -14,7 +14,7 @@ from conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.slow
 SETTINGS = ["1", "0", "-lazy_jit", "-checkpoint_queue", "-fused_adam", "-linears",
-            "-positions"]
+            "-positions", "-shared_prefill"]
 ROUNDING = {"0", "-fused_adam", "-positions"}  # without torch's fused Adam; the head's and
 # the last MLP's matmuls over all rows (megarlhf.speedups.positions: not bitwise)
 

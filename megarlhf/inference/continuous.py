@@ -24,7 +24,11 @@ from typing import Callable
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
+from megarlhf import speedups
 from megarlhf.inference.kv_cache import kv_cache_bytes
+from megarlhf.speedups.shared_prefill import copy as copy_prefill
+from megarlhf.speedups.shared_prefill import groups as prefill_groups
+from megarlhf.speedups.shared_prefill import spread as spread_prefill
 from megarlhf.inference.generate import (Generation, SamplingParams, SeededDraws,
                                         _attention_blocked, left_pad, sample_next,
                                         stop_tensor)
@@ -35,12 +39,17 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
                         slots: int, eos_id: int, pad_id: int, true_vocab: int,
                         row_seeds: list[int] | None = None,
                         stats: dict | None = None, interrupt: Callable[[], bool] | None = None,
-                        recompute_kv: bool = True) -> Generation:
+                        recompute_kv: bool = True,
+                        shared_prefill: bool | None = None) -> Generation:
     """As :func:`~megarlhf.inference.generate.generate` (greedy or ``row_seeds``), decoding
     at most ``slots`` rows at a time. ``stats``: ``kv_cache_bytes``, ``decode_slots`` (the
     slots of every decode step) and ``idle_decode_slots`` (those without a row: only once
-    no prompt waits). ``interrupt`` and ``recompute_kv``: as ``generate``'s (a recompute
-    feeds every slot's columns again)."""
+    no prompt waits), ``shared_prefills`` (prompts whose prefill was copied). ``interrupt`` and ``recompute_kv``: as ``generate``'s (a recompute
+    feeds every slot's columns again). ``shared_prefill`` (None: where the speed-up is
+    on): the first slots' repeated prompts prefill once, and a prompt admitted at the
+    same step as its twin copies the twin's keys and values."""
+    if shared_prefill is None:
+        shared_prefill = speedups.enabled("shared_prefill")
     if not params.greedy and row_seeds is None:
         raise ValueError("continuous batching samples with per-prompt seeds (row_seeds) or "
                          "greedily: a shared generator's draws would depend on the schedule")
@@ -81,7 +90,18 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
     positions[:, :P] = (key_mask[:, :P].cumsum(dim=1) - 1).clamp(min=0)
     for s in range(S):
         holds[s] = s
-    logits = forward(slice(0, S), 0, P)
+    shared = prefill_groups(tokens[:, :P], key_mask[:, :P]) if shared_prefill else None
+    copied = 0 if shared is None else S - len(shared.rows)  # prompts not prefilled: copied
+    if shared is None:
+        logits = forward(slice(0, S), 0, P)
+    else:  # one slot per distinct prompt fed (rows 0..U-1), then copied to its twins
+        fed = shared.rows
+        tokens[:len(fed), :P], key_mask[:len(fed), :P], positions[:len(fed), :P] = \
+            tokens[fed, :P], key_mask[fed, :P], positions[fed, :P]
+        logits = forward(slice(0, len(fed)), 0, P)[shared.owner]
+        spread_prefill(ctx, shared.owner, P)
+        tokens[:, :P], key_mask[:, :P], positions[:, :P] = \
+            tokens[shared.owner, :P], key_mask[shared.owner, :P], positions[shared.owner, :P]
     waiting = S  # the next prompt to admit
     col = P  # the next column to feed
     slot_steps = idle = 0
@@ -106,6 +126,7 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
                 positions[s, col] = positions[s, col - 1] + 1
         # free slots take the next prompts: their prompt ends at ``col``, its earlier
         # tokens written now, its last fed with the others' tokens below
+        twins: dict[tuple[int, ...], int] = {}  # a prompt admitted at this step -> its slot
         for s in range(S):
             if holds[s] < 0 and waiting < n:
                 prompt = prompts[waiting]
@@ -116,8 +137,13 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
                 positions[s, col + 1 - p:col + 1] = torch.arange(p, device=device)
                 holds[s], length[s] = waiting, 0
                 waiting += 1
-                if p > 1:
+                twin = twins.get(tuple(prompt)) if shared_prefill else None
+                if twin is not None:  # the same columns of the same prompt: its twin's
+                    copy_prefill(ctx, twin, s, col + 1 - p, col)
+                    copied += 1
+                elif p > 1:
                     forward(slice(s, s + 1), col + 1 - p, col)
+                twins.setdefault(tuple(prompt), s)
         busy = sum(h >= 0 for h in holds)
         if not busy:
             break
@@ -135,6 +161,7 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
     if stats is not None:
         stats["kv_cache_bytes"] = kv_cache_bytes(ctx)
         stats["decode_slots"], stats["idle_decode_slots"] = slot_steps, idle
+        stats["shared_prefills"] = copied
     prompt_tokens, prompt_mask = left_pad(prompts, pad_id)
     width = max(len(r) for r in responses)
     response = torch.full((n, width), pad_id, dtype=torch.long)

@@ -23,7 +23,10 @@ from megarlhf.inference import static_kv
 from megarlhf.inference.kv_cache import kv_cache_bytes
 from megarlhf.models import moe
 from megarlhf.models.gpt import unwrap
+from megarlhf import speedups
 from megarlhf.speedups import decode_graphs
+from megarlhf.speedups.shared_prefill import groups as prefill_groups
+from megarlhf.speedups.shared_prefill import spread as spread_prefill
 
 _NEG = -1e30
 
@@ -206,7 +209,8 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
              pad_id: int, true_vocab: int, generator: torch.Generator | None = None,
              row_seeds: list[int] | None = None, use_cache: bool = True, stats: dict | None = None,
              record_routing: bool = False, interrupt: Callable[[], bool] | None = None,
-             recompute_kv: bool = True, static_cache: bool | None = None) -> Generation:
+             recompute_kv: bool = True, static_cache: bool | None = None,
+             shared_prefill: bool | None = None) -> Generation:
     """Sample up to ``max_new_tokens`` per prompt. Every TP rank of one replica must pass
     the same prompts and an identically seeded ``generator``.
 
@@ -217,7 +221,8 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     samples are reproducible per device type. Everything runs on the model's device;
     the returned tensors are on the host. ``stats`` receives ``kv_cache_bytes`` and
     ``decode_slots`` / ``idle_decode_slots``: the rows fed at each decode step, and how many
-    of them had already stopped (a long tail's cost in a static batch).
+    of them had already stopped (a long tail's cost in a static batch), and
+    ``shared_prefills``: the rows whose prompt's prefill was another row's, copied.
     ``use_cache=False`` recomputes the whole sequence every step (a reference for tests).
     ``record_routing``: a mixture of experts' choice of experts for every token fed, in
     ``routing_BLSK`` (the column layout of prompt and response).
@@ -232,7 +237,11 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     ``static_cache``: decode on :class:`~megarlhf.inference.static_kv.StaticDecoder` (a
     KV cache of fixed shape; on CUDA its step replays a CUDA graph) instead of megatron's
     ``StaticInferenceContext``. None: where ``speedups.decode_graphs`` applies (CUDA) and
-    the model and options allow it (no routing record, no ``interrupt``)."""
+    the model and options allow it (no routing record, no ``interrupt``).
+
+    ``shared_prefill``: rows with the same prompt prefill it once and copy its keys and
+    values (:mod:`megarlhf.speedups.shared_prefill`; on megatron's context). None: where
+    that speed-up is on."""
     device = next(model.parameters()).device
     prompt_tokens, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
     B, P = prompt_tokens.shape
@@ -240,7 +249,9 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     stops = stop_tensor(params, eos_id, device)
     feed = _Feed(model, prompt_tokens, prompt_mask, T, pad_id=pad_id, true_vocab=true_vocab,
                  use_cache=use_cache, static_cache=static_cache,
-                 record_routing=record_routing, interrupt=interrupt)
+                 record_routing=record_routing, interrupt=interrupt,
+                 shared_prefill=speedups.enabled("shared_prefill")
+                 if shared_prefill is None else shared_prefill)
     response = torch.full((B, T), pad_id, dtype=torch.long, device=device)
     response_mask = torch.zeros(B, T, dtype=torch.long, device=device)
     logprobs = torch.zeros(B, T, device=device)
@@ -282,6 +293,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
         if stats is not None:
             stats["kv_cache_bytes"] = feed.cache_bytes()
             stats["decode_slots"], stats["idle_decode_slots"] = B * steps, int(idle)
+            stats["shared_prefills"] = feed.shared_prefills
         # responses as wide as the longest one: when every row stopped early, the passes and
         # the training that follow pay nothing for the columns no row reached
         width = t + 1
@@ -306,7 +318,7 @@ class _Feed:
 
     def __init__(self, model, prompt_tokens: torch.Tensor, prompt_mask: torch.Tensor, T: int,
                  *, pad_id: int, true_vocab: int, use_cache: bool, static_cache: bool | None,
-                 record_routing: bool, interrupt):
+                 record_routing: bool, interrupt, shared_prefill: bool):
         device = prompt_tokens.device
         B, P = prompt_tokens.shape
         self.model, self.pad_id, self.true_vocab, self.B = model, pad_id, true_vocab, B
@@ -323,6 +335,10 @@ class _Feed:
                                       interrupt=interrupt)
         self.ctx = StaticInferenceContext(B, P + T) if use_cache and self.static is None \
             else None
+        # rows with the same prompt share its prefill (their first pass)
+        self.shared = prefill_groups(prompt_tokens, prompt_mask) \
+            if self.ctx is not None and shared_prefill else None
+        self.shared_prefills = 0 if self.shared is None else B - len(self.shared.rows)
         self.config = unwrap(model).config
         # a token never fed (the last sampled one) keeps experts 0..k-1: distinct, never read
         self.routing = moe.unrouted(B, self.config.num_layers, P + T,
@@ -341,6 +357,9 @@ class _Feed:
                                                        self.pad_id)
         pos = self.positions[:, start:length]
         blocked = _attention_blocked(self.key_mask[:, :length], new)
+        shared, self.shared = self.shared, None  # the first prefill only
+        if shared is not None:  # one row per distinct prompt; the others copy its cache
+            inp, pos, blocked = inp[shared.rows], pos[shared.rows], blocked[shared.rows]
         # logits at the last column only (the prefill's other P - 1 are never read)
         if self.static is not None:
             return self.static.prefill(inp, pos, blocked) if new > 1 else \
@@ -356,10 +375,15 @@ class _Feed:
                 ctx.sequence_len_offset += new
                 ctx.enable_decode_mode()
             if routing is not None:
-                routing[:, :, start:length] = moe.routing_of(got(), self.B, new,
-                                                             self.config.num_layers,
-                                                             routing.shape[-1])
-        return out[:, -1, :self.true_vocab].float()
+                chosen = moe.routing_of(got(), inp.shape[0], new, self.config.num_layers,
+                                        routing.shape[-1])
+                routing[:, :, start:length] = chosen if shared is None \
+                    else chosen[shared.owner.cpu()]
+        logits = out[:, -1, :self.true_vocab].float()
+        if shared is None:
+            return logits
+        spread_prefill(ctx, shared.owner, length)
+        return logits[shared.owner]
 
     def cache_bytes(self) -> int:
         return kv_cache_bytes(self.ctx) if self.ctx is not None else \

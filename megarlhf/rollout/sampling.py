@@ -112,6 +112,7 @@ def sample_share(r: RolloutConfig, model, prompts: list[list[int]], indices: lis
     ``episodes`` (``rollout.environment.name``): the prompts are data rows, each played as
     an episode (``rollout.episodes.Episodes``). ``r``: the ``rollout`` section."""
     params = sampling_params(r, end_ids)
+    stats["prompts"] = len(prompts)
     if episodes is not None:
         return episodes.sample(model, prompts, indices, seed, params=params, eos_id=eos_id,
                                pad_id=pad_id, true_vocab=true_vocab, stats=stats)
@@ -129,12 +130,17 @@ def sample_share(r: RolloutConfig, model, prompts: list[list[int]], indices: lis
 
 def idle_slots(gen_stats: dict) -> dict[str, float]:
     """``rollout/idle_decode_slots``: the share of the rows fed at the decode steps of
-    every replica that had already stopped (TP peers count alike, so the share is the
-    replicas'); a collective of the world the replicas are in."""
-    counts = torch.tensor([gen_stats["idle_decode_slots"], gen_stats["decode_slots"]],
+    every replica that had already stopped, and ``perf/shared_prefill_fraction``: the
+    share of the prompts sampled whose prefill was another row's, copied
+    (``speedups.shared_prefill``) - TP peers count alike, so the shares are the
+    replicas'; a collective of the world the replicas are in."""
+    counts = torch.tensor([gen_stats["idle_decode_slots"], gen_stats["decode_slots"],
+                           gen_stats.get("shared_prefills", 0), gen_stats.get("prompts", 0)],
                           dtype=torch.float64)
     dist.all_reduce(counts)
-    return {"rollout/idle_decode_slots": float(counts[0] / counts[1]) if counts[1] else 0.0}
+    return {"rollout/idle_decode_slots": float(counts[0] / counts[1]) if counts[1] else 0.0,
+            "perf/shared_prefill_fraction": float(counts[2] / counts[3])
+            if counts[3] else 0.0}
 
 
 def stop_tokens(r: RolloutConfig, end_ids: tuple[int, ...]) -> tuple[int, ...]:

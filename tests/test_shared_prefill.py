@@ -1,0 +1,63 @@
+"""A group's prompt prefilled once (speedups.shared_prefill): the samples equal the plain
+path's exactly."""
+
+import os
+
+import pytest
+import torch
+
+from conftest import WORKERS, torchrun
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("shared"))
+    worker = os.path.join(WORKERS, "shared_prefill.py")
+    for world in (1, 2):
+        torchrun(worker, world, out)
+    return {world: torch.load(os.path.join(out, f"shared_world{world}.pt"), weights_only=False)
+            for world in (1, 2)}
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+@pytest.mark.parametrize("case", ["greedy", "seeded"])
+def test_shared_prefill_samples_what_every_row_prefilled_does(shared, world, arch, case):
+    """Ten prompts, three groups of three and a lone one, sampled with each group's prompt
+    prefilled once and with every row prefilled: the same tokens, masks and stops, the
+    log-probs within 1e-6 (measured: equal, or 4.8e-7 apart - the prefill's matmuls see
+    fewer rows, which this machine's BLAS may sum in another order), and for a mixture
+    of experts the same routing record (prompt columns included), at rollout TP=1 and
+    TP=2. Catches a group's keys and values copied to the
+    wrong rows (a row then continues another prompt), columns left uncopied, logits not
+    handed to every row of a group, and routing recorded for the fed rows only."""
+    got = shared[world][(arch, case)]
+    plain, fast = got[False], got[True]
+    for field in ("response_tokens_BT", "fed_mask_BT", "finished_B"):
+        assert torch.equal(getattr(fast, field), getattr(plain, field)), field
+    assert (fast.logprobs_BT - plain.logprobs_BT).abs().max() <= 1e-6
+    if arch == "qwen3moe":
+        assert torch.equal(fast.routing_BLSK, plain.routing_BLSK)
+    # the groups sampled different responses (else a lost copy could pass unseen)
+    assert not torch.equal(plain.response_tokens_BT[0], plain.response_tokens_BT[1]) \
+        or case == "greedy"
+    assert got["stats"]["shared_prefills"] == 6  # three groups of three: two rows each
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("case", ["greedy", "seeded"])
+def test_shared_prefill_in_decode_slots_samples_what_every_slot_prefilled_does(shared, world,
+                                                                              case):
+    """The same ten prompts through four decode slots: the first four slots' repeated
+    prompt prefilled once, and a prompt admitted at the same step as its twin taking the
+    twin's keys and values, against every slot prefilled - the same tokens, masks and
+    stops, log-probs within 1e-6. Catches a twin's copy from the wrong slot or columns."""
+    got = shared[world][("llama", case)]["slots"]
+    plain, fast = got[False], got[True]
+    # the first fill's two twins of the first prompt, and later twins admitted together
+    assert got["stats"]["shared_prefills"] > 2, got["stats"]
+    for field in ("response_tokens_BT", "fed_mask_BT", "finished_B"):
+        assert torch.equal(getattr(fast, field), getattr(plain, field)), field
+    assert (fast.logprobs_BT - plain.logprobs_BT).abs().max() <= 1e-6
