@@ -88,6 +88,36 @@ def test_episode_tokens_are_the_turns_as_sampled_and_as_the_template_renders(tas
     assert multi >= 2  # episodes with a tool call and its answer
 
 
+def test_kv_kept_across_turns_plays_the_episodes_that_re_prefilling_does(task):
+    """The same run with the episodes' keys and values kept across their turns
+    (speedups.turn_kv, the default) and with every turn prefilling its whole conversation
+    again (MEGARLHF_SPEEDUPS=-turn_kv): the batches sampled are the same episodes - tokens,
+    fed and observation masks exactly - with the sampler's log-probs within 1e-5, and
+    both runs' sampler log-probs agree with the trainer's. Catches a turn fed the wrong
+    tokens (a stop token or an observation missing from the cache or fed twice), columns
+    of another row or turn in a row's attention, and rotary positions counted by column
+    rather than by the row's own tokens."""
+    runs = {}
+    for name, env in (("kept", {}), ("again", {"MEGARLHF_SPEEDUPS": "-turn_kv"})):
+        out = task["tmp"] / f"turn_kv_{name}"
+        run_cli("ppo", *task["common"], f"run.output_dir={out}", "ppo.num_iterations=3",
+                "ppo.max_staleness=1", "checkpoint.save_interval=1", "checkpoint.keep_last=3",
+                "ppo.rollout_batch_size=8", "ppo.mini_batch_size=16",
+                env={**ENV, **env})
+        run = out / "tool-grpo"
+        runs[name] = (metrics(run / "metrics.jsonl"), [
+            torch.load(run / "checkpoints" / f"iter_00000{i}" / "rollout_queue.pt",
+                       weights_only=True)["batches"][str(i)]["gen"] for i in (1, 2)])
+    (rows, kept), (rows_again, again) = runs["kept"], runs["again"]
+    for a, b in zip(kept, again, strict=True):
+        for key in ("response_tokens_BT", "fed_mask_BT", "observation_BT", "prompt_tokens_BP"):
+            assert torch.equal(a[key], b[key]), key
+        assert (a["logprobs_BT"] - b["logprobs_BT"]).abs().max() < 1e-5
+    assert max(r.get("rollout/turns_mean", 0) for r in rows) > 1.0
+    assert rows[1]["rollout/logprob_diff_max"] < 1e-4
+    assert rows_again[1]["rollout/logprob_diff_max"] < 1e-4
+
+
 def _check_episodes(gen: dict, tok, end: int) -> int:
     """The checks of the test above on one batch; returns its episodes of several turns."""
     obs_mask, mask = gen["observation_BT"], gen["fed_mask_BT"]

@@ -33,10 +33,13 @@ import torch.distributed as dist
 
 from megarlhf.config import DataConfig, EnvironmentConfig, RewardsConfig
 from megarlhf.data.tools import ToolCallError, error_observation, parse_tool_calls
-from megarlhf.inference.generate import Generation, SamplingParams, generate
+from megarlhf import speedups
+from megarlhf.inference.generate import Generation, SamplingParams, generate, stop_tensor
 from megarlhf.rewards.environments import InProcessEnvs, WorkerEnvs, check_reset, check_step
 from megarlhf.rewards.verifiers import Failure, RewardError
 from megarlhf.algos.seeds import derive_seed
+from megarlhf.speedups.turn_kv import TurnCache
+from megarlhf.speedups.turn_kv import applies as turn_cache_applies
 
 
 # ------------------------------------------------------------------ one episode
@@ -159,12 +162,20 @@ class Episodes:
             ep.prompt, ep.done, ep.failure = prompt, ended, failure
         kv_bytes = 0
         last = self.environment.max_turns - 1
+        # the episodes' keys and values kept across their turns (speedups.turn_kv)
+        cache = TurnCache(model, len(episodes), pad_id=pad_id, true_vocab=true_vocab,
+                          columns=2 * self.data.max_seq_len) \
+            if speedups.enabled("turn_kv") and turn_cache_applies(model) else None
         for turn in range(last + 1):
             live = [j for j, ep in enumerate(episodes) if not ep.done]
             if not live:
                 break
-            turns, turn_kv = self._sample_turn(model, episodes, live, indices, seed, turn,
-                                               params, eos_id, pad_id, true_vocab, stats)
+            if cache is None:
+                turns, turn_kv = self._sample_turn(model, episodes, live, indices, seed, turn,
+                                                   params, eos_id, pad_id, true_vocab, stats)
+            else:
+                turns, turn_kv = self._cached_turn(cache, episodes, live, indices, seed, turn,
+                                                   params, eos_id, stats)
             kv_bytes = max(kv_bytes, turn_kv)
             stepped = []  # (episode, its turn's sampled tokens), for the environment
             for j in live:
@@ -237,6 +248,20 @@ class Episodes:
                 turns[j] = (gen.response_tokens_BT[b, :n].tolist(),
                             gen.logprobs_BT[b, :n].tolist())
         return turns, kv_bytes
+
+    def _cached_turn(self, cache: TurnCache, episodes: list[Episode], live: list[int],
+                     indices: list[int], seed: int, turn: int, params: SamplingParams,
+                     eos_id: int, stats: dict
+                     ) -> tuple[dict[int, tuple[list[int], list[float]]], int]:
+        """:meth:`_sample_turn` on the episodes' kept KV cache: the same caps and seeds."""
+        caps = {j: min(params.max_new_tokens, self.data.max_seq_len - len(episodes[j]))
+                for j in live}
+        fed = range(len(episodes)) if turn == 0 else live
+        turns = cache.turn({j: episodes[j].prompt + episodes[j].tokens for j in fed}, caps,
+                           params, {j: derive_seed("turn", seed, indices[j], turn)
+                                    for j in live},
+                           stop_tensor(params, eos_id, cache.device), stats)
+        return turns, cache.cache_bytes()
 
     def _count(self, episodes: list[Episode], indices: list[int], stats: dict) -> None:
         """The leader's episode counts into ``stats`` (see :func:`episode_metrics`)."""
