@@ -12,7 +12,7 @@ the decode-slot path (``rollout.decode_slots``) feed every row as before.
 
 Bitwise: no. The prefill's matmuls see fewer rows, which this machine's BLAS may sum in
 another order, so a row's keys, values and logits can differ in the last bits (as with
-decode slots, whose rows are computed in other batches). tests/test_shared_prefill.py:
+decode slots, whose rows are computed in other batches). tests/test_decode_paths.py:
 the same tokens, stops and routing as the plain path, greedy and seeded, at rollout TP=1
 and TP=2; log-probs equal or 4.8e-7 apart.
 

@@ -14,10 +14,10 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("shared"))
-    worker = os.path.join(WORKERS, "shared_prefill.py")
+    worker = os.path.join(WORKERS, "decode_paths.py")
     for world in (1, 2):
         torchrun(worker, world, out)
-    return {world: torch.load(os.path.join(out, f"shared_world{world}.pt"), weights_only=False)
+    return {world: torch.load(os.path.join(out, f"decode_world{world}.pt"), weights_only=False)
             for world in (1, 2)}
 
 

@@ -2,7 +2,7 @@
 groups: a batch whose prompts repeat (GRPO's groups, a lone prompt between them), sampled
 with and without sharing, greedy and with per-row seeds, in one static batch and in four
 decode slots; a mixture of experts with its routing recorded. World 1: rollout TP=1; world 2: the model at TP=2. Results ->
-OUT/shared_world{N}.pt on rank 0."""
+OUT/decode_world{N}.pt on rank 0."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def main():
                     for share in (False, True)}
                 results[(arch, name)]["slots"]["stats"] = slot_stats
     if dist.get_rank() == 0:
-        torch.save(results, os.path.join(out, f"shared_world{world}.pt"))
+        torch.save(results, os.path.join(out, f"decode_world{world}.pt"))
     dist.destroy_process_group()
 
 
