@@ -1,5 +1,5 @@
-"""A group's prompt prefilled once (speedups.shared_prefill): the samples equal the plain
-path's exactly."""
+"""Decode paths against the plain one: a group's prompt prefilled once
+(speedups.shared_prefill), and decode slots recording a mixture of experts' routing."""
 
 import os
 
@@ -61,3 +61,25 @@ def test_shared_prefill_in_decode_slots_samples_what_every_slot_prefilled_does(s
     for field in ("response_tokens_BT", "fed_mask_BT", "finished_B"):
         assert torch.equal(getattr(fast, field), getattr(plain, field)), field
     assert (fast.logprobs_BT - plain.logprobs_BT).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("case", ["greedy", "seeded"])
+def test_decode_slots_record_the_experts_the_static_batch_records(shared, world, case):
+    """A mixture of experts through four decode slots (``rollout.decode_slots``) with its
+    routing recorded, against the static batch: the same tokens, and the same experts for
+    every token both fed - each prompt's tokens and every response token but the last
+    (a static batch feeds a stopped row's stop token while others go on; slots do not,
+    and no pass reads it). Catches choices recorded into another prompt's row or column
+    (a slot's earlier occupant, a prompt admitted mid-batch) and columns left unrouted."""
+    got = shared[world][("qwen3moe", case)]
+    static, slots = got[False], got["slots_routing"]
+    for field in ("response_tokens_BT", "fed_mask_BT", "finished_B"):
+        assert torch.equal(getattr(slots, field), getattr(static, field)), field
+    P = static.prompt_tokens_BP.shape[1]
+    fed = torch.cat([static.prompt_mask_BP, static.fed_mask_BT], dim=1).bool()
+    last = static.fed_mask_BT.sum(1) - 1  # each row's last response token
+    fed[torch.arange(fed.shape[0]), P + last] = False
+    assert fed[:, P:].any()  # responses' tokens are compared, not only prompts'
+    for b in range(fed.shape[0]):
+        assert torch.equal(slots.routing_BLSK[b][:, fed[b]], static.routing_BLSK[b][:, fed[b]]), b

@@ -19,12 +19,15 @@ last bits with the batch it is computed in.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
 from megarlhf import speedups
+from megarlhf.models import moe
+from megarlhf.models.gpt import unwrap
 from megarlhf.inference.kv_cache import kv_cache_bytes
 from megarlhf.speedups.shared_prefill import copy as copy_prefill
 from megarlhf.speedups.shared_prefill import groups as prefill_groups
@@ -39,7 +42,7 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
                         slots: int, eos_id: int, pad_id: int, true_vocab: int,
                         row_seeds: list[int] | None = None,
                         stats: dict | None = None, interrupt: Callable[[], bool] | None = None,
-                        recompute_kv: bool = True,
+                        recompute_kv: bool = True, record_routing: bool = False,
                         shared_prefill: bool | None = None) -> Generation:
     """As :func:`~megarlhf.inference.generate.generate` (greedy or ``row_seeds``), decoding
     at most ``slots`` rows at a time. ``stats``: ``kv_cache_bytes``, ``decode_slots`` (the
@@ -47,9 +50,12 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
     no prompt waits), ``shared_prefills`` (prompts whose prefill was copied). ``interrupt`` and ``recompute_kv``: as ``generate``'s (a recompute
     feeds every slot's columns again). ``shared_prefill`` (None: where the speed-up is
     on): the first slots' repeated prompts prefill once, and a prompt admitted at the
-    same step as its twin copies the twin's keys and values."""
+    same step as its twin copies the twin's keys and values. ``record_routing``: a mixture
+    of experts' choices for every token fed, in ``routing_BLSK`` laid out as ``generate``'s
+    (the left-padded prompts' P columns, then the response's)."""
     if shared_prefill is None:
         shared_prefill = speedups.enabled("shared_prefill")
+    shared_prefill = shared_prefill and not record_routing  # (a routing record per slot)
     if not params.greedy and row_seeds is None:
         raise ValueError("continuous batching samples with per-prompt seeds (row_seeds) or "
                          "greedily: a shared generator's draws would depend on the schedule")
@@ -65,6 +71,11 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
     key_mask = torch.zeros(S, L, dtype=torch.long, device=device)
     positions = torch.zeros(S, L, dtype=torch.long, device=device)
     ctx = StaticInferenceContext(S, L)
+    config = unwrap(model).config
+    routing = moe.unrouted(n, config.num_layers, P + T, config.moe_router_topk or 1) \
+        if record_routing else None
+    # each slot's cache column -> the output column of its prompt's token there (-1: none)
+    where = torch.full((S, L), -1, dtype=torch.long)
     draws = SeededDraws(row_seeds, true_vocab, device) if row_seeds else None
     holds = [-1] * S  # the prompt each slot decodes (-1: none)
     length = [0] * S  # tokens the slot's prompt has sampled
@@ -78,16 +89,30 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
         """Feed columns [start, end) of ``rows``; logits at column end - 1."""
         ctx.batch_size_offset, ctx.sequence_len_offset = rows.start, start
         blocked = _attention_blocked(key_mask[rows, :end], end - start)
-        out = model(tokens[rows, start:end].masked_fill(key_mask[rows, start:end] == 0, pad_id),
-                    positions[rows, start:end], blocked, inference_context=ctx,
-                    runtime_gather_output=True, positions=slice(-1, None))
+        with moe.recording(model) if routing is not None else contextlib.nullcontext() as got:
+            out = model(tokens[rows, start:end].masked_fill(key_mask[rows, start:end] == 0,
+                                                            pad_id),
+                        positions[rows, start:end], blocked, inference_context=ctx,
+                        runtime_gather_output=True, positions=slice(-1, None))
+            if routing is not None:
+                record(got(), rows, start, end)
         ctx.enable_decode_mode()
         return out[:, -1, :true_vocab].float()
+
+    def record(recorded: dict, rows: slice, start: int, end: int) -> None:
+        """The experts each token of the pass chose, into its prompt's output columns."""
+        chosen = moe.routing_of(recorded, rows.stop - rows.start, end - start,
+                                config.num_layers, routing.shape[-1])
+        for a, s in enumerate(range(rows.start, rows.stop)):
+            cols = where[s, start:end]
+            if holds[s] >= 0 and bool((cols >= 0).any()):
+                routing[holds[s]][:, cols[cols >= 0]] = chosen[a][:, cols >= 0]
 
     # the first S prompts, left-padded into columns [0, P)
     first, first_mask = (t.to(device) for t in left_pad(prompts[:S], pad_id))
     tokens[:, P - first.shape[1]:P], key_mask[:, P - first.shape[1]:P] = first, first_mask
     positions[:, :P] = (key_mask[:, :P].cumsum(dim=1) - 1).clamp(min=0)
+    where[:, :P] = torch.arange(P).masked_fill(key_mask[:, :P].cpu() == 0, -1)
     for s in range(S):
         holds[s] = s
     shared = prefill_groups(tokens[:, :P], key_mask[:, :P]) if shared_prefill else None
@@ -124,6 +149,7 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
             else:  # the sampled token is fed at ``col``
                 tokens[s, col], key_mask[s, col] = picked[j], 1
                 positions[s, col] = positions[s, col - 1] + 1
+                where[s, col] = P + length[s] - 1
         # free slots take the next prompts: their prompt ends at ``col``, its earlier
         # tokens written now, its last fed with the others' tokens below
         twins: dict[tuple[int, ...], int] = {}  # a prompt admitted at this step -> its slot
@@ -135,6 +161,8 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
                 tokens[s, col + 1 - p:col + 1] = torch.tensor(prompt, device=device)
                 key_mask[s, col + 1 - p:col + 1] = 1
                 positions[s, col + 1 - p:col + 1] = torch.arange(p, device=device)
+                where[s, :col + 1] = -1
+                where[s, col + 1 - p:col + 1] = torch.arange(P - p, P)
                 holds[s], length[s] = waiting, 0
                 waiting += 1
                 twin = twins.get(tuple(prompt)) if shared_prefill else None
@@ -176,4 +204,5 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
         version[i, :k] = torch.tensor(versions[i])
     return Generation(prompt_tokens, prompt_mask, response, mask, lp,
                       torch.tensor(finished, dtype=torch.bool),
+                      routing_BLSK=routing[:, :, :P + width] if routing is not None else None,
                       versions_BT=version if interrupt is not None else None)

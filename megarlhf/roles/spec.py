@@ -289,10 +289,6 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
                                              "roles.actor.optimizer"),
                            vocab_tps=(rollout_tp,))
     check_rollout_layout(model, rollout_tp, world_size)
-    if cfg.rollout.decode_slots is not None and model.moe.enabled:
-        raise ConfigError("rollout.decode_slots (continuous batching) does not record a "
-                          "mixture-of-experts actor's routing yet: leave it null for this "
-                          "actor")
     if cfg.rollout.routing_replay != "none" and not model.moe.enabled:
         raise ConfigError(f"rollout.routing_replay={cfg.rollout.routing_replay} has no effect: "
                           "the actor is dense (its model.moe.num_experts is 0)")

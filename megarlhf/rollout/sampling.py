@@ -122,7 +122,7 @@ def sample_share(r: RolloutConfig, model, prompts: list[list[int]], indices: lis
         return generate_continuous(model, prompts, params, slots=r.decode_slots,
                                    eos_id=eos_id, pad_id=pad_id, true_vocab=true_vocab,
                                    row_seeds=seeds, stats=stats,
-                                   **partial)
+                                   record_routing=record_routing, **partial)
     return generate(model, prompts, params, eos_id=eos_id, pad_id=pad_id, true_vocab=true_vocab,
                     row_seeds=seeds, stats=stats,
                     record_routing=record_routing, **partial)

@@ -1,7 +1,8 @@
 """Shared prompt prefill (speedups.shared_prefill) against the plain path on real process
 groups: a batch whose prompts repeat (GRPO's groups, a lone prompt between them), sampled
 with and without sharing, greedy and with per-row seeds, in one static batch and in four
-decode slots; a mixture of experts with its routing recorded. World 1: rollout TP=1; world 2: the model at TP=2. Results ->
+decode slots; a mixture of experts with its routing recorded, in a static batch and in
+decode slots. World 1: rollout TP=1; world 2: the model at TP=2. Results ->
 OUT/decode_world{N}.pt on rank 0."""
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def main():
                                 **({"stats": stats} if share else {}))
                 for share in (False, True)}
             results[(arch, name)]["stats"] = stats
+            if arch == "qwen3moe":  # four decode slots recording the experts chosen
+                results[(arch, name)]["slots_routing"] = generate_continuous(
+                    model, PROMPTS, params, slots=4, **kw, **common)
             if arch == "llama":  # four decode slots: the first four, then twins admitted
                 kw = {k: v for k, v in {**kw, **common}.items() if k != "record_routing"}
                 slot_stats: dict = {}
