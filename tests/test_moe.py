@@ -241,6 +241,39 @@ def test_a_deepseek_style_actor_rolls_out_with_the_moved_expert_bias(setup):
     assert all(abs(r["ppo/policy/approxkl"]) < 1.0 for r in got.values())
 
 
+def test_an_expert_actor_under_split_placement_equals_colocated_with_r3(setup):
+    """A mixture-of-experts actor whose expert bias moves 0.05 a step, sampled on a rollout
+    rank of its own (split placement, the weights' SHA-256 checked on arrival) with r3
+    replay, against the same run colocated: every metric equal to rounding over three
+    iterations, the old-log-prob pass (replaying the rollout's experts) scoring as the
+    rollout did, and each update a no-op at the old policy. Catches a
+    rollout rank without the experts' routing record (r3 would then replay nothing) and
+    expert biases left behind by the weight sync (the rollout would route by stale ones)."""
+    out, ppo = setup
+    bias = ["model.moe.expert_bias=true", "model.moe.expert_bias_update_rate=0.05",
+            "model.moe.score_function=sigmoid"]
+    run_cli("sft", "configs/sft_tiny.yaml", ppo[2].replace("prompts", "sft"), *MOE, *bias,
+            "train.max_steps=6", "checkpoint.save_interval=0", "run.name=moe-bias-sft",
+            *ppo[-4:])
+    extra = ["ppo.num_iterations=3", "checkpoint.save_interval=0", "rollout.routing_replay=r3",
+             f"ppo.sft_checkpoint={out}/moe-bias-sft/checkpoints", *bias,
+             "ppo.ppo_epochs=1", "ppo.mini_batch_size=32"]
+    run_cli(*ppo, "run.name=moe-colocated", *extra)
+    torchrun(ppo + ["run.name=moe-split", *extra, "rollout.placement.mode=split",
+                    "rollout.placement.ranks=1", "rollout.placement.weight_checksum=true"], 2)
+    colocated, split = metrics(out, "moe-colocated"), metrics(out, "moe-split")
+    assert sorted(colocated) == sorted(split) == [1, 2, 3]
+    for step in (1, 2, 3):
+        a, b = colocated[step], split[step]
+        assert b["rollout/logprob_diff_max"] < 1e-4  # r3: the rollout's experts replayed
+        assert abs(b["ppo/policy/approxkl"]) < 1e-7 and b["ppo/policy/clipfrac"] == 0.0
+        for key, value in a.items():
+            if key.startswith(("timing/", "perf/", "memory/")) or not isinstance(
+                    value, (int, float)):
+                continue
+            assert abs(value - b[key]) <= 1e-6 + 1e-6 * abs(value), (step, key, value, b[key])
+
+
 def test_routing_replay_routes_every_token_as_told(tmp_path):
     """A layer replaying a routing with tokens sent on purpose to other experts computes,
     for every token, the loop's sum over the given experts of softmax(its router logits at

@@ -121,7 +121,7 @@ def drop_counting_router():
 _DropCountingRouter = None
 
 
-def _biased_routers(model) -> list:
+def biased_routers(model) -> list:
     """The routers with an expert bias in ``model`` (a list of chunks, DDP-wrapped or
     bare, or one model)."""
     out = []
@@ -143,7 +143,7 @@ def update_expert_bias(model, rate: float, group) -> None:
     the sign of the move; stages hold their own layers.)"""
     import torch.distributed as dist
 
-    routers = _biased_routers(model)
+    routers = biased_routers(model)
     if not routers:
         return
     counts = torch.stack([r.local_tokens_per_expert.float() for r in routers])
@@ -162,12 +162,12 @@ def copy_expert_bias(src_chunks: list, dst, pp_group) -> None:
     buffer it does not move."""
     import torch.distributed as dist
 
-    dst_routers = {r.layer_number - 1: r for r in _biased_routers(dst)}
+    dst_routers = {r.layer_number - 1: r for r in biased_routers(dst)}
     if not dst_routers:
         return
     first = next(iter(dst_routers.values()))
     biases = torch.zeros(max(dst_routers) + 1, first.expert_bias.numel(), dtype=torch.float32)
-    for router in _biased_routers(src_chunks):
+    for router in biased_routers(src_chunks):
         biases[router.layer_number - 1] = router.expert_bias.float().cpu()
     if dist.get_world_size(pp_group) > 1:
         dist.all_reduce(biases, group=pp_group)

@@ -41,8 +41,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megarlhf.config import Config, ConfigError, PlacementConfig
-from megarlhf.models import lora
+from megarlhf.config import Config, PlacementConfig
+from megarlhf.models import lora, moe
 from megarlhf.parallel import signals, watchdog
 from megarlhf.parallel.placement import Split
 from megarlhf.parallel.signals import install_handlers
@@ -76,10 +76,12 @@ def recv_object(pg, src: int, tag: int):
 
 
 def _synced(model, adapters_only: bool) -> list[torch.Tensor]:
-    """The parameters a weight sync moves, in order: all, or a LoRA model's adapters (its
-    frozen base, once sent, does not change)."""
+    """The tensors a weight sync moves, in order: the parameters - all, or a LoRA model's
+    adapters (its frozen base, once sent, does not change) - then a mixture of experts'
+    expert biases (buffers the updates move, which routing reads)."""
     return [p for name, p in model.named_parameters()
-            if not adapters_only or lora.is_adapter(name)]
+            if not adapters_only or lora.is_adapter(name)] \
+        + [router.expert_bias for router in moe.biased_routers(model)]
 
 
 def flat_weights(model, adapters_only: bool = False) -> list[torch.Tensor]:
@@ -267,10 +269,6 @@ class RemoteRollout:
 def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
     """A rollout rank's life: build the actor's inference-layout model, then sample each
     request until the training side says stop. Returns the batches sampled."""
-    if actor_spec.model.moe.enabled:
-        raise ConfigError("rollout.placement.mode=split does not take a mixture-of-experts actor "
-                          "yet (its expert layout and router bias are not sent to the rollout "
-                          "ranks): use rollout.placement.mode=colocated")
     # a preemption signal is the training side's to act on (it saves, then says stop):
     # here it is only recorded and reported with the next batch
     install_handlers()
@@ -325,6 +323,7 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
                                request["seed"], eos_id=tokenizer.eos_id,
                                pad_id=tokenizer.pad_id, end_ids=tokenizer.end_ids,
                                true_vocab=actor_spec.model.vocab_size, stats=gen_stats,
+                               record_routing=actor_spec.model.moe.enabled,
                                interrupt=inflight, episodes=episodes)
         seconds = time.perf_counter() - start
         if inflight is not None:  # each token's version
