@@ -118,6 +118,26 @@ def test_kv_kept_across_turns_plays_the_episodes_that_re_prefilling_does(task):
     assert rows_again[1]["rollout/logprob_diff_max"] < 1e-4
 
 
+def test_dynamic_sampling_refills_with_episodes(task):
+    """DAPO's dynamic sampling on the tool task: groups whose episodes all scored alike are
+    dropped and refilled by further rounds of episodes (data rows played, not single-turn
+    prompts: a refill round happens), and the merged batch keeps its size and the
+    episodes' observation masks and turn rewards. (Which groups are kept is tested on
+    single-turn batches: tests/test_ppo_modes.py.) Catches refills sampled as plain
+    prompts and merged batches that lose the episodes' observations or rewards."""
+    _, out = ppo(task, "dynamic", "ppo.num_iterations=2", "ppo.dynamic_sampling=true",
+                 "ppo.max_sampling_rounds=3", "ppo.max_staleness=1",
+                 "checkpoint.save_interval=1", "checkpoint.keep_last=2")
+    rows = metrics(out / "metrics.jsonl")[1:]
+    assert all(r["rollout/dynamic_sampling_rounds"] >= 1 for r in rows)
+    assert any(r["rollout/dynamic_sampling_rounds"] > 1 for r in rows), rows
+    gen = torch.load(out / "checkpoints" / "iter_000001" / "rollout_queue.pt",
+                     weights_only=True)["batches"]["1"]["gen"]
+    assert gen["observation_BT"] is not None and gen["env_rewards_BT"] is not None
+    assert gen["response_tokens_BT"].shape[0] == 4 * 2  # rollout_batch_size x group_size
+    assert float(gen["observation_BT"].sum()) > 0  # tool answers kept in the merged batch
+
+
 def _check_episodes(gen: dict, tok, end: int) -> int:
     """The checks of the test above on one batch; returns its episodes of several turns."""
     obs_mask, mask = gen["observation_BT"], gen["fed_mask_BT"]

@@ -364,9 +364,6 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
         raise ConfigError("ppo.gold_reward_fn has no effect with rollout.environment.name: the "
                           "evaluation plays the environment's episodes, and their return is "
                           "eval/gold_score")
-    if rollout.environment.name and ppo.dynamic_sampling:
-        raise ConfigError("ppo.dynamic_sampling does not take rollout.environment.name yet (its "
-                          "refills are single-turn prompts)")
     if reward_model and programmatic:
         raise ConfigError(f"both a reward-model checkpoint and {which} are set: choose one "
                           "reward source")
