@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from conftest import WORKERS, run_cli, torchrun
+from conftest import ROOT, WORKERS, run_cli, torchrun
 from megarlhf import algos
 from megarlhf.data.synthetic import COLOURS, NOUNS, write_jsonl
 from megarlhf.data.tool_task import LOOKUP, TEMPLATE, write_tool_task
@@ -109,6 +109,14 @@ def test_kv_kept_across_turns_plays_the_episodes_that_re_prefilling_does(task):
             torch.load(run / "checkpoints" / f"iter_00000{i}" / "rollout_queue.pt",
                        weights_only=True)["batches"][str(i)]["gen"] for i in (1, 2)])
     (rows, kept), (rows_again, again) = runs["kept"], runs["again"]
+    # the planner counts the kept cache: the replica's 16 episodes x its columns
+    from megarlhf.config import load_config
+    from megarlhf.memory.plan import plan_ppo
+    cfg = load_config(os.path.join(ROOT, "configs/demo/tool_grpo.yaml"), [*task["common"][1:],
+                                                      "ppo.rollout_batch_size=8"])
+    planned = plan_ppo(cfg, 1).phase_max()["rollout"][("inference", "kv_cache")]
+    assert rows[1]["memory/rollout/inference/kv_cache"] == pytest.approx(planned / 2**20,
+                                                                          rel=1e-9)
     for a, b in zip(kept, again, strict=True):
         for key in ("response_tokens_BT", "fed_mask_BT", "observation_BT", "prompt_tokens_BP"):
             assert torch.equal(a[key], b[key]), key

@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from megarlhf import speedups
 from megarlhf.config import Config, Layout, Written, check_placement
 from megarlhf.data.budgets import forward_budget, update_budget
 from megarlhf.memory.estimates import (forward_bytes, kv_cache_bytes, packed_shape,
                                        prefill_bytes, static_bytes, train_activation_bytes)
 from megarlhf.roles.offload import LEVEL_PARTS
 from megarlhf.roles.spec import RoleSpec, batch_sizes, ppo_role_specs
+from megarlhf.speedups import turn_kv
 
 PHASES = ("rollout", "experience", "train", "save")
 
@@ -127,11 +129,19 @@ class _PPOPlanner:
         self.forward_rows = r.forward_micro_batch_size or ppo.micro_batch_size
         self.eval_prompts = ppo.num_eval_prompts if cfg.data.eval_path else 0
         self._static: dict = {}
+        # multi-turn episodes: the replica's cache kept across turns (speedups.turn_kv), or
+        # a turn's static batch, a conversation of up to data.max_seq_len tokens
+        self.episode_columns = None if not r.environment.name else \
+            turn_kv.columns(cfg.data.max_seq_len) if speedups.chosen("turn_kv") \
+            else cfg.data.max_seq_len
 
     def rollout_kv(self, rows: int) -> float:
         """A replica's KV cache for ``rows`` prompts: one static batch, or continuous
         batching's ``rollout.decode_slots`` rows of its longer columns (inference.continuous)."""
         slots, inf = self.r.decode_slots, self.inference
+        if self.episode_columns is not None:
+            return float(kv_cache_bytes(inf.model, tp=inf.layout.tp, batch=rows,
+                                        seq=self.episode_columns))
         if slots is not None and slots < rows:
             return float(kv_cache_bytes(inf.model, tp=inf.layout.tp, batch=slots,
                                         seq=self.P + self.T * (-(-rows // slots) + 1)))
@@ -177,7 +187,7 @@ class _PPOPlanner:
         prefill = prefill_bytes(inference, batch=gen_rows, prompt=P)
         by_phase["rollout"][("inference", "activations")] = prefill
         eval_kv = kv_cache_bytes(inference.model, tp=inference.layout.tp, batch=eval_rows,
-                                 seq=S)
+                                 seq=self.episode_columns or S)
         total["rollout"] += prefill + max(0, eval_kv - kv)
         # experience: offloaded frozen roles come on one at a time; one pass's buffers
         frozen_on = [float(self.static(spec, rank)["params"]) for spec in specs.values()

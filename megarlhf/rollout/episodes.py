@@ -40,6 +40,7 @@ from megarlhf.rewards.verifiers import Failure, RewardError
 from megarlhf.algos.seeds import derive_seed
 from megarlhf.speedups.turn_kv import TurnCache
 from megarlhf.speedups.turn_kv import applies as turn_cache_applies
+from megarlhf.speedups.turn_kv import columns as turn_cache_columns
 
 
 # ------------------------------------------------------------------ one episode
@@ -164,7 +165,7 @@ class Episodes:
         last = self.environment.max_turns - 1
         # the episodes' keys and values kept across their turns (speedups.turn_kv)
         cache = TurnCache(model, len(episodes), pad_id=pad_id, true_vocab=true_vocab,
-                          columns=2 * self.data.max_seq_len) \
+                          columns=turn_cache_columns(self.data.max_seq_len)) \
             if speedups.enabled("turn_kv") and turn_cache_applies(model) else None
         for turn in range(last + 1):
             live = [j for j, ep in enumerate(episodes) if not ep.done]

@@ -103,6 +103,13 @@ def enabled(name: str) -> bool:
     return _installed is not None and name in _installed
 
 
+def chosen(name: str) -> bool:
+    """Whether speed-up ``name`` is on in the run this process plans or starts: installed,
+    or (before :func:`install`, e.g. ``megarlhf plan``) selected by ``MEGARLHF_SPEEDUPS``."""
+    assert name in NAMES, name
+    return enabled(name) if _installed is not None else name in selected(os.environ.get(ENV))
+
+
 def describe() -> str:
     """One line for start-up output."""
     if _installed is None or not _installed:

@@ -41,6 +41,12 @@ from megarlhf.inference.kv_cache import kv_cache_bytes
 from megarlhf.models.gpt import unwrap
 
 
+def columns(max_seq_len: int) -> int:
+    """The columns a replica's cache starts with (``data.max_seq_len``: an episode's
+    tokens): room for the gaps of right-aligned turns before it grows."""
+    return 2 * max_seq_len
+
+
 def applies(model) -> bool:
     """Whether ``model``'s positions reach attention in a way :class:`TurnCache` steers:
     learned absolute position embeddings (the position ids), or megatron's plain RoPE."""
