@@ -48,7 +48,7 @@ def main() -> None:
     from megarlhf.inference.generate import SamplingParams, generate, stop_tensor
     from megarlhf.parallel.launch import init_distributed
     from megarlhf.roles.build import build_from_config
-    from megarlhf.speedups.turn_kv import TurnCache
+    from megarlhf.inference.turns import TurnCache
 
     cfg = load_config(os.path.join(tmp, "mrl", "config.yaml"))
     init_distributed(cfg)

@@ -38,7 +38,7 @@ from megarlhf.inference.generate import Generation, SamplingParams, generate, st
 from megarlhf.rewards.environments import InProcessEnvs, WorkerEnvs, check_reset, check_step
 from megarlhf.rewards.verifiers import Failure, RewardError
 from megarlhf.algos.seeds import derive_seed
-from megarlhf.speedups.turn_kv import TurnCache
+from megarlhf.inference.turns import TurnCache
 from megarlhf.speedups.turn_kv import applies as turn_cache_applies
 from megarlhf.speedups.turn_kv import columns as turn_cache_columns
 
