@@ -64,7 +64,6 @@ def main() -> None:
 
     from megarlhf.config import load_config
     from megarlhf.roles.build import build_from_config
-    from megarlhf.parallel import cpu_backend
     from megarlhf.parallel.launch import init_distributed
     from megarlhf.inference.generate import SamplingParams, generate
 
@@ -87,10 +86,7 @@ def main() -> None:
                             true_vocab=cfg.model.vocab_size, use_cache=use_cache)
 
         def theirs():
-            # transformers runs without megarlhf's CPU-backend mode, as in its own process.
-            with torch.no_grad(), cpu_backend.suspended():
-                return hf.generate(torch.tensor(prompts), max_new_tokens=args.new,
-                                   min_new_tokens=args.new, do_sample=False, pad_token_id=0)
+            return hf_greedy(hf, prompts, args.new)
 
         tokens = batch * args.new
         t_ours, t_hf = alternating(ours, theirs, args.repeats)
@@ -101,10 +97,19 @@ def main() -> None:
               f"   (same tokens: {same})")
 
 
+def hf_greedy(hf, prompts: list[list[int]], new: int) -> torch.Tensor:
+    """transformers' greedy ``generate`` of exactly ``new`` tokens per prompt, run without
+    megarlhf's CPU-backend mode, as in its own process."""
+    from megarlhf.parallel import cpu_backend
+
+    with torch.no_grad(), cpu_backend.suspended():
+        return hf.generate(torch.tensor(prompts), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=0)
+
+
 def shared_table(args, model, hf, cfg, params) -> None:
     """Batches of prompts repeated ``args.group`` times: megarlhf sharing each group's
     prefill, megarlhf prefilling every row, transformers."""
-    from megarlhf.parallel import cpu_backend
     from megarlhf.inference.generate import generate
 
     print(f"# generate, groups of {args.group} rows per prompt: {args.size} model, prompt "
@@ -121,9 +126,7 @@ def shared_table(args, model, hf, cfg, params) -> None:
                             true_vocab=cfg.model.vocab_size, shared_prefill=share)
 
         def theirs():
-            with torch.no_grad(), cpu_backend.suspended():
-                return hf.generate(torch.tensor(prompts), max_new_tokens=args.new,
-                                   min_new_tokens=args.new, do_sample=False, pad_token_id=0)
+            return hf_greedy(hf, prompts, args.new)
 
         tokens = batch * args.new
         t_shared, t_every = alternating(lambda: ours(True), lambda: ours(False), args.repeats)
