@@ -47,8 +47,9 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
     """As :func:`~megarlhf.inference.generate.generate` (greedy or ``row_seeds``), decoding
     at most ``slots`` rows at a time. ``stats``: ``kv_cache_bytes``, ``decode_slots`` (the
     slots of every decode step) and ``idle_decode_slots`` (those without a row: only once
-    no prompt waits), ``shared_prefills`` (prompts whose prefill was copied). ``interrupt`` and ``recompute_kv``: as ``generate``'s (a recompute
-    feeds every slot's columns again). ``shared_prefill`` (None: where the speed-up is
+    no prompt waits), ``shared_prefills`` (prompts whose prefill was copied). ``interrupt``
+    and ``recompute_kv``: as ``generate``'s (a recompute feeds every slot's columns
+    again). ``shared_prefill`` (None: where the speed-up is
     on): the first slots' repeated prompts prefill once, and a prompt admitted at the
     same step as its twin copies the twin's keys and values. ``record_routing``: a mixture
     of experts' choices for every token fed, in ``routing_BLSK`` laid out as ``generate``'s

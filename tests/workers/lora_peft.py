@@ -2,7 +2,8 @@
 (``model.lora.init_from``): per-token log-probs of fixed sequences at every layout of this
 world, the planner's parameter shapes against the built ones, (one pipeline stage) the
 adapters' gradients of the summed log-probs, whole, by PEFT key, and at TP=2 checkpoints
-(OUT/ckpt whole, OUT/ckpt_adapters the adapters only) for the exports. argv: OUT CONV_DIR PEFT_DIR RANK ALPHA. Results ->
+(OUT/ckpt whole, OUT/ckpt_adapters the adapters only) for the exports.
+argv: OUT CONV_DIR PEFT_DIR RANK ALPHA. Results ->
 OUT/lora_world{N}.pt"""
 
 from __future__ import annotations
