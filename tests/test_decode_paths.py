@@ -83,3 +83,20 @@ def test_decode_slots_record_the_experts_the_static_batch_records(shared, world,
     assert fed[:, P:].any()  # responses' tokens are compared, not only prompts'
     for b in range(fed.shape[0]):
         assert torch.equal(slots.routing_BLSK[b][:, fed[b]], static.routing_BLSK[b][:, fed[b]]), b
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("case", ["greedy", "seeded"])
+def test_shared_prefill_on_the_static_cache_samples_what_every_row_prefilled_does(
+        shared, world, case):
+    """The same ten prompts on the fixed-shape cache the CUDA-graph decode step runs on
+    (inference/static_kv, eager here): a group's prompt prefilled once and spread to its
+    rows' buffers, against every row prefilled - the same tokens, masks and stops,
+    log-probs within 1e-6, and the plain static cache's samples equal megatron context's
+    tokens. Catches a spread that leaves rows' buffers unwritten or from another group."""
+    got = shared[world][("llama", case)]
+    plain, fast = got["static"][False], got["static"][True]
+    for field in ("response_tokens_BT", "fed_mask_BT", "finished_B"):
+        assert torch.equal(getattr(fast, field), getattr(plain, field)), field
+        assert torch.equal(getattr(plain, field), getattr(got[False], field)), field
+    assert (fast.logprobs_BT - plain.logprobs_BT).abs().max() <= 1e-6

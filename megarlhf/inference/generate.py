@@ -240,7 +240,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, eos_id:
     the model and options allow it (no routing record, no ``interrupt``).
 
     ``shared_prefill``: rows with the same prompt prefill it once and copy its keys and
-    values (:mod:`megarlhf.speedups.shared_prefill`; on megatron's context). None: where
+    values (:mod:`megarlhf.speedups.shared_prefill`; on either KV cache). None: where
     that speed-up is on."""
     device = next(model.parameters()).device
     prompt_tokens, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
@@ -337,7 +337,7 @@ class _Feed:
             else None
         # rows with the same prompt share its prefill (their first pass)
         self.shared = prefill_groups(prompt_tokens, prompt_mask) \
-            if self.ctx is not None and shared_prefill else None
+            if (self.ctx is not None or self.static is not None) and shared_prefill else None
         self.shared_prefills = 0 if self.shared is None else B - len(self.shared.rows)
         self.config = unwrap(model).config
         # a token never fed (the last sampled one) keeps experts 0..k-1: distinct, never read
@@ -362,8 +362,13 @@ class _Feed:
             inp, pos, blocked = inp[shared.rows], pos[shared.rows], blocked[shared.rows]
         # logits at the last column only (the prefill's other P - 1 are never read)
         if self.static is not None:
-            return self.static.prefill(inp, pos, blocked) if new > 1 else \
-                self.static.step(inp[:, 0], pos[:, 0], start)
+            if new == 1:
+                return self.static.step(inp[:, 0], pos[:, 0], start)
+            logits = self.static.prefill(inp, pos, blocked)
+            if shared is None:
+                return logits
+            self.static.spread(shared.owner, length)
+            return logits[shared.owner]
         routing, model, ctx = self.routing, self.model, self.ctx
         with moe.recording(model) if routing is not None else contextlib.nullcontext() as got:
             if ctx is None:

@@ -70,9 +70,9 @@ class StaticKV:
         if self.shared.decoding:
             self.k.index_copy_(2, self.shared.col, k)
             self.v.index_copy_(2, self.shared.col, v)
-        else:
-            self.k[:, :, :k.shape[2]] = k
-            self.v[:, :, :v.shape[2]] = v
+        else:  # (a shared prefill feeds the first rows: speedups.shared_prefill)
+            self.k[:k.shape[0], :, :k.shape[2]] = k
+            self.v[:v.shape[0], :, :v.shape[2]] = v
 
     def attend(self, core, query: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
         """A decode step's attention: query (1, B, heads, head) over every cached column,
@@ -127,6 +127,15 @@ class StaticDecoder:
         out = self.model(tokens, positions, blocked, runtime_gather_output=True,
                          positions=slice(-1, None))
         return out[:, -1, :self.true_vocab].float()
+
+    @torch.no_grad()
+    def spread(self, owner: torch.Tensor, columns: int) -> None:
+        """After a prefill of one row per distinct prompt (rows ``0..U-1``): every row's
+        first ``columns`` keys and values are its group's, ``owner[b]``
+        (:mod:`megarlhf.speedups.shared_prefill`)."""
+        for core in self.cores:
+            for cache in (core.static_kv.k, core.static_kv.v):
+                cache[:, :, :columns] = cache[owner, :, :columns]
 
     def step(self, token: torch.Tensor, position: torch.Tensor, col: int) -> torch.Tensor:
         """Feed (B,) tokens with their (B,) position ids at column ``col`` -> (B, V) float

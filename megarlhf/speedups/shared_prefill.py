@@ -3,8 +3,9 @@
 
 Replaces: :func:`megarlhf.inference.generate.generate`'s first pass over every row's
 prompt. With this speed-up the pass feeds one row per distinct (left-padded) prompt; the
-keys and values it leaves in megatron's ``StaticInferenceContext`` are then copied to the
-other rows of its group (the context's memory is ``(columns, rows, ...)`` per layer) and
+keys and values it leaves in megatron's ``StaticInferenceContext`` (its memory is
+``(columns, rows, ...)`` per layer), or in the fixed-shape cache of the CUDA-graph decode
+step (``inference.static_kv``), are then copied to the other rows of its group and
 its logits handed to each of them, which sample with their own seeds as before. A group of
 k rows pays one prompt's prefill and k copies of its keys and values instead of k
 prefills. Decode steps, a recompute after new weights (``rollout.placement.partial``) and

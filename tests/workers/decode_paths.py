@@ -46,6 +46,13 @@ def main():
                                 **({"stats": stats} if share else {}))
                 for share in (False, True)}
             results[(arch, name)]["stats"] = stats
+            if arch == "llama":  # the fixed-shape cache of the CUDA-graph step, eager here
+                results[(arch, name)]["static"] = {
+                    share: generate(model, PROMPTS, params, shared_prefill=share,
+                                    static_cache=True, **kw,
+                                    **{k: v for k, v in common.items()
+                                       if k != "record_routing"})
+                    for share in (False, True)}
             if arch == "qwen3moe":  # four decode slots recording the experts chosen
                 results[(arch, name)]["slots_routing"] = generate_continuous(
                     model, PROMPTS, params, slots=4, **kw, **common)
