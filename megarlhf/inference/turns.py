@@ -95,11 +95,11 @@ class TurnCache:
         every = list(range(len(live)))
         out: dict[int, tuple[list[int], list[float]]] = {r: ([], []) for r in live}
         sampling = set(live)
+        stopped = set(stops.tolist())
         while True:
             token, logprob = sample_next(logits[index], params,
                                          draw=(lambda: draws.next(every)) if draws else None)
             token, logprob = token.tolist(), logprob.tolist()
-            stopped = set(stops.tolist())
             for i, row in enumerate(live):
                 if row not in sampling:
                     continue

@@ -28,7 +28,9 @@ masks as re-prefilling; log-probs to float rounding).
 The cache itself is :class:`megarlhf.inference.turns.TurnCache`; this module holds what
 the switch decides with (:func:`applies`, :func:`columns`) and the per-row rotary table.
 
-Measured: see BENCHMARKS.md.
+Measured (2026-12-04, ``bench/multiturn_kv.py``: the bench's medium model, 16 episodes of
+3 turns, 128-token prompts, 32-token observations and turns): 1.24x as fast as
+re-prefilling, the same episodes (BENCHMARKS.md).
 """
 
 from __future__ import annotations
