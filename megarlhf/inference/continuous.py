@@ -191,6 +191,18 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
         stats["kv_cache_bytes"] = kv_cache_bytes(ctx)
         stats["decode_slots"], stats["idle_decode_slots"] = slot_steps, idle
         stats["shared_prefills"] = copied
+    return assemble(prompts, responses, logprobs, versions, finished, pad_id, routing,
+                    interrupt is not None)
+
+
+def assemble(prompts: list[list[int]], responses: list[list[int]],
+             logprobs: list[list[float]], versions: list[list[int]], finished: list[bool],
+             pad_id: int, routing: torch.Tensor | None, swapped: bool) -> Generation:
+    """A :class:`Generation` of per-prompt lists: left-padded prompts, right-padded
+    responses, their log-probs and weight versions (``swapped``: partial rollouts), and the
+    routing record's first P + T columns."""
+    n = len(prompts)
+    P = max(len(p) for p in prompts)
     prompt_tokens, prompt_mask = left_pad(prompts, pad_id)
     width = max(len(r) for r in responses)
     response = torch.full((n, width), pad_id, dtype=torch.long)
@@ -206,4 +218,4 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
     return Generation(prompt_tokens, prompt_mask, response, mask, lp,
                       torch.tensor(finished, dtype=torch.bool),
                       routing_BLSK=routing[:, :, :P + width] if routing is not None else None,
-                      versions_BT=version if interrupt is not None else None)
+                      versions_BT=version if swapped else None)

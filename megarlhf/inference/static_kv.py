@@ -30,13 +30,14 @@ import torch.nn.functional as F
 from megarlhf.models.gpt import unwrap
 
 
-def unsupported(model) -> str | None:
-    """Why the model cannot decode on a static cache, or None when it can."""
+def unsupported(model, experts: bool = False) -> str | None:
+    """Why the model cannot decode on a static cache, or None when it can. ``experts``:
+    mixture-of-experts layers are fine (eager steps, never captured: the paged cache)."""
     from megarlhf.models.spec import SDPACoreAttention
 
     gpt = unwrap(model)
     config = gpt.config
-    if config.num_moe_experts:
+    if config.num_moe_experts and not experts:
         return "mixture-of-experts layers (data-dependent token dispatch)"
     if config.multi_latent_attention:
         return "multi-latent attention"
@@ -148,16 +149,25 @@ class StaticDecoder:
 
     def run(self) -> torch.Tensor:
         """One decode step on the buffers alone (what a CUDA graph captures)."""
-        gpt = self.gpt
-        hidden = gpt.embedding(input_ids=self.token, position_ids=self.position)  # (1, B, H)
         rope = None
         if self.rope is not None:
-            at = self.rope.index_select(0, self.col)
-            rope = (at, at)
+            rope = self.rope.index_select(0, self.col)
         B, L = self.key_mask.shape
         blocked = (self.key_mask == 0).view(B, 1, 1, L)
-        hidden = gpt.decoder(hidden_states=hidden, attention_mask=blocked, rotary_pos_emb=rope)
-        weight = gpt.shared_embedding_or_output_weight() \
-            if gpt.share_embeddings_and_output_weights else None
-        logits, _ = gpt.output_layer(hidden, weight=weight, runtime_gather_output=True)
-        return logits[0, :, :self.true_vocab].float()
+        return decode_pass(self.gpt, self.token, self.position, rope, blocked, self.true_vocab)
+
+
+def decode_pass(gpt, token: torch.Tensor, position: torch.Tensor, rope: torch.Tensor | None,
+                blocked: torch.Tensor, true_vocab: int) -> torch.Tensor:
+    """One column through megatron's embedding, transformer block and head: ``token`` and
+    ``position`` (B, 1), ``rope`` the rotary angles of the column ((1, 1, 1, dim) shared, or
+    (1, B, 1, dim) a row each; None without rotary), ``blocked`` the (B, 1, 1, K) keys a
+    row may not see -> (B, V) float logits. The layers' core attention reads and writes the
+    cache attached to it (``core.static_kv``)."""
+    hidden = gpt.embedding(input_ids=token, position_ids=position)  # (1, B, H)
+    rope = None if rope is None else (rope, rope)
+    hidden = gpt.decoder(hidden_states=hidden, attention_mask=blocked, rotary_pos_emb=rope)
+    weight = gpt.shared_embedding_or_output_weight() \
+        if gpt.share_embeddings_and_output_weights else None
+    logits, _ = gpt.output_layer(hidden, weight=weight, runtime_gather_output=True)
+    return logits[0, :, :true_vocab].float()
