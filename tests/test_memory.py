@@ -83,7 +83,10 @@ def runs(tiny_checkpoints):
     one = run_cases(out, base, {"tp1": [], "plain_bf16": [
         "optimizer.use_distributed_optimizer=false", "model.params_dtype=bfloat16"],
         "packed": [f"ppo.max_tokens_per_micro_batch={4 * longest}"],
-        "recompute": RECOMPUTE, "lora": ["model.lora.rank=4"]}, 1, "1")
+        "recompute": RECOMPUTE, "lora": ["model.lora.rank=4"],
+        # decode slots on a paged KV cache of two sequences' positions in 4-token blocks
+        "paged": ["rollout.decode_slots=3", "rollout.kv_block_tokens=4",
+                  f"rollout.kv_cache_tokens={2 * longest}"]}, 1, "1")
     two = run_cases(out, base, {
         "tp2": ["parallel.tensor_model_parallel_size=2", "rollout.tensor_parallel_size=2"],
         "tp2_sp": ["parallel.tensor_model_parallel_size=2", "rollout.tensor_parallel_size=2",
@@ -102,7 +105,7 @@ def exact_parts(result: dict, key: str = "measured") -> dict:
 
 
 LAYOUTS = [("tp1", 1), ("plain_bf16", 1), ("tp2", 2), ("tp2_sp", 2), ("pp2", 2), ("dp2", 2),
-           ("dp2_keep", 2), ("recompute", 1), ("lora", 1), ("lora_tp2", 2)]
+           ("dp2_keep", 2), ("recompute", 1), ("lora", 1), ("lora_tp2", 2), ("paged", 1)]
 
 
 @pytest.mark.parametrize("name,world", LAYOUTS)

@@ -836,6 +836,11 @@ NOT_MATH = {
     "rollout.placement.ranks": "as rollout.placement.mode",
     "rollout.decode_slots": "continuous batching: test_async / test_rollout (the static "
                             "batch's samples)",
+    "rollout.kv_cache": "where decode slots keep keys and values: test_decode_paths (the "
+                        "static batch's samples on either cache)",
+    "rollout.kv_block_tokens": "as rollout.kv_cache (test_decode_paths, test_memory)",
+    "rollout.kv_cache_tokens": "as rollout.kv_cache: a small pool's preemptions sample the "
+                               "same tokens (test_decode_paths, test_memory)",
     "rollout.placement.weight_checksum": "a check, no arithmetic",
     "rollout.placement.partial": "timing of weight updates: test_async's partial rollouts (each "
                        "token's version and behaviour log-prob)",

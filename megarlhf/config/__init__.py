@@ -14,7 +14,7 @@ from megarlhf.config.ppo import (CorrectionConfig, EnvironmentConfig, KLConfig, 
 from megarlhf.config.roles import RoleConfig, RolesConfig
 from megarlhf.config.rules import (
     check_launch, check_model_layout, check_placement, check_ppo, check_precision, check_roles,
-    check_supervised, check_rollout_layout, check_section, validate_layout)
+    check_supervised, check_rollout_layout, check_section, paged_kv_refusal, validate_layout)
 from megarlhf.config.run import CheckpointConfig, LoggingConfig, RunConfig
 from megarlhf.config.training import OptimizerConfig, TrainConfig
 from megarlhf.config.tree import Config
@@ -28,5 +28,5 @@ __all__ = [
     "check_model_layout", "check_placement", "check_precision", "check_rollout_layout", "overlay",
     "section_from_dict", "check_ppo", "check_roles", "check_supervised", "check_section", "check_launch", "ALIASES",
     "Loaded", "read_config", "Written", "CorrectionConfig", "EnvironmentConfig", "KLConfig",
-    "PlacementConfig", "RecomputeConfig", "RewardsConfig",
+    "PlacementConfig", "RecomputeConfig", "RewardsConfig", "paged_kv_refusal",
 ]

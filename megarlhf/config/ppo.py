@@ -401,11 +401,26 @@ class RolloutConfig:
     """Continuous batching: the rows each inference replica decodes at once; a row that
     stops hands its slot to the replica's next prompt at the next step (the prompts of a
     GRPO group are adjacent, so they start together). The samples are those of one static
-    batch (per-prompt seeds); the KV cache holds these rows, each up to the longest prompt
-    + max_new_tokens x (prompts / slots + 1) columns. None: all of the replica's prompts in
-    one static batch, whose rows stay in it until the longest stops
-    (rollout/idle_decode_slots shows how many of them the decode steps feed after they
-    stopped). Not with a mixture-of-experts actor yet (routing is not recorded)."""
+    batch (per-prompt seeds); rollout.kv_cache says where the keys and values live. None:
+    all of the replica's prompts in one static batch, whose rows stay in it until the
+    longest stops (rollout/idle_decode_slots shows how many of them the decode steps feed
+    after they stopped)."""
+    kv_cache: str = "paged"
+    """The KV cache of decode slots. ``paged``: one pool of blocks every slot takes from as
+    it grows and gives back when its prompt stops (rollout.kv_cache_tokens), attention over
+    the live tokens only - where the model allows it; multi-latent attention, YaRN,
+    TransformerEngine's attention and pipeline-parallel rollout layouts use ``columns``.
+    ``columns``: megatron's static inference context, a row per slot as long as the whole
+    schedule (the longest prompt + max_new_tokens x (prompts / slots + 1))."""
+    kv_block_tokens: int = 16
+    """Positions per block of the paged KV cache."""
+    kv_cache_tokens: int | None = None
+    """Positions the paged KV cache holds per inference replica (rounded up to whole
+    blocks). None: every decode slot at the longest prompt + max_new_tokens, so no prompt
+    ever waits for blocks. Smaller: memory follows the live tokens - a prompt waits for
+    the blocks its sequence needs, and when the pool runs out the slot admitted last gives
+    its blocks back and starts again later (rollout/kv_preemptions_per_prompt; its keys
+    and values are computed again, its samples unchanged). Must hold one sequence."""
     max_new_tokens: int = 32
     """Longest response."""
     temperature: float = 1.0
@@ -469,6 +484,15 @@ class RolloutConfig:
         if self.decode_slots is not None:
             require(self.decode_slots >= 1, "rollout.decode_slots", self.decode_slots,
                     "must be >= 1, or null for one static batch")
+        require(self.kv_cache in ("paged", "columns"), "rollout.kv_cache", self.kv_cache,
+                "must be 'paged' or 'columns'")
+        require(self.kv_block_tokens >= 1, "rollout.kv_block_tokens", self.kv_block_tokens,
+                "must be >= 1")
+        if self.kv_cache_tokens is not None:
+            require(self.decode_slots is not None and self.kv_cache == "paged",
+                    "rollout.kv_cache_tokens", self.kv_cache_tokens,
+                    "sizes the paged cache of decode slots: set rollout.decode_slots (and "
+                    "rollout.kv_cache=paged), or unset it")
         place = self.placement
         if place.mode == "split":
             require(place.ranks % self.tensor_parallel_size == 0, "rollout.placement.ranks",

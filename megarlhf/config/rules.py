@@ -316,6 +316,7 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
     if said("rollout.placement", "partial_kv") and not rollout.placement.partial:
         raise ConfigError("rollout.placement.partial_kv has no effect without "
                           "rollout.placement.partial=true")
+    _kv_cache(cfg, said)
     if ppo.overlong_buffer >= rollout.max_new_tokens:
         raise ConfigError(f"ppo.overlong_buffer={ppo.overlong_buffer} must be below "
                          f"rollout.max_new_tokens={rollout.max_new_tokens}")
@@ -391,6 +392,45 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
         if level not in (None, "none", "all"):
             raise ConfigError(f"roles.{name}.offload={level!r}: the {name} role is frozen "
                               "and has only parameters to move; use none or all")
+
+
+def paged_kv_refusal(model: ModelConfig) -> str | None:
+    """What in ``model`` the paged KV cache cannot decode (its decode slots then use the
+    columns cache), or None. The built model is checked again at rollout
+    (``inference.static_kv.unsupported``)."""
+    if model.mla.enabled:
+        return "multi-latent attention"
+    if model.rope_scaling.type == "yarn":
+        return "YaRN"
+    if model.transformer_impl == "transformer_engine":
+        return "TransformerEngine's attention"
+    return None
+
+
+def _kv_cache(cfg: Config, said) -> None:
+    """The decode slots' KV cache settings: none without decode slots, the paged pool's
+    size able to hold one sequence, on a model the paged cache decodes."""
+    rollout = cfg.rollout
+    paged = rollout.decode_slots is not None and rollout.kv_cache == "paged"
+    if said("rollout", "kv_cache") and rollout.decode_slots is None:
+        raise ConfigError("rollout.kv_cache has no effect without rollout.decode_slots (one "
+                          "static batch has a cache of its own)")
+    if said("rollout", "kv_block_tokens") and not paged:
+        raise ConfigError("rollout.kv_block_tokens has no effect without rollout.decode_slots "
+                          "and rollout.kv_cache=paged")
+    if rollout.kv_cache_tokens is None:
+        return
+    longest = cfg.data.max_prompt_len + rollout.max_new_tokens - 1
+    if rollout.kv_cache_tokens < longest:
+        raise ConfigError(
+            f"rollout.kv_cache_tokens={rollout.kv_cache_tokens} cannot hold one sequence: "
+            f"data.max_prompt_len ({cfg.data.max_prompt_len}) + rollout.max_new_tokens "
+            f"({rollout.max_new_tokens}) - 1 = {longest} positions")
+    reason = paged_kv_refusal(cfg.model)
+    if reason:
+        raise ConfigError(f"rollout.kv_cache_tokens sizes the paged KV cache, which cannot "
+                          f"decode {reason}: such a model decodes on rollout.kv_cache=columns; "
+                          "unset rollout.kv_cache_tokens")
 
 
 def check_supervised(cfg: Config) -> None:

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megarlhf import speedups
-from megarlhf.config import Config, Layout, Written, check_placement
+from megarlhf.config import Config, Layout, Written, check_placement, paged_kv_refusal
 from megarlhf.data.budgets import forward_budget, update_budget
 from megarlhf.memory.estimates import (forward_bytes, kv_cache_bytes, packed_shape,
                                        prefill_bytes, static_bytes, train_activation_bytes)
@@ -137,11 +137,19 @@ class _PPOPlanner:
 
     def rollout_kv(self, rows: int) -> float:
         """A replica's KV cache for ``rows`` prompts: one static batch, or continuous
-        batching's ``rollout.decode_slots`` rows of its longer columns (inference.continuous)."""
+        batching's pool of blocks (inference.paged_kv), or its ``rollout.decode_slots`` rows
+        of longer columns (``rollout.kv_cache=columns``, inference.continuous)."""
         slots, inf = self.r.decode_slots, self.inference
         if self.episode_columns is not None:
             return float(kv_cache_bytes(inf.model, tp=inf.layout.tp, batch=rows,
                                         seq=self.episode_columns))
+        if slots is not None and slots < rows and self.r.kv_cache == "paged" \
+                and paged_kv_refusal(inf.model) is None:
+            # the pool of inference.paged_kv: whole blocks, by default every slot's longest
+            bt, longest = self.r.kv_block_tokens, self.P + self.T - 1
+            tokens = self.r.kv_cache_tokens
+            blocks = -(-tokens // bt) if tokens is not None else slots * -(-longest // bt)
+            return float(kv_cache_bytes(inf.model, tp=inf.layout.tp, batch=1, seq=blocks * bt))
         if slots is not None and slots < rows:
             return float(kv_cache_bytes(inf.model, tp=inf.layout.tp, batch=slots,
                                         seq=self.P + self.T * (-(-rows // slots) + 1)))

@@ -22,7 +22,9 @@ from megarlhf.models import moe
 from megarlhf.roles.build import Role
 from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel.layout import RankLayout
+from megarlhf.inference import static_kv
 from megarlhf.inference.continuous import generate_continuous
+from megarlhf.inference.paged_slots import generate_paged
 from megarlhf.rollout.episodes import Episodes, episode_metrics
 from megarlhf.rollout.hooks import RolloutHooks
 from megarlhf.inference.generate import Generation, SamplingParams, generate
@@ -119,10 +121,18 @@ def sample_share(r: RolloutConfig, model, prompts: list[list[int]], indices: lis
     seeds = row_seeds(seed, indices)
     partial = dict(interrupt=interrupt, recompute_kv=r.placement.partial_kv == "recompute")
     if r.decode_slots is not None and r.decode_slots < len(prompts):
-        return generate_continuous(model, prompts, params, slots=r.decode_slots,
-                                   eos_id=eos_id, pad_id=pad_id, true_vocab=true_vocab,
-                                   row_seeds=seeds, stats=stats,
-                                   record_routing=record_routing, **partial)
+        kw = dict(slots=r.decode_slots, eos_id=eos_id, pad_id=pad_id, true_vocab=true_vocab,
+                  row_seeds=seeds, stats=stats, record_routing=record_routing, **partial)
+        if r.kv_cache == "paged":
+            reason = static_kv.unsupported(model, experts=True)
+            if reason is None:
+                return generate_paged(model, prompts, params, block_tokens=r.kv_block_tokens,
+                                      cache_tokens=r.kv_cache_tokens, **kw)
+            if r.kv_cache_tokens is not None:
+                raise ValueError(f"rollout.kv_cache_tokens sizes the paged KV cache, which "
+                                 f"cannot decode {reason}; unset it (such a model decodes on "
+                                 "rollout.kv_cache=columns)")
+        return generate_continuous(model, prompts, params, **kw)
     return generate(model, prompts, params, eos_id=eos_id, pad_id=pad_id, true_vocab=true_vocab,
                     row_seeds=seeds, stats=stats,
                     record_routing=record_routing, **partial)
@@ -133,14 +143,17 @@ def idle_slots(gen_stats: dict) -> dict[str, float]:
     every replica that had already stopped, and ``perf/shared_prefill_fraction``: the
     share of the prompts sampled whose prefill was another row's, copied
     (``speedups.shared_prefill``) - TP peers count alike, so the shares are the
-    replicas'; a collective of the world the replicas are in."""
+    replicas'; ``rollout/kv_preemptions_per_prompt``: the times a prompt gave its paged
+    KV blocks back to wait again (``rollout.kv_cache_tokens``), per prompt sampled - a
+    collective of the world the replicas are in."""
     counts = torch.tensor([gen_stats["idle_decode_slots"], gen_stats["decode_slots"],
-                           gen_stats.get("shared_prefills", 0), gen_stats.get("prompts", 0)],
-                          dtype=torch.float64)
+                           gen_stats.get("shared_prefills", 0), gen_stats.get("prompts", 0),
+                           gen_stats.get("kv_preemptions", 0)], dtype=torch.float64)
     dist.all_reduce(counts)
+    per_prompt = (lambda c: float(c / counts[3]) if counts[3] else 0.0)  # noqa: E731
     return {"rollout/idle_decode_slots": float(counts[0] / counts[1]) if counts[1] else 0.0,
-            "perf/shared_prefill_fraction": float(counts[2] / counts[3])
-            if counts[3] else 0.0}
+            "perf/shared_prefill_fraction": per_prompt(counts[2]),
+            "rollout/kv_preemptions_per_prompt": per_prompt(counts[4])}
 
 
 def stop_tokens(r: RolloutConfig, end_ids: tuple[int, ...]) -> tuple[int, ...]:

@@ -2,7 +2,7 @@
 groups: a batch whose prompts repeat (GRPO's groups, a lone prompt between them), sampled
 with and without sharing, greedy and with per-row seeds, in one static batch and in four
 decode slots; a mixture of experts with its routing recorded, in a static batch and in
-decode slots. World 1: rollout TP=1; world 2: the model at TP=2. Results ->
+decode slots; the paged KV cache's decode slots (inference.paged_kv). World 1: rollout TP=1; world 2: the model at TP=2. Results ->
 OUT/decode_world{N}.pt on rank 0."""
 
 from __future__ import annotations
@@ -21,10 +21,44 @@ from common import build, make_config  # noqa: E402
 
 from megarlhf.inference.continuous import generate_continuous  # noqa: E402
 from megarlhf.inference.generate import SamplingParams, generate  # noqa: E402
+from megarlhf.inference.paged_slots import generate_paged  # noqa: E402
 
 # three groups of three samples and a lone prompt; prompts of three lengths
 GROUPS = [[5, 17, 42, 8], [9, 3], [100, 101, 102, 103, 104, 105]]
 PROMPTS = [p for p in GROUPS for _ in range(3)] + [[7, 7, 7]]
+
+
+def paged_cases(model, params, kw) -> dict:
+    """Four decode slots on the paged cache: its default pool (every slot at full length),
+    a pool of six 4-token blocks (one sequence and a half: prompts wait and slots are
+    preempted), without shared prefill; and, against the columns cache, new weights before
+    the fourth step with the keys and values computed again or kept."""
+    out = {}
+    for case, extra in {"default": {}, "small": dict(cache_tokens=24, block_tokens=4),
+                        "unshared": dict(shared_prefill=False, block_tokens=3)}.items():
+        stats: dict = {}
+        out[case] = (generate_paged(model, PROMPTS, params, slots=4, stats=stats, **extra,
+                                    **kw), stats)
+    weights = [p.detach().clone() for p in model.parameters()]
+    for recompute in (True, False):
+        for name, fn in (("paged", generate_paged), ("columns", generate_continuous)):
+            calls = []
+
+            def interrupt():  # the fourth step's new weights: every parameter x 1.5
+                calls.append(1)
+                if len(calls) != 4:
+                    return False
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(1.5)
+                return True
+            out[("swap", recompute, name)] = fn(model, PROMPTS, params, slots=4,
+                                                interrupt=interrupt, recompute_kv=recompute,
+                                                **kw)
+            with torch.no_grad():
+                for p, w in zip(model.parameters(), weights):
+                    p.copy_(w)
+    return out
 
 
 def main():
@@ -56,6 +90,7 @@ def main():
             if arch == "qwen3moe":  # four decode slots recording the experts chosen
                 results[(arch, name)]["slots_routing"] = generate_continuous(
                     model, PROMPTS, params, slots=4, **kw, **common)
+            results[(arch, name)]["paged"] = paged_cases(model, params, {**kw, **common})
             if arch == "llama":  # four decode slots: the first four, then twins admitted
                 kw = {k: v for k, v in {**kw, **common}.items() if k != "record_routing"}
                 slot_stats: dict = {}
