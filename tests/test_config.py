@@ -285,6 +285,19 @@ def test_config_show_cli(tmp_path):
      "rollout.placement.partial needs ppo.max_staleness >= 1"),
     (["rollout.placement.mode=split", "rollout.placement.ranks=1", "ppo.max_staleness=1",
       "rollout.placement.partial_kv=keep"], "rollout.placement.partial_kv has no effect without rollout.placement.partial"),
+    # the decode slots' KV cache: nothing without slots, a pool that holds one sequence
+    (["rollout.kv_cache=columns"], "rollout.kv_cache has no effect without rollout.decode_slots"),
+    (["rollout.decode_slots=4", "rollout.kv_cache=columns", "rollout.kv_block_tokens=8"],
+     "rollout.kv_block_tokens has no effect without rollout.decode_slots and rollout.kv_cache=paged"),
+    (["rollout.kv_cache_tokens=4096"], "rollout.kv_cache_tokens=4096 is invalid: sizes the paged cache"),
+    (["rollout.decode_slots=4", "rollout.kv_cache_tokens=100"],
+     "rollout.kv_cache_tokens=100 cannot hold one sequence: data.max_prompt_len (128) + "
+     "rollout.max_new_tokens (32) - 1 = 159 positions"),
+    (["rollout.decode_slots=4", "rollout.kv_cache_tokens=1000", "model.rope_scaling.type=yarn",
+      "model.rope_scaling.factor=4", "model.rope_scaling.original_max_position_embeddings=64"],
+     "the paged KV cache, which cannot decode YaRN"),
+    (["rollout.kv_cache=pages"], "rollout.kv_cache='pages' is invalid: must be 'paged' or 'columns'"),
+    (["rollout.kv_block_tokens=0"], "rollout.kv_block_tokens=0 is invalid"),
 ])
 def test_ppo_settings_without_effect_are_errors(overrides, message):
     from megarlhf.config import check_ppo
@@ -307,6 +320,8 @@ def test_ppo_settings_that_do_something_pass():
             ["ppo.max_staleness=1", "ppo.policy_loss=ppo", "ppo.correction.is_cap=2"],
             ["rollout.placement.mode=split", "rollout.placement.ranks=1", "ppo.max_staleness=1",
              "rollout.placement.partial=true", "rollout.placement.partial_kv=keep"],
+            ["rollout.decode_slots=4", "rollout.kv_block_tokens=8", "rollout.kv_cache_tokens=159"],
+            ["rollout.decode_slots=4", "rollout.kv_cache=columns"],
             ["ppo.correction.is_cap=2", "ppo.correction.mask_low=0.5", "ppo.correction.mask_high=2"],
             ["ppo.ptx_coef=0.5", "data.ptx_path=x.jsonl", "ppo.ptx_batch_size=8"],
             ["ppo.advantage_estimator=rloo", "ppo.group_size=2", "ppo.dynamic_sampling=true",
