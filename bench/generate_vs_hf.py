@@ -2,12 +2,18 @@
 same (converted) weights, batch 1 and 16, and against decoding without a KV cache.
 
     .venv/bin/python bench/generate_vs_hf.py [--size small] [--prompt 32] [--new 32]
-                                             [--repeats 7] [--group K]
+                                             [--repeats 7] [--group K | --slots S]
 
 ``--group K``: instead, batches of 16 and 64 rows made of prompts each repeated K times
 (GRPO's groups), megarlhf with each group's prompt prefilled once
 (``speedups.shared_prefill``) against megarlhf prefilling every row and transformers
 (which prefills every row too). megarlhf runs with the speed-ups the CLI installs.
+
+``--slots S``: instead, 64 prompts with long-tailed responses (sampled from per-prompt
+seeds; 1% of the vocabulary ends a response, up to ``--new`` tokens) through S decode
+slots on the paged KV cache (``rollout.kv_cache=paged``: its default pool, and a pool of
+a quarter of it) and on megatron's columns (``columns``), against one static batch: tok/s
+and the KV cache's bytes of each.
 
 The two are timed in turn, one call of each per round after one warm-up call of each,
 so both see the same machine (this VM's speed moves by up to 25% within minutes); the
@@ -48,6 +54,8 @@ def main() -> None:
     parser.add_argument("--size", choices=["tiny", "small", "medium"], default="small")
     parser.add_argument("--group", type=int, default=1,
                         help="rows per distinct prompt (> 1: the shared-prefill table)")
+    parser.add_argument("--slots", type=int, default=0,
+                        help="decode slots (> 0: the paged-against-columns table)")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
@@ -73,6 +81,8 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.new, greedy=True)
     if args.group > 1:
         return shared_table(args, model, hf, cfg, params)
+    if args.slots:
+        return slots_table(args, model, cfg)
     print(f"# generate: {args.size} model, prompt {args.prompt}, {args.new} new tokens, greedy, "
           f"fp32; {machine()}")
     print(f"{'batch':>5} {'megarlhf tok/s':>15} {'HF generate tok/s':>18} {'no-cache tok/s':>15}"
@@ -135,6 +145,50 @@ def shared_table(args, model, hf, cfg, params) -> None:
         print(f"{batch:>5} {tokens / t_shared:>13.0f} {tokens / t_every:>16.0f} "
               f"{tokens / t_hf:>9.0f} {t_every / t_shared:>20.2f} {t_hf / t_shared:>13.2f}"
               f"   (same tokens: {same})")
+
+
+def slots_table(args, model, cfg) -> None:
+    """64 long-tailed prompts: decode slots on the paged cache (default pool and a quarter
+    of it), on the columns, and one static batch."""
+    from megarlhf.inference.continuous import generate_continuous
+    from megarlhf.inference.generate import SamplingParams, generate
+    from megarlhf.inference.paged_slots import generate_paged
+
+    V, n, S = cfg.model.vocab_size, 64, args.slots
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(args.prompt // 2, args.prompt + 1, (n,), generator=gen).tolist()
+    prompts = [torch.randint(3, V, (k,), generator=gen).tolist() for k in lengths]
+    stops = tuple(torch.randperm(V - 3, generator=gen)[:max(1, V // 100)].add(3).tolist())
+    params = SamplingParams(max_new_tokens=args.new, temperature=1.0, stop_token_ids=stops)
+    seeds = list(range(100, 100 + n))
+    longest = max(lengths) + args.new - 1
+    common = dict(eos_id=-1, pad_id=0, true_vocab=V, row_seeds=seeds)
+    quarter = S * -(-longest // 16) * 16 // 4
+    runs = {
+        "paged": lambda st: generate_paged(model, prompts, params, slots=S, stats=st, **common),
+        f"paged, {quarter} positions": lambda st: generate_paged(
+            model, prompts, params, slots=S, cache_tokens=quarter, stats=st, **common),
+        "columns": lambda st: generate_continuous(model, prompts, params, slots=S, stats=st,
+                                                  **common),
+        "static batch": lambda st: generate(model, prompts, params, stats=st, **common)}
+    print(f"# generate, {n} prompts of {min(lengths)}-{max(lengths)} tokens, responses up to "
+          f"{args.new} (1% of the vocabulary stops), {S} decode slots: {args.size} model, "
+          f"fp32; {machine()}")
+    outs, stats = {}, {}
+    for name, fn in runs.items():
+        stats[name] = {}
+        outs[name] = fn(stats[name])
+    tokens = int(outs["paged"].fed_mask_BT.sum())
+    same = all(torch.equal(o.response_tokens_BT, outs["static batch"].response_tokens_BT)
+               for o in outs.values())
+    times = {name: timed(lambda fn=fn: fn({}), repeats=args.repeats) for name, fn in runs.items()}
+    print(f"{'cache':>26} {'tok/s':>7} {'KV MiB':>7} {'preemptions':>12} {'vs columns':>11}")
+    for name in runs:
+        st = stats[name]
+        print(f"{name:>26} {tokens / times[name]:>7.0f} {st['kv_cache_bytes'] / 2**20:>7.1f} "
+              f"{st.get('kv_preemptions', 0):>12} {times['columns'] / times[name]:>11.2f}")
+    print(f"({tokens} response tokens, mean {tokens / n:.0f}; same tokens on every path: "
+          f"{same})")
 
 
 if __name__ == "__main__":

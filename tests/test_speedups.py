@@ -14,9 +14,10 @@ from conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.slow
 SETTINGS = ["1", "0", "-lazy_jit", "-checkpoint_queue", "-fused_adam", "-linears",
-            "-positions", "-shared_prefill"]
-ROUNDING = {"0", "-fused_adam", "-positions"}  # without torch's fused Adam; the head's and
-# the last MLP's matmuls over all rows (megarlhf.speedups.positions: not bitwise)
+            "-positions", "-shared_prefill", "-compiled_decode"]
+ROUNDING = {"0", "-fused_adam", "-positions", "-compiled_decode"}  # without torch's fused
+# Adam; the head's and the last MLP's matmuls over all rows (megarlhf.speedups.positions:
+# not bitwise); megatron's context decoding, not the static cache (compiled_decode)
 
 
 class Runs(dict):

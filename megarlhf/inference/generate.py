@@ -24,7 +24,7 @@ from megarlhf.inference.kv_cache import kv_cache_bytes
 from megarlhf.models import moe
 from megarlhf.models.gpt import unwrap
 from megarlhf import speedups
-from megarlhf.speedups import decode_graphs
+from megarlhf.speedups import compiled_decode, decode_graphs
 from megarlhf.speedups.shared_prefill import groups as prefill_groups
 from megarlhf.speedups.shared_prefill import spread as spread_prefill
 
@@ -322,6 +322,8 @@ class _Feed:
         device = prompt_tokens.device
         B, P = prompt_tokens.shape
         self.model, self.pad_id, self.true_vocab, self.B = model, pad_id, true_vocab, B
+        step = _static_step(model, device, static_cache, use_cache=use_cache,
+                            record_routing=record_routing, interrupt=interrupt)
         self.tokens = torch.cat([prompt_tokens, torch.full((B, T), pad_id, dtype=torch.long,
                                                            device=device)], dim=1)
         self.key_mask = torch.cat([prompt_mask, torch.zeros(B, T, dtype=torch.long,
@@ -330,9 +332,8 @@ class _Feed:
         self.positions = torch.cat([(prompt_mask.cumsum(dim=1) - 1).clamp(min=0),
                                     prompt_mask.sum(dim=1, keepdim=True)
                                     + torch.arange(T, device=device)], dim=1)
-        self.static = _static_decoder(model, self.key_mask, true_vocab, static_cache,
-                                      use_cache=use_cache, record_routing=record_routing,
-                                      interrupt=interrupt)
+        self.static = None if step is None else \
+            _static_decoder(model, self.key_mask, true_vocab, step)
         self.ctx = StaticInferenceContext(B, P + T) if use_cache and self.static is None \
             else None
         # rows with the same prompt share its prefill (their first pass)
@@ -399,24 +400,32 @@ class _Feed:
             self.static.close()
 
 
-def _static_decoder(model, key_mask: torch.Tensor, true_vocab: int, wanted: bool | None, *,
-                    use_cache: bool, record_routing: bool, interrupt,
-                    graphs: bool | None = None) -> static_kv.StaticDecoder | None:
-    """The fixed-shape decoder ``generate`` uses, or None for megatron's context; its step
-    a CUDA graph where ``graphs`` (default: where ``speedups.decode_graphs`` applies).
-    ``wanted`` None: only then, and only for a plain cached generation of a model the
-    static cache supports."""
-    if graphs is None:
-        graphs = decode_graphs.applies(key_mask.device)
+def _static_step(model, device: torch.device, wanted: bool | None, *, use_cache: bool,
+                 record_routing: bool, interrupt) -> str | None:
+    """How ``generate`` decodes on the fixed-shape cache: ``"graphs"`` (a CUDA graph,
+    ``speedups.decode_graphs``), ``"compiled"`` (``speedups.compiled_decode``, the CPU),
+    ``"eager"``, or None for megatron's context. ``wanted`` None: where one of the two
+    speed-ups applies, for a plain cached generation of a model the static cache
+    supports."""
+    step = "graphs" if decode_graphs.applies(device) else \
+        "compiled" if compiled_decode.applies(device) else "eager"
     plain = use_cache and not record_routing and interrupt is None
     if wanted is None:
-        wanted = graphs and plain and static_kv.unsupported(model) is None
+        wanted = step != "eager" and plain and static_kv.unsupported(model) is None
     if not wanted:
         return None
     if not plain:
         raise ValueError("static_cache=True decodes on a KV cache, without a routing record "
                          "or an interrupt")
+    return step
+
+
+def _static_decoder(model, key_mask: torch.Tensor, true_vocab: int,
+                    step: str) -> static_kv.StaticDecoder:
+    """The fixed-shape decoder of :func:`_static_step`'s choice ``step``."""
     decoder = static_kv.StaticDecoder(model, key_mask, true_vocab)
-    if graphs:
+    if step == "graphs":
         decode_graphs.capture(decoder)
+    elif step == "compiled":
+        compiled_decode.attach(decoder)
     return decoder

@@ -24,6 +24,7 @@ calls the library directly (tests, benchmarks) gets plain megatron-core unless i
 | ``linears`` | megatron's TP=1 linear layers' Python | PPO iteration 5.5% | tests' shapes |
 | ``positions`` | the whole sequence through the last MLP and head | PPO iteration 4.0% | tests' shapes |
 | ``decode_graphs`` | an eager decode step per token (CUDA only) | GPU: BENCHMARKS.md | no (greedy tokens equal) |
+| ``compiled_decode`` | megatron's eager decode step (CPU only) | generation 16-27% (batch 16 / 1) | no (tokens equal) |
 | ``shared_prefill`` | every row of a GRPO group prefilling its prompt | generation 69% (256-token prompts, groups of 4, batch 16) | no (tokens equal) |
 | ``turn_kv`` | a multi-turn episode's whole conversation prefilled at every turn | 3-turn decoding 24% (``bench/multiturn_kv.py``) | no (tokens equal) |
 
@@ -52,6 +53,7 @@ NAMES = {
     "linears": "TP=1 linear layers straight to the matmul",
     "positions": "outputs only where the loss reads them (the last MLP and the head)",
     "decode_graphs": "CUDA graphs of the decode step on a fixed-shape KV cache (CUDA only)",
+    "compiled_decode": "torch.compile of the decode step on a fixed-shape KV cache (CPU only)",
     "shared_prefill": "a group's prompt prefilled once, its keys and values copied to its rows",
     "turn_kv": "a multi-turn episode's keys and values kept across its turns",
 }

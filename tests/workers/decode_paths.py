@@ -22,10 +22,25 @@ from common import build, make_config  # noqa: E402
 from megarlhf.inference.continuous import generate_continuous  # noqa: E402
 from megarlhf.inference.generate import SamplingParams, generate  # noqa: E402
 from megarlhf.inference.paged_slots import generate_paged  # noqa: E402
+from megarlhf.speedups import compiled_decode  # noqa: E402
 
 # three groups of three samples and a lone prompt; prompts of three lengths
 GROUPS = [[5, 17, 42, 8], [9, 3], [100, 101, 102, 103, 104, 105]]
 PROMPTS = [p for p in GROUPS for _ in range(3)] + [[7, 7, 7]]
+
+
+def compiled_cases(model, params, kw) -> dict:
+    """The static cache's decode step compiled (speedups.compiled_decode from the first
+    step) and eager, and how many steps ran compiled."""
+    before = compiled_decode.compiled_steps
+    os.environ[compiled_decode.ENV] = "0"
+    try:
+        compiled = generate(model, PROMPTS, params, **kw)
+    finally:
+        del os.environ[compiled_decode.ENV]
+    steps = compiled_decode.compiled_steps - before
+    return {"compiled": compiled, "eager": generate(model, PROMPTS, params, static_cache=True,
+                                                    **kw), "steps": steps}
 
 
 def paged_cases(model, params, kw) -> dict:
@@ -80,6 +95,9 @@ def main():
                                 **({"stats": stats} if share else {}))
                 for share in (False, True)}
             results[(arch, name)]["stats"] = stats
+            if arch == "llama" and world == 1:  # the static cache's step compiled at once
+                results[(arch, name)]["compiled"] = compiled_cases(model, params, {
+                    k: v for k, v in {**kw, **common}.items() if k != "record_routing"})
             if arch == "llama":  # the fixed-shape cache of the CUDA-graph step, eager here
                 results[(arch, name)]["static"] = {
                     share: generate(model, PROMPTS, params, shared_prefill=share,

@@ -97,22 +97,24 @@ def generation_case(arch, results):
 
 
 def auto_choices(model) -> dict:
-    """Which generations decode on the static cache where CUDA graphs apply (as on a GPU
-    with speedups.decode_graphs): the plain cached one only (a GPU run found
-    ``use_cache=False`` refused there)."""
-    from megarlhf.inference.generate import _static_decoder
+    """Which generations decode on the static cache where a speed-up of its step applies
+    (speedups.decode_graphs on a GPU, speedups.compiled_decode on the CPU; here the
+    latter, on whatever this process installed): the plain cached one only (a GPU run
+    found ``use_cache=False`` refused there)."""
+    from megarlhf.inference.generate import _static_step
+    from megarlhf.speedups import compiled_decode
 
-    mask = torch.ones(2, 6, dtype=torch.long)
     out = {}
-    for name, kw in (("plain", {}), ("no_cache", {"use_cache": False}),
-                     ("routing", {"record_routing": True}),
-                     ("interrupt", {"interrupt": lambda: False})):
-        args = dict(use_cache=True, record_routing=False, interrupt=None)
-        args.update(kw)
-        decoder = _static_decoder(model, mask, 8, None, graphs=True, **args)
-        out[name] = decoder is not None
-        if decoder is not None:
-            decoder.close()
+    applies, compiled_decode.applies = compiled_decode.applies, lambda device: True
+    try:
+        for name, kw in (("plain", {}), ("no_cache", {"use_cache": False}),
+                         ("routing", {"record_routing": True}),
+                         ("interrupt", {"interrupt": lambda: False})):
+            args = dict(use_cache=True, record_routing=False, interrupt=None)
+            args.update(kw)
+            out[name] = _static_step(model, torch.device("cpu"), None, **args) is not None
+    finally:
+        compiled_decode.applies = applies
     return out
 
 
