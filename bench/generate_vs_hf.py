@@ -15,6 +15,11 @@ slots on the paged KV cache (``rollout.kv_cache=paged``: its default pool, and a
 a quarter of it) and on megatron's columns (``columns``), against one static batch: tok/s
 and the KV cache's bytes of each.
 
+The steady state is measured: the decode step is compiled in the warm-up call
+(``speedups.compiled_decode`` with ``MEGARLHF_COMPILED_DECODE_AFTER_S=0`` unless set; a
+run compiles once its decoding has taken 20 s). transformers runs eagerly, as its
+``generate`` does by default.
+
 The two are timed in turn, one call of each per round after one warm-up call of each,
 so both see the same machine (this VM's speed moves by up to 25% within minutes); the
 figures are medians over the rounds.
@@ -62,6 +67,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7,
                         help="timed calls of each, taken in turn (medians)")
     args = parser.parse_args()
+    os.environ.setdefault("MEGARLHF_COMPILED_DECODE_AFTER_S", "0")  # the steady state
     from megarlhf import speedups
     speedups.install()
     torch.set_num_threads(args.threads)
