@@ -180,3 +180,22 @@ def test_the_compiled_decode_step_samples_what_the_eager_one_does(shared, case):
     got = shared[1][("llama", case)]["compiled"]
     assert got["steps"] > 0
     _same_samples(got["compiled"], got["eager"])
+
+
+def test_rollout_replicas_take_whole_groups():
+    """Rollout replicas take contiguous runs of the batch (``RankLayout.run_share``, what
+    ``gather_generations`` puts back in order): every sample once and in order, the runs
+    within one sample of each other, and with 16 samples in groups of 4 each of two
+    replicas holds two whole groups - so each prefills a group's prompt once
+    (speedups.shared_prefill). Catches the strided share (every other sample: each replica
+    sees groups of 2) and runs that skip or repeat a sample."""
+    from megarlhf.parallel.layout import run_of
+
+    for n in range(20):
+        for parts in (1, 2, 3, 4):
+            runs = [run_of(n, parts, p) for p in range(parts)]
+            assert [i for run in runs for i in run] == list(range(n))
+            assert max(map(len, runs)) - min(map(len, runs)) <= 1
+    for p in range(2):
+        groups = [i // 4 for i in run_of(16, 2, p)]
+        assert sorted(groups.count(g) for g in set(groups)) == [4, 4]

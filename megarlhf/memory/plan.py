@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from megarlhf import speedups
 from megarlhf.config import Config, Layout, Written, check_placement, paged_kv_refusal
+from megarlhf.parallel.layout import run_of
 from megarlhf.data.budgets import forward_budget, update_budget
 from megarlhf.memory.estimates import (forward_bytes, kv_cache_bytes, packed_shape,
                                        prefill_bytes, static_bytes, train_activation_bytes)
@@ -246,7 +247,7 @@ class _PPOPlanner:
         inference, ranks = self.inference, self.r.placement.ranks
         r_dp = ranks // inference.layout.tp
         replica = inference.layout.coordinates(rank, ranks)[1]
-        rows = len(range(replica, self.samples, r_dp))
+        rows = len(run_of(self.samples, r_dp, replica))
         params = float(static_bytes(inference, r_dp, 0, replica)["params"])
         by_phase = {p: {("inference", "params"): params} for p in PHASES}
         kv = self.rollout_kv(rows)

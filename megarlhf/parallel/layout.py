@@ -57,6 +57,12 @@ class RankLayout:
         one item of each other (rollouts, evaluation, scoring: no exact division)."""
         return list(range(self.dp_rank, n, self.dp))
 
+    def run_share(self, n: int) -> range:
+        """This rank's run of ``n`` items cut into dp contiguous runs (:func:`run_of`):
+        every item once, the shares within one item of each other, neighbours together
+        (rollouts: a GRPO group's k samples on one replica, which prefills its prompt once)."""
+        return run_of(n, self.dp, self.dp_rank)
+
     def block_share(self, n: int, what: str) -> range:
         """The dp_rank-th of dp equal contiguous blocks of ``n`` items (a training batch:
         ``n`` must divide evenly, else a ConfigError naming ``what``)."""
@@ -196,3 +202,11 @@ def build_layout(layout: Layout) -> RankLayout:
 def reset_layouts() -> None:
     """Forget cached groups (after the default process group is destroyed)."""
     _GROUPS.clear()
+
+
+def run_of(n: int, parts: int, part: int) -> range:
+    """Run ``part`` of ``n`` items cut into ``parts`` contiguous runs, the first ``n % parts``
+    one item longer."""
+    base, extra = divmod(n, parts)
+    start = part * base + min(part, extra)
+    return range(start, start + base + (part < extra))

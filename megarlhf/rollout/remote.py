@@ -315,7 +315,7 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
         inflight = InFlight(split.store, request["request"], model.pg_collection.tp,
                             take_weights) if request["partial"] else None
         prompts = request["prompts"]
-        indices = inf.strided_share(len(prompts))
+        indices = list(inf.run_share(len(prompts)))
         start = time.perf_counter()
         gen_stats: dict = {}
         with watchdog.phase("generation"):

@@ -21,7 +21,7 @@ from megarlhf.config import RolloutConfig
 from megarlhf.models import moe
 from megarlhf.roles.build import Role
 from megarlhf.parallel.gather import gather_objects
-from megarlhf.parallel.layout import RankLayout
+from megarlhf.parallel.layout import RankLayout, run_of
 from megarlhf.inference import static_kv
 from megarlhf.inference.continuous import generate_continuous
 from megarlhf.inference.paged_slots import generate_paged
@@ -63,7 +63,7 @@ class Sampler:
         with watchdog.phase("resharding the actor into the rollout's model"):
             stats = self.resharder()
         inf = self.inference_layout
-        indices = inf.strided_share(len(prompts))
+        indices = list(inf.run_share(len(prompts)))
         mine = [prompts[i] for i in indices]
         if self.hooks is not None:
             self.hooks.before_generate()
@@ -232,7 +232,8 @@ def gen_sequence(gen: Generation, row: int) -> torch.Tensor:
 
 def gather_generations(gen: Generation, prompts: list[list[int]], inf: RankLayout,
                         pad_id: int) -> Generation:
-    """Every rank gets every sample, in prompt order (replica r generated prompts r::dp)."""
+    """Every rank gets every sample, in prompt order (replica r generated run r of the
+    prompts, ``RankLayout.run_share``)."""
     # One copy per replica: the TP rank 0 of each.
     replicas = {}
     for rank, part in enumerate(gather_objects(gen)):
@@ -241,7 +242,7 @@ def gather_generations(gen: Generation, prompts: list[list[int]], inf: RankLayou
     ordered = [None] * len(prompts)
     for r in range(dp):
         part = replicas[r]
-        for j, i in enumerate(range(r, len(prompts), dp)):
+        for j, i in enumerate(run_of(len(prompts), dp, r)):
             ordered[i] = (part, j)
     return merge_rows(ordered, pad_id)
 

@@ -116,7 +116,7 @@ def run_generate(cfg: Config, tokenizer, *, input_path: str, output_path: str,
     bar = progress(len(prompts), 0, "generate", cfg.logging.progress_bar)
     for start in range(0, len(prompts), batch_size):
         batch = [ids for _, ids in prompts[start:start + batch_size]]
-        mine = inf.strided_share(len(batch))
+        mine = list(inf.run_share(len(batch)))
         if mine:  # one seed per prompt: samples do not depend on the layout
             gen = generate(model, [batch[i] for i in mine], params, eos_id=tokenizer.eos_id,
                            pad_id=tokenizer.pad_id, true_vocab=spec.model.vocab_size,
