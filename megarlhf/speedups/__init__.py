@@ -24,7 +24,7 @@ calls the library directly (tests, benchmarks) gets plain megatron-core unless i
 | ``linears`` | megatron's TP=1 linear layers' Python | PPO iteration 5.5% | tests' shapes |
 | ``positions`` | the whole sequence through the last MLP and head | PPO iteration 4.0% | tests' shapes |
 | ``decode_graphs`` | an eager decode step per token (CUDA only) | GPU: BENCHMARKS.md | no (greedy tokens equal) |
-| ``compiled_decode`` | megatron's eager decode step (CPU only) | generation 16-27% (batch 16 / 1) | no (tokens equal) |
+| ``compiled_decode`` | megatron's eager decode step (CPU only) | generation 43-46% (batch 16 / 1) | no (tokens equal) |
 | ``shared_prefill`` | every row of a GRPO group prefilling its prompt | generation 69% (256-token prompts, groups of 4, batch 16) | no (tokens equal) |
 | ``turn_kv`` | a multi-turn episode's whole conversation prefilled at every turn | 3-turn decoding 24% (``bench/multiturn_kv.py``) | no (tokens equal) |
 

@@ -15,10 +15,11 @@ pipeline sends, is skipped while compiling). Compiling costs 12-20 s here, so a 
 it only after decoding eagerly for about as long, and short runs (the tests' tiny models)
 never do.
 
-Measured (2026-12-04, ``bench/generate_vs_hf.py --size medium``, compiled from the first
-call): generation at batch 1 / 16, 32-token prompts, 32 new tokens: 540 / 856 ms eager on
-the static cache, 425 / 735 ms compiled (1.27x / 1.16x); megatron's context 0.93x / 1.03x
-transformers' ``generate``, compiled 1.25x / 1.47x. Bitwise: no (the step's fused kernels
+Measured (2026-12-04, ``bench/generate_vs_hf.py --size medium``, compiled in the warm-up
+call, against the same bench with ``MEGARLHF_SPEEDUPS=-compiled_decode``): generation at
+batch 1 / 16, 32-token prompts, 32 new tokens, 1.27x / 1.36x transformers' ``generate``
+against 0.87x / 0.95x without it (1.46x / 1.43x); in one process, against the same static
+cache's step eager: 1.27x / 1.16x. Bitwise: no (the step's fused kernels
 round differently; greedy tokens are checked equal, ``tests/test_decode_paths.py``).
 Off: ``MEGARLHF_SPEEDUPS=-compiled_decode`` (megatron's ``StaticInferenceContext`` then
 decodes on the CPU). A compile that fails falls back to the eager step, said once on
