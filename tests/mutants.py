@@ -202,6 +202,14 @@ MUTANTS = [
            "            h = mappings.copy_to_tensor_model_parallel_region(self._hidden(x, part),",
            "            h = (lambda h, group: h)(self._hidden(x, part),",
            ("tests/test_lora.py::test_logprobs_and_adapter_gradients_equal_peft[tp2]",), ()),
+    Mutant("paged_shared_block_freed_early", "the paged KV cache gives a block back to the "
+           "pool when one of the slots sharing it (a GRPO group's twins) lets go, while "
+           "another still reads it",
+           "megarlhf/inference/paged_kv.py",
+           "            if self.refs[block] == 0:",
+           "            if self.refs[block] >= 0:",
+           ("tests/test_decode_paths.py::test_the_paged_cache_samples_what_the_static_batch_does"
+            "[small-seeded-llama-tp1]",), ()),
     Mutant("packed_reward_off_by_one", "a packed reward-model micro-batch reads each "
            "sequence's reward one token before its last",
            "megarlhf/stages/rm.py",
