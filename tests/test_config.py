@@ -93,6 +93,7 @@ def test_exponent_floats_without_a_dot(tmp_path):
     ("run.metric_bands={objective/kl: [2, 1]}", "low must be below high"),
     ("run.metric_bands={objective/kl: [0, .inf]}", "bounds must be finite numbers or null"),
     ("run.metric_bands={objective/kl: [a, 1]}", "expected a number"),
+    ("run.allow_nonfinite=['']", "must list metric names or patterns"),
 ])
 def test_config_errors(override, message):
     with pytest.raises(ConfigError) as err:

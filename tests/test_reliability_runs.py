@@ -61,7 +61,10 @@ def test_nan_rewards_stop_the_run_and_saving_after_skipped_steps_works(tiny_chec
     nan = ["ppo.reward_checkpoint=null", "rollout.rewards.fn=rewards:nan_reward",
            # a NaN is a failed call: scored NaN here, so that it reaches the trainer's guards
            "rollout.rewards.on_error=penalty", "rollout.rewards.error_score=.nan",
-           "ppo.critic_init=sft", "ppo.num_iterations=4", "checkpoint.save_interval=1"]
+           "ppo.critic_init=sft", "ppo.num_iterations=4", "checkpoint.save_interval=1",
+           # the NaN scores allowed (else they stop iteration 1: test_run_guards), so that
+           # the skipped-step guards are what stops the run
+           "run.allow_nonfinite=[objective/*, rollout/*, rollout_corr/*]"]
     e = env(PYTHONPATH=WORKERS)
     # the guard: 4 skipped steps per iteration, 10 in a row stop the run in iteration 3
     proc = subprocess.run([sys.executable, "-m", "megarlhf.cli",

@@ -155,11 +155,16 @@ def test_a_resume_with_changed_settings_says_what_changed(tiny_checkpoints, tmp_
 
 
 def test_a_short_run_that_went_wrong_does_not_end_done(tiny_checkpoints):
-    """Two iterations whose every optimizer step was skipped (NaN rewards; the in-a-row
-    guard off): more than optimizer.max_skipped_fraction of the run's steps, so it exits 2
-    naming the setting, however short."""
+    """Two iterations of NaN rewards. As they are, the first iteration's non-finite score
+    stops the run (exit 2) naming the metric, before iteration 1 is saved. With the
+    rollout's metrics allowed to be NaN (run.allow_nonfinite) and the in-a-row guard off,
+    every optimizer step is skipped: more than optimizer.max_skipped_fraction of the run's
+    steps, so it exits 2 naming that setting, however short. Catches a non-finite metric
+    logged and the run going on (the old behaviour: exit 0 after an evaluation's NaN), and
+    skipped updates' losses judged here instead of by the skipped-step guards."""
     from conftest import WORKERS
     from test_reliability_runs import ppo_args
+    out = tiny_checkpoints[0]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": WORKERS}
     nan = ["ppo.reward_checkpoint=null", "rollout.rewards.fn=rewards:nan_reward",
@@ -168,7 +173,16 @@ def test_a_short_run_that_went_wrong_does_not_end_done(tiny_checkpoints):
            "ppo.critic_init=sft", "ppo.num_iterations=2", "checkpoint.save_interval=1",
            "optimizer.max_consecutive_skipped_steps=0"]
     proc = subprocess.run([sys.executable, "-m", "megarlhf.cli",
-                           *ppo_args(tiny_checkpoints, "short-nan", *nan)],
+                           *ppo_args(tiny_checkpoints, "short-nan-metric", *nan)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "iteration 1: " in proc.stderr and "objective/score=nan is not finite" \
+        in proc.stderr and "run.allow_nonfinite" in proc.stderr, proc.stderr[-2000:]
+    assert "[ppo] done" not in proc.stdout
+    assert not (out / "short-nan-metric" / "checkpoints" / "iter_000001").exists()
+    allowed = "run.allow_nonfinite=[objective/*, rollout/*, rollout_corr/*]"
+    proc = subprocess.run([sys.executable, "-m", "megarlhf.cli",
+                           *ppo_args(tiny_checkpoints, "short-nan", *nan, allowed)],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "optimizer steps were skipped for non-finite gradients " \

@@ -20,6 +20,13 @@ class RunConfig:
     """Use deterministic algorithms (bitwise-reproducible resumes on CPU)."""
     num_threads: int = 0
     """torch intra-op threads per process; 0 leaves torch's default."""
+    allow_nonfinite: list[str] = field(default_factory=list)
+    """Metrics that may be NaN or infinite without stopping the run: names of metrics.jsonl
+    or shell patterns (``eval/*``). Any other non-finite metric, in any phase - an update,
+    an evaluation, the rollout's scores, a reward model's normalisation - stops the run
+    (exit 2) naming it, before that step is saved. An update whose optimizer steps were
+    skipped for non-finite gradients is left to optimizer.max_consecutive_skipped_steps
+    and optimizer.max_skipped_fraction: its losses are not checked here."""
     metric_bands: dict[str, list[float | None]] = field(default_factory=dict)
     """Stop the run (exit 2) when a logged metric leaves its band [low, high] (null: no
     bound on that side), before that step is saved, however short the run: e.g.
@@ -31,6 +38,9 @@ class RunConfig:
         require(bool(self.name) and "/" not in self.name, "run.name", self.name,
                 "a non-empty name without '/'")
         require(self.num_threads >= 0, "run.num_threads", self.num_threads, "must be >= 0")
+        for pattern in self.allow_nonfinite:
+            require(isinstance(pattern, str) and bool(pattern), "run.allow_nonfinite",
+                    self.allow_nonfinite, "must list metric names or patterns (strings)")
         for name, band in self.metric_bands.items():
             require(len(band) == 2, f"run.metric_bands.{name}", band,
                     "must be [low, high] (null for no bound on that side)")

@@ -163,7 +163,7 @@ class ValueMetrics:
 
     loss: float
     clipfrac: float
-    explained_var: float
+    explained_var: float | None  # None: the returns do not vary (it is undefined)
 
 
 @dataclass
@@ -192,8 +192,9 @@ class UpdateMetrics:
             out.update({k: v for k, v in optional.items() if v is not None})
         if self.value is not None:
             out.update({"ppo/val/loss": self.value.loss,
-                        "ppo/val/clipfrac": self.value.clipfrac,
-                        "ppo/val/explained_var": self.value.explained_var})
+                        "ppo/val/clipfrac": self.value.clipfrac})
+            if self.value.explained_var is not None:
+                out["ppo/val/explained_var"] = self.value.explained_var
         return out
 
 
@@ -306,5 +307,5 @@ class Learner:
             ev = algos.explained_variance(exp.values_BT, exp.returns_BT, exp.response_mask_BT)
             out.value = ValueMetrics(loss=ratio(val, "loss_sum", "loss_count"),
                                      clipfrac=ratio(val, "clipfrac_sum", "tokens"),
-                                     explained_var=float(ev))
+                                     explained_var=float(ev) if bool(ev.isfinite()) else None)
         return out

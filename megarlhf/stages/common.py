@@ -183,8 +183,9 @@ def explain_resume(cfg: Config, ckpt_dir: str, stage: str = "resume") -> dict:
 
 
 class MetricBands:
-    """``run.metric_bands``: a run whose logged metric leaves its band stops (exit 2)
-    before the step is saved, so ``latest`` stays on the last good checkpoint.
+    """``run.metric_bands`` and ``run.allow_nonfinite``: a run whose logged metric leaves
+    its band, or is NaN or infinite without being allowed to, stops (exit 2) before the
+    step is saved, so ``latest`` stays on the last good checkpoint.
 
     :meth:`check` is collective: every rank calls it at the same point, and all of them
     stop when any finds a value outside its band (a metric only one rank computes, such
@@ -192,34 +193,44 @@ class MetricBands:
 
     def __init__(self, cfg: Config):
         self.bands = dict(cfg.run.metric_bands)
+        self.allowed = tuple(cfg.run.allow_nonfinite)
         self.seen: set[str] = set()
 
-    def check(self, metrics: dict, where: str) -> None:
-        if not self.bands:
-            return
+    def check(self, metrics: dict, where: str, skipped: tuple[str, ...] = ()) -> None:
+        """``skipped``: name prefixes of an update whose optimizer steps were skipped
+        (their non-finite losses are the skipped-step guards' to judge)."""
+        import fnmatch
+
         import torch
         import torch.distributed as dist
 
         from megarlhf.engine.optimizer import RunawayError
-        outside = []
+        outside = [f"{name}={float(value)} is not finite (run.allow_nonfinite lists the "
+                   "metrics that may be)" for name, value in metrics.items()
+                   if isinstance(value, (int, float)) and not math.isfinite(value)
+                   and not name.startswith(skipped)
+                   and not any(fnmatch.fnmatchcase(name, p) for p in self.allowed)]
         for name, (low, high) in self.bands.items():
             if name not in metrics:
                 continue
             self.seen.add(name)
             value = float(metrics[name])
+            if any(line.startswith(f"{name}=") for line in outside):
+                continue  # (said: not finite)
             if not math.isfinite(value) or (low is not None and value < low) \
                     or (high is not None and value > high):
                 outside.append(f"{name}={value:.4g} is outside its band [{_bound(low)}, "
-                               f"{_bound(high)}]")
+                               f"{_bound(high)}] (run.metric_bands)")
         flag = torch.tensor([1.0 if outside else 0.0])
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item():
-            what = "; ".join(outside) or "another rank found a metric outside its band"
+            what = "; ".join(outside) or "another rank found a metric outside its band " \
+                "or not finite"
             raise RunawayError(
-                f"{where}: {what} (run.metric_bands): the run went wrong - check "
-                "optimizer.lr, the KL coefficient and the rewards/data. This step is not "
-                "saved; the last checkpoint is unchanged")
+                f"{where}: {what}: the run went wrong - check optimizer.lr, the KL "
+                "coefficient and the rewards/data. This step is not saved; the last "
+                "checkpoint is unchanged")
 
     def report_unseen(self) -> None:
         """At the end of a run: bands whose metric never appeared (a misspelt name)."""

@@ -26,6 +26,10 @@ from megarlhf.parallel import watchdog
 from megarlhf.ppo.evaluation import make_evaluator
 from megarlhf.ppo.session import PPOSession
 
+# an update whose optimizer steps were skipped: its losses, entropy and routers' losses are
+# the skipped-step guards' to judge (optimizer.max_consecutive_skipped_steps)
+SKIPPED_UPDATE = ("ppo/", "objective/entropy", "moe/")
+
 
 def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
     ppo = cfg.ppo
@@ -75,7 +79,8 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
         if done % ppo.eval_interval == 0 or done == ppo.num_iterations:
             metrics.update(evaluate(done))
         logger.log(done, metrics)
-        bands.check(metrics, f"iteration {done}")
+        bands.check(metrics, f"iteration {done}", skipped=SKIPPED_UPDATE
+                    if metrics.get("ppo/skipped_steps") else ())
         if cfg.logging.sample_table_interval and (it % cfg.logging.sample_table_interval == 0):
             _sample_table(gen, exp, tokenizer, logger, done, bar)
         bar.update(1)

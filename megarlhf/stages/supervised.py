@@ -334,7 +334,7 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
                         "train/skipped_steps": role.trained.num_skipped_steps})
         if done % cfg.logging.log_interval == 0 or done == plan.total_steps:
             logger.log(done, metrics)
-        bands.check(metrics, f"step {done}")
+        bands.check(metrics, f"step {done}", skipped=() if applied else ("train/", "moe/"))
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}",
                         gnorm=f"{grad_norm:.2f}" if math.isfinite(grad_norm) else "nan")
@@ -359,6 +359,7 @@ def _loop(cfg: Config, task: SupervisedTask, role: Role, plan: StepPlan, start_s
         result["eval_end"] = last
         bands.check(last, "the final evaluation")
     extra = task.finish(role) if task.finish else {}
+    bands.check(extra, "the end of training")  # e.g. a reward model's normalisation
     result.update(extra)
     save_role(cfg, role, role.spec.name, f"step_{plan.total_steps:07d}",
               {"step": plan.total_steps, "skipped_steps": role.trained.num_skipped_steps},
