@@ -80,10 +80,7 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
     draws = SeededDraws(row_seeds, true_vocab, device) if row_seeds else None
     holds = [-1] * S  # the prompt each slot decodes (-1: none)
     length = [0] * S  # tokens the slot's prompt has sampled
-    responses: list[list[int]] = [[] for _ in range(n)]
-    logprobs: list[list[float]] = [[] for _ in range(n)]
-    versions: list[list[int]] = [[] for _ in range(n)]  # weight swaps before each token
-    finished = [False] * n
+    out = Sampled(n, T)
     swaps = 0
 
     def forward(rows: slice, start: int, end: int) -> torch.Tensor:
@@ -134,18 +131,11 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
     while True:
         active = [s for s in range(S) if holds[s] >= 0]
         rows = torch.tensor(active, device=device)
-        picked, picked_lp = sample_next(
-            logits[rows], params,
-            draw=(lambda: draws.next([holds[s] for s in active])) if draws is not None else None)
-        stopped = torch.isin(picked, stops)
+        picked = out.sample(logits[rows], [holds[s] for s in active], params, draws, stops,
+                            swaps)
         for j, s in enumerate(active):
-            i = holds[s]
-            responses[i].append(int(picked[j]))
-            logprobs[i].append(float(picked_lp[j]))
-            versions[i].append(swaps)
             length[s] += 1
-            if bool(stopped[j]) or length[s] == T:
-                finished[i] = bool(stopped[j])
+            if out.done(holds[s]):
                 holds[s] = -1
             else:  # the sampled token is fed at ``col``
                 tokens[s, col], key_mask[s, col] = picked[j], 1
@@ -191,16 +181,51 @@ def generate_continuous(model, prompts: list[list[int]], params: SamplingParams,
         stats["kv_cache_bytes"] = kv_cache_bytes(ctx)
         stats["decode_slots"], stats["idle_decode_slots"] = slot_steps, idle
         stats["shared_prefills"] = copied
-    return assemble(prompts, responses, logprobs, versions, finished, pad_id, routing,
-                    interrupt is not None)
+    return out.generation(prompts, pad_id, routing, interrupt is not None)
 
 
-def assemble(prompts: list[list[int]], responses: list[list[int]],
-             logprobs: list[list[float]], versions: list[list[int]], finished: list[bool],
-             pad_id: int, routing: torch.Tensor | None, swapped: bool) -> Generation:
-    """A :class:`Generation` of per-prompt lists: left-padded prompts, right-padded
-    responses, their log-probs and weight versions (``swapped``: partial rollouts), and the
-    routing record's first P + T columns."""
+class Sampled:
+    """What each of ``n`` prompts sampled, up to ``T`` tokens: the tokens, their log-probs,
+    the weight swaps before each (partial rollouts) and whether a stop token ended it."""
+
+    def __init__(self, n: int, T: int):
+        self.T = T
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.logprobs: list[list[float]] = [[] for _ in range(n)]
+        self.versions: list[list[int]] = [[] for _ in range(n)]
+        self.finished = [False] * n
+
+    def sample(self, logits: torch.Tensor, prompts: list[int], params: SamplingParams,
+               draws: SeededDraws | None, stops: torch.Tensor, version: int) -> torch.Tensor:
+        """The next token of each of ``prompts`` from its row of ``logits`` (draws: each
+        prompt's own) -> the (rows,) tokens, recorded."""
+        picked, picked_lp = sample_next(
+            logits, params,
+            draw=(lambda: draws.next(prompts)) if draws is not None else None)
+        stopped = torch.isin(picked, stops)
+        for j, i in enumerate(prompts):
+            self.tokens[i].append(int(picked[j]))
+            self.logprobs[i].append(float(picked_lp[j]))
+            self.versions[i].append(version)
+            self.finished[i] = bool(stopped[j])
+        return picked
+
+    def done(self, i: int) -> bool:
+        """Whether prompt ``i`` stopped or reached ``T`` tokens."""
+        return self.finished[i] or len(self.tokens[i]) == self.T
+
+    def generation(self, prompts: list[list[int]], pad_id: int, routing: torch.Tensor | None,
+                   swapped: bool) -> Generation:
+        """A :class:`Generation`: left-padded prompts, right-padded responses, their
+        log-probs and weight versions (``swapped``: partial rollouts), and the routing
+        record's first P + T columns."""
+        return _assemble(prompts, self.tokens, self.logprobs, self.versions, self.finished,
+                         pad_id, routing, swapped)
+
+
+def _assemble(prompts: list[list[int]], responses: list[list[int]],
+              logprobs: list[list[float]], versions: list[list[int]], finished: list[bool],
+              pad_id: int, routing: torch.Tensor | None, swapped: bool) -> Generation:
     n = len(prompts)
     P = max(len(p) for p in prompts)
     prompt_tokens, prompt_mask = left_pad(prompts, pad_id)

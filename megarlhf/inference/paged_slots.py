@@ -21,9 +21,8 @@ from typing import Callable
 import torch
 
 from megarlhf import speedups
-from megarlhf.inference.continuous import assemble
-from megarlhf.inference.generate import Generation, SamplingParams, SeededDraws, sample_next, \
-    stop_tensor
+from megarlhf.inference.continuous import Sampled
+from megarlhf.inference.generate import Generation, SamplingParams, SeededDraws, stop_tensor
 from megarlhf.inference.paged_kv import PagedDecoder, blocks_for
 from megarlhf.models import moe
 from megarlhf.models.gpt import unwrap
@@ -68,10 +67,8 @@ def generate_paged(model, prompts: list[list[int]], params: SamplingParams, *, s
     routing = moe.unrouted(n, config.num_layers, P + T, config.moe_router_topk or 1) \
         if record_routing else None
     draws = SeededDraws(row_seeds, true_vocab, device) if row_seeds else None
-    responses: list[list[int]] = [[] for _ in range(n)]
-    logprobs: list[list[float]] = [[] for _ in range(n)]
-    versions: list[list[int]] = [[] for _ in range(n)]
-    finished = [False] * n
+    out = Sampled(n, T)
+    responses = out.tokens  # what each prompt sampled so far
     holds = [-1] * S  # the prompt each slot decodes (-1: none)
     pending = [0] * S  # the token each slot's next step feeds
     order = [0] * S  # when each slot's prompt was admitted (the last is preempted first)
@@ -163,17 +160,9 @@ def generate_paged(model, prompts: list[list[int]], params: SamplingParams, *, s
         idle += S - len(active)
         with _recording(model, routing, fed(active, [1] * len(active))):
             logits = decoder.step(active, [pending[s] for s in active])
-        picked, picked_lp = sample_next(
-            logits, params,
-            draw=(lambda: draws.next([holds[s] for s in active])) if draws is not None else None)
-        stopped = torch.isin(picked, stops)
+        picked = out.sample(logits, [holds[s] for s in active], params, draws, stops, swaps)
         for j, s in enumerate(active):
-            i = holds[s]
-            responses[i].append(int(picked[j]))
-            logprobs[i].append(float(picked_lp[j]))
-            versions[i].append(swaps)
-            if bool(stopped[j]) or len(responses[i]) == T:
-                finished[i] = bool(stopped[j])
+            if out.done(holds[s]):
                 holds[s] = -1
                 decoder.release(s)
             else:
@@ -185,8 +174,7 @@ def generate_paged(model, prompts: list[list[int]], params: SamplingParams, *, s
         stats["decode_slots"], stats["idle_decode_slots"] = slot_steps, idle
         stats["shared_prefills"] = copied
     decoder.close()
-    return assemble(prompts, responses, logprobs, versions, finished, pad_id, routing,
-                    interrupt is not None)
+    return out.generation(prompts, pad_id, routing, interrupt is not None)
 
 
 @contextlib.contextmanager
