@@ -128,7 +128,8 @@ def test_topk_kl_matches_a_loop_and_full_kl_at_full_k(divergence):
 def test_cache_equals_recomputation_and_refuses_what_is_stale(tiny_checkpoints, tmp_path):
     """Built and read in one process: equal to scoring, padded or packed; a build killed
     before its manifest (or a shard cut short) is detected; another checkpoint, data or
-    temperature is named."""
+    temperature is named; a frozen model that scores NaN is refused, naming the cache,
+    before anything is written (the old build wrote the NaNs and DPO trained on them)."""
     from megarlhf.config import load_config
     from megarlhf.engine import logit_cache as lc
     from megarlhf.roles.spec import single_role_spec
@@ -188,6 +189,15 @@ def test_cache_equals_recomputation_and_refuses_what_is_stale(tiny_checkpoints, 
         assert "has no manifest.json" in messages[0] and "rebuilding" in messages[0]
         assert all(torch.equal(a, b) for a, b in zip(rebuilt.logprobs, cache.logprobs, strict=True))
         assert not (tmp_path / ".tmp-cache-deadbeef").exists()
+        # damaged weights (a NaN in the final norm): the build names the cache, writes nothing
+        norm = next(p for n, p in role.model[0].named_parameters() if "final_layernorm" in n)
+        with torch.no_grad():
+            norm[0] = float("nan")
+        with pytest.raises(lc.CacheError, match=r"cache .*nan_cache: \d+ of the frozen "
+                                                r"model's log-probs are not finite"):
+            lc.build_cache(role, rows, str(tmp_path / "nan_cache"), key, micro_batch_size=2,
+                           max_len=32)
+        assert not (tmp_path / "nan_cache").exists()
     finally:
         shutdown()
 

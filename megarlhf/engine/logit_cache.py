@@ -244,6 +244,14 @@ def build_cache(role, rows: Sequence[Sequence[int]], path: str, key: CacheKey, *
         local = forward_rows(role, list(rows), lambda batch: pad_batch(
             [(list(r), []) for r in batch], length, pad_id), step,
             micro_batch_size=micro_batch_size, gather=False)
+    bad = torch.tensor([float(sum(int((~torch.isfinite(v["logprobs"])).sum())
+                                  for v in local.values())) if layout.writes_results else 0.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(bad)
+    if bad.item():
+        raise CacheError(f"building the cache {path}: {int(bad.item())} of the frozen "
+                         f"model's log-probs are not finite (NaN/inf) - its weights or the "
+                         "data are damaged; nothing was written")
     shard_name = f"shard-{layout.dp_rank:05d}-of-{layout.dp:05d}.safetensors"
     if layout.writes_results:
         ids = sorted(local)
