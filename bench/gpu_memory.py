@@ -1,17 +1,20 @@
 """The memory planner against one CUDA GPU at long sequences (printed; nothing asserted).
 
-    python bench/gpu_memory.py [--tokens 2048 8192] [--out DIR] [--quick]
+    python bench/gpu_memory.py [--tokens 2048 8192] [--recompute none full] [--out DIR]
+                               [--quick]
 
 A PPO iteration (actor, critic, reference and reward model, one GPU, bf16, Llama-shaped
 8 x 1024, a word-level tokenizer of ``--vocab`` words - the synthetic task's and made-up
-ones - so the logits weigh what a real vocabulary's do) on prompts about as long as each ``--tokens``
-less 64, with 64 new tokens: ``tests/workers/memory_paths.py`` runs two iterations and
+ones - so the logits weigh what a real vocabulary's do) on prompts about as long as each
+``--tokens`` less 64, with 64 new tokens: ``tests/workers/memory_paths.py`` runs two iterations and
 records the allocator's peak per phase (``torch.cuda.max_memory_allocated`` between the
 phase's start and end, the ``memory/<phase>/peak_allocated`` metric) and ``megarlhf
 plan``'s figures for the same config and the same prompt and response widths. Printed per
 phase: the plan's total, the measured peak, their ratio; and the training phase's
-activations, planned and measured (autograd's saved tensors). Recomputation, sequence
-parallelism and chunked log-probs are not in megarlhf yet: every figure is without them.
+activations, planned and measured (autograd's saved tensors). ``--recompute``: each length
+without recomputation (``none``) and with the trained roles' full recomputation, one layer
+at a time (``full``). Log-probs are always taken a chunk of positions at a time, with the
+head in the chunks; micro-batches are packed (the default).
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--out", default=None, help="work folder (default: a temporary one)")
+    parser.add_argument("--recompute", nargs="+", default=["none", "full"],
+                        choices=["none", "full"])
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--quick", action="store_true", help="a tiny model (a smoke run)")
     args = parser.parse_args()
@@ -105,14 +110,17 @@ def main() -> None:
     for tokens in args.tokens:
         prompts = long_prompts(os.path.join(out, f"prompts_{tokens}.jsonl"), words,
                                tokens - NEW - 8, rows=8, seed=tokens)
-        cases[f"seq{tokens}"] = {"iterations": 2, "overrides": [
-            f"data.train_path={prompts}", f"data.eval_path={prompts}",
-            f"data.max_prompt_len={tokens - NEW}", f"data.max_seq_len={tokens}",
-            f"ppo.sft_checkpoint={out}/sft-tiny/checkpoints",
-            f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", "ppo.num_eval_prompts=2",
-            "ppo.rollout_batch_size=8", "ppo.mini_batch_size=4", "ppo.micro_batch_size=2",
-            "ppo.ppo_epochs=1", "ppo.eval_interval=100", f"rollout.max_new_tokens={NEW}",
-            "rollout.stop_at_eos=false", "logging.sample_table_interval=0", *common]}
+        for recompute in args.recompute:
+            cases[f"seq{tokens}-{recompute}"] = {"iterations": 2, "overrides": [
+                *(f"roles.{role}.model.recompute.granularity={recompute}"
+                  for role in ("actor", "critic") if recompute != "none"),
+                f"data.train_path={prompts}", f"data.eval_path={prompts}",
+                f"data.max_prompt_len={tokens - NEW}", f"data.max_seq_len={tokens}",
+                f"ppo.sft_checkpoint={out}/sft-tiny/checkpoints",
+                f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", "ppo.num_eval_prompts=2",
+                "ppo.rollout_batch_size=8", "ppo.mini_batch_size=4", "ppo.micro_batch_size=2",
+                "ppo.ppo_epochs=1", "ppo.eval_interval=100", f"rollout.max_new_tokens={NEW}",
+                "rollout.stop_at_eos=false", "logging.sample_table_interval=0", *common]}
     table = os.path.join(out, "memory_cases.json")
     with open(table, "w") as f:
         json.dump(cases, f)
@@ -124,20 +132,23 @@ def main() -> None:
     print(f"  (PPO cases: {time.perf_counter() - start:.0f} s)")
     print(f"\nPPO, one GPU, bf16, {s['layers']} x {s['hidden']} actor, critic, reference and "
           f"reward model, vocabulary {args.vocab}, 8 rows, micro-batch 2, {NEW} new tokens:")
-    print("| sequence | phase | planned GiB | measured peak GiB | measured / planned |")
-    print("|---|---|---|---|---|")
+    print("| sequence | recompute | phase | planned GiB | measured peak GiB | "
+          "measured / planned |")
+    print("|---|---|---|---|---|---|")
     for name in cases:
         result = json.load(open(os.path.join(out, f"{name}.rank0.json")))
+        length, recompute = name[3:].split("-")
         measured, planned = result["measured"], result["planned_full_totals"]
         for phase, plan in planned.items():
             peak = measured.get(f"{phase}/all/peak_allocated")
             if peak is None:
                 continue
-            print(f"| {name[3:]} | {phase} | {plan / GIB:.2f} | {peak / GIB:.2f} | "
+            print(f"| {length} | {recompute} | {phase} | {plan / GIB:.2f} | {peak / GIB:.2f} | "
                   f"{peak / plan:.2f} |")
         for key in sorted(k for k in measured if k.startswith("train/")
                           and k.endswith("/activations")):
-            print(f"| {name[3:]} | {key} | {result['planned'].get(key, 0) / GIB:.2f} | "
+            print(f"| {length} | {recompute} | {key} | "
+                  f"{result['planned'].get(key, 0) / GIB:.2f} | "
                   f"{measured[key] / GIB:.2f} | "
                   f"{measured[key] / max(result['planned'].get(key, 1), 1):.2f} |")
     if not args.out:

@@ -93,6 +93,27 @@ def test_cuda_kv_cached_generation(paths):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["moe", "lora"])
+def test_cuda_moe_and_lora_equal_cpu(paths, name):
+    """fp32: a mixture of experts (its routing too) and a model with non-zero LoRA adapters
+    (their gradients too) give the CPU's numbers on the GPU, and greedy decoding the CPU's
+    tokens. Catches a device-specific path of either: the experts' dispatch, the adapters'
+    matmuls in a CUDA graph or out of one."""
+    cpu, cuda = (side[name] for side in paths)
+    gap = max_gap(cpu["logprobs"], cuda["logprobs"])
+    print(f"\n{name}: fp32 log-probs, CUDA vs CPU: max |diff| {gap:.2e}")
+    assert gap < FP32_TOL
+    assert cpu["greedy"].fed_mask_BT.sum() > 0
+    assert torch.equal(cpu["greedy"].response_tokens_BT, cuda["greedy"].response_tokens_BT)
+    assert (cpu["greedy"].logprobs_BT - cuda["greedy"].logprobs_BT).abs().max() < FP32_TOL
+    if name == "moe":
+        assert torch.equal(cpu["greedy"].routing_BLSK, cuda["greedy"].routing_BLSK.cpu())
+    else:
+        assert max(float(g.abs().max()) for g in cpu["adapter_grads"]) > 0
+        assert max_gap(cpu["adapter_grads"], cuda["adapter_grads"]) < FP32_TOL
+
+
+@pytest.mark.gpu
 def test_bf16_gap_to_fp32_and_rollout_train_mismatch(paths):
     """bf16 weights and compute (the precision real runs use) against fp32 on the same
     seeded model; and in bf16, the sampler's log-probs against the trainer's."""
@@ -294,3 +315,17 @@ def test_cuda_packed_scores_equal_padded(tmp_path, impl):
                       [r[key] for r in rows[f"{kind}_packed"]])
         print(f"\n{impl} {kind} packed vs padded on CUDA: max |diff| {gap:.2e}")
         assert gap < FP32_TOL
+
+
+@pytest.mark.gpu
+def test_cuda_recomputation_keeps_the_numbers(tmp_path):
+    """megatron's recomputation on CUDA, where its CUDA RNG tracker (not the CPU backend's
+    stand-in) hands the recomputed forward the dropout masks the first one drew: the PPO
+    update's and the SFT step's gradients with full and selective recomputation, with and
+    without dropout, padded and packed, equal keeping every activation, and full
+    recomputation keeps less for backward."""
+    from test_recompute import FAST, _check, _results
+
+    results = _results(tmp_path, FAST, world=1)
+    assert {name for _, _, name, _, _ in results} == set(FAST.split())
+    _check(results)

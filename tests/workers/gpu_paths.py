@@ -8,7 +8,9 @@ Cases: teacher-forced log-probs of fixed sequences; greedy generation with and w
 KV cache; sampled generation against teacher-forced scoring (the rollout/train mismatch);
 on CUDA also bf16 versions of these, an offload/reload round trip with the bytes the GPU
 freed, and resharding a trained actor into the inference model through megatron's NCCL
-copy service.
+copy service. In fp32 on both: a Qwen3-MoE-shaped mixture of experts (log-probs, greedy
+tokens, the experts each token chose) and a llama with LoRA adapters set to seeded non-zero
+values (log-probs, greedy tokens, the adapters' gradients of the summed log-probs).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import build, fixed_sequences, make_config  # noqa: E402
 
+from megarlhf.engine.steps import model_forward, token_logprobs  # noqa: E402
+from megarlhf.models import lora  # noqa: E402
 from megarlhf.roles.offload import Offloader  # noqa: E402
 from megarlhf.inference.generate import SamplingParams, generate  # noqa: E402
 from megarlhf.stages.score import score_sequences  # noqa: E402
@@ -56,6 +60,44 @@ def model_cases(dtype: str, results: dict) -> None:
     if torch.cuda.is_available():
         out["offload"] = offload_case(role, seqs)
     results[dtype] = out
+
+
+def family_cases(results: dict) -> None:
+    """fp32: a mixture of experts and a LoRA model, each on the device this process has."""
+    greedy = SamplingParams(max_new_tokens=12, greedy=True)
+    seqs = fixed_sequences(6)
+    cases = {"moe": ("qwen3moe", ()),
+             "lora": ("llama", ("model.lora.rank=4", "model.lora.alpha=8"))}
+    for name, (arch, extra) in cases.items():
+        cfg = make_config(arch, 1, 1, extra=extra)
+        role = build(cfg, "lm")
+        (model,) = role.chunks
+        adapters = lora.adapter_parameters(model)
+        gen = torch.Generator().manual_seed(11)
+        with torch.no_grad():  # B starts at zero: seeded values make the adapters count
+            for p in adapters:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+        out = {"logprobs": [r["logprobs"] for r in score_sequences(role, seqs,
+                                                                   micro_batch_size=2)],
+               "greedy": generate(model, PROMPTS, greedy, eos_id=2, pad_id=0,
+                                  true_vocab=cfg.model.vocab_size,
+                                  record_routing=name == "moe")}
+        if adapters:
+            device = next(model.parameters()).device
+            for p in adapters:
+                p.requires_grad_(True)
+                p.grad = None
+            for seq in seqs:
+                tokens = torch.tensor([seq], device=device)
+                batch = {"tokens": tokens,
+                         "position_ids": torch.arange(len(seq), device=device)[None]}
+                hidden = model_forward(model, batch, hidden=True)
+                logprobs, _ = token_logprobs(model, hidden[:, :-1], tokens[:, 1:],
+                                             tp_group=role.layout.tp_group,
+                                             true_vocab=cfg.model.vocab_size)
+                logprobs.sum().backward()
+            out["adapter_grads"] = [p.grad.detach().cpu().clone() for p in adapters]
+        results[name] = out
 
 
 def offload_case(role, seqs) -> dict:
@@ -107,6 +149,7 @@ def main() -> None:
     out_dir = sys.argv[1]
     results: dict = {}
     model_cases("fp32", results)
+    family_cases(results)
     if torch.cuda.is_available():
         model_cases("bf16", results)
         reshard_case(results)
