@@ -151,6 +151,11 @@ def main() -> None:
                   f"{result['planned'].get(key, 0) / GIB:.2f} | "
                   f"{measured[key] / GIB:.2f} | "
                   f"{measured[key] / max(result['planned'].get(key, 1), 1):.2f} |")
+    # The cases share one process: a case's peaks hold what was still allocated when it began.
+    began = {name[3:]: json.load(open(os.path.join(out, f"{name}.rank0.json")))
+             .get("leftover_allocated") or 0 for name in cases}
+    print("allocated when each case began (GiB): "
+          + ", ".join(f"{name} {value / GIB:.2f}" for name, value in began.items()))
     if not args.out:
         shutil.rmtree(out, ignore_errors=True)
 

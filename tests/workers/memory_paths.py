@@ -7,7 +7,10 @@ iterations, snapshots the save phase, and writes ``OUT_DIR/<name>.rank<R>.json``
 rank's measured bytes per (phase, role, part) and per phase total, the plan's prediction
 for this rank (with the experience batch's own prompt and response widths), whether
 ``models.shapes`` lists exactly the parameters of every built chunk, and the metrics of
-every iteration.
+every iteration. Between cases the finished session is collected (it sits in reference
+cycles, so dropping the name alone leaves its models resident until Python's next full
+collection) and, on CUDA, the bytes still allocated after that are recorded
+(``leftover_allocated``): each case's peaks count that case's session only.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from __future__ import annotations
 from megarlhf import speedups  # noqa: E402
 speedups.install()
 
+import gc
 import json
 import os
 import sys
 
+import torch
 import torch.distributed as dist
 
 from megarlhf.config import load_config
@@ -62,6 +67,7 @@ def main() -> None:
     cases = json.load(open(sys.argv[1]))
     out_dir = sys.argv[2]
     for name, case in cases.items():
+        leftover = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
         cfg = load_config("configs/demo/ppo.yaml", case["overrides"])
         session = PPOSession(cfg, load_tokenizer(cfg.tokenizer))
         metrics = []
@@ -86,8 +92,13 @@ def main() -> None:
             "planned_full_totals": plan.totals[rank],
             "shape_mismatches": shape_mismatches(session),
             "metrics": metrics,
+            "leftover_allocated": leftover,
         }
         session.close()
+        del session, tracker, exp
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
             json.dump(result, f)
         dist.barrier()
