@@ -340,8 +340,10 @@ class ModelConfig:
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter and compute dtype. CPU runs use float32."""
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
-    """Layer implementation: TransformerEngine when it imports and CUDA is present
-    (auto), megatron-core's local layers with SDPA attention otherwise."""
+    """Layer implementation: TransformerEngine when it imports and CUDA is present and the
+    model is in bfloat16 or float16 or uses fp8 (auto), megatron-core's local layers with
+    SDPA attention otherwise. TransformerEngine in float32 takes padded micro-batches only
+    (its attention has no float32 kernel for packed ones)."""
     value_head_init: Literal["zero", "normal"] = "zero"
     """Scalar head init for value models: zero (critic, lm-human-preferences) or
     N(0, 1/sqrt(hidden+1)) (reward model)."""

@@ -15,6 +15,7 @@ from megarlhf.engine.schedule import lengthen
 from megarlhf.models import moe
 from megarlhf.models.gpt import unwrap
 from megarlhf.models.logprobs import head_logprobs
+from megarlhf.models.spec import packed_attention_refusal
 from megarlhf.parallel import context, cpu_backend
 from megarlhf.parallel.gather import gather_objects
 
@@ -147,6 +148,10 @@ def attention_inputs(model, batch: dict) -> tuple[torch.Tensor | None, dict]:
     (TransformerEngine's attention, or ``models.spec.SDPACoreAttention``)."""
     if "cu_seqlens" not in batch:
         return batch.get("attention_mask"), {}
+    config = unwrap(model).config
+    refusal = packed_attention_refusal(config.transformer_impl, config.params_dtype)
+    if refusal:
+        raise ValueError(refusal)
     from megatron.core.packed_seq_params import PackedSeqParams
     cu = batch["cu_seqlens"].to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max())

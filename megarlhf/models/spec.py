@@ -187,7 +187,27 @@ def resolve_impl(model: ModelConfig) -> str:
             raise ValueError("model.fp8.enabled=true needs model.transformer_impl "
                              "'auto' or 'transformer_engine'")
         return "local"
+    if model.transformer_impl == "auto" and model.params_dtype == "float32" \
+            and not model.fp8.enabled:
+        return "local"  # TE's attention has no float32 kernel for packed micro-batches
     return "transformer_engine" if te else "local"
+
+
+def packed_attention_refusal(transformer_impl: str, dtype: torch.dtype) -> str | None:
+    """Why layers of ``transformer_impl`` in ``dtype`` cannot take a packed micro-batch
+    (megatron-core's THD format), or None. TransformerEngine's attention runs THD in its
+    fused kernels, which take bfloat16 and float16 only; its unfused path takes no THD, and
+    FlashAttention is not a dependency (seen on an H200 with TE 2.10: "No dot product
+    attention backend is available")."""
+    if transformer_impl != "transformer_engine" or dtype not in (torch.float32, torch.float64):
+        return None
+    return ("TransformerEngine's layers in float32 cannot take packed micro-batches: its "
+            "attention has packed (THD) kernels in bfloat16 and float16 only. Set "
+            "model.params_dtype=bfloat16, or model.transformer_impl=local (what 'auto' picks "
+            "in float32), or turn packing off: ppo.max_tokens_per_micro_batch=null and "
+            "rollout.forward_max_tokens_per_micro_batch=null (PPO), "
+            "train.max_tokens_per_micro_batch=null (SFT, RM, DPO), no --max-tokens "
+            "(megarlhf score)")
 
 
 def layer_spec(model: ModelConfig) -> ModuleSpec:
