@@ -127,11 +127,13 @@ def test_topk_kl_matches_a_loop_and_full_kl_at_full_k(divergence):
 
 def test_cache_equals_recomputation_and_refuses_what_is_stale(tiny_checkpoints, tmp_path):
     """Built and read in one process: equal to scoring, padded or packed; a build killed
-    before its manifest (or a shard cut short) is detected; another checkpoint, data or
+    before its manifest (or a shard cut short, or one byte of it changed in place: rebuilt)
+    is detected; another checkpoint, data or
     temperature is named; a frozen model that scores NaN is refused, naming the cache,
     before anything is written (the old build wrote the NaNs and DPO trained on them)."""
     from megarlhf.config import load_config
     from megarlhf.engine import logit_cache as lc
+    from megarlhf.engine.checkpoint import use_checksums
     from megarlhf.roles.spec import single_role_spec
     from megarlhf.roles.build import build_role
     from megarlhf.parallel.launch import init_distributed, shutdown
@@ -175,6 +177,25 @@ def test_cache_equals_recomputation_and_refuses_what_is_stale(tiny_checkpoints, 
                             lambda: None, on_stale="error")
 
         shard = next(p for p in os.listdir(path) if p.endswith(".safetensors"))
+        file = os.path.join(path, shard)
+        with open(file, "r+b") as f:  # one byte changed in place: loads, with a wrong value
+            f.seek(-1, 2)
+            last = f.read(1)
+            f.seek(-1, 2)
+            f.write(bytes([last[0] ^ 0xFF]))
+        assert lc.inspect(path, key) == ("damaged", f"{file} was changed since the save (its "
+                                         "SHA-256 is not the one recorded)")
+        try:
+            use_checksums(False)  # checkpoint.checksums=false: taken as it is
+            assert lc.inspect(path, key) == ("complete", "")
+        finally:
+            use_checksums(True)
+        messages = []
+        rebuilt = lc.ensure_cache(path, key, lambda: lc.build_cache(
+            role, rows, path, key, micro_batch_size=2, max_len=32), on_stale="rebuild",
+            log=messages.append)
+        assert "is damaged" in messages[0] and "rebuilding" in messages[0], messages
+        assert all(torch.equal(a, b) for a, b in zip(rebuilt.topk_logprobs, cache.topk_logprobs))
         with open(os.path.join(path, shard), "r+b") as f:  # cut short: a damaged disk
             f.truncate(100)
         assert lc.inspect(path, key) == ("incomplete", f"shard {shard} has 100 bytes, the "

@@ -154,6 +154,74 @@ def test_a_resume_with_changed_settings_says_what_changed(tiny_checkpoints, tmp_
         proc.stderr[-2000:]
 
 
+def _flip_byte(path, offset: int) -> None:
+    """One byte changed in place: the file keeps its size."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_checkpoint_changed_after_its_save_is_named_and_passed_over(tiny_checkpoints,
+                                                                      tmp_path):
+    """checkpoint.checksums (issue 60): a save records every file's size and SHA-256 - at
+    DP=2 the ranks hash their turns of the files, and the record lists them all. One byte
+    changed in place in the latest checkpoint's shard (the same size: the metadata and the
+    format read it as it is): a resume names the file and takes the checkpoint before,
+    then trains on; that checkpoint named directly is an error naming the file (exit 2, no
+    traceback). A truncated or missing file is named too; with checksums off the changed
+    file is taken as it is."""
+    import json
+
+    from conftest import run_cli, torchrun
+    from megarlhf.engine import checkpoint as ck
+
+    out, task, common = tiny_checkpoints
+    args = ["sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
+            "checkpoint.save_interval=1", "run.name=integrity",
+            *[c for c in common if not c.startswith("run.output_dir")],
+            f"run.output_dir={tmp_path}"]
+    torchrun(args, 2, "train.max_steps=2")
+    ckpts = tmp_path / "integrity" / "checkpoints"
+    second = ckpts / "step_0000002"
+    meta = json.loads((second / ck.META_FILE).read_text())
+    on_disk = sorted(str(p.relative_to(second)) for p in second.rglob("*")
+                     if p.is_file() and p.name != ck.META_FILE)
+    assert sorted(meta["files"]) == on_disk and len(on_disk) >= 4, (meta["files"], on_disk)
+    shard = second / next(n for n in on_disk if n.endswith(".distcp"))
+    _flip_byte(shard, shard.stat().st_size // 2)
+    proc = run_cli(*args, "train.max_steps=3")
+    assert f"{ckpts / 'latest'} names 'step_0000002', which does not hold what its save " \
+           f"wrote: {shard} was changed since the save" in proc.stdout, proc.stdout[-2000:]
+    assert "taking step_0000001, the newest complete checkpoint there" in proc.stdout
+    assert (ckpts / "latest").read_text() == "step_0000003"
+    _flip_byte(shard, shard.stat().st_size // 2)  # step 2 was saved again, whole
+    proc = run_cli("sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
+                   f"checkpoint.load={second}", "run.name=from-damaged", "train.max_steps=1",
+                   *common, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"checkpoint {second} does not hold what its save wrote: {shard} was changed" \
+        in proc.stderr
+    # in this process: a truncated file, a missing one, and checksums off
+    third = ckpts / "step_0000003"
+    files = json.loads((third / ck.META_FILE).read_text())["files"]
+    cut = third / sorted(files)[0]
+    size = cut.stat().st_size
+    with open(cut, "r+b") as f:
+        f.truncate(size - 1)
+    with pytest.raises(ValueError, match=f"{cut} has {size - 1} bytes, the save wrote {size}"):
+        ck.resolve_checkpoint(str(third))
+    cut.unlink()
+    with pytest.raises(ValueError, match=f"{cut} is missing"):
+        ck.resolve_checkpoint(str(third))
+    try:
+        ck.use_checksums(False)
+        assert ck.resolve_checkpoint(str(second)) == str(second)
+    finally:
+        ck.use_checksums(True)
+
+
 def test_a_short_run_that_went_wrong_does_not_end_done(tiny_checkpoints):
     """Two iterations of NaN rewards. As they are, the first iteration's non-finite score
     stops the run (exit 2) naming the metric, before iteration 1 is saved. With the
@@ -305,8 +373,9 @@ def test_a_full_disk_keeps_latest_and_the_next_run_resumes(tiny_checkpoints, tmp
 
 
 def test_a_damaged_reference_cache_starts_empty(tiny_checkpoints):
-    """The reference log-prob cache saved with a PPO checkpoint, torn: the resume says so
-    and starts the cache empty (it only saves work) instead of failing."""
+    """The reference log-prob cache saved with a PPO checkpoint, one byte changed in place
+    (its checksum tells): the resume says so and starts the cache empty (it only saves
+    work) instead of failing."""
     from conftest import run_cli
     from test_reliability_runs import ppo_args
     out = tiny_checkpoints[0]
@@ -315,9 +384,10 @@ def test_a_damaged_reference_cache_starts_empty(tiny_checkpoints):
     run_cli(*args, "ppo.num_iterations=1")
     cache = out / "torn-cache" / "checkpoints" / "iter_000001" / "ref_cache.pt"
     assert cache.exists()
-    cache.write_bytes(cache.read_bytes()[:100])
+    _flip_byte(cache, cache.stat().st_size // 2)  # in place: the checksum tells
     proc = run_cli(*args, "ppo.num_iterations=2")
-    assert f"{cache} is damaged and cannot be read" in proc.stdout and \
+    assert f"{cache} is damaged and cannot be read ({cache} was changed since the save" \
+        in proc.stdout and \
         "the reference log-prob cache starts empty" in proc.stdout, proc.stdout[-2000:]
     assert "resumed iter_000001" in proc.stdout
 

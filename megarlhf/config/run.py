@@ -69,6 +69,14 @@ class CheckpointConfig:
     only what trains - its adapters, a value model's head - and names that base checkpoint
     (with a digest of its metadata), which loading reads first: a checkpoint of megabytes
     instead of the model. false saves whole models (a checkpoint that outlives its base)."""
+    checksums: bool = True
+    """Record the size and SHA-256 of every file a checkpoint writes (model and optimizer
+    shards, the format's own index files, the objects saved beside them) and of every
+    shard of a frozen-model cache, and check them when read: a changed, truncated or
+    missing file is named, and a resume falls back to the newest checkpoint that holds
+    what its save wrote (a cache is rebuilt). Costs a read of every file at save and at
+    load (docs/checkpoints-and-config.md has the measured seconds per GB); false for huge
+    checkpoints on slow storage."""
 
     def __post_init__(self):
         require(self.save_interval >= 0, "checkpoint.save_interval", self.save_interval,

@@ -11,6 +11,14 @@ Atomicity: every rank writes into ``<dir>/.tmp-<tag>``; after a barrier rank 0 w
 metadata, renames the folder to ``<dir>/<tag>`` and only then replaces ``<dir>/latest``
 (write + fsync + ``os.replace``). A crash at any point leaves the previous ``latest``
 pointing at a complete checkpoint; stale ``.tmp-*`` folders are removed by the next save.
+
+Integrity (``checkpoint.checksums``, :func:`use_checksums`): the metadata records the size
+and SHA-256 of every file the save wrote (``files``: the shards and the format's own
+index files, hashed by the ranks in turn; ``objects``: the objects saved beside them). A
+checkpoint is used only when every file it lists is there as written
+(:func:`verify_checkpoint`): resolving a run's ``latest`` falls back to the newest
+checkpoint that is, said so; a checkpoint named directly is an error naming the file. An
+object is checked when it is read (:func:`load_object`).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from megarlhf.engine.optimizer_state import (
 from megarlhf.models import lora
 from megarlhf.models.gpt import sharded_state_dict, unwrap
 from megarlhf.parallel import watchdog
+from megarlhf.parallel.gather import gather_objects
 from megarlhf.parallel.rank import is_first
 from megarlhf.parallel import cpu_backend
 
@@ -52,6 +61,97 @@ LATEST_FILE = "latest"
 # N-th save of this process, after every rank wrote its shards and before the commit.
 FAULT_ENV = "MEGARLHF_FAULT_INJECT"
 _saves_in_process = [0]
+_checksums = [True]  # checkpoint.checksums (use_checksums)
+_verified: dict[tuple, str | None] = {}  # (folder, the stats of its files) -> problem
+_warned: set[str] = set()
+_READ_BLOCK = 8 << 20
+
+
+def use_checksums(enabled: bool) -> None:
+    """``checkpoint.checksums``: whether saves record, and reads check, every file's size and
+    SHA-256 (checkpoints and frozen-model caches). Off, a checkpoint is taken as it is."""
+    _checksums[0] = bool(enabled)
+
+
+def checksums_on() -> bool:
+    return _checksums[0]
+
+
+def file_digest(path: str) -> str:
+    """The SHA-256 of a file, read in blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_READ_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_record(path: str) -> dict:
+    return {"bytes": os.path.getsize(path), "sha256": file_digest(path)}
+
+
+def file_problem(path: str, want: dict) -> str | None:
+    """How ``path`` differs from what was written (``file_record``), or None."""
+    if not os.path.isfile(path):
+        return f"{path} is missing"
+    size = os.path.getsize(path)
+    if size != want["bytes"]:
+        return f"{path} has {size} bytes, the save wrote {want['bytes']}"
+    if file_digest(path) != want["sha256"]:
+        return f"{path} was changed since the save (its SHA-256 is not the one recorded)"
+    return None
+
+
+def _listing(folder: str) -> list[str]:
+    """Every file under ``folder`` but the metadata, relative, sorted."""
+    out = []
+    for root, _, names in os.walk(folder):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), folder)
+            if rel != META_FILE:
+                out.append(rel)
+    return sorted(out)
+
+
+def verify_checkpoint(folder: str) -> str | None:
+    """Why the checkpoint ``folder`` does not hold what its save wrote - a file missing, of
+    another size, or changed in place - or None. Every file its metadata's ``files`` lists
+    is read once per process, and again when a file's size or modification time changes.
+    A checkpoint saved without checksums passes, as does every checkpoint with checksums
+    off."""
+    if not _checksums[0]:
+        return None
+    meta_file = os.path.join(folder, META_FILE)
+    try:
+        stat = os.stat(meta_file)
+        with open(meta_file) as f:
+            files = json.load(f).get("files")
+    except (OSError, ValueError, AttributeError) as err:
+        return f"{meta_file} cannot be read ({err})"
+    key = (os.path.abspath(folder), stat.st_mtime_ns, stat.st_size,
+           *(_stat_of(os.path.join(folder, name)) for name in sorted(files or {})))
+    if key not in _verified:
+        problem = None
+        for name, want in sorted((files or {}).items()):
+            problem = file_problem(os.path.join(folder, name), want)
+            if problem:
+                break
+        _verified[key] = problem
+    return _verified[key]
+
+
+def _stat_of(path: str) -> tuple | None:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_size, stat.st_mtime_ns
+
+
+def _warn_once(text: str) -> None:
+    if text not in _warned and is_first():
+        _warned.add(text)
+        print(text, flush=True)
 
 
 @dataclass
@@ -151,6 +251,12 @@ def resolve_checkpoint(path: str) -> str:
     if not os.path.exists(os.path.join(path, META_FILE)):
         raise FileNotFoundError(f"{path!r} is not a complete megarlhf checkpoint "
                                 f"(no {META_FILE})")
+    problem = verify_checkpoint(path)
+    if problem:
+        raise ValueError(f"checkpoint {path} does not hold what its save wrote: {problem}. "
+                         "Point at another checkpoint (a run's checkpoints folder falls back "
+                         "to its newest intact one), or set checkpoint.checksums=false to use "
+                         "it as it is")
     return path
 
 
@@ -165,8 +271,9 @@ def _complete(folder: str) -> bool:
 
 def _latest_complete(folder: str, latest: str) -> str:
     """The checkpoint ``latest`` names; when that is not a complete checkpoint (the pointer
-    damaged or emptied, the folder deleted or torn), the newest complete one in ``folder``,
-    said so; an error naming the pointer when there is none."""
+    damaged or emptied, the folder deleted or torn) or does not hold what its save wrote
+    (:func:`verify_checkpoint`), the newest one in ``folder`` that is both, said so; an
+    error naming the pointer when there is none."""
     try:
         with open(latest) as f:
             name = f.read().strip()
@@ -174,20 +281,28 @@ def _latest_complete(folder: str, latest: str) -> str:
         name = ""
     target = os.path.join(folder, name)
     if name and os.sep not in name and _complete(target):
-        return target
-    why = (f"names {name!r}, which is not a complete checkpoint" if name
-           else "is empty or unreadable")
-    tags = sorted((d for d in os.listdir(folder)
-                   if os.path.isdir(os.path.join(folder, d)) and _complete(os.path.join(folder, d))),
-                  key=lambda d: (len(d), d))
-    if not tags:
-        raise FileNotFoundError(f"{latest} {why}, and {folder} holds no complete checkpoint: "
-                                "start the run afresh (delete the folder) or point "
-                                "checkpoint.load at another checkpoint")
-    if is_first():
-        print(f"[checkpoint] warning: {latest} {why}; taking {tags[-1]}, the newest complete "
-              "checkpoint there", flush=True)
-    return os.path.join(folder, tags[-1])
+        problem = verify_checkpoint(target)
+        if problem is None:
+            return target
+        why = f"names {name!r}, which does not hold what its save wrote: {problem}"
+    else:
+        why = (f"names {name!r}, which is not a complete checkpoint" if name
+               else "is empty or unreadable")
+    tags = sorted((d for d in os.listdir(folder) if d != name and os.path.isdir(
+        os.path.join(folder, d)) and _complete(os.path.join(folder, d))), key=lambda d: (len(d), d))
+    skipped = []
+    for tag in reversed(tags):
+        problem = verify_checkpoint(os.path.join(folder, tag))
+        if problem is None:
+            _warn_once(f"[checkpoint] warning: {latest} {why}; taking {tag}, the newest "
+                       "complete checkpoint there" + (f" (passed over: {'; '.join(skipped)})"
+                                                     if skipped else ""))
+            return os.path.join(folder, tag)
+        skipped.append(problem)
+    raise FileNotFoundError(f"{latest} {why}, and {folder} holds no complete checkpoint"
+                            + (f" (damaged: {'; '.join(skipped)})" if skipped else "")
+                            + ": start the run afresh (delete the folder) or point "
+                            "checkpoint.load at another checkpoint")
 
 
 def read_meta(path: str) -> dict:
@@ -242,9 +357,17 @@ def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
     if fault.startswith("save_before_commit:") and \
             int(fault.split(":")[1]) == _saves_in_process[0]:
         os._exit(137)
+    files = None
+    if _checksums[0]:  # every rank hashes its turn of the files; rank 0 records them all
+        names = _listing(tmp)
+        mine = {n: file_record(os.path.join(tmp, n)) for n in names[_rank()::_world()]}
+        files = {k: v for part in gather_objects(mine) for k, v in part.items()}
     if _rank() == 0:
+        saved_objects = {}
         for name, obj in (objects or {}).items():
             torch.save(obj, os.path.join(tmp, f"{name}.pt"))
+            if files is not None:
+                saved_objects[name] = file_record(os.path.join(tmp, f"{name}.pt"))
         meta = {
             "tag": tag,
             "roles": {name: {"trained": role.optimizer is not None, **role.extra,
@@ -256,6 +379,7 @@ def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
             "config": config or {},
             "layout": layout,
             "world_size": _world(),
+            **({"files": files, "objects": saved_objects} if files is not None else {}),
         }
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump(meta, f, indent=1, default=str)
@@ -306,7 +430,13 @@ def _chain(err: BaseException):
 def load_object(path: str, name: str) -> Any:
     """An object saved with the checkpoint at ``path`` (see ``save_checkpoint(objects=)``),
     or None when it has none."""
-    file = os.path.join(resolve_checkpoint(path), f"{name}.pt")
+    folder = resolve_checkpoint(path)
+    file = os.path.join(folder, f"{name}.pt")
+    want = (read_meta(folder).get("objects") or {}).get(name) if _checksums[0] else None
+    if want is not None:
+        problem = file_problem(file, want)
+        if problem:
+            raise ValueError(f"{file} is damaged and cannot be read ({problem})")
     if not os.path.exists(file):
         return None
     try:
@@ -387,8 +517,14 @@ def load_checkpoint(path: str, roles: dict[str, RoleState], *, load_optimizer: b
     same_layout = meta.get("layout") == layout and meta.get("world_size") == _world()
     if load_rng and same_layout:
         state["rng"] = ShardedObject("rng_state", None, (_world(),), (_rank(),), replica_id=0)
-    loaded, _, absent = dist_checkpointing.load(state, path,
-                                                strict=StrictHandling.RETURN_UNEXPECTED)
+    try:
+        loaded, _, absent = dist_checkpointing.load(state, path,
+                                                    strict=StrictHandling.RETURN_UNEXPECTED)
+    except (Exception, CheckpointException) as err:  # the latter is a BaseException
+        text = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        raise ValueError(f"checkpoint {path} cannot be read ({text}); its files may be "
+                         "damaged (checkpoint.checksums=true names a changed one) or of "
+                         "another model") from err
     _check_absent(absent, path)
     for name, role in roles.items():
         src = targets[name]

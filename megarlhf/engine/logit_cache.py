@@ -14,10 +14,11 @@ Each shard holds ``row_ids`` (R,) int64, ``offsets`` (R + 1,) int64 into the pos
 ``logprobs`` (N,) fp32 - the log-prob of token t + 1 at position t, N = sum of (row length
 - 1) - and for top-k caches ``topk_logprobs`` (N, k) fp32 and ``topk_ids`` (N, k) int64.
 The manifest records the key (the checkpoint's identity, a hash of the tokenized rows, the
-temperature and k), each shard's row count and byte size. A cache is written into a
-``.tmp-*`` sibling and renamed into place by rank 0 after every shard is on disk, so a
-crash never leaves a folder that reads as complete; readers check every shard against the
-manifest. Any layout reads any cache: every rank loads the rows it asks for.
+temperature and k), each shard's byte size and (``checkpoint.checksums``) its SHA-256. A
+cache is written into a ``.tmp-*`` sibling and renamed into place by rank 0 after every
+shard is on disk, so a crash never leaves a folder that reads as complete; readers check
+every shard against the manifest, and a shard changed in place reads as damaged (the
+cache is rebuilt). Any layout reads any cache: every rank loads the rows it asks for.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ import torch.distributed as dist
 
 from megarlhf.data.batching import pad_batch
 from megarlhf.data.packing import pack_rows
-from megarlhf.engine.checkpoint import META_FILE, resolve_checkpoint
+from megarlhf.engine.checkpoint import (META_FILE, checksums_on, file_problem, file_record,
+                                       resolve_checkpoint)
 from megarlhf.engine.forward import forward_rows
 from megarlhf.models.logprobs import vocab_parallel_logprobs, vocab_parallel_topk
 
@@ -110,8 +112,10 @@ class LogitCache:
         return len(self.logprobs)
 
 
-def inspect(path: str, key: CacheKey) -> tuple[str, str]:
-    """("complete" | "missing" | "incomplete" | "stale", why) without loading tensors."""
+def inspect(path: str, key: CacheKey, *, verify: bool = True) -> tuple[str, str]:
+    """("complete" | "missing" | "incomplete" | "damaged" | "stale", why) without loading
+    tensors; ``verify``: each shard's SHA-256 against the manifest's, where it records one
+    and ``checkpoint.checksums`` is on (the shard is read once)."""
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isdir(path):
         return "missing", f"no cache at {path}"
@@ -135,14 +139,19 @@ def inspect(path: str, key: CacheKey) -> tuple[str, str]:
         if os.path.getsize(file) != shard["bytes"]:
             return "incomplete", (f"shard {shard['file']} has {os.path.getsize(file)} bytes, "
                                   f"the manifest says {shard['bytes']}")
+        if verify and checksums_on() and "sha256" in shard:
+            problem = file_problem(file, shard)
+            if problem:
+                return "damaged", problem
     return "complete", ""
 
 
-def load_cache(path: str, key: CacheKey) -> LogitCache:
-    """Every row of a complete, matching cache (raises :class:`CacheError` otherwise)."""
+def load_cache(path: str, key: CacheKey, *, verified: bool = False) -> LogitCache:
+    """Every row of a complete, matching cache (raises :class:`CacheError` otherwise);
+    ``verified``: :func:`inspect` has just checked its shards' checksums."""
     from safetensors.torch import load_file
 
-    status, why = inspect(path, key)
+    status, why = inspect(path, key, verify=not verified)
     if status != "complete":
         raise CacheError(f"cache {path} is {status}: {why}")
     with open(os.path.join(path, MANIFEST)) as f:
@@ -269,7 +278,7 @@ def build_cache(role, rows: Sequence[Sequence[int]], path: str, key: CacheKey, *
     if _rank() == 0:
         shards = sorted(f for f in os.listdir(tmp) if f.endswith(".safetensors"))
         manifest = {"format": FORMAT_VERSION, "key": dataclasses.asdict(key),
-                    "shards": [{"file": f, "bytes": os.path.getsize(os.path.join(tmp, f))}
+                    "shards": [{"file": f, **_shard_record(os.path.join(tmp, f))}
                                for f in shards],
                     "built_at_layout": layout.describe()}
         with open(os.path.join(tmp, MANIFEST), "w") as f:
@@ -280,6 +289,10 @@ def build_cache(role, rows: Sequence[Sequence[int]], path: str, key: CacheKey, *
             shutil.rmtree(path)
         os.replace(tmp, path)
     _barrier()
+
+
+def _shard_record(file: str) -> dict:
+    return file_record(file) if checksums_on() else {"bytes": os.path.getsize(file)}
 
 
 def ensure_cache(path: str, key: CacheKey, build: Callable[[], None], *, on_stale: str,
@@ -299,4 +312,4 @@ def ensure_cache(path: str, key: CacheKey, build: Callable[[], None], *, on_stal
         build()
     else:
         log(f"cache {path}: complete, {key.num_rows} rows ({key.checkpoint_id})")
-    return load_cache(path, key)
+    return load_cache(path, key, verified=status == "complete")

@@ -31,6 +31,8 @@ def check_writable(cfg: Config) -> str:
         raise ValueError(f"the run directory {path} is not writable ({err.strerror}): set "
                          "run.output_dir to a writable place") from None
     watchdog.set_run_dir(path)
+    from megarlhf.engine.checkpoint import use_checksums
+    use_checksums(cfg.checkpoint.checksums)
     if launcher_rank() == 0:  # one lock per run, taken by its first rank
         runlock.acquire(path)
     return path
