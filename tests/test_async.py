@@ -315,6 +315,38 @@ def test_a_stopped_rollout_rank_is_named_within_the_deadline(tiny_checkpoints):
     assert "stopped sending heartbeats" in text and "rank 0 (training rank 0, host" in text
 
 
+@pytest.mark.slow
+def test_a_hung_weight_sync_ends_at_its_own_deadline_naming_the_other_side(tiny_checkpoints):
+    """rollout.placement.sync_timeout_minutes (issue 60): the training rank hangs alive as
+    it starts the first weight sync (its main thread asleep, its heartbeats going on, so
+    the watchdog's stall check never fires); the rollout rank, waiting for the weights,
+    ends at the sync's own deadline (3 s), well before parallel.timeout_minutes (18 s),
+    with the watchdog's kind of message naming its phase, the setting and the training
+    side's rank that still sends heartbeats; it leaves STALLED and the job exits
+    non-zero."""
+    import time
+    out = tiny_checkpoints[0]
+    name = _fresh(tiny_checkpoints, "split_sync_deadline")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+           os.path.join(WORKERS, "halt_at.py"), "weight sync to the rollout ranks", "1", "HANG",
+           "ppo", *_split_run(tiny_checkpoints, name, 0, [
+               "parallel.timeout_minutes=0.3", "rollout.placement.sync_timeout_minutes=0.05"],
+               iterations=1)[1:]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    text = proc.stdout + proc.stderr
+    hung = text.index("sends itself SIGHANG")
+    assert proc.returncode != 0, text[-3000:]
+    message = ("in phase 'weight sync from the training ranks', past its deadline of 3 s "
+               "(rollout.placement.sync_timeout_minutes), waiting on the training side - "
+               "rank(s) 0 (training rank 0, host")
+    assert message in text[hung:] and "which still sends heartbeats" in text, text[-3000:]
+    assert "rank 1 (rollout rank 0" in text and "stopped sending heartbeats" not in text
+    assert message in (out / name / "STALLED").read_text()
+    assert time.time() - start < 120
+
+
 def test_the_plan_of_a_split_job_puts_the_kv_cache_on_the_rollout_ranks():
     """megarlhf plan, 16 processes, the last 4 sampling: 12 training ranks at the roles'
     layouts (DP 3), none of them with a rollout KV cache; 4 rollout ranks holding one

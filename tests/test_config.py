@@ -286,6 +286,13 @@ def test_config_show_cli(tmp_path):
      "rollout.placement.partial needs ppo.max_staleness >= 1"),
     (["rollout.placement.mode=split", "rollout.placement.ranks=1", "ppo.max_staleness=1",
       "rollout.placement.partial_kv=keep"], "rollout.placement.partial_kv has no effect without rollout.placement.partial"),
+    # split placement's own deadlines: nothing crosses when colocated; positive
+    (["rollout.placement.sync_timeout_minutes=5"],
+     "rollout.placement.sync_timeout_minutes has no effect without rollout.placement.mode=split"),
+    (["rollout.placement.request_timeout_minutes=5"],
+     "rollout.placement.request_timeout_minutes has no effect without rollout.placement.mode=split"),
+    (["rollout.placement.mode=split", "rollout.placement.ranks=1",
+      "rollout.placement.sync_timeout_minutes=0"], "rollout.placement.sync_timeout_minutes=0"),
     # the decode slots' KV cache: nothing without slots, a pool that holds one sequence
     (["rollout.kv_cache=columns"], "rollout.kv_cache has no effect without rollout.decode_slots"),
     (["rollout.decode_slots=4", "rollout.kv_cache=columns", "rollout.kv_block_tokens=8"],

@@ -842,6 +842,8 @@ NOT_MATH = {
     "rollout.kv_cache_tokens": "as rollout.kv_cache: a small pool's preemptions sample the "
                                "same tokens (test_decode_paths, test_memory)",
     "rollout.placement.weight_checksum": "a check, no arithmetic",
+    "rollout.placement.sync_timeout_minutes": "a deadline, no arithmetic",
+    "rollout.placement.request_timeout_minutes": "a deadline, no arithmetic",
     "rollout.placement.partial": "timing of weight updates: test_async's partial rollouts (each "
                        "token's version and behaviour log-prob)",
     "rollout.placement.partial_kv": "as rollout.placement.partial (test_rollout)",

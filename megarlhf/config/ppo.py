@@ -109,6 +109,17 @@ class PlacementConfig:
     depends on timing: a run is not a fixed function of its seed, and a resume does not
     repeat the uninterrupted run. rollout/partial_tokens: the share of a batch's tokens
     sampled after such an update."""
+    sync_timeout_minutes: float = 10.0
+    """mode=split: a weight sync - the training side resharding and sending the actor, a
+    rollout rank receiving it - that lasts longer than this ends the job on the side that
+    waits, with the watchdog's message naming the phase and the other side's ranks (exit
+    75, ``STALLED`` left: under slurm/launch.sh the job requeues and resumes from the last
+    checkpoint). Size it above the weights' bytes over the bridge's bandwidth; a peer
+    that stops altogether is the watchdog's (parallel.timeout_minutes) in any case."""
+    request_timeout_minutes: float | None = None
+    """mode=split: the training side's wait for a request's samples (their generation
+    included) that lasts longer than this ends the job the same way. None: only
+    parallel.timeout_minutes, the bridge's collective timeout, bounds it."""
     partial_kv: Literal["recompute", "keep"] = "recompute"
     """partial: the keys and values of the columns already fed when new weights arrive.
     recompute: the new weights compute them again (one prefill of the batch, so a token
@@ -116,6 +127,11 @@ class PlacementConfig:
     weights' stay (no extra pass; the tokens that follow come from neither policy)."""
 
     def __post_init__(self):
+        require(self.sync_timeout_minutes > 0, "rollout.placement.sync_timeout_minutes",
+                self.sync_timeout_minutes, "must be > 0")
+        require(self.request_timeout_minutes is None or self.request_timeout_minutes > 0,
+                "rollout.placement.request_timeout_minutes", self.request_timeout_minutes,
+                "must be > 0, or null")
         if self.mode == "split":
             require(self.ranks is not None and self.ranks >= 1, "rollout.placement.ranks",
                     self.ranks, "must be >= 1 with rollout.placement.mode=split (the "

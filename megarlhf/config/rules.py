@@ -313,6 +313,11 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
         raise ConfigError("rollout.placement.partial needs ppo.max_staleness >= 1: at 0 no "
                           "update happens while a batch is sampled, so there is nothing to "
                           "take in flight")
+    for name in ("sync_timeout_minutes", "request_timeout_minutes"):
+        if said("rollout.placement", name) and rollout.placement.mode != "split":
+            raise ConfigError(f"rollout.placement.{name} has no effect without "
+                              "rollout.placement.mode=split (no weights or requests cross "
+                              "between the processes)")
     if said("rollout.placement", "partial_kv") and not rollout.placement.partial:
         raise ConfigError("rollout.placement.partial_kv has no effect without "
                           "rollout.placement.partial=true")

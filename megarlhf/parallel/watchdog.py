@@ -37,17 +37,24 @@ _watch: "_Watch | None" = None
 
 
 @contextlib.contextmanager
-def phase(name: str):
-    """Label what this rank is doing, for the watchdog's message."""
-    before = _state["phase"]
+def phase(name: str, *, deadline_s: float | None = None, setting: str = "",
+          waits_on: tuple[str, list[int]] | None = None):
+    """Label what this rank is doing, for the watchdog's message. ``deadline_s``: the phase
+    may last that long (``setting`` names where it is set); past it the watchdog ends the
+    process as for a stall, naming the phase and ``waits_on`` - (what the ranks are, e.g.
+    'the rollout side', their job ranks) - and whether they still send heartbeats. A phase
+    inside it keeps its deadline."""
+    before, deadline = _state["phase"], _state.get("deadline")
     _state["phase"] = name
+    if deadline_s is not None:
+        _state["deadline"] = (name, time.monotonic(), deadline_s, setting, waits_on)
     try:
         yield
     except BaseException:
         _state.setdefault("failed_in", name)  # the innermost phase the error left
         raise
     finally:
-        _state["phase"] = before
+        _state["phase"], _state["deadline"] = before, deadline
 
 
 def labelled(name: str):
@@ -111,6 +118,26 @@ class _Watch:
             quiet = [r for r, (_, since) in seen.items() if now - since > self.deadline]
             if quiet:
                 self._abort(quiet, "stopped sending heartbeats")
+            self._past_deadline(now)
+
+    def _past_deadline(self, now: float) -> None:
+        """The phase this rank is in has a deadline of its own (:func:`phase`) and has
+        outlasted it: the message, ``STALLED``, exit, as for a stall."""
+        current = _state.get("deadline")
+        if current is None or now - current[1] <= current[2]:
+            return
+        name, started, deadline_s, setting, waits_on = current
+        side, ranks = waits_on or ("the other ranks", [])
+        quiet = set(self.quiet(2 * self.interval))
+        state = ("stopped sending heartbeats" if ranks and set(ranks) <= quiet else
+                 "still sends heartbeats: it is stuck, or slower than the deadline allows")
+        message = (f"[megarlhf] error: rank {_who([self.rank])} spent {now - started:.0f} s in "
+                   f"phase '{name}', past its deadline of {deadline_s:g} s ({setting}), "
+                   f"waiting on {side}" + (f" - rank(s) {_who(ranks)} -" if ranks else "")
+                   + f" which {state}. " + _RESUME)
+        print(message, file=sys.stderr, flush=True)
+        _leave_marker(message)
+        os._exit(EXIT_CODE)
 
     def _get(self, key: str):
         return self.store.get(key) if self.store.check([key]) else None

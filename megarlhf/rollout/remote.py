@@ -18,7 +18,11 @@ group (``parallel.placement``), point to point:
    which shares it with the training world.
 
 At most one request is outstanding (``rollout.schedule`` resolves one before it sends the
-next). A silent peer is the watchdog's to report: every wait runs in a named phase.
+next). A silent peer is the watchdog's to report: every wait runs in a named phase. A
+weight sync has a deadline of its own on both sides (``rollout.placement.
+sync_timeout_minutes``), and so, when set, does the training side's wait for a request
+(``request_timeout_minutes``): past it, the waiting side ends as for a stall, naming the
+phase and the other side's ranks.
 
 Partial rollouts (``rollout.placement.partial``): when an update ends while a request is out, the
 training side offers the new weights (:meth:`RemoteRollout.push`). Whether they are taken
@@ -167,7 +171,7 @@ class RemoteRollout:
         request = self.requests
         self.requests += 1
         if self.rank == 0:
-            with watchdog.phase("sending a request to the rollout ranks"):
+            with self._phase("sending a request to the rollout ranks", request=True):
                 send_object(self.split.bridge,
                             {"cmd": "generate", "prompts": prompts, "seed": seed,
                              "version": version, "sync": sync, "request": request,
@@ -209,7 +213,7 @@ class RemoteRollout:
         start = time.perf_counter()
         # a LoRA actor's base is sent once; then only its adapters change
         adapters_only = self.held is not None and self.sampler.actor.spec.model.lora.enabled
-        with watchdog.phase("weight sync to the rollout ranks"):
+        with self._phase("weight sync to the rollout ranks"):
             stats = self.sampler.resharder()
             sent, works = 0, []
             if self.targets:
@@ -235,9 +239,21 @@ class RemoteRollout:
         self.held = version
         return {"timing/reshard": stats.seconds, "perf/reshard_bytes": stats.bytes_received}
 
+    def _phase(self, name: str, request: bool = False):
+        """A phase of this side's that waits on the rollout ranks, with its deadline: the
+        request's (``rollout.placement.request_timeout_minutes``, when set) or the weight
+        sync's."""
+        field = "request_timeout_minutes" if request else "sync_timeout_minutes"
+        minutes = getattr(self.placement, field)
+        return watchdog.phase(name, deadline_s=None if minutes is None else minutes * 60,
+                              setting=f"rollout.placement.{field}",
+                              waits_on=("the rollout side", [
+                                  self.split.rollout_job_rank(r)
+                                  for r in range(self.split.rollout_world)]))
+
     def receive(self, pending: Pending) -> tuple[Generation, dict]:
         start = time.perf_counter()
-        with watchdog.phase("waiting for the rollout ranks' samples"):
+        with self._phase("waiting for the rollout ranks' samples", request=True):
             got = [recv_object(self.split.bridge, self.rollout_root, RESULT)
                    if self.rank == 0 else None]
             dist.broadcast_object_list(got, src=0)
@@ -281,7 +297,10 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
     def take_weights(version: int) -> None:
         """Receive policy ``version``'s shard into the model (and check its SHA-256)."""
         adapters_only = synced["base"] and actor_spec.model.lora.enabled
-        with watchdog.phase("weight sync from the training ranks"):
+        with watchdog.phase("weight sync from the training ranks",
+                            deadline_s=cfg.rollout.placement.sync_timeout_minutes * 60,
+                            setting="rollout.placement.sync_timeout_minutes",
+                            waits_on=("the training side", list(range(split.training_world)))):
             flats = [torch.empty(f.numel(), dtype=f.dtype)
                      for f in flat_weights(model, adapters_only)]
             for flat in flats:

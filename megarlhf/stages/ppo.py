@@ -36,11 +36,11 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
     gold_fn = make_verifier(cfg.rollout.rewards, fn_path=ppo.gold_reward_fn,
                             name="ppo.gold_reward_fn") if ppo.gold_reward_fn else None
     split = placement.start(cfg)  # rollout.placement.mode=split: this process's part of the job
+    check_writable(cfg)  # on a rollout rank too: a stall it notices leaves STALLED there
     if split is not None and not split.training:
         actor = ppo_role_specs(cfg, split.training_world, fingerprint(tokenizer),
                                written=written)["actor"]
         return {"batches_sampled": serve(cfg, tokenizer, split, actor)}
-    check_writable(cfg)
     session = PPOSession(cfg, tokenizer, written, split)
     if split is not None:
         print0(f"[ppo] {split.describe()}")

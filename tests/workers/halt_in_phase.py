@@ -20,12 +20,12 @@ natural_phase = watchdog.phase
 
 
 @contextlib.contextmanager
-def phase(name: str):
+def phase(name: str, **kwargs):
     if SAVED[0] and name.startswith(PHASE) and os.environ.get("RANK") == "1":
         print(f"[halt_in_phase] rank 1 sends itself SIG{sys.argv[2]} in phase '{name}'",
               flush=True)
         os.kill(os.getpid(), SIGNAL)
-    with natural_phase(name):
+    with natural_phase(name, **kwargs):
         yield
     if name == "checkpoint save":
         SAVED[0] = True
