@@ -10,6 +10,9 @@
 #                                                   namespaces and the bridge
 #   scripts/local_cluster.sh cut STATE_DIR I        takes node I's network down (a node
 #                                                   lost from the cluster)
+#   scripts/local_cluster.sh die STATE_DIR I        node I lost with everything on it: its
+#                                                   network down, its processes (its
+#                                                   slurmd, a job's tasks) killed
 #   scripts/local_cluster.sh mend STATE_DIR I       brings it back as after a reboot:
 #                                                   what ran on it is gone, a fresh slurmd
 # Then, here: sbatch / squeue / scontrol (SLURM_CONF=STATE_DIR/slurm.conf, also linked
@@ -18,7 +21,7 @@ set -euo pipefail
 cmd="${1:-}"; state="$(realpath -m "${2:-}")"
 BRIDGE=mrlbr0
 NET=10.77.0
-usage() { echo "usage: $0 up STATE_DIR [NODES] | down STATE_DIR | cut|mend STATE_DIR NODE" >&2; exit 2; }
+usage() { echo "usage: $0 up STATE_DIR [NODES] | down STATE_DIR | cut|die|mend STATE_DIR NODE" >&2; exit 2; }
 [ -n "${2:-}" ] || usage
 
 down() {
@@ -40,6 +43,10 @@ case "$cmd" in
     down) down; exit 0 ;;
     cut)
         ip netns exec "mrl-node${3:?node number}" ip link set eth0 down
+        exit 0 ;;
+    die)
+        ip netns exec "mrl-node${3:?node number}" ip link set eth0 down
+        for pid in $(ip netns pids "mrl-node$3"); do kill -9 "$pid" 2>/dev/null || true; done
         exit 0 ;;
     mend) ;;
     up) ;;

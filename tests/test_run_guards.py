@@ -92,24 +92,52 @@ def test_one_run_per_directory(tiny_checkpoints):
     assert not (run / "LOCK").exists()  # released at the end
 
 
-def test_a_lock_from_another_host_is_taken_over_only_when_stale(tmp_path):
-    """Across hosts the owner's pid cannot be checked: its lock counts as held while it is
-    refreshed, and is taken over (with a message) once it is older than runlock.STALE_S; a
-    damaged lock file is taken over too."""
+def test_a_lock_from_another_host_is_waited_on_then_taken_over_or_refused(tmp_path,
+                                                                          monkeypatch):
+    """Across hosts the owner's pid cannot be checked, and its host may have died with it
+    (a Slurm requeue after a node failure lands elsewhere): a fresh lock is waited on, not
+    refused at once, until it goes stale - taken over, saying so - or is refreshed - the
+    owner lives: refused. A stale or damaged lock is taken over at once."""
     import json
+    import threading
 
     from megarlhf.stages import runlock
+    monkeypatch.setattr(runlock, "STALE_S", 2.0)
     lock = tmp_path / runlock.LOCK_FILE
-    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": "then"}))
-    with pytest.raises(runlock.RunLocked, match="in use by another run \\(host elsewhere"):
-        runlock.acquire(str(tmp_path))
-    old = time.time() - runlock.STALE_S - 5
-    os.utime(lock, (old, old))
-    said = []
+    owner = json.dumps({"host": "elsewhere", "pid": 1, "started": "then"})
+    lock.write_text(owner)
+    stop = threading.Event()
+
+    def refresh():  # the owner, alive on its host
+        while not stop.wait(0.3):
+            os.utime(lock)
+
+    refresher = threading.Thread(target=refresh)
+    refresher.start()
+    said, start = [], time.time()
+    try:
+        with pytest.raises(runlock.RunLocked, match="in use by another run \\(host elsewhere"):
+            runlock.acquire(str(tmp_path), log=said.append)
+    finally:
+        stop.set()
+        refresher.join()
+    assert "which this host cannot check" in said[0] and time.time() - start < 2.5, said
+    os.utime(lock)  # refreshed a moment ago, then silent: its host died
+    said, start = [], time.time()
     runlock.acquire(str(tmp_path), log=said.append)
-    assert "last refreshed" in said[0] and json.loads(lock.read_text())["pid"] == os.getpid()
+    took = time.time() - start
+    assert "waiting up to 3 s for the lock to go stale or be refreshed" in said[0], said
+    assert 1.5 < took < 5 and "last refreshed" in said[1], (said, took)
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
     runlock.release()
     assert not lock.exists()
+    lock.write_text(owner)  # stale already: taken over at once
+    old = time.time() - 10
+    os.utime(lock, (old, old))
+    said, start = [], time.time()
+    runlock.acquire(str(tmp_path), log=said.append)
+    assert len(said) == 1 and "last refreshed" in said[0] and time.time() - start < 1
+    runlock.release()
     lock.write_text("{")  # torn
     said.clear()
     runlock.acquire(str(tmp_path), log=said.append)

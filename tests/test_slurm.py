@@ -4,7 +4,10 @@ started once for the file and torn down after it). `megarlhf launch STAGE --slur
 launch.nodes=2: PPO, SFT and RM across the two nodes equal the same layout on one node;
 a preemption signal to the batch script reaches the tasks on both nodes, and the requeued
 job resumes to the same metrics; a node whose network is cut is named by the surviving
-rank within the deadline, Slurm requeues the job, and once the node is back it resumes."""
+rank within the deadline, Slurm requeues the job, and once the node is back it resumes.
+Every other way Slurm restarts a run resumes it too, with nothing done by hand: an
+operator's `scontrol requeue`, a fresh `sbatch` after the job crashed, and a requeue after
+the host that held the run's lock died with it (issue 60)."""
 
 import json
 import math
@@ -207,6 +210,83 @@ def test_preemption_across_nodes_resumes_to_the_same_metrics(common, two_node_ru
     assert "requeueing job" in log and "restart 1" in log and "[ppo] resumed iter_" in log, \
         log[-3000:]
     assert_same_metrics(run, two_node_runs["ppo"][1], tol=0)  # bitwise
+
+
+def wait_rows(run, n: int, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and (not (run / "metrics.jsonl").exists()
+                                      or len(rows(run)) < n):
+        time.sleep(0.5)
+    assert (run / "metrics.jsonl").exists() and len(rows(run)) >= n
+
+
+@pytest.mark.extended
+def test_an_operators_requeue_resumes_to_the_same_metrics(common, two_node_runs):
+    """`scontrol requeue` of the running job: Slurm signals the batch script, which has the
+    tasks checkpoint; the job starts again and resumes; its metrics equal the uninterrupted
+    two-node run's, bitwise."""
+    out, stages, launch = common
+    job = submit(stages["ppo"], launch, "run.name=operator-requeue")
+    run = out / "operator-requeue"
+    wait_rows(run, 3)
+    subprocess.run(["scontrol", "requeue", job], check=True)
+    log = wait_finished(job, out / "logs" / f"megarlhf-ppo-operator-requeue-{job}.out",
+                        "[ppo] done", 600)
+    assert "restart 1" in log and "[ppo] resumed iter_" in log, log[-3000:]
+    assert_same_metrics(run, two_node_runs["ppo"][1], tol=0)
+
+
+@pytest.mark.extended
+def test_a_fresh_job_after_a_crash_resumes_to_the_same_metrics(common, two_node_runs):
+    """Every process of the job killed (SIGKILL: no checkpoint, no marker, the lock left
+    behind): the job ends; a fresh `sbatch` of the same run - another job id - takes the
+    dead run's lock over, resumes from `latest` and ends with the uninterrupted run's
+    metrics, bitwise."""
+    out, stages, launch = common
+    first = submit(stages["ppo"], launch, "run.name=crashed")
+    run = out / "crashed"
+    wait_rows(run, 3)
+    subprocess.run(["scancel", "--full", "--signal=KILL", first], check=True)
+    wait_done(first, 120)
+    assert (run / "LOCK").exists()
+    second = submit(stages["ppo"], launch, "run.name=crashed")
+    assert second != first
+    log = wait_finished(second, out / "logs" / f"megarlhf-ppo-crashed-{second}.out",
+                        "[ppo] done", 600)
+    assert f"taking over {run / 'LOCK'}" in log and "[ppo] resumed iter_" in log, log[-3000:]
+    assert_same_metrics(run, two_node_runs["ppo"][1], tol=0)
+
+
+@pytest.mark.extended
+def test_the_lock_holders_host_dies_and_the_requeued_job_takes_over(cluster, common,
+                                                                    two_node_runs):
+    """A one-node job (2 tasks) whose node dies with everything on it - its rank 0 held the
+    run's lock: Slurm requeues the job onto the other node, whose rank 0 finds a fresh lock
+    from a host it cannot check; it waits for the lock to go stale (runlock.STALE_S)
+    instead of exiting, takes it over, resumes from `latest` and finishes with the
+    two-node run's metrics (one node or two: equal to 1e-6)."""
+    import json
+    out, stages, launch = common
+    job = submit(stages["ppo"], launch, "run.name=holder-dies", nodes=1, tasks=2)
+    run = out / "holder-dies"
+    wait_rows(run, 3)
+    host = json.loads((run / "LOCK").read_text())["host"]
+    node = int(host.removeprefix("node"))
+    subprocess.run(["bash", CLUSTER, "die", str(cluster), str(node)], check=True)
+    try:
+        ctld_log, deadline = cluster / "log" / "slurmctld.log", time.time() + 120
+        while time.time() < deadline and f"requeue job JobId={job} due to failure of node " \
+                f"node{node}" not in ctld_log.read_text():
+            time.sleep(1)
+        log = wait_finished(job, out / "logs" / f"megarlhf-ppo-holder-dies-{job}.out",
+                            "[ppo] done", 600)
+    finally:
+        subprocess.run(["bash", CLUSTER, "mend", str(cluster), str(node)], check=True)
+    assert f"is held by a run on another host (host {host}" in log and \
+        "which this host cannot check" in log, log[-3000:]
+    assert f"taking over {run / 'LOCK'}" in log and "last refreshed" in log, log[-3000:]
+    assert "restart 1" in log and "[ppo] resumed iter_" in log and "[ppo] done" in log
+    assert_same_metrics(run, two_node_runs["ppo"][1], tol=1e-6)
 
 
 def node_tasks(node: int) -> list[int]:

@@ -3,8 +3,11 @@ Slurm job). The job's first rank takes it before any work; a second run in the s
 directory is refused naming the owner. A lock whose owner is gone - its process no longer
 exists on this host, or, from another host, it has not been refreshed for
 :data:`STALE_S` seconds (the owner touches it every :data:`REFRESH_S`) - is taken over
-with a message saying so. Released at a normal exit; a killed run leaves it for the next
-run to take over.
+with a message saying so. An owner on another host whose lock is still fresh cannot be
+checked (its host may have died with it: a Slurm job requeued after a node failure, or a
+new job after a crash, lands elsewhere): this run waits, saying so, until the lock goes
+stale - then takes it over - or is refreshed, which proves the owner alive - then is
+refused. Released at a normal exit; a killed run leaves it for the next run to take over.
 """
 
 from __future__ import annotations
@@ -71,6 +74,30 @@ def _gone(owner: dict, path: str) -> str | None:
     return None
 
 
+def _wait_for_stale(path: str, owner: dict, log) -> str | None:
+    """An owner on another host, its lock fresh: wait until the lock goes stale (why it is
+    gone) or is refreshed (None: the owner lives). At most :data:`STALE_S` plus a refresh."""
+    try:
+        seen = os.path.getmtime(path)
+    except OSError:
+        return "the lock was removed while this run looked at it"
+    wait = max(0.0, seen + STALE_S - time.time()) + 1.0
+    log(f"[megarlhf] {path} is held by a run on another host ({_describe(owner)}), which "
+        f"this host cannot check (its host may have died with it): waiting up to "
+        f"{wait:.0f} s for the lock to go stale or be refreshed")
+    until = time.monotonic() + wait
+    while time.monotonic() < until:
+        time.sleep(min(1.0, wait / 10))
+        try:
+            now = os.path.getmtime(path)
+        except OSError:
+            return "the lock was removed while this run waited"
+        if now != seen:
+            return None  # refreshed: the owner lives
+    age = time.time() - seen
+    return f"the lock was last refreshed {age:.0f} s ago (host {owner.get('host')})"
+
+
 def acquire(run_dir: str, log=print) -> None:
     """Take ``run_dir``'s lock for this process (the job's first rank calls it)."""
     if _held.get("dir") == run_dir:
@@ -92,6 +119,8 @@ def acquire(run_dir: str, log=print) -> None:
                 why = "the lock file is empty or damaged"
             else:
                 why = _gone(owner, path)
+            if why is None and owner.get("host") != socket.gethostname():
+                why = _wait_for_stale(path, owner, log)
             if why is None:
                 raise RunLocked(
                     f"the run directory {run_dir} is in use by another run ({_describe(owner)})"
