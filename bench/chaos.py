@@ -1,8 +1,11 @@
 """Chaos soak for every training stage: 2-process SFT, reward-model, DPO and PPO (with an
 EMA actor) runs, each hit by faults at random moments and rerun with the same command after
-each, against the same run left alone.
+each, against the same run left alone. ``ppo-split``: PPO with split placement (1 training
++ 1 rollout process, k = 1), ``ppo-partial``: the same with partial rollouts, and
+``ppo-workers``: PPO scored by a reward function in 2 worker processes.
 
-    .venv/bin/python bench/chaos.py [--stages sft rm dpo ppo] [--faults 8] [--steps 60]
+    .venv/bin/python bench/chaos.py [--stages sft rm dpo ppo ppo-split ppo-partial
+                                     ppo-workers] [--faults 8] [--steps 60]
                                     [--iterations 8] [--seed 0] [--out DIR]
 
 The faults cycle through four kinds:
@@ -15,11 +18,20 @@ The faults cycle through four kinds:
 - ``stop``: SIGSTOP of rank 1 (a wedged process): rank 0's watchdog notices within
   ``parallel.timeout_minutes`` (0.1 here), exits naming the phase and leaves ``STALLED``;
   the stopped rank is then killed.
+In the split stages the process stopped alternates between the two sides (rank 1 samples,
+rank 0 trains; the other side's watchdog ends the job), and a fifth kind, ``rank``,
+SIGKILLs one side's process alone, alternating too (the other side loses its connection,
+names it and exits). In ``ppo-workers`` the fifth kind SIGKILLs one reward worker process
+mid-run (the run replaces it and scores its calls again), then the job.
 Nothing is cleared by hand between faults: the next run takes over the run lock, skips a
 torn checkpoint and resumes. At the end, every non-timing metric of every step and the
 final weights (``megarlhf score`` log-probs of fixed sequences; the reward model: its eval
 metrics) must equal the uninterrupted run's, bitwise, and no fault may lose more than one
-checkpoint interval. Prints, per stage, the faults, the steps each lost and the time.
+checkpoint interval. ``ppo-partial`` samples with whatever weights have arrived, which
+depends on timing: there the invariants must hold instead - every step logged once with
+finite metrics, the share of tokens sampled after an update within [0, 1], the last
+checkpoint the last iteration's, at most one interval lost per fault. Prints, per stage,
+the faults, the steps each lost and the time.
 """
 
 from __future__ import annotations
@@ -37,6 +49,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 KINDS = ("kill", "save", "term", "stop")
+MORE_KINDS = {"ppo-split": ("rank",), "ppo-partial": ("rank",), "ppo-workers": ("worker",)}
+STAGES = ("sft", "rm", "dpo", "ppo", "ppo-split", "ppo-partial", "ppo-workers")
+TIMING_DEPENDENT = ("ppo-partial",)
 
 
 def cli(*argv, env=None):
@@ -105,8 +120,9 @@ def torchrun(args, env, wait=True):
     return proc
 
 
-def fault(kind: str, args: list, env: dict, rng: random.Random) -> str:
-    """Run ``args`` once more and hit it with ``kind``; returns what happened."""
+def fault(kind: str, args: list, env: dict, rng: random.Random, victim: int = 1) -> str:
+    """Run ``args`` once more and hit it with ``kind``; returns what happened. ``victim``:
+    the rank a ``stop`` or ``rank`` fault hits (the other one is watched)."""
     if kind == "save":
         n = rng.randint(1, 2)
         proc = torchrun(args, {**env, "MEGARLHF_FAULT_INJECT": f"save_before_commit:{n}"})
@@ -130,17 +146,43 @@ def fault(kind: str, args: list, env: dict, rng: random.Random) -> str:
             kill_job(proc)
             return f"SIGTERM after {delay:.1f} s: NOT honoured in 300 s"
         return f"SIGTERM after {delay:.1f} s: exit {proc.returncode}"
-    # stop: rank 1 wedged; rank 0's watchdog ends the job
-    if 1 not in ranks:
+    if kind == "worker":  # a reward worker process: not a rank, a child of one
+        kids = [pid for rank_pid in ranks.values() for pid in descendants(rank_pid)
+                if _is_reward_worker(pid)]
+        if not kids:
+            proc.wait()
+            return f"worker after {delay:.1f} s: no reward worker running, the rerun went on"
+        os.kill(kids[0], signal.SIGKILL)
+        try:  # the run replaces it and goes on; then the job is killed, to go on faulting
+            proc.wait(timeout=rng.uniform(3.0, 8.0))
+            return (f"SIGKILL of reward worker {kids[0]} after {delay:.1f} s: the rerun "
+                    f"finished, exit {proc.returncode}")
+        except subprocess.TimeoutExpired:
+            kill_job(proc)
+            return (f"SIGKILL of reward worker {kids[0]} after {delay:.1f} s, the run went on; "
+                    "then SIGKILL of the job")
+    # stop: the victim wedged, the other rank's watchdog ends the job; rank: the victim
+    # killed alone, the other rank loses its connection and leaves
+    other = 1 - victim
+    if victim not in ranks or other not in ranks:
         kill_job(proc)
-        return f"stop after {delay:.1f} s: no rank 1 yet, killed instead"
-    os.kill(ranks[1], signal.SIGSTOP)
+        return f"{kind} after {delay:.1f} s: no rank {victim} yet, killed instead"
+    os.kill(ranks[victim], signal.SIGSTOP if kind == "stop" else signal.SIGKILL)
     stopped = time.time()
-    while 0 in ranks and _alive(ranks[0]) and time.time() - stopped < 120:
+    while _alive(ranks[other]) and time.time() - stopped < 120:
         time.sleep(0.2)
     took = time.time() - stopped
     kill_job(proc)
-    return f"SIGSTOP of rank 1 after {delay:.1f} s: rank 0 left after {took:.1f} s"
+    return (f"{'SIGSTOP' if kind == 'stop' else 'SIGKILL'} of rank {victim} after "
+            f"{delay:.1f} s: rank {other} left after {took:.1f} s")
+
+
+def _is_reward_worker(pid: int) -> bool:
+    try:
+        return b"megarlhf" in open(f"/proc/{pid}/cmdline", "rb").read() and \
+            b"megarlhf.cli" not in open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return False
 
 
 def _alive(pid: int) -> bool:
@@ -169,17 +211,29 @@ def stage_args(stage: str, out: str, task: dict, common: list, n: int) -> tuple[
                 "train.global_batch_size=8", "train.micro_batch_size=2",
                 "train.eval_interval=4", f"cache.path={out}/dpo-cache",
                 "dpo.gold_reward_fn=null", "dpo.gold_eval_path=null", *every], "policy"
-    return ["ppo", "configs/demo/ppo.yaml", f"data.train_path={task['prompts']}",
-            f"data.eval_path={task['eval_prompts']}", "ppo.num_eval_prompts=16",
-            f"ppo.sft_checkpoint={out}/sft-tiny/checkpoints",
-            f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", f"ppo.num_iterations={n}",
-            "ppo.eval_interval=2", "ppo.ema_decay=0.9", "logging.sample_table_interval=0",
-            "parallel.tensor_model_parallel_size=2", *every], "actor"
+    ppo = ["ppo", "configs/demo/ppo.yaml", f"data.train_path={task['prompts']}",
+           f"data.eval_path={task['eval_prompts']}", "ppo.num_eval_prompts=16",
+           f"ppo.sft_checkpoint={out}/sft-tiny/checkpoints",
+           f"ppo.reward_checkpoint={out}/rm-tiny/checkpoints", f"ppo.num_iterations={n}",
+           "ppo.eval_interval=2", "ppo.ema_decay=0.9", "logging.sample_table_interval=0",
+           *every]
+    if stage == "ppo":
+        return ppo + ["parallel.tensor_model_parallel_size=2"], "actor"
+    if stage == "ppo-workers":  # the synthetic task's reward, in 2 worker processes
+        return ppo + ["parallel.tensor_model_parallel_size=2", "ppo.reward_checkpoint=null",
+                      "rollout.rewards.fn=megarlhf.data.synthetic:gold_reward_pair",
+                      "rollout.rewards.workers=2"], "actor"
+    split = ["rollout.placement.mode=split", "rollout.placement.ranks=1",
+             "ppo.max_staleness=1"]
+    if stage == "ppo-partial":
+        split.append("rollout.placement.partial=true")
+    return ppo + split, "actor"
 
 
 def soak(stage: str, args, out: str, task: dict, common: list, env: dict,
          rng: random.Random) -> dict:
-    n = args.iterations if stage == "ppo" else args.steps
+    n = args.iterations if stage.startswith("ppo") else args.steps
+    kinds = KINDS + MORE_KINDS.get(stage, ())
     base, role = stage_args(stage, out, task, common, n)
     ref_dir, run = os.path.join(out, f"{stage}-reference"), os.path.join(out, f"{stage}-chaos")
     start = time.time()
@@ -189,14 +243,20 @@ def soak(stage: str, args, out: str, task: dict, common: list, env: dict,
     chaos = base + [f"run.name={stage}-chaos"]
     lost, log = [], []
     start = time.time()
+    hits: dict[str, int] = {}
     for k in range(args.faults):
         if steps(run) and steps(run)[-1] == n and latest(run) == n:
             break
         before = latest(run)
-        how = fault(KINDS[k % len(KINDS)], chaos, env, rng)
+        kind = kinds[k % len(kinds)]
+        hits[kind] = hits.get(kind, 0) + 1
+        # split placement: the stopped or killed side alternates (rank 1 samples, rank 0
+        # trains); elsewhere rank 1, as before
+        victim = (hits[kind] % 2) if stage in ("ppo-split", "ppo-partial") else 1
+        how = fault(kind, chaos, env, rng, victim)
         progress, kept = max(steps(run), default=0), latest(run)
         lost.append(max(0, progress - kept))
-        log.append(f"{stage} fault {k + 1} ({KINDS[k % len(KINDS)]}): {how}; checkpoint "
+        log.append(f"{stage} fault {k + 1} ({kind}): {how}; checkpoint "
                    f"{before} -> {kept}, metrics reached {progress}, lost {lost[-1]}")
         print(log[-1], flush=True)
     if not (steps(run) and steps(run)[-1] == n and latest(run) == n):
@@ -206,18 +266,26 @@ def soak(stage: str, args, out: str, task: dict, common: list, env: dict,
     from megarlhf.engine.metrics import read_metrics
     ref = {r["step"]: r for r in read_metrics(ref_dir)}
     got = {r["step"]: r for r in read_metrics(run)}
-    diffs = [(s, key) for s in ref for key, value in ref[s].items()
-             if not key.startswith(("timing/", "perf/")) and got.get(s, {}).get(key) != value]
     same_steps = sorted(ref) == sorted(got)
+    if stage in TIMING_DEPENDENT:  # invariants, not equality
+        diffs = [(s, key) for s, row in got.items() for key, value in row.items()
+                 if isinstance(value, float) and (value != value or abs(value) == float("inf"))]
+        diffs += [(s, "rollout/partial_tokens") for s, row in got.items()
+                  if not 0.0 <= row.get("rollout/partial_tokens", 0.0) <= 1.0]
+        diffs += [("logged more than once", s) for s in got
+                  if [r["step"] for r in read_metrics(run)].count(s) > 1]
+    else:
+        diffs = [(s, key) for s in ref for key, value in ref[s].items()
+                 if not key.startswith(("timing/", "perf/")) and got.get(s, {}).get(key) != value]
     same_weights = True
-    if role:
+    if role and stage not in TIMING_DEPENDENT:
         seqs = os.path.join(out, "seqs.jsonl")
         with open(seqs, "w") as f:
             for tokens in ([3, 7, 9, 11, 4], [5, 6, 7, 8]):
                 f.write(json.dumps({"tokens": tokens}) + "\n")
         scores = []
         for name in (f"{stage}-reference", f"{stage}-chaos"):
-            for r in ([role, "ema"] if stage == "ppo" else [role]):
+            for r in ([role, "ema"] if stage.startswith("ppo") else [role]):
                 dest = os.path.join(out, f"score_{name}_{r}.jsonl")
                 cli("score", "--config", "configs/sft_tiny.yaml", "--input", seqs, "--output",
                     dest, "--ckpt-role", r, f"checkpoint.load={out}/{name}/checkpoints",
@@ -227,6 +295,7 @@ def soak(stage: str, args, out: str, task: dict, common: list, env: dict,
         same_weights = scores[:half] == scores[half:]
     ok = same_steps and not diffs and same_weights and max(lost, default=0) <= 1
     return {"stage": stage, "faults": len(lost), "lost": lost, "log": log, "ok": ok,
+            "kinds": kinds, "hits": hits,
             "same_steps": same_steps, "diffs": diffs[:5], "n_diffs": len(diffs),
             "same_weights": same_weights, "ref_seconds": ref_seconds,
             "chaos_seconds": chaos_seconds, "steps": n}
@@ -235,8 +304,7 @@ def soak(stage: str, args, out: str, task: dict, common: list, env: dict,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stages", nargs="+", default=["sft", "rm", "dpo", "ppo"],
-                        choices=["sft", "rm", "dpo", "ppo"])
+    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
     parser.add_argument("--faults", "--kills", type=int, default=8, help="faults per stage")
     parser.add_argument("--steps", type=int, default=60, help="SFT / RM / DPO steps")
     parser.add_argument("--iterations", type=int, default=8, help="PPO iterations")
@@ -252,21 +320,23 @@ def main() -> int:
     task = write_task(os.path.join(args.out, "task"), seed=0)
     common = [f"tokenizer.path={task['tokenizer']}", f"run.output_dir={args.out}",
               "logging.progress_bar=false", "logging.tensorboard=false"]
-    if {"dpo", "ppo"} & set(args.stages):
+    if any(stage == "dpo" or stage.startswith("ppo") for stage in args.stages):
         cli("sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
             "train.max_steps=20", *common)
-    if "ppo" in args.stages:
+    if any(stage.startswith("ppo") for stage in args.stages):
         cli("rm", "configs/rm_tiny.yaml", f"data.train_path={task['prefs']}",
             "train.max_steps=20", *common)
     results = [soak(stage, args, args.out, task, common, env, rng) for stage in args.stages]
     print()
     for r in results:
         print(f"chaos soak, {r['stage']}: {r['steps']} steps, 2 processes, checkpoint every "
-              f"step; {r['faults']} faults ({', '.join(KINDS)} in turn), all recovered "
-              f"without a hand: {r['ok']}")
+              f"step; {r['faults']} faults ({', '.join(r['kinds'])} in turn: {r['hits']}), "
+              f"all recovered without a hand: {r['ok']}")
         print(f"  steps lost per fault: {r['lost']} (max {max(r['lost'], default=0)}; bound "
               "1 = the checkpoint interval)")
-        print(f"  metrics equal to the uninterrupted run's: {r['same_steps'] and not r['diffs']}"
+        what = ("every step once, finite, partial share in [0, 1]"
+                if r["stage"] in TIMING_DEPENDENT else "metrics equal to the uninterrupted run's")
+        print(f"  {what}: {r['same_steps'] and not r['diffs']}"
               f" ({r['n_diffs']} differing values{': ' + str(r['diffs']) if r['diffs'] else ''})"
               f"; final weights equal: {r['same_weights']}")
         print(f"  uninterrupted {r['ref_seconds']:.0f} s; with faults and reruns "

@@ -238,17 +238,21 @@ def test_an_operators_requeue_resumes_to_the_same_metrics(common, two_node_runs)
 
 @pytest.mark.extended
 def test_a_fresh_job_after_a_crash_resumes_to_the_same_metrics(common, two_node_runs):
-    """Every process of the job killed (SIGKILL: no checkpoint, no marker, the lock left
-    behind): the job ends; a fresh `sbatch` of the same run - another job id - takes the
-    dead run's lock over, resumes from `latest` and ends with the uninterrupted run's
-    metrics, bitwise."""
+    """Both tasks of the job killed at once (SIGKILL: no checkpoint, no marker, the lock
+    left behind): the job ends without a requeue; a fresh `sbatch` of the same run -
+    another job id - takes the dead run's lock over, resumes from `latest` and ends with
+    the uninterrupted run's metrics, bitwise."""
     out, stages, launch = common
     first = submit(stages["ppo"], launch, "run.name=crashed")
     run = out / "crashed"
     wait_rows(run, 3)
-    subprocess.run(["scancel", "--full", "--signal=KILL", first], check=True)
+    tasks = node_tasks(1) + node_tasks(2)  # the tasks, and srun on the first node
+    assert len(tasks) >= 2, tasks
+    for pid in tasks:  # all at once: no task lives to leave a marker
+        os.kill(pid, 9)
     wait_done(first, 120)
-    assert (run / "LOCK").exists()
+    log = open(out / "logs" / f"megarlhf-ppo-crashed-{first}.out").read()
+    assert "restart 1" not in log and (run / "LOCK").exists(), log[-3000:]
     second = submit(stages["ppo"], launch, "run.name=crashed")
     assert second != first
     log = wait_finished(second, out / "logs" / f"megarlhf-ppo-crashed-{second}.out",
