@@ -322,6 +322,22 @@ MUTANTS = [
            "stops = sorted(set(self.stop_token_ids) | {self.eos_id})", "stops = [self.eos_id]",
            (ref("test_trained_tokens_and_scores_follow_the_rules", "ptx_stop_ids"),),
            ("ptx_stop_ids",)),
+    Mutant("checksum_not_compared", "checkpoint.checksums: a file of the recorded size is "
+           "taken as written without comparing its SHA-256 (a byte changed in place passes)",
+           "megarlhf/engine/checkpoint.py",
+           '    if file_digest(path) != want["sha256"]:',
+           '    if False and file_digest(path) != want["sha256"]:',
+           ("tests/test_run_guards.py::"
+            "test_a_checkpoint_changed_after_its_save_is_named_and_passed_over",
+            "tests/test_offline.py::test_cache_equals_recomputation_and_refuses_what_is_stale"),
+           ()),
+    Mutant("sync_deadline_dropped", "rollout.placement.sync_timeout_minutes: a rollout rank "
+           "waits for the weights with no deadline of its own",
+           "megarlhf/rollout/remote.py",
+           "                            deadline_s=cfg.rollout.placement.sync_timeout_minutes * 60,",
+           "                            deadline_s=None,",
+           ("tests/test_async.py::"
+            "test_a_hung_weight_sync_ends_at_its_own_deadline_naming_the_other_side",), ()),
 ]
 
 
