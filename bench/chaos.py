@@ -146,12 +146,17 @@ def fault(kind: str, args: list, env: dict, rng: random.Random, victim: int = 1)
             kill_job(proc)
             return f"SIGTERM after {delay:.1f} s: NOT honoured in 300 s"
         return f"SIGTERM after {delay:.1f} s: exit {proc.returncode}"
-    if kind == "worker":  # a reward worker process: not a rank, a child of one
-        kids = [pid for rank_pid in ranks.values() for pid in descendants(rank_pid)
-                if _is_reward_worker(pid)]
+    if kind == "worker":  # a reward worker process: not a rank, a child of one (started
+        kids, until = [], time.time() + 20  # at the first scoring)
+        while not kids and time.time() < until and proc.poll() is None:
+            kids = [pid for rank_pid in workers(proc).values() for pid in descendants(rank_pid)
+                    if _is_reward_worker(pid)]
+            time.sleep(0.2)
         if not kids:
-            proc.wait()
-            return f"worker after {delay:.1f} s: no reward worker running, the rerun went on"
+            finished = proc.poll() is not None
+            kill_job(proc)
+            return (f"worker after {delay:.1f} s: " + ("the rerun had finished" if finished
+                    else "no reward worker in 20 s, the job killed instead"))
         os.kill(kids[0], signal.SIGKILL)
         try:  # the run replaces it and goes on; then the job is killed, to go on faulting
             proc.wait(timeout=rng.uniform(3.0, 8.0))
