@@ -315,6 +315,25 @@ def test_a_stopped_rollout_rank_is_named_within_the_deadline(tiny_checkpoints):
     assert "stopped sending heartbeats" in text and "rank 0 (training rank 0, host" in text
 
 
+def _hang_at(tiny, name: str, hangs_in: str, setting: str) -> tuple[str, str]:
+    """A 2-process split job (k = 0, one iteration) whose process entering ``hangs_in``
+    first hangs alive (tests/workers/halt_at.py HANG), with ``setting`` at 3 s and
+    parallel.timeout_minutes at 18 s: (the job's output from the hang on, STALLED)."""
+    import time
+    out = tiny[0]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+           os.path.join(WORKERS, "halt_at.py"), hangs_in, "1", "HANG",
+           "ppo", *_split_run(tiny, _fresh(tiny, name), 0, [
+               "parallel.timeout_minutes=0.3", f"{setting}=0.05"], iterations=1)[1:]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "sends itself SIGHANG" in text, text[-3000:]
+    assert time.time() - start < 120 and "stopped sending heartbeats" not in text, text[-3000:]
+    return text[text.index("sends itself SIGHANG"):], (out / name / "STALLED").read_text()
+
+
 @pytest.mark.slow
 def test_a_hung_weight_sync_ends_at_its_own_deadline_naming_the_other_side(tiny_checkpoints):
     """rollout.placement.sync_timeout_minutes (issue 60): the training rank hangs alive as
@@ -324,27 +343,29 @@ def test_a_hung_weight_sync_ends_at_its_own_deadline_naming_the_other_side(tiny_
     with the watchdog's kind of message naming its phase, the setting and the training
     side's rank that still sends heartbeats; it leaves STALLED and the job exits
     non-zero."""
-    import time
-    out = tiny_checkpoints[0]
-    name = _fresh(tiny_checkpoints, "split_sync_deadline")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-           os.path.join(WORKERS, "halt_at.py"), "weight sync to the rollout ranks", "1", "HANG",
-           "ppo", *_split_run(tiny_checkpoints, name, 0, [
-               "parallel.timeout_minutes=0.3", "rollout.placement.sync_timeout_minutes=0.05"],
-               iterations=1)[1:]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    start = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    text = proc.stdout + proc.stderr
-    hung = text.index("sends itself SIGHANG")
-    assert proc.returncode != 0, text[-3000:]
+    text, stalled = _hang_at(tiny_checkpoints, "split_sync_deadline",
+                             "weight sync to the rollout ranks",
+                             "rollout.placement.sync_timeout_minutes")
     message = ("in phase 'weight sync from the training ranks', past its deadline of 3 s "
                "(rollout.placement.sync_timeout_minutes), waiting on the training side - "
                "rank(s) 0 (training rank 0, host")
-    assert message in text[hung:] and "which still sends heartbeats" in text, text[-3000:]
-    assert "rank 1 (rollout rank 0" in text and "stopped sending heartbeats" not in text
-    assert message in (out / name / "STALLED").read_text()
-    assert time.time() - start < 120
+    assert message in text and "which still sends heartbeats" in text, text[-3000:]
+    assert "rank 1 (rollout rank 0" in text and message in stalled
+
+
+@pytest.mark.slow
+def test_a_hung_rollout_ends_the_wait_at_the_request_deadline(tiny_checkpoints):
+    """rollout.placement.request_timeout_minutes: the rollout rank hangs alive in its
+    first generation; the training rank, waiting for the samples, ends at the request's
+    deadline (3 s) naming its phase, the setting and the rollout rank that still sends
+    heartbeats, and leaves STALLED."""
+    text, stalled = _hang_at(tiny_checkpoints, "split_request_deadline", "generation",
+                             "rollout.placement.request_timeout_minutes")
+    message = ("in phase 'waiting for the rollout ranks' samples', past its deadline of 3 s "
+               "(rollout.placement.request_timeout_minutes), waiting on the rollout side - "
+               "rank(s) 1 (rollout rank 0, host")
+    assert message in text and "which still sends heartbeats" in text, text[-3000:]
+    assert "rank 0 (training rank 0" in text and message in stalled
 
 
 def test_the_plan_of_a_split_job_puts_the_kv_cache_on_the_rollout_ranks():
