@@ -331,6 +331,15 @@ MUTANTS = [
             "test_a_checkpoint_changed_after_its_save_is_named_and_passed_over",
             "tests/test_offline.py::test_cache_equals_recomputation_and_refuses_what_is_stale"),
            ()),
+    Mutant("records_prefix_not_compared", "checkpoint.checksums: a resume takes the run's "
+           "metrics.jsonl without comparing the SHA-256 of the rows its checkpoint recorded "
+           "(a row changed in place is appended to in silence)",
+           "megarlhf/engine/checkpoint.py",
+           '    if h.hexdigest() != want["sha256"]:',
+           '    if False and h.hexdigest() != want["sha256"]:',
+           ("tests/test_run_guards.py::"
+            "test_a_metrics_file_changed_after_a_save_stops_the_resume",),
+           ()),
     Mutant("sync_deadline_dropped", "rollout.placement.sync_timeout_minutes: a rollout rank "
            "waits for the weights with no deadline of its own",
            "megarlhf/rollout/remote.py",

@@ -250,6 +250,53 @@ def test_a_checkpoint_changed_after_its_save_is_named_and_passed_over(tiny_check
         ck.use_checksums(True)
 
 
+def test_a_metrics_file_changed_after_a_save_stops_the_resume(tiny_checkpoints, tmp_path):
+    """The run's own records (issue 60): a save records the size and SHA-256 of
+    metrics.jsonl as it is then. A row changed in place (same size) stops the resume
+    with exit 2 naming the file, before any step (latest and the file untouched); one cut
+    short likewise; rows appended after the save (what a crash leaves) are not checked;
+    the file moved aside is said and started afresh. Old behaviour: the resume appended to
+    the changed rows in silence."""
+    import json
+
+    from conftest import run_cli
+    from megarlhf.engine import checkpoint as ck
+
+    out, task, common = tiny_checkpoints
+    args = ["sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
+            "checkpoint.save_interval=1", "run.name=records",
+            *[c for c in common if not c.startswith("run.output_dir")],
+            f"run.output_dir={tmp_path}"]
+    run_cli(*args, "train.max_steps=2")
+    run = tmp_path / "records"
+    metrics, ckpts = run / "metrics.jsonl", run / "checkpoints"
+    record = json.loads((ckpts / "step_0000002" / ck.META_FILE).read_text())["records"]
+    assert record["metrics.jsonl"]["bytes"] == metrics.stat().st_size, record
+    text = metrics.read_text()
+    assert text.startswith('{"step": 0,'), text[:40]
+    metrics.write_text('{"step": 7,' + text[len('{"step": 0,'):] + '{"step": 9, "torn')
+    proc = run_cli(*args, "train.max_steps=3", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"{metrics} was changed after step_0000002 recorded it" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert (ckpts / "latest").read_text() == "step_0000002"
+    assert metrics.read_text().startswith('{"step": 7,')
+    metrics.write_text(text[:-5])
+    proc = run_cli(*args, "train.max_steps=3", check=False)
+    assert proc.returncode == 2 and f"{metrics} has {len(text) - 5} bytes, fewer than the " \
+        f"{len(text)} step_0000002 recorded" in proc.stderr, proc.stderr[-2000:]
+    metrics.write_text(text + '{"step": 3, "torn')  # a crash's torn row after the save: kept
+    run_cli(*args, "train.max_steps=3")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3], rows
+    metrics.rename(run / "metrics.jsonl.aside")
+    proc = run_cli(*args, "train.max_steps=4")
+    assert f"{metrics}, recorded by step_0000003, is gone: the resumed run starts it " \
+        "afresh" in proc.stdout, proc.stdout[-2000:]
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()
+            if "train/loss" in line] == [4]
+
+
 def test_a_short_run_that_went_wrong_does_not_end_done(tiny_checkpoints):
     """Two iterations of NaN rewards. As they are, the first iteration's non-finite score
     stops the run (exit 2) naming the metric, before iteration 1 is saved. With the

@@ -102,6 +102,24 @@ def file_problem(path: str, want: dict) -> str | None:
     return None
 
 
+def prefix_problem(path: str, want: dict, by: str) -> str | None:
+    """How the first ``want["bytes"]`` bytes of the append-only ``path`` differ from the
+    ``file_record`` that ``by`` (a checkpoint) took of it - cut short or changed in place - or None. Rows appended
+    since are not checked (a resume cuts them back)."""
+    size = os.path.getsize(path)
+    if size < want["bytes"]:
+        return f"{path} has {size} bytes, fewer than the {want['bytes']} {by} recorded"
+    h, left = hashlib.sha256(), want["bytes"]
+    with open(path, "rb") as f:
+        while left and (block := f.read(min(left, _READ_BLOCK))):
+            h.update(block)
+            left -= len(block)
+    if h.hexdigest() != want["sha256"]:
+        return (f"{path} was changed after {by} recorded it (the SHA-256 of its first "
+                f"{want['bytes']} bytes is not the one recorded)")
+    return None
+
+
 def _listing(folder: str) -> list[str]:
     """Every file under ``folder`` but the metadata, relative, sorted."""
     out = []
@@ -326,11 +344,15 @@ def read_meta(path: str) -> dict:
 def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
                     trainer_state: dict | None = None, config: dict | None = None,
                     layout: str = "", keep_last: int | None = None,
-                    objects: dict[str, Any] | None = None, sharded_strategy=None) -> str:
+                    objects: dict[str, Any] | None = None, sharded_strategy=None,
+                    records: tuple[str, ...] = ()) -> str:
     """Write ``roles`` and ``trainer_state`` as ``save_dir/tag``; returns its path.
     ``objects`` (name -> picklable tensors/dicts, the same on every rank) are written by
     rank 0 as ``<name>.pt`` inside the checkpoint, committed with it. ``sharded_strategy``:
-    megatron's default (``torch_dist``) unless given (``engine.streaming.StreamingSave``)."""
+    megatron's default (``torch_dist``) unless given (``engine.streaming.StreamingSave``).
+    ``records``: the run's own append-only files (its ``metrics.jsonl``, written by rank
+    0); with checksums on, their size and SHA-256 as of this save go into the metadata
+    (``"records"``), for a resume to check (``stages.common.check_records``)."""
     final = os.path.join(save_dir, tag)
     tmp = os.path.join(save_dir, f".tmp-{tag}")
     if _rank() == 0:
@@ -379,7 +401,9 @@ def save_checkpoint(save_dir: str, tag: str, roles: dict[str, RoleState], *,
             "config": config or {},
             "layout": layout,
             "world_size": _world(),
-            **({"files": files, "objects": saved_objects} if files is not None else {}),
+            **({"files": files, "objects": saved_objects,
+                "records": {os.path.basename(p): file_record(p) for p in records
+                            if os.path.isfile(p)}} if files is not None else {}),
         }
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump(meta, f, indent=1, default=str)

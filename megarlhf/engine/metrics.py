@@ -12,6 +12,9 @@ import torch
 import torch.distributed as dist
 
 
+METRICS_FILE = "metrics.jsonl"
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -21,7 +24,7 @@ class MetricsLogger:
                  wandb_project: str | None = None, config: dict | None = None,
                  resume_step: int | None = None):
         self.active = _rank() == 0
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.path = os.path.join(run_dir, METRICS_FILE)
         self._tb = None
         self._wandb = None
         if not self.active:
@@ -114,4 +117,4 @@ def _truncate(path: str, last_step: int) -> None:
 def read_metrics(run_dir: str) -> list[dict]:
     """The rows of ``run_dir/metrics.jsonl`` up to the first torn line (a crash or a full
     disk mid-write leaves one at the end)."""
-    return [row for row, _ in _rows(os.path.join(run_dir, "metrics.jsonl"))]
+    return [row for row, _ in _rows(os.path.join(run_dir, METRICS_FILE))]

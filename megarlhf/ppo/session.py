@@ -228,9 +228,10 @@ class PPOSession:
         self.rollouts.load_state_dict(state["objects"].get("rollout_queue"), start=iteration,
                                       why=why_no_queue)
 
-    def save(self, ckpt_dir: str, iteration: int) -> str:
+    def save(self, ckpt_dir: str, iteration: int, records: tuple[str, ...] = ()) -> str:
         """A checkpoint after ``iteration`` iterations: the trained roles, the EMA actor and
-        :meth:`state_dict`. Returns its path."""
+        :meth:`state_dict`, with checksums of the run's ``records`` (its metrics file).
+        Returns its path."""
         self.sync_ema()
         self.hooks.before_save()
         state = self.state_dict()
@@ -238,7 +239,8 @@ class PPOSession:
             ckpt_dir, f"iter_{iteration:06d}", self.roles,
             trainer_state={"iteration": iteration, **state["trainer"]},
             config=dataclasses.asdict(self.cfg), layout=self.layouts,
-            keep_last=self.cfg.checkpoint.keep_last, objects=state["objects"])
+            keep_last=self.cfg.checkpoint.keep_last, objects=state["objects"],
+            records=records)
 
     def resume(self, ckpt_dir: str) -> tuple[int, str]:
         """Load the newest checkpoint under ``ckpt_dir``: (the iteration it was saved

@@ -145,7 +145,8 @@ def explain_resume(cfg: Config, ckpt_dir: str, stage: str = "resume") -> dict:
     """Before a resume from ``ckpt_dir``'s latest checkpoint: the settings that differ from
     those it was written with, printed field by field and appended to
     ``RUN_DIR/resumes.jsonl``; a changed model shape is refused (the saved weights are of
-    the old one). Returns {key: [old, new]}."""
+    the old one); the run's records are checked (:func:`check_records`). Returns
+    {key: [old, new]}."""
     import dataclasses
     import json
 
@@ -153,6 +154,7 @@ def explain_resume(cfg: Config, ckpt_dir: str, stage: str = "resume") -> dict:
 
     path = resolve_checkpoint(ckpt_dir)
     meta = {**read_meta(path), "tag": os.path.basename(path)}
+    check_records(meta, run_dir(cfg), stage)
     saved = meta.get("config")
     if not isinstance(saved, dict):
         return {}
@@ -182,6 +184,29 @@ def explain_resume(cfg: Config, ckpt_dir: str, stage: str = "resume") -> dict:
                 f.write(json.dumps({"checkpoint": meta.get("tag"), "changes": changes},
                                    default=str) + "\n")
     return changes
+
+
+def check_records(meta: dict, folder: str, stage: str) -> None:
+    """The run's own records in ``folder`` (``metrics.jsonl``) against the size and
+    SHA-256 the checkpoint ``meta`` took of them when it was saved: a record cut short or
+    changed in place since is an error naming it (the resume would append to rows that are
+    not the ones logged); a record that is gone is said, and the resumed run starts it
+    afresh. Rows logged after the save are not checked (the resume cuts them back)."""
+    from megarlhf.engine.checkpoint import checksums_on, prefix_problem
+
+    if not checksums_on():
+        return
+    for name, want in sorted((meta.get("records") or {}).items()):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            print0(f"[{stage}] {path}, recorded by {meta.get('tag')}, is gone: the resumed "
+                   "run starts it afresh")
+            continue
+        problem = prefix_problem(path, want, meta.get("tag"))
+        if problem:
+            raise ValueError(f"{problem}: move it aside to resume (the resumed run then "
+                             "starts it afresh), or restore it, or set "
+                             "checkpoint.checksums=false to take it as it is")
 
 
 class MetricBands:

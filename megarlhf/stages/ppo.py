@@ -92,7 +92,7 @@ def run_ppo(cfg: Config, tokenizer, written: Written | None = None) -> dict:
             guard.requested() or (session.remote is not None and session.remote.signalled))
         if (cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0) \
                 or done == ppo.num_iterations or preempted:
-            path = session.save(ckpt_dir, done)
+            path = session.save(ckpt_dir, done, records=(logger.path,))
             if preempted:
                 mark_preempted(run_dir(cfg), path, guard.signalled)
                 bar.close()

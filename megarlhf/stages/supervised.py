@@ -18,7 +18,7 @@ from megarlhf.config import Config, Written, check_supervised
 from megarlhf.data.tokenizer import fingerprint
 from megarlhf.data.budgets import train_budget
 from megarlhf.engine.checkpoint import LATEST_FILE, load_checkpoint, save_checkpoint
-from megarlhf.engine.metrics import MetricsLogger
+from megarlhf.engine.metrics import METRICS_FILE, MetricsLogger
 from megarlhf.engine.optimizer import check_runaway, train_step
 from megarlhf.data.packing import budget_groups
 from megarlhf.models import moe
@@ -120,7 +120,8 @@ def save_role(cfg: Config, role: Role, name: str, tag: str, trainer_state: dict,
     path = save_checkpoint(os.path.join(run_dir(cfg), "checkpoints"), tag, {name: state},
                            trainer_state=trainer_state, config=dataclasses.asdict(cfg),
                            layout=role.layout.describe(),
-                           keep_last=cfg.checkpoint.keep_last)
+                           keep_last=cfg.checkpoint.keep_last,
+                           records=(os.path.join(run_dir(cfg), METRICS_FILE),))
     print0(f"saved checkpoint {path}")
     return path
 
