@@ -1,11 +1,14 @@
 """Chaos soak for every training stage: 2-process SFT, reward-model, DPO and PPO (with an
 EMA actor) runs, each hit by faults at random moments and rerun with the same command after
 each, against the same run left alone. ``ppo-split``: PPO with split placement (1 training
-+ 1 rollout process, k = 1), ``ppo-partial``: the same with partial rollouts, and
-``ppo-workers``: PPO scored by a reward function in 2 worker processes.
++ 1 rollout process, k = 1), ``ppo-partial``: the same with partial rollouts,
+``ppo-workers``: PPO scored by a reward function in 2 worker processes, ``ppo-env``:
+GRPO on the tool task's multi-turn episodes, the environment in 2 worker processes, and
+``cluster``: PPO across a two-node Slurm cluster, hit by every way Slurm restarts a job
+(``bench/chaos_cluster.py`` says which; root and Slurm needed).
 
     .venv/bin/python bench/chaos.py [--stages sft rm dpo ppo ppo-split ppo-partial
-                                     ppo-workers] [--faults 8] [--steps 60]
+                                     ppo-workers ppo-env cluster] [--faults 8] [--steps 60]
                                     [--iterations 8] [--seed 0] [--out DIR]
 
 The faults cycle through four kinds:
@@ -22,7 +25,10 @@ In the split stages the process stopped alternates between the two sides (rank 1
 rank 0 trains; the other side's watchdog ends the job), and a fifth kind, ``rank``,
 SIGKILLs one side's process alone, alternating too (the other side loses its connection,
 names it and exits). In ``ppo-workers`` the fifth kind SIGKILLs one reward worker process
-mid-run (the run replaces it and scores its calls again), then the job.
+mid-run (the run replaces it and scores its calls again), then the job; in ``ppo-env`` it
+SIGKILLs one environment worker process mid-episode (its episodes' state is gone: the
+failed call stops the run under rollout.rewards.on_error=stop, naming it, and the rerun
+resumes).
 Nothing is cleared by hand between faults: the next run takes over the run lock, skips a
 torn checkpoint and resumes. At the end, every non-timing metric of every step and the
 final weights (``megarlhf score`` log-probs of fixed sequences; the reward model: its eval
@@ -49,8 +55,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 KINDS = ("kill", "save", "term", "stop")
-MORE_KINDS = {"ppo-split": ("rank",), "ppo-partial": ("rank",), "ppo-workers": ("worker",)}
-STAGES = ("sft", "rm", "dpo", "ppo", "ppo-split", "ppo-partial", "ppo-workers")
+MORE_KINDS = {"ppo-split": ("rank",), "ppo-partial": ("rank",), "ppo-workers": ("worker",),
+              "ppo-env": ("worker",)}
+STAGES = ("sft", "rm", "dpo", "ppo", "ppo-split", "ppo-partial", "ppo-workers", "ppo-env",
+          "cluster")
 TIMING_DEPENDENT = ("ppo-partial",)
 
 
@@ -146,7 +154,7 @@ def fault(kind: str, args: list, env: dict, rng: random.Random, victim: int = 1)
             kill_job(proc)
             return f"SIGTERM after {delay:.1f} s: NOT honoured in 300 s"
         return f"SIGTERM after {delay:.1f} s: exit {proc.returncode}"
-    if kind == "worker":  # a reward worker process: not a rank, a child of one (started
+    if kind == "worker":  # a reward or environment worker process: a child of a rank (started
         kids, until = [], time.time() + 20  # at the first scoring)
         while not kids and time.time() < until and proc.poll() is None:
             kids = [pid for rank_pid in workers(proc).values() for pid in descendants(rank_pid)
@@ -156,16 +164,16 @@ def fault(kind: str, args: list, env: dict, rng: random.Random, victim: int = 1)
             finished = proc.poll() is not None
             kill_job(proc)
             return (f"worker after {delay:.1f} s: " + ("the rerun had finished" if finished
-                    else "no reward worker in 20 s, the job killed instead"))
+                    else "no worker process in 20 s, the job killed instead"))
         os.kill(kids[0], signal.SIGKILL)
-        try:  # the run replaces it and goes on; then the job is killed, to go on faulting
+        try:  # reward: replaced, the run goes on; environment: the run stops, naming it
             proc.wait(timeout=rng.uniform(3.0, 8.0))
-            return (f"SIGKILL of reward worker {kids[0]} after {delay:.1f} s: the rerun "
-                    f"finished, exit {proc.returncode}")
+            return (f"SIGKILL of worker process {kids[0]} after {delay:.1f} s: the rerun "
+                    f"ended, exit {proc.returncode}")
         except subprocess.TimeoutExpired:
             kill_job(proc)
-            return (f"SIGKILL of reward worker {kids[0]} after {delay:.1f} s, the run went on; "
-                    "then SIGKILL of the job")
+            return (f"SIGKILL of worker process {kids[0]} after {delay:.1f} s, the run went "
+                    "on; then SIGKILL of the job")
     # stop: the victim wedged, the other rank's watchdog ends the job; rank: the victim
     # killed alone, the other rank loses its connection and leaves
     other = 1 - victim
@@ -226,10 +234,21 @@ def stage_args(stage: str, out: str, task: dict, common: list, n: int) -> tuple[
            *every]
     if stage == "ppo":
         return ppo + ["parallel.tensor_model_parallel_size=2"], "actor"
+    if stage == "cluster":  # 2 nodes x 1 process (bench/chaos_cluster.py)
+        return ppo, "actor"
     if stage == "ppo-workers":  # the synthetic task's reward, in 2 worker processes
         return ppo + ["parallel.tensor_model_parallel_size=2", "ppo.reward_checkpoint=null",
                       "rollout.rewards.fn=megarlhf.data.synthetic:gold_reward_pair",
                       "rollout.rewards.workers=2", "ppo.critic_init=sft"], "actor"
+    if stage == "ppo-env":  # the tool task's episodes, the environment in 2 processes
+        tool = task["tool"]
+        return ["ppo", "configs/demo/tool_grpo.yaml", f"data.train_path={tool['rows']}",
+                f"data.eval_path={tool['eval_rows']}", "ppo.num_eval_prompts=8",
+                f"ppo.sft_checkpoint={out}/tool-sft/checkpoints", f"ppo.num_iterations={n}",
+                "ppo.eval_interval=2", "ppo.ema_decay=0.9", "ppo.rollout_batch_size=4",
+                "ppo.mini_batch_size=8", "logging.sample_table_interval=0",
+                "parallel.tensor_model_parallel_size=2", "rollout.rewards.workers=2",
+                *every, f"tokenizer.path={tool['tokenizer']}"], "actor"
     split = ["rollout.placement.mode=split", "rollout.placement.ranks=1",
              "ppo.max_staleness=1"]
     if stage == "ppo-partial":
@@ -239,9 +258,12 @@ def stage_args(stage: str, out: str, task: dict, common: list, n: int) -> tuple[
 
 def soak(stage: str, args, out: str, task: dict, common: list, env: dict,
          rng: random.Random) -> dict:
-    n = args.iterations if stage.startswith("ppo") else args.steps
+    n = args.iterations if stage.startswith(("ppo", "cluster")) else args.steps
     kinds = KINDS + MORE_KINDS.get(stage, ())
     base, role = stage_args(stage, out, task, common, n)
+    if stage == "cluster":
+        import chaos_cluster
+        return chaos_cluster.soak(args, out, task, base, rng)
     ref_dir, run = os.path.join(out, f"{stage}-reference"), os.path.join(out, f"{stage}-chaos")
     start = time.time()
     torchrun(base + [f"run.name={stage}-reference"], env)
@@ -269,8 +291,17 @@ def soak(stage: str, args, out: str, task: dict, common: list, env: dict,
     if not (steps(run) and steps(run)[-1] == n and latest(run) == n):
         torchrun(chaos, env)  # run to the end
     chaos_seconds = time.time() - start
+    return compare(stage, out, task, role, n, lost, log, kinds, hits, ref_seconds,
+                   chaos_seconds)
 
+
+def compare(stage: str, out: str, task: dict, role: str, n: int, lost: list, log: list,
+            kinds: tuple, hits: dict, ref_seconds: float, chaos_seconds: float) -> dict:
+    """The runs ``out/<stage>-reference`` and ``out/<stage>-chaos`` side by side: every
+    step's metrics (or, timing-dependent, the invariants) and the final weights."""
     from megarlhf.engine.metrics import read_metrics
+
+    ref_dir, run = os.path.join(out, f"{stage}-reference"), os.path.join(out, f"{stage}-chaos")
     ref = {r["step"]: r for r in read_metrics(ref_dir)}
     got = {r["step"]: r for r in read_metrics(run)}
     same_steps = sorted(ref) == sorted(got)
@@ -292,11 +323,12 @@ def soak(stage: str, args, out: str, task: dict, common: list, env: dict,
                 f.write(json.dumps({"tokens": tokens}) + "\n")
         scores = []
         for name in (f"{stage}-reference", f"{stage}-chaos"):
-            for r in ([role, "ema"] if stage.startswith("ppo") else [role]):
+            for r in ([role, "ema"] if role == "actor" else [role]):
                 dest = os.path.join(out, f"score_{name}_{r}.jsonl")
-                cli("score", "--config", "configs/sft_tiny.yaml", "--input", seqs, "--output",
+                cli("score", "--config", "configs/demo/tool_sft.yaml" if stage == "ppo-env"
+                    else "configs/sft_tiny.yaml", "--input", seqs, "--output",
                     dest, "--ckpt-role", r, f"checkpoint.load={out}/{name}/checkpoints",
-                    f"tokenizer.path={task['tokenizer']}")
+                    f"tokenizer.path={(task['tool'] if stage == 'ppo-env' else task)['tokenizer']}")
                 scores.append(open(dest).read())
         half = len(scores) // 2
         same_weights = scores[:half] == scores[half:]
@@ -327,10 +359,15 @@ def main() -> int:
     task = write_task(os.path.join(args.out, "task"), seed=0)
     common = [f"tokenizer.path={task['tokenizer']}", f"run.output_dir={args.out}",
               "logging.progress_bar=false", "logging.tensorboard=false"]
-    if any(stage == "dpo" or stage.startswith("ppo") for stage in args.stages):
+    if any(stage in ("dpo", "cluster") or stage.startswith("ppo") for stage in args.stages):
         cli("sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
             "train.max_steps=20", *common)
-    if any(stage.startswith("ppo") for stage in args.stages):
+    if "ppo-env" in args.stages:
+        from megarlhf.data.tool_task import write_tool_task
+        task["tool"] = write_tool_task(os.path.join(args.out, "tool-task"), seed=0)
+        cli("sft", "configs/demo/tool_sft.yaml", f"data.train_path={task['tool']['sft']}",
+            "train.max_steps=60", *common, f"tokenizer.path={task['tool']['tokenizer']}")
+    if any(stage.startswith(("ppo", "cluster")) for stage in args.stages):
         cli("rm", "configs/rm_tiny.yaml", f"data.train_path={task['prefs']}",
             "train.max_steps=20", *common)
     results = [soak(stage, args, args.out, task, common, env, rng) for stage in args.stages]
