@@ -23,15 +23,16 @@ FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gpt2": "g
             "mistral_nemo": "mistral", "qwen3_yarn": "qwen3", "llama3_rm": "llama",
             "qwen3_rm": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
             "qwen3_moe_rm": "qwen3_moe", "deepseek_v3": "deepseek_v3",
-            "deepseek_v3_yarn": "deepseek_v3"}
+            "deepseek_v3_yarn": "deepseek_v3", "glm4_moe": "glm4_moe"}
 # Mixtures of experts (4 experts, top 2): also at EP=2 (tests/workers/converted_models.py).
-MOE_ARCHS = [a for a, t in FAMILIES.items() if t in ("qwen3_moe", "mixtral", "deepseek_v3")]
+MOE_ARCHS = [a for a, t in FAMILIES.items()
+             if t in ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")]
 ARCHS = list(FAMILIES)
 LM_ARCHS = [a for a in ARCHS if not a.endswith("_rm")]
 # The fast tier's families (converted together, once): a Llama, Qwen3's head size and q/k
 # norms, a mixture of experts, DeepSeek-V3's latent attention and grouped routing, a value
 # head. The extended tier adds every other family (tests/README.md, "Tiers").
-FAST_ARCHS = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_rm")
+FAST_ARCHS = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_rm")
 
 
 def tiered(archs):
@@ -128,6 +129,22 @@ def make_hf(arch, path):
                 if arch.endswith("_yarn") else {}))
         model = transformers.DeepseekV3ForCausalLM(config)
         with torch.no_grad():
+            for layer in model.model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.05)
+    elif arch == "glm4_moe":
+        # GLM-4.5: half of each head rotated (partial_rotary_factor 0.5), q/k/v biases
+        # (randomised: transformers initialises them to zero), DeepSeek-V3's routing
+        # without groups (sigmoid scores, an expert bias that changes the choice, a shared
+        # expert, a scaling factor), a dense first layer
+        model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(
+            **common, partial_rotary_factor=0.5, attention_bias=True, n_routed_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=48, n_shared_experts=1,
+            first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            rope_theta=1000000.0))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in ("q_proj", "k_proj", "v_proj"):
+                    getattr(layer.self_attn, proj).bias.normal_(0.0, 0.1)
             for layer in model.model.layers[1:]:
                 layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.05)
     else:  # Mistral-Nemo's head size of its own, no sliding window
@@ -409,11 +426,20 @@ def test_bad_inputs(converted, tmp_path):
     ({"model_type": "deepseek_v3", "scoring_func": "softmax"},
      "scoring_func='softmax' is not supported (sigmoid only)"),
     ({"model_type": "deepseek_v3", "kv_lora_rank": None}, "config.json has no 'kv_lora_rank'"),
+    ({"use_qk_norm": True}, "use_qk_norm=true is not supported for model_type 'llama'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e4,
+                          "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor=0.5 is not supported for model_type 'llama'"),
+    ({"model_type": "glm4_moe", "mlp_bias": True}, "mlp_bias=true is not supported"),
+    ({"model_type": "glm4_moe", "partial_rotary_factor": 0.3125},
+     "partial_rotary_factor=0.3125 is not supported: it rotates 5 of a head's 16 channels"),
+    ({"model_type": "glm4_moe", "scoring_func": "softmax"},
+     "scoring_func='softmax' is not supported (sigmoid only)"),
 ])
 def test_unsupported_options_are_refused_naming_the_key(converted, tmp_path, change, message):
     """Every option a family may carry that megarlhf does not implement: exit 2 before any
     work, the file and the key named, no output folder."""
-    moe = change.get("model_type") in ("qwen3_moe", "mixtral", "deepseek_v3")
+    moe = change.get("model_type") in ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
     root, _, _ = converted.ensure(change["model_type"] if moe else "llama")
     hf = root / "hf" / (change["model_type"] if moe else "llama")
     bad = tmp_path / "bad"

@@ -323,6 +323,10 @@ class ModelConfig:
     """RoPE theta (llama)."""
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     """RoPE frequency scaling for long context (llama)."""
+    rotary_percent: float = 1.0
+    """The share of each query/key head's width that RoPE rotates, from its start (the rest
+    passes unrotated): partial rotary, as GLM-4.5 (0.5) and Phi-4-mini (0.75) have it
+    (config.json's partial_rotary_factor). 1: the whole head."""
     vocab_size: int | None = None
     """Vocabulary size before TP padding; None takes it from the tokenizer."""
     tie_word_embeddings: bool | None = None
@@ -365,6 +369,12 @@ class ModelConfig:
         if self.head_dim is not None:
             require(self.head_dim >= 2 and self.head_dim % 2 == 0, "model.head_dim",
                     self.head_dim, "must be an even number >= 2 or null")
+        require(0 < self.rotary_percent <= 1 and int(self.head_size * self.rotary_percent)
+                % 2 == 0, "model.rotary_percent", self.rotary_percent,
+                f"must be in (0, 1] and rotate an even number of the head's "
+                f"{self.head_size} channels")
+        require(self.rotary_percent == 1 or self.arch == "llama", "model.rotary_percent",
+                self.rotary_percent, "is for llama (RoPE); gpt2 learns its positions")
         if self.ffn_hidden_size is not None:
             require(self.ffn_hidden_size >= 1, "model.ffn_hidden_size", self.ffn_hidden_size,
                     "must be >= 1 or null")
@@ -391,7 +401,8 @@ class ModelConfig:
                                (None, self.num_attention_heads)),
                               ("head_dim", self.head_dim is not None),
                               ("qk_layernorm", self.qk_layernorm),
-                              ("add_qkv_bias", bool(self.add_qkv_bias))):
+                              ("add_qkv_bias", bool(self.add_qkv_bias)),
+                              ("rotary_percent", self.rotary_percent != 1)):
                 require(not bad, f"model.{name}", getattr(self, name),
                         "is not used by multi-latent attention (model.mla.kv_lora_rank > 0): "
                         "leave it unset")

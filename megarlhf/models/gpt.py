@@ -390,6 +390,7 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, layout:
         share_embeddings_and_output_weights=model_cfg.tied and kind == "lm",
         position_embedding_type=_position_embedding(model_cfg),
         rotary_base=int(model_cfg.rotary_base),
+        rotary_percent=model_cfg.rotary_percent,
         seq_len_interpolation_factor=(model_cfg.rope_scaling.factor
                                       if model_cfg.rope_scaling.type == "linear" else None),
         pg_collection=pg_collection,

@@ -29,7 +29,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                "deepseek_v3": "DeepseekV3ForCausalLM"}
+                "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 # Where a mixture-of-experts family keeps its router and experts in a layer: (the MLP's
 # prefix, the router, an expert's gate, up and down projections).
 MOE_NAMES = {"qwen3_moe": ("mlp.", "gate.weight", "gate_proj.weight", "up_proj.weight",
@@ -37,7 +37,14 @@ MOE_NAMES = {"qwen3_moe": ("mlp.", "gate.weight", "gate_proj.weight", "up_proj.w
              "mixtral": ("block_sparse_moe.", "gate.weight", "w1.weight", "w3.weight",
                          "w2.weight"),
              "deepseek_v3": ("mlp.", "gate.weight", "gate_proj.weight", "up_proj.weight",
-                             "down_proj.weight")}
+                             "down_proj.weight"),
+             "glm4_moe": ("mlp.", "gate.weight", "gate_proj.weight", "up_proj.weight",
+                          "down_proj.weight")}
+# Families whose routers choose by sigmoid scores plus an expert bias, with shared experts
+# (DeepSeek-V3's MoE; GLM-4.5 has the same, under the same names).
+SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe")
+# Families whose HF attention rotates the first partial_rotary_factor of each head.
+PARTIAL_ROTARY = ("glm4_moe",)
 # DeepSeek-V3's multi-latent attention: megatron's name -> HF's (in ``self_attn.``).
 MLA_NAMES = {"linear_q_down_proj": "q_a_proj", "q_layernorm": "q_a_layernorm",
              "linear_q_up_proj": "q_b_proj", "linear_q_proj": "q_proj",
@@ -90,13 +97,23 @@ def model_overrides(hf: dict) -> dict:
                 num_attention_heads=heads,
                 num_query_groups=hf.get("num_key_value_heads") or heads,
                 head_dim=None if head_dim in (None, hidden // heads) else head_dim,
-                qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+                qk_layernorm=model_type in ("qwen3", "qwen3_moe") or bool(hf.get("use_qk_norm")),
+                rotary_percent=float(partial_rotary(hf)),
                 ffn_hidden_size=need(hf, "intermediate_size"), **moe_overrides(hf),
                 max_position_embeddings=hf.get("max_position_embeddings", 4096),
                 **rope_overrides(hf), vocab_size=need(hf, "vocab_size"),
                 norm_epsilon=hf.get("rms_norm_eps", 1e-6),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                add_qkv_bias=model_type == "qwen2")
+                add_qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias")))
+
+
+def partial_rotary(hf: dict) -> float:
+    """The share of a head RoPE rotates: config.json's partial_rotary_factor (top level, as
+    the hub ships it, or in transformers 5's rope_parameters); 1 when absent."""
+    value = hf.get("partial_rotary_factor")
+    if value is None:
+        value = (hf.get("rope_parameters") or {}).get("partial_rotary_factor")
+    return 1.0 if value is None else value
 
 
 def moe_overrides(hf: dict) -> dict:
@@ -106,7 +123,7 @@ def moe_overrides(hf: dict) -> dict:
     if model_type not in MOE_NAMES:
         return {}
     layers = need(hf, "num_hidden_layers")
-    if model_type == "deepseek_v3":
+    if model_type in SIGMOID_ROUTED:
         return {"moe": deepseek_moe(hf, layers)}
     if model_type == "mixtral":
         if hf.get("router_jitter_noise"):
@@ -137,7 +154,7 @@ def moe_overrides(hf: dict) -> dict:
 
 
 def deepseek_moe(hf: dict, layers: int) -> dict:
-    """``model.moe`` of a DeepSeek-V3 config.json: sigmoid scores with the expert bias
+    """``model.moe`` of a DeepSeek-V3 or GLM-4.5 config.json: sigmoid scores with the expert bias
     choosing (e_score_correction_bias), group-limited choice, shared experts, dense first
     layers, the router in float32. What megatron's router computes otherwise is refused."""
     experts, top_k = need(hf, "n_routed_experts"), need(hf, "num_experts_per_tok")
@@ -189,9 +206,9 @@ def mla_overrides(hf: dict) -> dict:
 
 
 def extra_layers(hf: dict) -> Callable[[str], bool]:
-    """HF keys that are not converted: DeepSeek-V3's multi-token-prediction layers (after
-    the last decoder layer; RL training does not use them)."""
-    if hf.get("model_type") != "deepseek_v3":
+    """HF keys that are not converted: DeepSeek-V3's and GLM-4.5's multi-token-prediction
+    layers (after the last decoder layer; RL training does not use them)."""
+    if hf.get("model_type") not in SIGMOID_ROUTED:
         return lambda key: False
     layers = hf.get("num_hidden_layers") or 0
 
@@ -268,7 +285,8 @@ def refuse_unsupported(hf: dict) -> None:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ConversionError(f"config.json hidden_act={act!r} is not supported (silu only)")
-    for key in ("attention_bias", "mlp_bias"):
+    # GLM-4.5's attention_bias: biases on q, k and v (not o), as megatron's add_qkv_bias
+    for key in ("mlp_bias",) if model_type == "glm4_moe" else ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise ConversionError(f"config.json {key}=true is not supported for "
                                   f"model_type {model_type!r}")
@@ -276,9 +294,19 @@ def refuse_unsupported(hf: dict) -> None:
         if hf.get(key) is not None:
             raise ConversionError(f"config.json {key}={hf[key]} is not supported "
                                   "(no logit softcapping)")
-    if hf.get("partial_rotary_factor") not in (None, 1, 1.0):
-        raise ConversionError(f"config.json partial_rotary_factor="
-                              f"{hf['partial_rotary_factor']} is not supported (1 only)")
+    factor = partial_rotary(hf)
+    if factor != 1 and model_type not in PARTIAL_ROTARY:
+        raise ConversionError(f"config.json partial_rotary_factor={factor} is not supported "
+                              f"for model_type {model_type!r} (1 only)")
+    head = hf.get("head_dim") or (hf.get("hidden_size") or 0) // max(
+        1, hf.get("num_attention_heads") or 1)
+    if not 0 < factor <= 1 or int(head * factor) % 2:
+        raise ConversionError(f"config.json partial_rotary_factor={factor} is not supported: "
+                              f"it rotates {int(head * factor)} of a head's {head} channels "
+                              "(RoPE rotates pairs: an even number, above 0)")
+    if model_type != "glm4_moe" and hf.get("use_qk_norm"):
+        raise ConversionError(f"config.json use_qk_norm=true is not supported for model_type "
+                              f"{model_type!r}")
     if hf.get("use_sliding_window"):
         raise ConversionError("config.json use_sliding_window=true is not supported "
                               "(full attention only)")
@@ -409,7 +437,7 @@ def layer_sources(model_type: str, i: int, m: dict) -> dict[str, Source]:
             e, x = f"{p}{mlp}experts.{j}.", f"{out}mlp.experts.local_experts.{j}."
             sources[x + "linear_fc1.weight"] = gated(e + gate, e + up, width)
             sources[x + "linear_fc2.weight"] = checked(e + down, (h, width))
-        if model_type == "deepseek_v3":  # the bias that chooses; shared experts
+        if model_type in SIGMOID_ROUTED:  # the bias that chooses; shared experts
             sources[out + "mlp.router.expert_bias"] = checked(
                 p + mlp + "gate.e_score_correction_bias", (moe["num_experts"],))
             shared = moe.get("shared_expert_ffn_hidden_size") or 0
@@ -425,7 +453,7 @@ def layer_sources(model_type: str, i: int, m: dict) -> dict[str, Source]:
     if m.get("qk_layernorm"):  # Qwen3: one RMSNorm over each head's width
         sources[out + "self_attention.q_layernorm.weight"] = checked(a + "q_norm.weight", (hd,))
         sources[out + "self_attention.k_layernorm.weight"] = checked(a + "k_norm.weight", (hd,))
-    if model_type == "qwen2":
+    if m.get("add_qkv_bias"):  # Qwen2, GLM-4.5
         sources[out + "self_attention.linear_qkv.bias"] = qkv("bias")
     return sources
 
@@ -550,7 +578,7 @@ def hf_layer_tensors(model_type: str, m: dict, i: int, sd: dict[str, torch.Tenso
             gate, up = sd[x + "linear_fc1.weight"].chunk(2, dim=0)
             out.update({e + gate_name: gate, e + up_name: up,
                         e + down_name: sd[x + "linear_fc2.weight"]})
-        if model_type == "deepseek_v3":
+        if model_type in SIGMOID_ROUTED:
             out[p + mlp + "gate.e_score_correction_bias"] = sd[s + "mlp.router.expert_bias"]
             if _moe(m).get("shared_expert_ffn_hidden_size"):
                 e, x = f"{p}{mlp}shared_experts.", f"{s}mlp.shared_experts."
@@ -564,7 +592,7 @@ def hf_layer_tensors(model_type: str, m: dict, i: int, sd: dict[str, torch.Tenso
     if m.get("qk_layernorm"):
         out.update({a + "q_norm.weight": sd[s + "self_attention.q_layernorm.weight"],
                     a + "k_norm.weight": sd[s + "self_attention.k_layernorm.weight"]})
-    if model_type == "qwen2":
+    if m.get("add_qkv_bias"):
         qb, kb, vb = _split_qkv(sd[s + "self_attention.linear_qkv.bias"], heads, groups, hd)
         out.update({a + "q_proj.bias": qb, a + "k_proj.bias": kb, a + "v_proj.bias": vb})
     return {k: v.contiguous() for k, v in out.items()}

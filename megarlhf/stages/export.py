@@ -24,6 +24,11 @@ from megarlhf.config import Config, Written
 from megarlhf.models import lora
 from megarlhf.models.hf_mapping import TOKENIZER_FILES
 
+# The families transformers has a *ForSequenceClassification of (a value model's export).
+VALUE_HEADS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
+               "deepseek_v3")
+
+
 def hf_config(model_type: str, m: dict, role: str) -> dict:
     from megarlhf.models.hf_mapping import LLAMA_FAMILY
 
@@ -68,6 +73,10 @@ def hf_config(model_type: str, m: dict, role: str) -> dict:
             cfg["sliding_window"] = None  # megarlhf attends to the whole context
         if model_type == "deepseek_v3":
             cfg.update(hf_mla_config(m))
+        if model_type == "glm4_moe":
+            cfg.update(attention_bias=bool(m["add_qkv_bias"]),
+                       partial_rotary_factor=m["rotary_percent"],
+                       use_qk_norm=bool(m["qk_layernorm"]), num_nextn_predict_layers=0)
         cfg.update(hf_moe_config(model_type, m))
     if role == "value":
         cfg["num_labels"] = 1
@@ -79,10 +88,15 @@ def refuse_routing(model_type: str, model) -> None:
     """A router the Hugging Face family cannot express: refused naming the field."""
     from megarlhf.models.hf_mapping import ConversionError
 
+    from megarlhf.models.hf_mapping import PARTIAL_ROTARY, SIGMOID_ROUTED
+
+    if model.rotary_percent != 1 and model_type not in PARTIAL_ROTARY:
+        raise ConversionError(f"model.rotary_percent={model.rotary_percent} cannot be written "
+                              f"as {model_type} (its attention rotates whole heads)")
     moe = model.moe
     if not moe.enabled:
         return
-    if model_type == "deepseek_v3":
+    if model_type in SIGMOID_ROUTED:
         wanted = {"score_function": "sigmoid", "expert_bias": True, "router_fp32": True}
     else:  # Qwen3-MoE, Mixtral: softmax over the experts, nothing else
         wanted = {"score_function": "softmax", "expert_bias": False, "num_groups": None,
@@ -92,10 +106,11 @@ def refuse_routing(model_type: str, model) -> None:
         if getattr(moe, key) != value:
             raise ConversionError(f"model.moe.{key}={getattr(moe, key)!r} cannot be written "
                                   f"as {model_type} (it needs {value!r})")
-    if model_type == "deepseek_v3" and moe.shared_expert_ffn_hidden_size % model.expert_ffn_size:
+    if model_type in SIGMOID_ROUTED and \
+            moe.shared_expert_ffn_hidden_size % model.expert_ffn_size:
         raise ConversionError(f"model.moe.shared_expert_ffn_hidden_size="
                               f"{moe.shared_expert_ffn_hidden_size} cannot be written as "
-                              f"deepseek_v3: not a multiple of the expert width "
+                              f"{model_type}: not a multiple of the expert width "
                               f"{model.expert_ffn_size} (n_shared_experts)")
 
 
@@ -110,12 +125,14 @@ def hf_mla_config(m: dict) -> dict:
 
 
 def hf_moe_config(model_type: str, m: dict) -> dict:
-    """config.json's mixture-of-experts fields (Qwen3-MoE, Mixtral, DeepSeek-V3) of
-    ``m['moe']``."""
+    """config.json's mixture-of-experts fields (Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5)
+    of ``m['moe']``."""
+    from megarlhf.models.hf_mapping import SIGMOID_ROUTED
+
     moe = m.get("moe") or {}
     if not moe.get("num_experts"):
         return {}
-    if model_type == "deepseek_v3":
+    if model_type in SIGMOID_ROUTED:
         width = moe["ffn_hidden_size"] or m["ffn_hidden_size"]
         return {"n_routed_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"],
                 "moe_intermediate_size": width,
@@ -195,7 +212,8 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
     moe, mla = model_cfg.moe.enabled, model_cfg.mla.enabled
     model_type = model_type or meta["trainer"].get("hf_model_type") or (
         "gpt2" if model_cfg.arch == "gpt2" else "deepseek_v3" if mla else
-        ("qwen3_moe" if model_cfg.qk_layernorm else "mixtral") if moe else
+        ("glm4_moe" if model_cfg.moe.score_function == "sigmoid" else
+         "qwen3_moe" if model_cfg.qk_layernorm else "mixtral") if moe else
         "qwen3" if model_cfg.qk_layernorm else "qwen2" if model_cfg.qkv_bias else "llama")
     if moe != (model_type in MOE_NAMES):
         raise ConversionError(f"--model-type {model_type} does not fit the checkpoint's "
@@ -204,6 +222,9 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
         raise ConversionError(f"--model-type {model_type} does not fit the checkpoint's "
                               f"{'multi-latent' if mla else 'grouped-query'} attention")
     refuse_routing(model_type, model_cfg)
+    if kind == "value" and model_type not in VALUE_HEADS:
+        raise ConversionError(f"transformers has no {model_type} sequence-classification "
+                              f"model to hold role '{role}' (a value model)")
     if peft and not (model_cfg.lora.enabled and kind == "lm"):
         raise ConversionError(f"--peft writes a causal LM's LoRA adapters; role '{role}' "
                               + ("is a value model" if model_cfg.lora.enabled else
