@@ -23,7 +23,8 @@ FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gpt2": "g
             "mistral_nemo": "mistral", "qwen3_yarn": "qwen3", "llama3_rm": "llama",
             "qwen3_rm": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
             "qwen3_moe_rm": "qwen3_moe", "deepseek_v3": "deepseek_v3",
-            "deepseek_v3_yarn": "deepseek_v3", "glm4_moe": "glm4_moe"}
+            "deepseek_v3_yarn": "deepseek_v3", "glm4_moe": "glm4_moe", "smollm3": "smollm3",
+            "smollm3_rm": "smollm3"}
 # Mixtures of experts (4 experts, top 2): also at EP=2 (tests/workers/converted_models.py).
 MOE_ARCHS = [a for a, t in FAMILIES.items()
              if t in ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")]
@@ -131,6 +132,12 @@ def make_hf(arch, path):
         with torch.no_grad():
             for layer in model.model.layers[1:]:
                 layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.05)
+    elif arch in ("smollm3", "smollm3_rm"):  # no RoPE in every 2nd layer (1 and 3), tied
+        config = transformers.SmolLM3Config(**common, no_rope_layer_interval=2, pad_token_id=0,
+                                            rope_theta=5000000.0, tie_word_embeddings=True)
+        assert config.no_rope_layers == [1, 0, 1, 0]
+        model = (transformers.SmolLM3ForSequenceClassification if arch.endswith("_rm")
+                 else transformers.SmolLM3ForCausalLM)(config)
     elif arch == "glm4_moe":
         # GLM-4.5: half of each head rotated (partial_rotary_factor 0.5), q/k/v biases
         # (randomised: transformers initialises them to zero), DeepSeek-V3's routing

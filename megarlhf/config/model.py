@@ -327,6 +327,9 @@ class ModelConfig:
     """The share of each query/key head's width that RoPE rotates, from its start (the rest
     passes unrotated): partial rotary, as GLM-4.5 (0.5) and Phi-4-mini (0.75) have it
     (config.json's partial_rotary_factor). 1: the whole head."""
+    no_rope_layers: list[int] = field(default_factory=list)
+    """Layers (0-based) whose attention uses no rotary embedding at all (NoPE), as SmolLM3
+    has every fourth (megatron's no_rope_freq). Empty: RoPE in every layer."""
     vocab_size: int | None = None
     """Vocabulary size before TP padding; None takes it from the tokenizer."""
     tie_word_embeddings: bool | None = None
@@ -375,6 +378,12 @@ class ModelConfig:
                 f"{self.head_size} channels")
         require(self.rotary_percent == 1 or self.arch == "llama", "model.rotary_percent",
                 self.rotary_percent, "is for llama (RoPE); gpt2 learns its positions")
+        require(all(0 <= i < self.num_layers for i in self.no_rope_layers)
+                and len(set(self.no_rope_layers)) == len(self.no_rope_layers),
+                "model.no_rope_layers", self.no_rope_layers,
+                f"must list distinct layers in 0..{self.num_layers - 1}")
+        require(not self.no_rope_layers or self.arch == "llama", "model.no_rope_layers",
+                self.no_rope_layers, "is for llama (RoPE); gpt2 learns its positions")
         if self.ffn_hidden_size is not None:
             require(self.ffn_hidden_size >= 1, "model.ffn_hidden_size", self.ffn_hidden_size,
                     "must be >= 1 or null")
@@ -402,7 +411,8 @@ class ModelConfig:
                               ("head_dim", self.head_dim is not None),
                               ("qk_layernorm", self.qk_layernorm),
                               ("add_qkv_bias", bool(self.add_qkv_bias)),
-                              ("rotary_percent", self.rotary_percent != 1)):
+                              ("rotary_percent", self.rotary_percent != 1),
+                              ("no_rope_layers", bool(self.no_rope_layers))):
                 require(not bad, f"model.{name}", getattr(self, name),
                         "is not used by multi-latent attention (model.mla.kv_lora_rank > 0): "
                         "leave it unset")

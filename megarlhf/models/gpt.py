@@ -63,6 +63,8 @@ def transformer_config(model: ModelConfig, layout: Layout) -> TransformerConfig:
         activation_func=activation(model),
         add_bias_linear=model.arch == "gpt2",
         add_qkv_bias=model.qkv_bias,
+        no_rope_freq=[int(i in model.no_rope_layers) for i in range(model.num_layers)]
+        if model.no_rope_layers else None,
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std,

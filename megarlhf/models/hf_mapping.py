@@ -29,7 +29,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+                "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                "smollm3": "SmolLM3ForCausalLM"}
 # Where a mixture-of-experts family keeps its router and experts in a layer: (the MLP's
 # prefix, the router, an expert's gate, up and down projections).
 MOE_NAMES = {"qwen3_moe": ("mlp.", "gate.weight", "gate_proj.weight", "up_proj.weight",
@@ -98,13 +99,29 @@ def model_overrides(hf: dict) -> dict:
                 num_query_groups=hf.get("num_key_value_heads") or heads,
                 head_dim=None if head_dim in (None, hidden // heads) else head_dim,
                 qk_layernorm=model_type in ("qwen3", "qwen3_moe") or bool(hf.get("use_qk_norm")),
-                rotary_percent=float(partial_rotary(hf)),
+                rotary_percent=float(partial_rotary(hf)), no_rope_layers=no_rope_layers(hf),
                 ffn_hidden_size=need(hf, "intermediate_size"), **moe_overrides(hf),
                 max_position_embeddings=hf.get("max_position_embeddings", 4096),
                 **rope_overrides(hf), vocab_size=need(hf, "vocab_size"),
                 norm_epsilon=hf.get("rms_norm_eps", 1e-6),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 add_qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias")))
+
+
+def no_rope_layers(hf: dict) -> list[int]:
+    """SmolLM3's layers without RoPE: where config.json's no_rope_layers holds 0 (1: RoPE),
+    or, without that list, every no_rope_layer_interval-th layer (transformers' rule)."""
+    if hf.get("model_type") != "smollm3":
+        return []
+    layers = need(hf, "num_hidden_layers")
+    uses = hf.get("no_rope_layers")
+    if uses is None:
+        every = hf.get("no_rope_layer_interval") or 4
+        uses = [int((i + 1) % every != 0) for i in range(layers)]
+    if len(uses) != layers:
+        raise ConversionError(f"config.json no_rope_layers has {len(uses)} entries for "
+                              f"{layers} layers")
+    return [i for i, use in enumerate(uses) if not use]
 
 
 def partial_rotary(hf: dict) -> float:

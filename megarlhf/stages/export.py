@@ -26,7 +26,7 @@ from megarlhf.models.hf_mapping import TOKENIZER_FILES
 
 # The families transformers has a *ForSequenceClassification of (a value model's export).
 VALUE_HEADS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
-               "deepseek_v3")
+               "deepseek_v3", "smollm3")
 
 
 def hf_config(model_type: str, m: dict, role: str) -> dict:
@@ -54,7 +54,10 @@ def hf_config(model_type: str, m: dict, role: str) -> dict:
                "rope_theta": m["rotary_base"], "rms_norm_eps": m["norm_epsilon"],
                "vocab_size": m["vocab_size"], "hidden_act": "silu",
                "tie_word_embeddings": bool(m["tie_word_embeddings"]),
-               "attention_dropout": 0.0}
+               "attention_dropout": 0.0,
+               # the tokenizer's when known (export_checkpoint); not a family default that
+               # may lie outside this vocabulary (SmolLM3's 128004)
+               "pad_token_id": None}
         if m.get("head_dim"):
             cfg["head_dim"] = m["head_dim"]
         scaling = m.get("rope_scaling") or {}
@@ -73,6 +76,10 @@ def hf_config(model_type: str, m: dict, role: str) -> dict:
             cfg["sliding_window"] = None  # megarlhf attends to the whole context
         if model_type == "deepseek_v3":
             cfg.update(hf_mla_config(m))
+        if model_type == "smollm3":
+            cfg.update(no_rope_layers=[int(i not in m["no_rope_layers"])
+                                       for i in range(m["num_layers"])],
+                       use_sliding_window=False)
         if model_type == "glm4_moe":
             cfg.update(attention_bias=bool(m["add_qkv_bias"]),
                        partial_rotary_factor=m["rotary_percent"],
@@ -84,15 +91,17 @@ def hf_config(model_type: str, m: dict, role: str) -> dict:
     return cfg
 
 
-def refuse_routing(model_type: str, model) -> None:
-    """A router the Hugging Face family cannot express: refused naming the field."""
-    from megarlhf.models.hf_mapping import ConversionError
-
-    from megarlhf.models.hf_mapping import PARTIAL_ROTARY, SIGMOID_ROUTED
+def refuse_inexpressible(model_type: str, model) -> None:
+    """What the Hugging Face family cannot express (partial rotary, layers without RoPE,
+    a router of another kind): refused naming the field."""
+    from megarlhf.models.hf_mapping import PARTIAL_ROTARY, SIGMOID_ROUTED, ConversionError
 
     if model.rotary_percent != 1 and model_type not in PARTIAL_ROTARY:
         raise ConversionError(f"model.rotary_percent={model.rotary_percent} cannot be written "
                               f"as {model_type} (its attention rotates whole heads)")
+    if model.no_rope_layers and model_type != "smollm3":
+        raise ConversionError(f"model.no_rope_layers={model.no_rope_layers} cannot be "
+                              f"written as {model_type} (RoPE in every layer)")
     moe = model.moe
     if not moe.enabled:
         return
@@ -214,14 +223,15 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
         "gpt2" if model_cfg.arch == "gpt2" else "deepseek_v3" if mla else
         ("glm4_moe" if model_cfg.moe.score_function == "sigmoid" else
          "qwen3_moe" if model_cfg.qk_layernorm else "mixtral") if moe else
-        "qwen3" if model_cfg.qk_layernorm else "qwen2" if model_cfg.qkv_bias else "llama")
+        "qwen3" if model_cfg.qk_layernorm else "qwen2" if model_cfg.qkv_bias else
+        "smollm3" if model_cfg.no_rope_layers else "llama")
     if moe != (model_type in MOE_NAMES):
         raise ConversionError(f"--model-type {model_type} does not fit the checkpoint's "
                               f"{'mixture-of-experts' if moe else 'dense'} model")
     if mla != (model_type == "deepseek_v3"):
         raise ConversionError(f"--model-type {model_type} does not fit the checkpoint's "
                               f"{'multi-latent' if mla else 'grouped-query'} attention")
-    refuse_routing(model_type, model_cfg)
+    refuse_inexpressible(model_type, model_cfg)
     if kind == "value" and model_type not in VALUE_HEADS:
         raise ConversionError(f"transformers has no {model_type} sequence-classification "
                               f"model to hold role '{role}' (a value model)")
@@ -242,7 +252,9 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
         write = _write_streamed if stream else _write_whole
         files, count = write(spec, role, kind, model_type, m, out, shard_layers, cfg.run.seed)
         with open(os.path.join(out, "config.json"), "w") as f:
-            json.dump(hf_config(model_type, m, kind), f, indent=1)
+            json.dump({**hf_config(model_type, m, kind),
+                       **({"pad_token_id": tokenizer.pad_id} if tokenizer is not None and
+                          model_type != "gpt2" else {})}, f, indent=1)
         copied = []
         for path in tokenizer_files(cfg, tokenizer_dir):
             name = os.path.basename(path)
