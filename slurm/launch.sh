@@ -18,6 +18,22 @@ srun --kill-on-bad-exit=1 "$python" -m megarlhf.cli "$@" &
 srun_pid=$!
 forward() { echo "[launch] signal received (a preemption, or Slurm ending the job): asking the tasks to checkpoint"; kill -USR1 "$srun_pid" 2>/dev/null; }
 trap forward USR1 TERM
+# A job Slurm is already ending - a user's scancel, an operator's scontrol requeue, a node
+# failure: Slurm shows it COMPLETING while this script runs (seen with Slurm 22-24) - is left
+# to Slurm: a requeue here would bring a cancelled job back, and Slurm requeues the others
+# itself. A job still RUNNING (the --signal=B:USR1 warning before a preemption or the time
+# limit, a rank that stopped answering) is requeued here.
+requeue() {
+    local state
+    state="$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -o 'JobState=[A-Z_]*')"
+    state="${state#JobState=}"
+    if [ "$state" = COMPLETING ] || [ "$state" = CANCELLED ]; then
+        echo "[launch] $1; Slurm is ending job $SLURM_JOB_ID (JobState=$state: a scancel, or a requeue of Slurm's own): not requeueing it here (a cancelled job resumes when the same command is submitted again)"
+        return
+    fi
+    echo "[launch] $1; requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+}
 status=0
 while kill -0 "$srun_pid" 2>/dev/null; do
     wait "$srun_pid"; status=$?
@@ -29,16 +45,14 @@ if [ -f "$run_dir/STALLED" ]; then
     echo "[launch] a rank stopped answering: $stalled"
     rm -f "$run_dir/STALLED"
     if [ "$status" -ne 0 ]; then
-        echo "[launch] requeueing job $SLURM_JOB_ID to resume from the last checkpoint"
-        scontrol requeue "$SLURM_JOB_ID"
+        requeue "the last checkpoint is intact"
         exit 0
     fi
 fi
 if [ -f "$run_dir/PREEMPTED" ]; then
     IFS= read -r preempted < "$run_dir/PREEMPTED" || true
-    echo "[launch] checkpoint written at $preempted; requeueing job $SLURM_JOB_ID"
     rm -f "$run_dir/PREEMPTED"
-    scontrol requeue "$SLURM_JOB_ID"
+    requeue "checkpoint written at $preempted"
     exit 0
 fi
 exit "$status"

@@ -6,8 +6,9 @@ a preemption signal to the batch script reaches the tasks on both nodes, and the
 job resumes to the same metrics; a node whose network is cut is named by the surviving
 rank within the deadline, Slurm requeues the job, and once the node is back it resumes.
 Every other way Slurm restarts a run resumes it too, with nothing done by hand: an
-operator's `scontrol requeue`, a fresh `sbatch` after the job crashed, and a requeue after
-the host that held the run's lock died with it (issue 60)."""
+operator's `scontrol requeue`, a fresh `sbatch` after the job crashed or was cancelled
+(which must stay ended), and a requeue after the host that held the run's lock died with
+it (issue 60)."""
 
 import json
 import math
@@ -258,6 +259,33 @@ def test_a_fresh_job_after_a_crash_resumes_to_the_same_metrics(common, two_node_
     log = wait_finished(second, out / "logs" / f"megarlhf-ppo-crashed-{second}.out",
                         "[ppo] done", 600)
     assert f"taking over {run / 'LOCK'}" in log and "[ppo] resumed iter_" in log, log[-3000:]
+    assert_same_metrics(run, two_node_runs["ppo"][1], tol=0)
+
+
+@pytest.mark.extended
+def test_a_users_scancel_ends_the_job_and_a_fresh_one_resumes(common, two_node_runs):
+    """`scancel` of the running job (found by bench/chaos.py's cluster stage: the batch
+    script took the SIGTERM for a preemption and requeued the job, so a cancelled run came
+    back by itself): the tasks checkpoint, the job stays ended - no restart - and a fresh
+    `sbatch` of the same command resumes to the uninterrupted run's metrics, bitwise."""
+    out, stages, launch = common
+    first = submit(stages["ppo"], launch, "run.name=cancelled")
+    run = out / "cancelled"
+    wait_rows(run, 3)
+    subprocess.run(["scancel", first], check=True)
+    wait_done(first, 120)
+    time.sleep(15)  # a requeue would have the job back in the queue by now
+    assert not subprocess.run(["squeue", "-h", "-j", first], capture_output=True,
+                              text=True).stdout.strip()
+    log = open(out / "logs" / f"megarlhf-ppo-cancelled-{first}.out").read()
+    assert f"Slurm is ending job {first} (JobState=COMPLETING" in log and \
+        "restart 1" not in log, \
+        log[-3000:]
+    assert rows(run)[-1]["step"] < 6
+    second = submit(stages["ppo"], launch, "run.name=cancelled")
+    log = wait_finished(second, out / "logs" / f"megarlhf-ppo-cancelled-{second}.out",
+                        "[ppo] done", 600)
+    assert "[ppo] resumed iter_" in log, log[-3000:]
     assert_same_metrics(run, two_node_runs["ppo"][1], tol=0)
 
 
