@@ -340,6 +340,14 @@ MUTANTS = [
            ("tests/test_run_guards.py::"
             "test_a_metrics_file_changed_after_a_save_stops_the_resume",),
            ()),
+    Mutant("window_dropped_in_the_decode_cache", "model.sliding_window: the static KV "
+           "cache's decode step attends over every cached column (the window applied in the "
+           "prefill and training only)",
+           "megarlhf/inference/static_kv.py",
+           "        if outside is not None:  # the query's column is col in every row",
+           "        if False:  # the query's column is col in every row",
+           ("tests/test_convert.py::test_greedy_generation_matches_transformers[phi3]",),
+           ()),
     Mutant("sync_deadline_dropped", "rollout.placement.sync_timeout_minutes: a rollout rank "
            "waits for the weights with no deadline of its own",
            "megarlhf/rollout/remote.py",

@@ -578,7 +578,8 @@ def test_context_parallelism_is_checked_before_any_work():
                              "model.moe.top_k=2"]).model
     check_model_layout("parallel", moe, Layout(cp=2, ep=2), 2)  # experts over the CP ranks
     for extra, what in ((["model.transformer_impl=transformer_engine"], "TransformerEngine"),
-                        (MLA, "multi-latent attention")):
+                        (MLA, "multi-latent attention"),
+                        (["model.sliding_window=8"], "sliding-window attention")):
         model = load_config(None, ["model.num_layers=2", "model.hidden_size=64",
                                    "model.num_attention_heads=4", *extra]).model
         with pytest.raises((ConfigError, ValueError),

@@ -24,16 +24,17 @@ FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gpt2": "g
             "qwen3_rm": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
             "qwen3_moe_rm": "qwen3_moe", "deepseek_v3": "deepseek_v3",
             "deepseek_v3_yarn": "deepseek_v3", "glm4_moe": "glm4_moe", "smollm3": "smollm3",
-            "smollm3_rm": "smollm3"}
+            "smollm3_rm": "smollm3", "phi3": "phi3", "phi3_rm": "phi3",
+            "mistral_window": "mistral"}
 # Mixtures of experts (4 experts, top 2): also at EP=2 (tests/workers/converted_models.py).
 MOE_ARCHS = [a for a, t in FAMILIES.items()
              if t in ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")]
 ARCHS = list(FAMILIES)
 LM_ARCHS = [a for a in ARCHS if not a.endswith("_rm")]
 # The fast tier's families (converted together, once): a Llama, Qwen3's head size and q/k
-# norms, a mixture of experts, DeepSeek-V3's latent attention and grouped routing, a value
-# head. The extended tier adds every other family (tests/README.md, "Tiers").
-FAST_ARCHS = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_rm")
+# norms, a mixture of experts, DeepSeek-V3's latent attention and grouped routing, GLM-4.5's
+# partial rotary and biases, Phi-3's fused projections and sliding window, a value head. The extended tier adds every other family (tests/README.md, "Tiers").
+FAST_ARCHS = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "phi3", "qwen3_rm")
 
 
 def tiered(archs):
@@ -138,6 +139,16 @@ def make_hf(arch, path):
         assert config.no_rope_layers == [1, 0, 1, 0]
         model = (transformers.SmolLM3ForSequenceClassification if arch.endswith("_rm")
                  else transformers.SmolLM3ForCausalLM)(config)
+    elif arch in ("phi3", "phi3_rm"):
+        # Phi-4-mini's shape: fused qkv_proj and gate_up_proj, 3/4 of each head rotated,
+        # tied; with a sliding window of 8 (Phi-3's configs carry one) over a sequence of 48
+        config = transformers.Phi3Config(**common, partial_rotary_factor=0.75, sliding_window=8,
+                                         pad_token_id=0, tie_word_embeddings=True)
+        model = (transformers.Phi3ForSequenceClassification if arch.endswith("_rm")
+                 else transformers.Phi3ForCausalLM)(config)
+    elif arch == "mistral_window":  # Mistral 7B v0.1's sliding window, 8 positions here
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(
+            **common, sliding_window=8))
     elif arch == "glm4_moe":
         # GLM-4.5: half of each head rotated (partial_rotary_factor 0.5), q/k/v biases
         # (randomised: transformers initialises them to zero), DeepSeek-V3's routing
@@ -236,6 +247,21 @@ def test_logprobs_match_transformers(converted, arch, layout):
         assert (ref.squeeze(-1) - torch.tensor(lp)).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("arch", tiered(["phi3", "mistral_window"]))
+@pytest.mark.parametrize("layout", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
+def test_sliding_windows_in_a_packed_row_match_transformers(converted, arch, layout):
+    """The four sequences packed into one row (megatron's THD format; a window of 8, the
+    longest sequence 48): the log-probs transformers gives each alone, within 1e-5.
+    Catches a window lost on the packed path or reaching across a sample's start."""
+    from workers.converted_models import SEQS
+    _, models, results = converted
+    for seq, lp in zip(SEQS, results[(arch, *layout)]["packed"], strict=True):
+        with torch.no_grad():
+            logits = models[arch](torch.tensor([seq])).logits[0].float()
+        ref = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(seq[1:])[:, None])
+        assert (ref.squeeze(-1) - torch.tensor(lp)).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("arch", tiered(MOE_ARCHS))
 def test_experts_split_over_two_ranks_match_transformers(converted, arch):
     """A mixture of experts at EP=2 (two experts on each rank; tokens gathered over the
@@ -282,6 +308,22 @@ def test_greedy_generation_matches_transformers(converted, arch):
         ref = models[arch].generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
                                     min_new_tokens=32, pad_token_id=0)
         assert ref[0, len(prompt):].tolist() == tokens
+
+
+@pytest.mark.parametrize("arch", tiered(["phi3", "mistral_window"]))
+def test_sliding_windows_decode_alike_on_every_kv_cache(converted, arch):
+    """A sliding window of 8 over 4 prompt + 32 new tokens, through megatron's inference
+    context, decode slots on the columns cache and on the paged cache (blocks of 4): the
+    greedy tokens transformers' generate gives. Catches a window missing from, or
+    misplaced in, any cache's decode step (the static batch's: the test above)."""
+    from workers.converted_models import PROMPTS
+    _, models, results = converted
+    got = results[(arch, 1, 1)]["greedy_caches"]
+    for prompt, row in zip(PROMPTS, range(len(PROMPTS))):
+        ref = models[arch].generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                                    min_new_tokens=32, pad_token_id=0)[0, len(prompt):].tolist()
+        for cache, tokens in got.items():
+            assert tokens[row] == ref, (cache, row)
 
 
 @pytest.mark.parametrize("arch", tiered(LM_ARCHS))
@@ -407,7 +449,6 @@ def test_bad_inputs(converted, tmp_path):
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ({"use_sliding_window": True}, "use_sliding_window=true is not supported"),
-    ({"model_type": "mistral", "sliding_window": 64}, "sliding_window=64 is not supported"),
     ({"layer_types": ["full_attention", "sliding_attention"] * 2},
      "layer_types holds ['sliding_attention']"),
     ({"hidden_size": None}, "config.json has no 'hidden_size'"),
@@ -420,8 +461,6 @@ def test_bad_inputs(converted, tmp_path):
     # Mixtral's (its family is converted in the extended tier only)
     pytest.param({"model_type": "mixtral", "router_jitter_noise": 0.1},
                  "router_jitter_noise=0.1 is not supported", marks=pytest.mark.extended),
-    pytest.param({"model_type": "mixtral", "sliding_window": 64},
-                 "sliding_window=64 is not supported", marks=pytest.mark.extended),
     ({"model_type": "deepseek_v3", "rope_interleave": False},
      "rope_interleave=false is not supported"),
     ({"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8"}},

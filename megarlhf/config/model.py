@@ -327,6 +327,15 @@ class ModelConfig:
     """The share of each query/key head's width that RoPE rotates, from its start (the rest
     passes unrotated): partial rotary, as GLM-4.5 (0.5) and Phi-4-mini (0.75) have it
     (config.json's partial_rotary_factor). 1: the whole head."""
+    sliding_window: int | None = None
+    """Sliding-window attention: a token sees itself and the sliding_window - 1 tokens
+    before it (config.json's sliding_window, as transformers masks it; megatron's
+    window_size is (sliding_window - 1, 0)), in every layer but full_attention_layers.
+    None: every layer sees the whole context."""
+    full_attention_layers: list[int] = field(default_factory=list)
+    """With sliding_window: the layers (0-based) that see the whole context, as the local
+    and global layers of gpt-oss, Gemma 3 and OLMo 3 alternate (config.json's layer_types;
+    megatron's window_attn_skip_freq)."""
     no_rope_layers: list[int] = field(default_factory=list)
     """Layers (0-based) whose attention uses no rotary embedding at all (NoPE), as SmolLM3
     has every fourth (megatron's no_rope_freq). Empty: RoPE in every layer."""
@@ -382,6 +391,14 @@ class ModelConfig:
                 and len(set(self.no_rope_layers)) == len(self.no_rope_layers),
                 "model.no_rope_layers", self.no_rope_layers,
                 f"must list distinct layers in 0..{self.num_layers - 1}")
+        require(self.sliding_window is None or self.sliding_window >= 1,
+                "model.sliding_window", self.sliding_window, "must be >= 1 or null")
+        require(all(0 <= i < self.num_layers for i in self.full_attention_layers)
+                and len(set(self.full_attention_layers)) == len(self.full_attention_layers)
+                and (self.sliding_window is not None or not self.full_attention_layers),
+                "model.full_attention_layers", self.full_attention_layers,
+                f"must list distinct layers in 0..{self.num_layers - 1}, with "
+                "model.sliding_window set")
         require(not self.no_rope_layers or self.arch == "llama", "model.no_rope_layers",
                 self.no_rope_layers, "is for llama (RoPE); gpt2 learns its positions")
         if self.ffn_hidden_size is not None:
@@ -412,7 +429,8 @@ class ModelConfig:
                               ("qk_layernorm", self.qk_layernorm),
                               ("add_qkv_bias", bool(self.add_qkv_bias)),
                               ("rotary_percent", self.rotary_percent != 1),
-                              ("no_rope_layers", bool(self.no_rope_layers))):
+                              ("no_rope_layers", bool(self.no_rope_layers)),
+                              ("sliding_window", self.sliding_window is not None)):
                 require(not bad, f"model.{name}", getattr(self, name),
                         "is not used by multi-latent attention (model.mla.kv_lora_rank > 0): "
                         "leave it unset")

@@ -134,6 +134,8 @@ def check_context_parallel(where: str, model: ModelConfig, layout: Layout,
         return
     field = f"{where}.context_parallel_size"
     for flag, what in ((model.mla.enabled, f"multi-latent attention ({model_name}.mla)"),
+                       (model.sliding_window is not None,
+                        f"sliding-window attention ({model_name}.sliding_window)"),
                        (model.transformer_impl == "transformer_engine",
                         f"TransformerEngine's layers ({model_name}.transformer_impl)"),
                        (layout.vpp is not None,

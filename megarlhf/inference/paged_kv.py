@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from megarlhf.inference.static_kv import decode_pass, unsupported
 from megarlhf.models.gpt import unwrap
+from megarlhf.models.spec import window_blocked
 
 
 def blocks_for(tokens: int, block_tokens: int) -> int:
@@ -73,6 +74,9 @@ class PagedKV:
         k = self.k[table].reshape(B, -1, core.groups, core.head_dim).transpose(1, 2)
         v = self.v[table].reshape(B, -1, core.groups, core.value_dim).transpose(1, 2)
         q = query.permute(1, 2, 0, 3)
+        outside = window_blocked(core.window, self.shared.query_position, k.shape[2])
+        if outside is not None:  # a row's keys sit at its positions 0, 1, ...
+            blocked = blocked | outside
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=~blocked,
                                              scale=core.softmax_scale,
                                              enable_gqa=core.groups != core.heads)
@@ -111,6 +115,7 @@ class PagedDecoder:
         self.rope = self.gpt.rotary_pos_emb(longest) if rope else None  # (longest, 1, 1, dim)
         self.dest_block = self.dest_offset = self.src_col = self.src_row = None
         self.gather = None
+        self.query_position = None  # (B,) a decode step's positions (sliding windows)
 
     # ------------------------------------------------------------ blocks
 
@@ -214,6 +219,7 @@ class PagedDecoder:
         K = nb * self.block_tokens
         blocked = torch.arange(K, device=self.device).view(1, K) >= length.view(-1, 1)
         position = torch.tensor(at, dtype=torch.long, device=self.device).view(-1, 1)
+        self.query_position = position.view(-1)
         rope = None
         if self.rope is not None:
             rope = self.rope.index_select(0, position.view(-1)).transpose(0, 1)  # (1, B, 1, d)

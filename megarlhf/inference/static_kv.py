@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from megarlhf.models.gpt import unwrap
+from megarlhf.models.spec import window_blocked
 
 
 def unsupported(model, experts: bool = False) -> str | None:
@@ -79,6 +80,9 @@ class StaticKV:
         """A decode step's attention: query (1, B, heads, head) over every cached column,
         ``blocked`` (B, 1, 1, L) True where a key may not be seen -> (1, B, heads*value)."""
         q = query.permute(1, 2, 0, 3)
+        outside = window_blocked(core.window, self.shared.col, self.k.shape[2])
+        if outside is not None:  # the query's column is col in every row
+            blocked = blocked | outside
         out = F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=~blocked,
                                              scale=core.softmax_scale,
                                              enable_gqa=core.groups != core.heads)

@@ -65,6 +65,7 @@ def transformer_config(model: ModelConfig, layout: Layout) -> TransformerConfig:
         add_qkv_bias=model.qkv_bias,
         no_rope_freq=[int(i in model.no_rope_layers) for i in range(model.num_layers)]
         if model.no_rope_layers else None,
+        **window_fields(model),
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std,
@@ -98,6 +99,17 @@ def transformer_config(model: ModelConfig, layout: Layout) -> TransformerConfig:
     if model.rope_scaling.type == "yarn" and not model.mla.enabled:
         _yarn(config, model.rope_scaling)
     return config
+
+
+def window_fields(model: ModelConfig) -> dict:
+    """``TransformerConfig``'s sliding-window attention for ``model.sliding_window``: a
+    token sees the sliding_window - 1 before it (window_size's left edge), in the layers
+    ``window_attn_skip_freq`` marks 1 (all but ``model.full_attention_layers``)."""
+    if model.sliding_window is None:
+        return {}
+    return dict(window_size=(model.sliding_window - 1, 0),
+                window_attn_skip_freq=[int(i not in model.full_attention_layers)
+                                       for i in range(model.num_layers)])
 
 
 def recompute_fields(model: ModelConfig) -> dict:

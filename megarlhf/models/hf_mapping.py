@@ -30,7 +30,7 @@ LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                "smollm3": "SmolLM3ForCausalLM"}
+                "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 # Where a mixture-of-experts family keeps its router and experts in a layer: (the MLP's
 # prefix, the router, an expert's gate, up and down projections).
 MOE_NAMES = {"qwen3_moe": ("mlp.", "gate.weight", "gate_proj.weight", "up_proj.weight",
@@ -45,7 +45,9 @@ MOE_NAMES = {"qwen3_moe": ("mlp.", "gate.weight", "gate_proj.weight", "up_proj.w
 # (DeepSeek-V3's MoE; GLM-4.5 has the same, under the same names).
 SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe")
 # Families whose HF attention rotates the first partial_rotary_factor of each head.
-PARTIAL_ROTARY = ("glm4_moe",)
+PARTIAL_ROTARY = ("glm4_moe", "phi3")
+# Families whose attention slides a window of config.json's sliding_window over every layer.
+WINDOWED = ("mistral", "mixtral", "phi3")
 # DeepSeek-V3's multi-latent attention: megatron's name -> HF's (in ``self_attn.``).
 MLA_NAMES = {"linear_q_down_proj": "q_a_proj", "q_layernorm": "q_a_layernorm",
              "linear_q_up_proj": "q_b_proj", "linear_q_proj": "q_proj",
@@ -100,12 +102,23 @@ def model_overrides(hf: dict) -> dict:
                 head_dim=None if head_dim in (None, hidden // heads) else head_dim,
                 qk_layernorm=model_type in ("qwen3", "qwen3_moe") or bool(hf.get("use_qk_norm")),
                 rotary_percent=float(partial_rotary(hf)), no_rope_layers=no_rope_layers(hf),
+                sliding_window=sliding_window(hf),
                 ffn_hidden_size=need(hf, "intermediate_size"), **moe_overrides(hf),
                 max_position_embeddings=hf.get("max_position_embeddings", 4096),
                 **rope_overrides(hf), vocab_size=need(hf, "vocab_size"),
                 norm_epsilon=hf.get("rms_norm_eps", 1e-6),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 add_qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias")))
+
+
+def sliding_window(hf: dict) -> int | None:
+    """The sliding window of a family that slides one over every layer (Mistral, Mixtral,
+    Phi-3); None for a window at least the context long (it never applies) or none."""
+    window = hf.get("sliding_window")
+    if hf.get("model_type") not in WINDOWED or window is None \
+            or window >= hf.get("max_position_embeddings", 4096):
+        return None
+    return window
 
 
 def no_rope_layers(hf: dict) -> list[int]:
@@ -327,13 +340,6 @@ def refuse_unsupported(hf: dict) -> None:
     if hf.get("use_sliding_window"):
         raise ConversionError("config.json use_sliding_window=true is not supported "
                               "(full attention only)")
-    window = hf.get("sliding_window")
-    if model_type in ("mistral", "mixtral") and window is not None \
-            and window < hf.get("max_position_embeddings", 4096):
-        raise ConversionError(
-            f"config.json sliding_window={window} is not supported: it is shorter than "
-            f"max_position_embeddings={hf.get('max_position_embeddings')} (full attention "
-            "only; a window at least the context long never applies)")
     other = sorted({t for t in hf.get("layer_types") or () if t != "full_attention"})
     if other:
         raise ConversionError(f"config.json layer_types holds {other}: only full_attention "
@@ -441,6 +447,14 @@ def layer_sources(model_type: str, i: int, m: dict) -> dict[str, Source]:
         for name, (hf_name, shape) in _mla_shapes(m).items():
             sources[out + f"self_attention.{name}.weight"] = checked(a + hf_name + ".weight",
                                                                    shape)
+    elif model_type == "phi3":  # q, k and v stacked in one projection
+        def fused_qkv(get):
+            w = _checked(get, a + "qkv_proj.weight", ((heads + 2 * groups) * hd, h))
+            return _interleave_qkv(*torch.split(w, [heads * hd, groups * hd, groups * hd]),
+                                   heads, groups, hd)
+        sources[out + "self_attention.linear_qkv.weight"] = fused_qkv
+        sources[out + "self_attention.linear_proj.weight"] = checked(a + "o_proj.weight",
+                                                                     (h, heads * hd))
     else:
         sources[out + "self_attention.linear_qkv.weight"] = qkv("weight")
         sources[out + "self_attention.linear_proj.weight"] = checked(a + "o_proj.weight",
@@ -463,6 +477,10 @@ def layer_sources(model_type: str, i: int, m: dict) -> dict[str, Source]:
                 sources[x + "linear_fc1.weight"] = gated(e + "gate_proj.weight",
                                                          e + "up_proj.weight", shared)
                 sources[x + "linear_fc2.weight"] = checked(e + "down_proj.weight", (h, shared))
+    elif model_type == "phi3":  # [gate; up] in one projection, as megatron's fc1
+        sources[out + "mlp.linear_fc1.weight"] = checked(p + "mlp.gate_up_proj.weight",
+                                                         (2 * ffn, h))
+        sources[out + "mlp.linear_fc2.weight"] = checked(p + "mlp.down_proj.weight", (h, ffn))
     else:
         sources[out + "mlp.linear_fc1.weight"] = gated(p + "mlp.gate_proj.weight",
                                                        p + "mlp.up_proj.weight", ffn)
@@ -587,6 +605,9 @@ def hf_layer_tensors(model_type: str, m: dict, i: int, sd: dict[str, torch.Tenso
         q, k, v = _split_qkv(sd[s + "self_attention.linear_qkv.weight"], heads, groups, hd)
         out.update({a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v,
                     a + "o_proj.weight": sd[s + "self_attention.linear_proj.weight"]})
+        if model_type == "phi3":
+            out[a + "qkv_proj.weight"] = torch.cat([out.pop(a + f"{x}_proj.weight")
+                                                    for x in "qkv"])
     if _is_moe_layer(m, i):
         mlp, router, gate_name, up_name, down_name = MOE_NAMES[model_type]
         out[p + mlp + router] = sd[s + "mlp.router.weight"]
@@ -602,6 +623,9 @@ def hf_layer_tensors(model_type: str, m: dict, i: int, sd: dict[str, torch.Tenso
                 gate, up = sd[x + "linear_fc1.weight"].chunk(2, dim=0)
                 out.update({e + "gate_proj.weight": gate, e + "up_proj.weight": up,
                             e + "down_proj.weight": sd[x + "linear_fc2.weight"]})
+    elif model_type == "phi3":
+        out.update({p + "mlp.gate_up_proj.weight": sd[s + "mlp.linear_fc1.weight"],
+                    p + "mlp.down_proj.weight": sd[s + "mlp.linear_fc2.weight"]})
     else:
         gate, up = sd[s + "mlp.linear_fc1.weight"].chunk(2, dim=0)
         out.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,

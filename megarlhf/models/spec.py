@@ -16,6 +16,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from megarlhf import speedups
 from megarlhf.config import ModelConfig
@@ -54,6 +55,11 @@ class SDPACoreAttention(MegatronModule):
         self.value_dim = v_channels or self.head_dim
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.head_dim)
+        # sliding-window attention (model.sliding_window): the keys a query sees, itself
+        # included, in this layer; None: all before it
+        window = config.window_size
+        self.window = window[0] + 1 if window and is_layer_window_attention(
+            window, config.window_attn_skip_freq, layer_number) else None
         # a generation's fixed-shape KV cache while one decodes on it
         # (megarlhf.inference.static_kv); None otherwise
         self.static_kv = None
@@ -116,11 +122,15 @@ class SDPACoreAttention(MegatronModule):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, sk = q.shape[2], k.shape[2]
         causal = mask_type == AttnMaskType.causal and sq > 1
-        if causal and attention_mask is None and sq == sk:
+        if causal and attention_mask is None and sq == sk and self.window is None:
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=self.dropout_p if self.training else 0.0,
                 scale=self.softmax_scale, enable_gqa=self.groups != self.heads)
-        return self._attend_allowed(q, k, v, _allowed(attention_mask, causal, sq, sk, q.device))
+        allowed = _allowed(attention_mask, causal, sq, sk, q.device)
+        if self.window is not None:
+            band = _window(sq, sk, self.window, q.device)
+            allowed = band if allowed is None else allowed & band
+        return self._attend_allowed(q, k, v, allowed)
 
 
 def _allowed(attention_mask, causal: bool, sq: int, sk: int, device):
@@ -139,6 +149,24 @@ def _causal_block(sq: int, sk: int, device) -> torch.Tensor:
     """(sq, sk) bool, True where a query may see a key: the queries are the last sq of sk
     positions (sk > sq while prefilling on a cache)."""
     return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(sk - sq)
+
+
+def _window(sq: int, sk: int, window: int, device) -> torch.Tensor:
+    """(sq, sk) bool, True where a query may see a key under a sliding window of
+    ``window`` keys (itself included; transformers' ``kv_idx > q_idx - window``): the
+    queries are the last sq of sk positions."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(sk - sq - window + 1)
+
+
+def window_blocked(window: int | None, query_column: torch.Tensor,
+                   keys: int) -> torch.Tensor | None:
+    """A decode step's keys out of a sliding window: (B, 1, 1, keys) bool, True at key
+    columns ``window`` or more before each row's query column (``query_column``, (B,) or
+    (1,)); None without a window."""
+    if window is None:
+        return None
+    columns = torch.arange(keys, device=query_column.device).view(1, keys)
+    return (columns <= query_column.view(-1, 1) - window).view(-1, 1, 1, keys)
 
 
 def _diagonal(sq: int, sk: int, device) -> torch.Tensor:

@@ -59,7 +59,7 @@ def applies(model) -> bool:
     learned absolute position embeddings (the position ids), or megatron's plain RoPE."""
     gpt = _bare(model)
     return gpt.position_embedding_type in ("rope", "learned_absolute") \
-        and not gpt.config.multi_latent_attention
+        and not gpt.config.multi_latent_attention and not gpt.config.window_size
 
 
 @contextlib.contextmanager

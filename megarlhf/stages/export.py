@@ -26,11 +26,11 @@ from megarlhf.models.hf_mapping import TOKENIZER_FILES
 
 # The families transformers has a *ForSequenceClassification of (a value model's export).
 VALUE_HEADS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
-               "deepseek_v3", "smollm3")
+               "deepseek_v3", "smollm3", "phi3")
 
 
 def hf_config(model_type: str, m: dict, role: str) -> dict:
-    from megarlhf.models.hf_mapping import LLAMA_FAMILY
+    from megarlhf.models.hf_mapping import LLAMA_FAMILY, WINDOWED
 
     if model_type == "gpt2":
         cfg = {"architectures": ["GPT2LMHeadModel" if role == "lm" else
@@ -72,8 +72,12 @@ def hf_config(model_type: str, m: dict, role: str) -> dict:
             cfg["rope_scaling"] = {"rope_type": "llama3", **{
                 k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
                                         "original_max_position_embeddings")}}
-        if model_type in ("mistral", "mixtral"):
-            cfg["sliding_window"] = None  # megarlhf attends to the whole context
+        if model_type in WINDOWED:
+            cfg["sliding_window"] = m["sliding_window"]
+        if model_type == "phi3":
+            cfg.update(partial_rotary_factor=m["rotary_percent"], resid_pdrop=0.0,
+                       embd_pdrop=0.0, original_max_position_embeddings=m[
+                           "max_position_embeddings"])
         if model_type == "deepseek_v3":
             cfg.update(hf_mla_config(m))
         if model_type == "smollm3":
@@ -94,11 +98,18 @@ def hf_config(model_type: str, m: dict, role: str) -> dict:
 def refuse_inexpressible(model_type: str, model) -> None:
     """What the Hugging Face family cannot express (partial rotary, layers without RoPE,
     a router of another kind): refused naming the field."""
-    from megarlhf.models.hf_mapping import PARTIAL_ROTARY, SIGMOID_ROUTED, ConversionError
+    from megarlhf.models.hf_mapping import (PARTIAL_ROTARY, SIGMOID_ROUTED, WINDOWED,
+                                            ConversionError)
 
     if model.rotary_percent != 1 and model_type not in PARTIAL_ROTARY:
         raise ConversionError(f"model.rotary_percent={model.rotary_percent} cannot be written "
                               f"as {model_type} (its attention rotates whole heads)")
+    if model.sliding_window is not None and (model_type not in WINDOWED
+                                             or model.full_attention_layers):
+        raise ConversionError(f"model.sliding_window={model.sliding_window} (full attention "
+                              f"in layers {model.full_attention_layers}) cannot be written as "
+                              f"{model_type}" + (" (a window in every layer only)"
+                                                 if model_type in WINDOWED else ""))
     if model.no_rope_layers and model_type != "smollm3":
         raise ConversionError(f"model.no_rope_layers={model.no_rope_layers} cannot be "
                               f"written as {model_type} (RoPE in every layer)")
@@ -224,7 +235,8 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
         ("glm4_moe" if model_cfg.moe.score_function == "sigmoid" else
          "qwen3_moe" if model_cfg.qk_layernorm else "mixtral") if moe else
         "qwen3" if model_cfg.qk_layernorm else "qwen2" if model_cfg.qkv_bias else
-        "smollm3" if model_cfg.no_rope_layers else "llama")
+        "smollm3" if model_cfg.no_rope_layers else
+        "mistral" if model_cfg.sliding_window else "llama")
     if moe != (model_type in MOE_NAMES):
         raise ConversionError(f"--model-type {model_type} does not fit the checkpoint's "
                               f"{'mixture-of-experts' if moe else 'dense'} model")
@@ -235,6 +247,10 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
     if kind == "value" and model_type not in VALUE_HEADS:
         raise ConversionError(f"transformers has no {model_type} sequence-classification "
                               f"model to hold role '{role}' (a value model)")
+    if peft and model_type == "phi3":
+        raise ConversionError("--peft writes adapters on q_proj / k_proj / v_proj / gate_proj "
+                              "/ up_proj, which Phi-3 fuses (qkv_proj, gate_up_proj): export "
+                              "without --peft (the adapters merged into the weights)")
     if peft and not (model_cfg.lora.enabled and kind == "lm"):
         raise ConversionError(f"--peft writes a causal LM's LoRA adapters; role '{role}' "
                               + ("is a value model" if model_cfg.lora.enabled else

@@ -63,12 +63,17 @@ def main():
                 results[key] = {"values": [r["values"] for r in rows]}
                 continue
             results[key] = {"logprobs": [r["logprobs"] for r in rows]}
+            if cfg.model.sliding_window is not None:  # the sequences packed in one row
+                results[key]["packed"] = [r["logprobs"] for r in score_sequences(
+                    scorer, SEQS, micro_batch_size=1, max_tokens=sum(map(len, SEQS)))]
             if world == 1:
                 stats: dict = {}
                 gen = generate(chunks[0], PROMPTS, SamplingParams(max_new_tokens=32, greedy=True),
                                eos_id=-1, pad_id=0, true_vocab=cfg.model.vocab_size,
                                stats=stats)
                 results[key]["greedy"] = gen.response_tokens_BT.tolist()
+                if cfg.model.sliding_window is not None:  # every other KV cache
+                    results[key]["greedy_caches"] = window_caches(chunks[0], cfg)
                 results[key]["kv_cache"] = (stats["kv_cache_bytes"], kv_cache_bytes(
                     spec.model, tp=1, batch=len(PROMPTS),
                     seq=max(map(len, PROMPTS)) + 32))
@@ -78,6 +83,23 @@ def main():
     if dist.get_rank() == 0:
         torch.save(results, os.path.join(out_dir, f"converted_world{world}.pt"))
     dist.destroy_process_group()
+
+
+def window_caches(model, cfg) -> dict[str, list]:
+    """The greedy tokens of PROMPTS through the caches a sliding window must reach besides
+    the static batch's: megatron's inference context, decode slots on the columns cache
+    (a prompt written ending at its admission column) and on the paged cache (blocks of
+    4 positions: windows across blocks). One slot: the second prompt starts later."""
+    from megarlhf.inference.continuous import generate_continuous
+    from megarlhf.inference.paged_slots import generate_paged
+
+    params = SamplingParams(max_new_tokens=32, greedy=True)
+    common = dict(eos_id=-1, pad_id=0, true_vocab=cfg.model.vocab_size)
+    runs = {"context": generate(model, PROMPTS, params, static_cache=False, **common),
+            "columns": generate_continuous(model, PROMPTS, params, slots=1, **common),
+            "paged": generate_paged(model, PROMPTS, params, slots=1, block_tokens=4,
+                                    **common)}
+    return {name: gen.response_tokens_BT.tolist() for name, gen in runs.items()}
 
 
 if __name__ == "__main__":
