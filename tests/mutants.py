@@ -348,6 +348,14 @@ MUTANTS = [
            "        if False:  # the query's column is col in every row",
            ("tests/test_convert.py::test_greedy_generation_matches_transformers[phi3]",),
            ()),
+    Mutant("all_heads_norm_not_reduced_over_tp", "model.qk_layernorm_all_heads (OLMo 2/3): "
+           "each TP rank normalises its own heads' queries and keys, the mean square not "
+           "summed over the TP group",
+           "megarlhf/models/post_norm.py",
+           "        if self.tp_group is not None and self.tp_group.size() > 1:",
+           "        if False:",
+           ("tests/test_convert.py::test_logprobs_match_transformers[tp2-olmo3]",),
+           ()),
     Mutant("sync_deadline_dropped", "rollout.placement.sync_timeout_minutes: a rollout rank "
            "waits for the weights with no deadline of its own",
            "megarlhf/rollout/remote.py",

@@ -25,7 +25,8 @@ FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gpt2": "g
             "qwen3_moe_rm": "qwen3_moe", "deepseek_v3": "deepseek_v3",
             "deepseek_v3_yarn": "deepseek_v3", "glm4_moe": "glm4_moe", "smollm3": "smollm3",
             "smollm3_rm": "smollm3", "phi3": "phi3", "phi3_rm": "phi3",
-            "mistral_window": "mistral"}
+            "mistral_window": "mistral", "olmo2": "olmo2", "olmo2_rm": "olmo2",
+            "olmo3": "olmo3"}
 # Mixtures of experts (4 experts, top 2): also at EP=2 (tests/workers/converted_models.py).
 MOE_ARCHS = [a for a, t in FAMILIES.items()
              if t in ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")]
@@ -33,8 +34,10 @@ ARCHS = list(FAMILIES)
 LM_ARCHS = [a for a in ARCHS if not a.endswith("_rm")]
 # The fast tier's families (converted together, once): a Llama, Qwen3's head size and q/k
 # norms, a mixture of experts, DeepSeek-V3's latent attention and grouped routing, GLM-4.5's
-# partial rotary and biases, Phi-3's fused projections and sliding window, a value head. The extended tier adds every other family (tests/README.md, "Tiers").
-FAST_ARCHS = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "phi3", "qwen3_rm")
+# partial rotary and biases, Phi-3's fused projections and sliding window, OLMo 3's norms
+# (after the sublayers, q/k over all heads) and local/global layers, a value head. The extended tier adds every other family (tests/README.md, "Tiers").
+FAST_ARCHS = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "phi3", "olmo3",
+              "qwen3_rm")
 
 
 def tiered(archs):
@@ -149,6 +152,14 @@ def make_hf(arch, path):
     elif arch == "mistral_window":  # Mistral 7B v0.1's sliding window, 8 positions here
         model = transformers.MistralForCausalLM(transformers.MistralConfig(
             **common, sliding_window=8))
+    elif arch in ("olmo2", "olmo2_rm"):  # norms after the sublayers, q/k over all heads
+        config = transformers.Olmo2Config(**common, pad_token_id=0, rope_theta=500000.0)
+        model = (transformers.Olmo2ForSequenceClassification if arch.endswith("_rm")
+                 else transformers.Olmo2ForCausalLM)(config)
+    elif arch == "olmo3":  # OLMo 2's layer; three sliding-window layers of 8, one full
+        model = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(
+            **common, pad_token_id=0, sliding_window=8))
+        assert model.config.layer_types[3] == "full_attention"
     elif arch == "glm4_moe":
         # GLM-4.5: half of each head rotated (partial_rotary_factor 0.5), q/k/v biases
         # (randomised: transformers initialises them to zero), DeepSeek-V3's routing
@@ -247,7 +258,7 @@ def test_logprobs_match_transformers(converted, arch, layout):
         assert (ref.squeeze(-1) - torch.tensor(lp)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("arch", tiered(["phi3", "mistral_window"]))
+@pytest.mark.parametrize("arch", tiered(["phi3", "mistral_window", "olmo3"]))
 @pytest.mark.parametrize("layout", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
 def test_sliding_windows_in_a_packed_row_match_transformers(converted, arch, layout):
     """The four sequences packed into one row (megatron's THD format; a window of 8, the
@@ -310,7 +321,7 @@ def test_greedy_generation_matches_transformers(converted, arch):
         assert ref[0, len(prompt):].tolist() == tokens
 
 
-@pytest.mark.parametrize("arch", tiered(["phi3", "mistral_window"]))
+@pytest.mark.parametrize("arch", tiered(["phi3", "mistral_window", "olmo3"]))
 def test_sliding_windows_decode_alike_on_every_kv_cache(converted, arch):
     """A sliding window of 8 over 4 prompt + 32 new tokens, through megatron's inference
     context, decode slots on the columns cache and on the paged cache (blocks of 4): the

@@ -315,6 +315,12 @@ class ModelConfig:
     qk_layernorm: bool = False
     """Normalise each query and key head (RMSNorm for llama, LayerNorm for gpt2) before
     RoPE, as Qwen3 does."""
+    qk_layernorm_all_heads: bool = False
+    """With qk_layernorm: one RMSNorm over a token's queries (and one over its keys) of
+    every head together, as OLMo 2 and 3 do, instead of head by head."""
+    norm_placement: Literal["pre", "post"] = "pre"
+    """Where a layer's norms sit: pre (Llama: before attention and before the MLP) or post
+    (OLMo 2 and 3: none before, one on each sublayer's output before the residual)."""
     ffn_hidden_size: int | None = None
     """MLP width; None means 4 x hidden (gpt2) or the Llama 8/3 x hidden rounded to 64."""
     max_position_embeddings: int = 512
@@ -391,6 +397,17 @@ class ModelConfig:
                 and len(set(self.no_rope_layers)) == len(self.no_rope_layers),
                 "model.no_rope_layers", self.no_rope_layers,
                 f"must list distinct layers in 0..{self.num_layers - 1}")
+        require(not self.qk_layernorm_all_heads or self.qk_layernorm,
+                "model.qk_layernorm_all_heads", True, "needs model.qk_layernorm=true")
+        if self.norm_placement == "post" or self.qk_layernorm_all_heads:
+            what = ("model.norm_placement", self.norm_placement) \
+                if self.norm_placement == "post" else ("model.qk_layernorm_all_heads", True)
+            require(self.arch == "llama" and not self.moe.enabled and not self.mla.enabled,
+                    *what, "is for a dense llama model (OLMo 2's layer; no mixture of "
+                    "experts or latent attention yet)")
+            require(self.transformer_impl != "transformer_engine", *what,
+                    "is built from megatron's local layers: use model.transformer_impl "
+                    "auto or local")
         require(self.sliding_window is None or self.sliding_window >= 1,
                 "model.sliding_window", self.sliding_window, "must be >= 1 or null")
         require(all(0 <= i < self.num_layers for i in self.full_attention_layers)

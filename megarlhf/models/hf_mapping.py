@@ -30,7 +30,10 @@ LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}
+# OLMo 2 and 3: norms after the sublayers, queries and keys normalised over every head.
+POST_NORM = ("olmo2", "olmo3")
 # Where a mixture-of-experts family keeps its router and experts in a layer: (the MLP's
 # prefix, the router, an expert's gate, up and down projections).
 MOE_NAMES = {"qwen3_moe": ("mlp.", "gate.weight", "gate_proj.weight", "up_proj.weight",
@@ -100,9 +103,12 @@ def model_overrides(hf: dict) -> dict:
                 num_attention_heads=heads,
                 num_query_groups=hf.get("num_key_value_heads") or heads,
                 head_dim=None if head_dim in (None, hidden // heads) else head_dim,
-                qk_layernorm=model_type in ("qwen3", "qwen3_moe") or bool(hf.get("use_qk_norm")),
+                qk_layernorm=model_type in ("qwen3", "qwen3_moe", *POST_NORM)
+                or bool(hf.get("use_qk_norm")),
                 rotary_percent=float(partial_rotary(hf)), no_rope_layers=no_rope_layers(hf),
-                sliding_window=sliding_window(hf),
+                **window_overrides(hf),
+                **({"norm_placement": "post", "qk_layernorm_all_heads": True}
+                   if model_type in POST_NORM else {}),
                 ffn_hidden_size=need(hf, "intermediate_size"), **moe_overrides(hf),
                 max_position_embeddings=hf.get("max_position_embeddings", 4096),
                 **rope_overrides(hf), vocab_size=need(hf, "vocab_size"),
@@ -119,6 +125,25 @@ def sliding_window(hf: dict) -> int | None:
             or window >= hf.get("max_position_embeddings", 4096):
         return None
     return window
+
+
+def window_overrides(hf: dict) -> dict:
+    """``model.sliding_window`` and ``model.full_attention_layers``: a window over every
+    layer (:func:`sliding_window`), or OLMo 3's local and global layers - config.json's
+    layer_types ('sliding_attention' layers see sliding_window positions,
+    'full_attention' ones all); nothing for a family without windows."""
+    if hf.get("model_type") != "olmo3":
+        return {"sliding_window": sliding_window(hf)}
+    layers = need(hf, "num_hidden_layers")
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention"
+                                      for i in range(layers)]  # transformers' default
+    if len(types) != layers:
+        raise ConversionError(f"config.json layer_types has {len(types)} entries for "
+                              f"{layers} layers")
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    if len(full) == layers:
+        return {}
+    return {"sliding_window": need(hf, "sliding_window"), "full_attention_layers": full}
 
 
 def no_rope_layers(hf: dict) -> list[int]:
@@ -273,6 +298,17 @@ def rope_overrides(hf: dict) -> dict:
     does not implement is refused naming the key."""
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     params = hf.get(key) or {}
+    if hf.get("model_type") == "olmo3":  # a rotary embedding per layer type
+        if key == "rope_scaling":
+            raise ConversionError("config.json rope_scaling is not supported for olmo3: "
+                                  "transformers applies it to the full-attention layers only "
+                                  "(megarlhf's model has one rotary embedding)")
+        per_type = [v for v in params.values() if isinstance(v, dict)]
+        if any(v != per_type[0] for v in per_type):
+            raise ConversionError(f"config.json rope_parameters differ between the layer "
+                                  f"types {sorted(params)}: megarlhf's model has one rotary "
+                                  "embedding")
+        params = per_type[0] if per_type else params
     theta = hf.get("rope_theta") or params.get("rope_theta") or 10000.0
     kind = params.get("rope_type", params.get("type", "default"))
 
@@ -340,7 +376,9 @@ def refuse_unsupported(hf: dict) -> None:
     if hf.get("use_sliding_window"):
         raise ConversionError("config.json use_sliding_window=true is not supported "
                               "(full attention only)")
-    other = sorted({t for t in hf.get("layer_types") or () if t != "full_attention"})
+    allowed = ("full_attention", "sliding_attention") if model_type == "olmo3" \
+        else ("full_attention",)
+    other = sorted({t for t in hf.get("layer_types") or () if t not in allowed})
     if other:
         raise ConversionError(f"config.json layer_types holds {other}: only full_attention "
                               "layers are supported")
@@ -439,10 +477,17 @@ def layer_sources(model_type: str, i: int, m: dict) -> dict[str, Source]:
         return lambda get: torch.cat([_checked(get, gate, (width, h)),
                                       _checked(get, up, (width, h))], dim=0)
 
-    sources = {
-        out + "input_layernorm.weight": checked(p + "input_layernorm.weight", (h,)),
-        out + "pre_mlp_layernorm.weight": checked(p + "post_attention_layernorm.weight", (h,)),
-    }
+    if m.get("norm_placement") == "post":  # OLMo 2: norms on the sublayers' outputs
+        sources = {
+            out + "self_attention.post_layernorm.weight": checked(
+                p + "post_attention_layernorm.weight", (h,)),
+            out + "mlp.post_layernorm.weight": checked(p + "post_feedforward_layernorm.weight",
+                                                       (h,))}
+    else:
+        sources = {
+            out + "input_layernorm.weight": checked(p + "input_layernorm.weight", (h,)),
+            out + "pre_mlp_layernorm.weight": checked(p + "post_attention_layernorm.weight",
+                                                      (h,))}
     if _mla(m):
         for name, (hf_name, shape) in _mla_shapes(m).items():
             sources[out + f"self_attention.{name}.weight"] = checked(a + hf_name + ".weight",
@@ -485,7 +530,12 @@ def layer_sources(model_type: str, i: int, m: dict) -> dict[str, Source]:
         sources[out + "mlp.linear_fc1.weight"] = gated(p + "mlp.gate_proj.weight",
                                                        p + "mlp.up_proj.weight", ffn)
         sources[out + "mlp.linear_fc2.weight"] = checked(p + "mlp.down_proj.weight", (h, ffn))
-    if m.get("qk_layernorm"):  # Qwen3: one RMSNorm over each head's width
+    if m.get("qk_layernorm_all_heads"):  # OLMo 2: one RMSNorm over every head's width
+        sources[out + "self_attention.q_layernorm.weight"] = checked(a + "q_norm.weight",
+                                                                   (heads * hd,))
+        sources[out + "self_attention.k_layernorm.weight"] = checked(a + "k_norm.weight",
+                                                                   (groups * hd,))
+    elif m.get("qk_layernorm"):  # Qwen3: one RMSNorm over each head's width
         sources[out + "self_attention.q_layernorm.weight"] = checked(a + "q_norm.weight", (hd,))
         sources[out + "self_attention.k_layernorm.weight"] = checked(a + "k_norm.weight", (hd,))
     if m.get("add_qkv_bias"):  # Qwen2, GLM-4.5
@@ -594,10 +644,14 @@ def hf_layer_tensors(model_type: str, m: dict, i: int, sd: dict[str, torch.Tenso
         return {k: v.contiguous() for k, v in out.items()}
     p = f"model.layers.{i}."
     a = p + "self_attn."
-    out.update({
-        p + "input_layernorm.weight": sd[s + "input_layernorm.weight"],
-        p + "post_attention_layernorm.weight": sd[s + "pre_mlp_layernorm.weight"],
-    })
+    if m.get("norm_placement") == "post":
+        out.update({
+            p + "post_attention_layernorm.weight": sd[s + "self_attention.post_layernorm.weight"],
+            p + "post_feedforward_layernorm.weight": sd[s + "mlp.post_layernorm.weight"]})
+    else:
+        out.update({
+            p + "input_layernorm.weight": sd[s + "input_layernorm.weight"],
+            p + "post_attention_layernorm.weight": sd[s + "pre_mlp_layernorm.weight"]})
     if _mla(m):
         for name, (hf_name, _) in _mla_shapes(m).items():
             out[a + hf_name + ".weight"] = sd[s + f"self_attention.{name}.weight"]

@@ -42,13 +42,16 @@ def _layer(model: ModelConfig, tp: int, prefix: str, moe_layer: bool = False, ep
         if bias:
             out.append(ParamShape(f"{prefix}{name}.bias", (h,)))
 
-    norm("input_layernorm")
+    post = model.norm_placement == "post"  # OLMo 2: norms on the sublayers' outputs
+    if not post:
+        norm("input_layernorm")
     if model.mla.enabled:
         out += _mla(model, tp, prefix)
     else:
         out += _attention(model, tp, prefix, norm_bias=bias)
         out += _adapters(model, tp, prefix + "self_attention.", ("linear_qkv", "linear_proj"))
-    norm("pre_mlp_layernorm")
+    if not post:
+        norm("pre_mlp_layernorm")
     if moe_layer:  # the router (whole on every rank), this rank's experts, shared experts
         moe, width = model.moe, model.expert_ffn_size // etp
         out.append(ParamShape(f"{prefix}mlp.router.weight", (moe.num_experts, h)))
@@ -67,6 +70,8 @@ def _layer(model: ModelConfig, tp: int, prefix: str, moe_layer: bool = False, ep
     out.append(ParamShape(f"{prefix}mlp.linear_fc2.weight", (h, model.ffn_size // tp)))
     if bias:
         out.append(ParamShape(f"{prefix}mlp.linear_fc2.bias", (h,)))
+    if post:
+        out.append(ParamShape(f"{prefix}mlp.post_layernorm.weight", (h,)))
     return out + _adapters(model, tp, prefix + "mlp.", ("linear_fc1", "linear_fc2"))
 
 
@@ -101,11 +106,16 @@ def _attention(model: ModelConfig, tp: int, prefix: str, norm_bias: bool) -> lis
     out.append(ParamShape(a + "linear_qkv.weight", (qkv, h)))
     if model.qkv_bias:
         out.append(ParamShape(a + "linear_qkv.bias", (qkv,)))
-    if model.qk_layernorm:  # one norm per head size, shared by the heads
+    if model.qk_layernorm_all_heads:  # over every head: split over TP as the heads
+        out += [ParamShape(a + "q_layernorm.weight", (model.num_attention_heads * kv // tp,)),
+                ParamShape(a + "k_layernorm.weight", (model.query_groups * kv // tp,))]
+    elif model.qk_layernorm:  # one norm per head size, shared by the heads
         for name in ("q_layernorm", "k_layernorm"):
             out.append(ParamShape(a + f"{name}.weight", (kv,)))
             if norm_bias:
                 out.append(ParamShape(a + f"{name}.bias", (kv,)))
+    if model.norm_placement == "post":
+        out.append(ParamShape(a + "post_layernorm.weight", (h,)))
     return out
 
 

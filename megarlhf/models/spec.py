@@ -210,6 +210,12 @@ def resolve_impl(model: ModelConfig) -> str:
                 "TransformerEngine in megatron-core 0.16.1 (its CheckpointWithoutOutput "
                 "calls TransformerEngine's fp8 state); leave it out here, or use "
                 "granularity=full")
+    if model.norm_placement == "post" or model.qk_layernorm_all_heads:
+        if model.fp8.enabled:
+            raise ValueError("model.fp8.enabled=true needs TransformerEngine's layers; "
+                             "OLMo 2's (model.norm_placement=post, "
+                             "model.qk_layernorm_all_heads) are megatron's local ones")
+        return "local"
     if model.transformer_impl == "local":
         if model.fp8.enabled:
             raise ValueError("model.fp8.enabled=true needs model.transformer_impl "
@@ -246,6 +252,10 @@ def layer_spec(model: ModelConfig) -> ModuleSpec:
         )
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
     spec = get_gpt_layer_local_spec(normalization=norm, qk_layernorm=model.qk_layernorm)
+    if model.norm_placement == "post" or model.qk_layernorm_all_heads:
+        from megarlhf.models.post_norm import post_norm_spec
+        spec = post_norm_spec(spec, post=model.norm_placement == "post",
+                              all_heads=model.qk_layernorm_all_heads)
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     if speedups.enabled("linears"):
         linears.use_in_spec(spec)

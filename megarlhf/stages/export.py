@@ -26,7 +26,7 @@ from megarlhf.models.hf_mapping import TOKENIZER_FILES
 
 # The families transformers has a *ForSequenceClassification of (a value model's export).
 VALUE_HEADS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
-               "deepseek_v3", "smollm3", "phi3")
+               "deepseek_v3", "smollm3", "phi3", "olmo2", "olmo3")
 
 
 def hf_config(model_type: str, m: dict, role: str) -> dict:
@@ -80,6 +80,17 @@ def hf_config(model_type: str, m: dict, role: str) -> dict:
                            "max_position_embeddings"])
         if model_type == "deepseek_v3":
             cfg.update(hf_mla_config(m))
+        if model_type in ("olmo2", "olmo3"):
+            cfg["attention_bias"] = False
+        if model_type == "olmo3":  # one rotary embedding for both layer types
+            full = m["full_attention_layers"] if m["sliding_window"] else \
+                list(range(m["num_layers"]))
+            cfg.update(sliding_window=m["sliding_window"] or m["max_position_embeddings"],
+                       layer_types=["full_attention" if i in full else "sliding_attention"
+                                    for i in range(m["num_layers"])],
+                       rope_parameters={t: {"rope_type": "default",
+                                            "rope_theta": m["rotary_base"]}
+                                        for t in ("sliding_attention", "full_attention")})
         if model_type == "smollm3":
             cfg.update(no_rope_layers=[int(i not in m["no_rope_layers"])
                                        for i in range(m["num_layers"])],
@@ -98,18 +109,23 @@ def hf_config(model_type: str, m: dict, role: str) -> dict:
 def refuse_inexpressible(model_type: str, model) -> None:
     """What the Hugging Face family cannot express (partial rotary, layers without RoPE,
     a router of another kind): refused naming the field."""
-    from megarlhf.models.hf_mapping import (PARTIAL_ROTARY, SIGMOID_ROUTED, WINDOWED,
-                                            ConversionError)
+    from megarlhf.models.hf_mapping import (PARTIAL_ROTARY, POST_NORM, SIGMOID_ROUTED,
+                                            WINDOWED, ConversionError)
 
     if model.rotary_percent != 1 and model_type not in PARTIAL_ROTARY:
         raise ConversionError(f"model.rotary_percent={model.rotary_percent} cannot be written "
                               f"as {model_type} (its attention rotates whole heads)")
-    if model.sliding_window is not None and (model_type not in WINDOWED
-                                             or model.full_attention_layers):
+    if model.sliding_window is not None and model_type != "olmo3" and (
+            model_type not in WINDOWED or model.full_attention_layers):
         raise ConversionError(f"model.sliding_window={model.sliding_window} (full attention "
                               f"in layers {model.full_attention_layers}) cannot be written as "
                               f"{model_type}" + (" (a window in every layer only)"
                                                  if model_type in WINDOWED else ""))
+    post = model.norm_placement == "post" or model.qk_layernorm_all_heads
+    if post != (model_type in POST_NORM):
+        raise ConversionError(f"--model-type {model_type} does not fit the checkpoint's "
+                              + ("norms after the sublayers and over all heads (OLMo 2 / 3)"
+                                 if post else "norms before the sublayers"))
     if model.no_rope_layers and model_type != "smollm3":
         raise ConversionError(f"model.no_rope_layers={model.no_rope_layers} cannot be "
                               f"written as {model_type} (RoPE in every layer)")
@@ -235,6 +251,8 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
         ("glm4_moe" if model_cfg.moe.score_function == "sigmoid" else
          "qwen3_moe" if model_cfg.qk_layernorm else "mixtral") if moe else
         "qwen3" if model_cfg.qk_layernorm else "qwen2" if model_cfg.qkv_bias else
+        ("olmo3" if model_cfg.sliding_window else "olmo2")
+        if model_cfg.norm_placement == "post" else
         "smollm3" if model_cfg.no_rope_layers else
         "mistral" if model_cfg.sliding_window else "llama")
     if moe != (model_type in MOE_NAMES):
