@@ -28,7 +28,7 @@ import re
 import subprocess
 import time
 
-from chaos import ROOT, cli, latest, steps
+from chaos_check import ROOT, cli, compare, latest, steps
 
 CLUSTER = os.path.join(ROOT, "scripts", "local_cluster.sh")
 KINDS = ("requeue", "preempt", "crash", "cancel", "node")
@@ -100,8 +100,6 @@ def soak(args, out: str, task: dict, ppo: list, rng) -> dict:
 
 
 def _soak(args, out: str, task: dict, ppo: list, state: str, rng) -> dict:
-    from chaos import compare
-
     n = args.iterations
     logs = os.path.join(out, "logs")
     launch = [f"launch.log_dir={logs}", "launch.gpus_per_node=0", "launch.cpus_per_task=1",
