@@ -19,13 +19,20 @@ QWEN3_FIELDS = ("model.head_dim=32", "model.qk_layernorm=true", "model.rope_scal
 # would count the padding tokens a packed one does not feed).
 MOE_FIELDS = (*QWEN3_FIELDS, "model.moe.num_experts=4", "model.moe.top_k=2",
               "model.moe.ffn_hidden_size=32", "model.moe.aux_loss_coeff=0")
+# An OLMo-3-shaped one with GLM's partial rotary: norms after the sublayers, q/k normalised
+# over all heads (a weight split over TP), a window of 6 in layers 0-2, half of each head
+# rotated.
+OLMO3_FIELDS = ("model.norm_placement=post", "model.qk_layernorm=true",
+                "model.qk_layernorm_all_heads=true", "model.sliding_window=6",
+                "model.full_attention_layers=[3]", "model.rotary_percent=0.5")
 FAMILIES = {"llama": ("llama", ()), "gpt2": ("gpt2", ()), "qwen3": ("llama", QWEN3_FIELDS),
-            "qwen3moe": ("llama", MOE_FIELDS)}
+            "qwen3moe": ("llama", MOE_FIELDS), "olmo3": ("llama", OLMO3_FIELDS)}
 
 
 def make_config(arch: str, tp: int, pp: int, *, vocab: int = 300, layers: int = 4,
                 hidden: int = 64, extra: tuple = ()):
-    """A tiny model config; ``arch`` is a key of FAMILIES (llama, gpt2, qwen3, qwen3moe)."""
+    """A tiny model config; ``arch`` is a key of FAMILIES (llama, gpt2, qwen3, qwen3moe,
+    olmo3)."""
     arch, fields = FAMILIES[arch]
     extra = (*fields, *extra)
     return load_config(None, [

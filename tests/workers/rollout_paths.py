@@ -344,6 +344,7 @@ def main():
         reshard_case("tp2_to_tp1x2", 2, 1, 1, results)
         reshard_case("pp2_to_tp2", 1, 2, 2, results)
         reshard_case("tp1pp2_to_tp1x2", 1, 2, 1, results)
+        reshard_case("olmo3_tp2_to_tp1x2", 2, 1, 1, results, arch="olmo3")
     if dist.get_rank() == 0:
         torch.save(results, os.path.join(out_dir, f"rollout_world{world}.pt"))
     dist.destroy_process_group()
