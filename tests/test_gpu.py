@@ -127,12 +127,14 @@ def test_cuda_kv_cached_generation(paths):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["moe", "lora"])
+@pytest.mark.parametrize("name", ["moe", "lora", "olmo3"])
 def test_cuda_moe_and_lora_equal_cpu(paths, name):
-    """fp32: a mixture of experts (its routing too) and a model with non-zero LoRA adapters
-    (their gradients too) give the CPU's numbers on the GPU, and greedy decoding the CPU's
-    tokens. Catches a device-specific path of either: the experts' dispatch, the adapters'
-    matmuls in a CUDA graph or out of one."""
+    """fp32: a mixture of experts (its routing too), a model with non-zero LoRA adapters
+    (their gradients too) and an OLMo-3-shaped one (issue 61: its windows through the
+    CUDA-graph decode step) give the CPU's numbers on the GPU, and greedy decoding the
+    CPU's tokens. Catches a device-specific path of any: the experts' dispatch, the
+    adapters' matmuls in a CUDA graph or out of one, a window mask built on the wrong
+    device or captured stale."""
     cpu, cuda = (side[name] for side in paths)
     gap = max_gap(cpu["logprobs"], cuda["logprobs"])
     print(f"\n{name}: fp32 log-probs, CUDA vs CPU: max |diff| {gap:.2e}")
@@ -142,7 +144,7 @@ def test_cuda_moe_and_lora_equal_cpu(paths, name):
     assert (cpu["greedy"].logprobs_BT - cuda["greedy"].logprobs_BT).abs().max() < FP32_TOL
     if name == "moe":
         assert torch.equal(cpu["greedy"].routing_BLSK, cuda["greedy"].routing_BLSK.cpu())
-    else:
+    elif name == "lora":
         assert max(float(g.abs().max()) for g in cpu["adapter_grads"]) > 0
         assert max_gap(cpu["adapter_grads"], cuda["adapter_grads"]) < FP32_TOL
 
@@ -352,6 +354,43 @@ def test_cuda_packed_scores_equal_padded(tmp_path, impl):
                       [r[key] for r in rows[f"{kind}_packed"]])
         print(f"\n{impl} {kind} packed vs padded on CUDA: max |diff| {gap:.2e}")
         assert gap < (0.25 if bf16 else FP32_TOL)
+
+
+@pytest.mark.gpu
+def test_te_sliding_windows_equal_the_local_layers(tmp_path):
+    """Sliding windows through TransformerEngine's attention (issue 61: megatron hands TE
+    window_size and window_attn_skip_freq) against megarlhf's SDPA band, bf16, padded and
+    packed: within bf16's rounding. Catches TE given no window, the window off by one,
+    or the full layer windowed too."""
+    if not transformer_engine_available():
+        pytest.skip("TransformerEngine is not installed (pip install -e .[fp8])")
+    from test_layouts import read_rows, write_sequences
+
+    seqs = tmp_path / "seqs.jsonl"
+    write_sequences(seqs)
+    common = ["model.vocab_size=500", "model.num_layers=4", "model.num_query_groups=2",
+              "run.seed=11", "model.params_dtype=bfloat16", "model.sliding_window=2",
+              "model.full_attention_layers=[3]"]
+    rows = {}
+    for impl in ("local", "transformer_engine"):
+        for name, extra in (("padded", []), ("packed", ["--max-tokens", "80"])):
+            out = tmp_path / f"{impl}_{name}.jsonl"
+            run_cli("score", "--input", str(seqs), "--output", str(out), *extra, *common,
+                    f"model.transformer_impl={impl}")
+            rows[impl, name] = [r["logprobs"] for r in read_rows(out)]
+    for name in ("padded", "packed"):
+        gap = max_gap(rows["local", name], rows["transformer_engine", name])
+        print(f"\nsliding windows, TE vs local ({name}, bf16): max |diff| {gap:.2e}")
+        assert gap < 0.25
+    # the window mattered: TE's numbers are nearer the windowed local ones than the
+    # unwindowed (a window of 2 over up to 16 tokens)
+    out = tmp_path / "full.jsonl"
+    run_cli("score", "--input", str(seqs), "--output", str(out),
+            *[c for c in common if "window" not in c and "full_attention" not in c],
+            "model.transformer_impl=local")
+    unwindowed = max_gap(rows["transformer_engine", "padded"],
+                         [r["logprobs"] for r in read_rows(out)])
+    assert unwindowed > max_gap(rows["local", "padded"], rows["transformer_engine", "padded"])
 
 
 @pytest.mark.gpu

@@ -63,11 +63,14 @@ def model_cases(dtype: str, results: dict) -> None:
 
 
 def family_cases(results: dict) -> None:
-    """fp32: a mixture of experts and a LoRA model, each on the device this process has."""
+    """fp32: a mixture of experts, a LoRA model and an OLMo-3-shaped one (post norms, q/k
+    over all heads, sliding windows, partial rotary), each on the device this process
+    has."""
     greedy = SamplingParams(max_new_tokens=12, greedy=True)
     seqs = fixed_sequences(6)
     cases = {"moe": ("qwen3moe", ()),
-             "lora": ("llama", ("model.lora.rank=4", "model.lora.alpha=8"))}
+             "lora": ("llama", ("model.lora.rank=4", "model.lora.alpha=8")),
+             "olmo3": ("olmo3", ())}
     for name, (arch, extra) in cases.items():
         cfg = make_config(arch, 1, 1, extra=extra)
         role = build(cfg, "lm")
