@@ -73,8 +73,8 @@ class CheckpointConfig:
     """Record the size and SHA-256 of every file a checkpoint writes (model and optimizer
     shards, the format's own index files, the objects saved beside them) and of every
     shard of a frozen-model cache, and of the run's metrics.jsonl as of the save, and check
-    them when read: a changed, truncated or missing file is named, and a resume falls back to the newest checkpoint that holds
-    what its save wrote (a cache is rebuilt). Costs a read of every file at save and at
+    them when read: a changed, truncated or missing file is named, and a resume falls back
+    to the newest checkpoint that holds what its save wrote (a cache is rebuilt). Costs a read of every file at save and at
     load (docs/checkpoints-and-config.md has the measured seconds per GB); false for huge
     checkpoints on slow storage."""
 

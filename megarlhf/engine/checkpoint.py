@@ -104,8 +104,8 @@ def file_problem(path: str, want: dict) -> str | None:
 
 def prefix_problem(path: str, want: dict, by: str) -> str | None:
     """How the first ``want["bytes"]`` bytes of the append-only ``path`` differ from the
-    ``file_record`` that ``by`` (a checkpoint) took of it - cut short or changed in place - or None. Rows appended
-    since are not checked (a resume cuts them back)."""
+    ``file_record`` that ``by`` (a checkpoint) took of it - cut short or changed in place -
+    or None. Rows appended since are not checked (a resume cuts them back)."""
     size = os.path.getsize(path)
     if size < want["bytes"]:
         return f"{path} has {size} bytes, fewer than the {want['bytes']} {by} recorded"
