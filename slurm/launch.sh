@@ -19,7 +19,7 @@ srun_pid=$!
 forward() { echo "[launch] signal received (a preemption, or Slurm ending the job): asking the tasks to checkpoint"; kill -USR1 "$srun_pid" 2>/dev/null; }
 trap forward USR1 TERM
 # A job Slurm is already ending - a user's scancel, an operator's scontrol requeue, a node
-# failure: Slurm shows it COMPLETING while this script runs (seen with Slurm 22-24) - is left
+# failure: Slurm shows it COMPLETING while this script runs (seen with Slurm 22.05) - is left
 # to Slurm: a requeue here would bring a cancelled job back, and Slurm requeues the others
 # itself. A job still RUNNING (the --signal=B:USR1 warning before a preemption or the time
 # limit, a rank that stopped answering) is requeued here.
