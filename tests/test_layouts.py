@@ -1,7 +1,8 @@
 """Per-token log-probs and values are the same at every parallel layout (fp32, 1e-5):
-both architectures with grouped-query attention and a Qwen3-shaped llama (head size of its
-own, q/k norms, llama3 RoPE scaling), LM and value heads, temperature
-scaling; and the `megarlhf score` CLI at TP=1/PP=1, TP=2 and PP=2."""
+both architectures with grouped-query attention, a Qwen3-shaped llama (head size of its
+own, q/k norms, llama3 RoPE scaling) and an OLMo-3-shaped one (norms after the sublayers,
+q/k over all heads, sliding windows in three of four layers, partial rotary), LM and value
+heads, temperature scaling; and the `megarlhf score` CLI at TP=1/PP=1, TP=2 and PP=2."""
 
 import json
 import os
@@ -27,7 +28,7 @@ def layout_results(tmp_path_factory):
 
 
 LAYOUT_CASES = [(arch, role, tp, pp, vpp, temp)
-                for arch in ("llama", "gpt2", "qwen3") for role in ("lm", "value")
+                for arch in ("llama", "gpt2", "qwen3", "olmo3") for role in ("lm", "value")
                 for tp, pp, vpp in [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 2, 2)]
                 for temp in ((1.0, 0.7) if role == "lm" else (1.0,))]
 
