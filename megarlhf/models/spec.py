@@ -122,13 +122,15 @@ class SDPACoreAttention(MegatronModule):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, sk = q.shape[2], k.shape[2]
         causal = mask_type == AttnMaskType.causal and sq > 1
-        if causal and attention_mask is None and sq == sk and self.window is None:
+        # a window as long as the keys cuts nothing: the mask-free (flash) path stays open
+        window = self.window if self.window is not None and self.window < sk else None
+        if causal and attention_mask is None and sq == sk and window is None:
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=self.dropout_p if self.training else 0.0,
                 scale=self.softmax_scale, enable_gqa=self.groups != self.heads)
         allowed = _allowed(attention_mask, causal, sq, sk, q.device)
-        if self.window is not None:
-            band = _window(sq, sk, self.window, q.device)
+        if window is not None:
+            band = _window(sq, sk, window, q.device)
             allowed = band if allowed is None else allowed & band
         return self._attend_allowed(q, k, v, allowed)
 
