@@ -356,6 +356,13 @@ MUTANTS = [
            "        if False:",
            ("tests/test_convert.py::test_logprobs_match_transformers[tp2-olmo3]",),
            ()),
+    Mutant("gemma_norm_not_offset", "model.norm_zero_centered (Gemma 3): the RMSNorm "
+           "scales by its stored weight instead of 1 + weight",
+           "megarlhf/models/post_norm.py",
+           "    return (normed * (1.0 + weight.float())).to(x.dtype)",
+           "    return (normed * weight.float()).to(x.dtype)",
+           ("tests/test_convert.py::test_logprobs_match_transformers[tp1-gemma3]",),
+           ()),
     Mutant("sync_deadline_dropped", "rollout.placement.sync_timeout_minutes: a rollout rank "
            "waits for the weights with no deadline of its own",
            "megarlhf/rollout/remote.py",

@@ -26,7 +26,7 @@ FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gpt2": "g
             "deepseek_v3_yarn": "deepseek_v3", "glm4_moe": "glm4_moe", "smollm3": "smollm3",
             "smollm3_rm": "smollm3", "phi3": "phi3", "phi3_rm": "phi3",
             "mistral_window": "mistral", "olmo2": "olmo2", "olmo2_rm": "olmo2",
-            "olmo3": "olmo3"}
+            "olmo3": "olmo3", "gemma3": "gemma3_text", "gemma3_rm": "gemma3_text"}
 # Mixtures of experts (4 experts, top 2): also at EP=2 (tests/workers/converted_models.py).
 MOE_ARCHS = [a for a, t in FAMILIES.items()
              if t in ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")]
@@ -35,9 +35,10 @@ LM_ARCHS = [a for a in ARCHS if not a.endswith("_rm")]
 # The fast tier's families (converted together, once): a Llama, Qwen3's head size and q/k
 # norms, a mixture of experts, DeepSeek-V3's latent attention and grouped routing, GLM-4.5's
 # partial rotary and biases, Phi-3's fused projections and sliding window, OLMo 3's norms
-# (after the sublayers, q/k over all heads) and local/global layers, a value head. The extended tier adds every other family (tests/README.md, "Tiers").
+# (after the sublayers, q/k over all heads) and local/global layers, Gemma 3's (sandwich and
+# (1 + w) norms, GeGLU, a scaled embedding, a RoPE base per layer type), a value head. The extended tier adds every other family (tests/README.md, "Tiers").
 FAST_ARCHS = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "phi3", "olmo3",
-              "qwen3_rm")
+              "gemma3", "qwen3_rm")
 
 
 def tiered(archs):
@@ -160,6 +161,22 @@ def make_hf(arch, path):
         model = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(
             **common, pad_token_id=0, sliding_window=8))
         assert model.config.layer_types[3] == "full_attention"
+    elif arch in ("gemma3", "gemma3_rm"):
+        # Gemma 3: sandwich and (1 + w) norms, GeGLU, the embedding scaled by sqrt(hidden),
+        # query_pre_attn_scalar, three local layers (window 8, RoPE base 10000) and a global
+        # one (base 1e6, linear scaling 2), tied; norms randomised (zero-initialised)
+        config = transformers.Gemma3TextConfig(
+            **common, head_dim=16, query_pre_attn_scalar=12, sliding_window=8,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"], pad_token_id=0,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                             "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                "rope_theta": 1e6}})
+        model = (transformers.Gemma3TextForSequenceClassification if arch.endswith("_rm")
+                 else transformers.Gemma3ForCausalLM)(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.2)
     elif arch == "glm4_moe":
         # GLM-4.5: half of each head rotated (partial_rotary_factor 0.5), q/k/v biases
         # (randomised: transformers initialises them to zero), DeepSeek-V3's routing
@@ -258,7 +275,7 @@ def test_logprobs_match_transformers(converted, arch, layout):
         assert (ref.squeeze(-1) - torch.tensor(lp)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("arch", tiered(["phi3", "mistral_window", "olmo3"]))
+@pytest.mark.parametrize("arch", tiered(["phi3", "mistral_window", "olmo3", "gemma3"]))
 @pytest.mark.parametrize("layout", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
 def test_sliding_windows_in_a_packed_row_match_transformers(converted, arch, layout):
     """The four sequences packed into one row (megatron's THD format; a window of 8, the
@@ -321,7 +338,7 @@ def test_greedy_generation_matches_transformers(converted, arch):
         assert ref[0, len(prompt):].tolist() == tokens
 
 
-@pytest.mark.parametrize("arch", tiered(["phi3", "mistral_window", "olmo3"]))
+@pytest.mark.parametrize("arch", tiered(["phi3", "mistral_window", "olmo3", "gemma3"]))
 def test_sliding_windows_decode_alike_on_every_kv_cache(converted, arch):
     """A sliding window of 8 over 4 prompt + 32 new tokens, through megatron's inference
     context, decode slots on the columns cache and on the paged cache (blocks of 4): the
@@ -488,6 +505,14 @@ def test_bad_inputs(converted, tmp_path):
                           "partial_rotary_factor": 0.5}},
      "partial_rotary_factor=0.5 is not supported for model_type 'llama'"),
     ({"model_type": "glm4_moe", "mlp_bias": True}, "mlp_bias=true is not supported"),
+    ({"model_type": "gemma3_text", "hidden_activation": "silu"},
+     "hidden_activation='silu' is not supported"),
+    ({"model_type": "gemma3_text", "use_bidirectional_attention": True},
+     "use_bidirectional_attention=true is not supported"),
+    ({"model_type": "gemma3_text", "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "linear", "factor": 3.0, "rope_theta": 1e6}}},
+     "rope_parameters.full_attention.factor=3.0 is not supported for gemma3_text"),
     ({"model_type": "glm4_moe", "partial_rotary_factor": 0.3125},
      "partial_rotary_factor=0.3125 is not supported: it rotates 5 of a head's 16 channels"),
     ({"model_type": "glm4_moe", "scoring_func": "softmax"},
@@ -496,9 +521,12 @@ def test_bad_inputs(converted, tmp_path):
 def test_unsupported_options_are_refused_naming_the_key(converted, tmp_path, change, message):
     """Every option a family may carry that megarlhf does not implement: exit 2 before any
     work, the file and the key named, no output folder."""
-    moe = change.get("model_type") in ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
-    root, _, _ = converted.ensure(change["model_type"] if moe else "llama")
-    hf = root / "hf" / (change["model_type"] if moe else "llama")
+    own = change.get("model_type") in ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe",
+                                       "gemma3_text")  # a family's own model, else Llama's
+    arch = {"gemma3_text": "gemma3"}.get(change.get("model_type"), change.get("model_type")) \
+        if own else "llama"
+    root, _, _ = converted.ensure(arch)
+    hf = root / "hf" / arch
     bad = tmp_path / "bad"
     bad.mkdir()
     cfg = {**json.load(open(hf / "config.json")), **change}

@@ -65,23 +65,31 @@ def one_process_ref(task, tmp_path_factory):
 OLMO = ("model.norm_placement=post", "model.qk_layernorm=true",
         "model.qk_layernorm_all_heads=true", "model.sliding_window=6",
         "model.full_attention_layers=[3]")
+GEMMA = ("model.norm_placement=sandwich", "model.norm_zero_centered=true",
+         "model.qk_layernorm=true", "model.activation=gelu_tanh",
+         "model.embedding_multiplier=8.0", "model.softmax_scale=0.3", "model.sliding_window=6",
+         "model.full_attention_layers=[3]", "model.local_rotary_base=100.0")
 
 
 @pytest.mark.extended
 @pytest.mark.parametrize("name, extra", [
     ("olmo_tp2_sp", ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]),
     ("olmo_pp2", ["parallel.pipeline_model_parallel_size=2"]),
+    ("gemma_tp2_sp", ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]),
+    ("gemma_pp2", ["parallel.pipeline_model_parallel_size=2"]),
 ])
-def test_olmo_shaped_sft_at_two_processes_matches_one(task, tmp_path, name, extra):
+def test_olmo_and_gemma_shaped_sft_at_two_processes_match_one(task, tmp_path, name, extra):
     """OLMo 3's layer (norms after the sublayers, q/k normalised over all heads, a window
     of 6 in layers 0-2) trained 8 steps at TP=2 with sequence parallelism, and at PP=2:
     the 1-process losses within 2e-4. Catches the all-heads norm's mean square or its
     gradient not summed over TP (each rank's heads normalised alone), the output norms'
     gradients not summed under sequence parallelism, and a window differing by layer
-    across pipeline stages."""
+    across pipeline stages. gemma: Gemma 3's layer (sandwich and (1 + w) norms, GeGLU, a
+    scaled embedding, a softmax scale, the local layers' own RoPE base) the same way."""
+    shape = GEMMA if name.startswith("gemma") else OLMO
     ref = tmp_path / "ref"
-    run_cli(*sft_args(task, ref, "ref", *TWO_PROC_COMMON, *OLMO))
-    torchrun(sft_args(task, tmp_path, name, *TWO_PROC_COMMON, *OLMO, *extra), 2)
+    run_cli(*sft_args(task, ref, "ref", *TWO_PROC_COMMON, *shape))
+    torchrun(sft_args(task, tmp_path, name, *TWO_PROC_COMMON, *shape, *extra), 2)
     want, got = losses(ref, "ref"), losses(tmp_path, name)
     assert sorted(want) == sorted(got) == list(range(1, 9))
     for step in want:

@@ -1,8 +1,10 @@
 """Per-token log-probs and values are the same at every parallel layout (fp32, 1e-5):
 both architectures with grouped-query attention, a Qwen3-shaped llama (head size of its
-own, q/k norms, llama3 RoPE scaling) and an OLMo-3-shaped one (norms after the sublayers,
-q/k over all heads, sliding windows in three of four layers, partial rotary), LM and value
-heads, temperature scaling; and the `megarlhf score` CLI at TP=1/PP=1, TP=2 and PP=2."""
+own, q/k norms, llama3 RoPE scaling), an OLMo-3-shaped one (norms after the sublayers, q/k
+over all heads, sliding windows in three of four layers, partial rotary) and a
+Gemma-3-shaped one (sandwich and (1 + w) norms, GeGLU, a scaled embedding, the local
+layers' own RoPE base), LM and value heads, temperature scaling; and the `megarlhf score`
+CLI at TP=1/PP=1, TP=2 and PP=2."""
 
 import json
 import os
@@ -28,7 +30,8 @@ def layout_results(tmp_path_factory):
 
 
 LAYOUT_CASES = [(arch, role, tp, pp, vpp, temp)
-                for arch in ("llama", "gpt2", "qwen3", "olmo3") for role in ("lm", "value")
+                for arch in ("llama", "gpt2", "qwen3", "olmo3", "gemma3")
+                for role in ("lm", "value")
                 for tp, pp, vpp in [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 2, 2)]
                 for temp in ((1.0, 0.7) if role == "lm" else (1.0,))]
 

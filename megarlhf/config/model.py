@@ -318,9 +318,24 @@ class ModelConfig:
     qk_layernorm_all_heads: bool = False
     """With qk_layernorm: one RMSNorm over a token's queries (and one over its keys) of
     every head together, as OLMo 2 and 3 do, instead of head by head."""
-    norm_placement: Literal["pre", "post"] = "pre"
-    """Where a layer's norms sit: pre (Llama: before attention and before the MLP) or post
-    (OLMo 2 and 3: none before, one on each sublayer's output before the residual)."""
+    norm_placement: Literal["pre", "post", "sandwich"] = "pre"
+    """Where a layer's norms sit: pre (Llama: before attention and before the MLP), post
+    (OLMo 2 and 3: none before, one on each sublayer's output before the residual) or
+    sandwich (Gemma 3: both)."""
+    norm_zero_centered: bool = False
+    """Every RMSNorm scales by (1 + weight), its weight stored zero-centred (Gemma)."""
+    activation: Literal["silu", "gelu_tanh"] | None = None
+    """The gated MLP's activation (llama): silu (SwiGLU) or gelu_tanh (GeGLU, Gemma's
+    gelu_pytorch_tanh). None: the architecture's default (silu; gpt2's ungated GELU)."""
+    embedding_multiplier: float = 1.0
+    """The word embeddings are multiplied by this before the first layer (Gemma:
+    sqrt(hidden_size))."""
+    softmax_scale: float | None = None
+    """Attention's softmax scale; None: 1 / sqrt(head size) (Gemma 3: query_pre_attn_scalar
+    ** -0.5)."""
+    local_rotary_base: float | None = None
+    """RoPE theta of the sliding-window layers (Gemma 3's local layers, its
+    rope_local_base_freq), without rope_scaling; None: rotary_base in every layer."""
     ffn_hidden_size: int | None = None
     """MLP width; None means 4 x hidden (gpt2) or the Llama 8/3 x hidden rounded to 64."""
     max_position_embeddings: int = 512
@@ -399,9 +414,15 @@ class ModelConfig:
                 f"must list distinct layers in 0..{self.num_layers - 1}")
         require(not self.qk_layernorm_all_heads or self.qk_layernorm,
                 "model.qk_layernorm_all_heads", True, "needs model.qk_layernorm=true")
-        if self.norm_placement == "post" or self.qk_layernorm_all_heads:
+        require(self.local_rotary_base is None or self.sliding_window is not None,
+                "model.local_rotary_base", self.local_rotary_base,
+                "is the sliding-window layers' RoPE theta: set model.sliding_window")
+        if self.own_layer:
             what = ("model.norm_placement", self.norm_placement) \
-                if self.norm_placement == "post" else ("model.qk_layernorm_all_heads", True)
+                if self.norm_placement != "pre" else ("model.qk_layernorm_all_heads", True) \
+                if self.qk_layernorm_all_heads else ("model.norm_zero_centered", True) \
+                if self.norm_zero_centered else ("model.local_rotary_base",
+                                                 self.local_rotary_base)
             require(self.arch == "llama" and not self.moe.enabled and not self.mla.enabled,
                     *what, "is for a dense llama model (OLMo 2's layer; no mixture of "
                     "experts or latent attention yet)")
@@ -493,6 +514,13 @@ class ModelConfig:
             require(self.lora.rank <= min(inp, out), "model.lora.rank", self.lora.rank,
                     f"is larger than {target} ({inp} -> {out}): an adapter's rank is at most "
                     "the smaller of the layer's widths")
+
+    @property
+    def own_layer(self) -> bool:
+        """Whether the layer is megarlhf's own (``models.post_norm``: OLMo's and Gemma's
+        norms, a rotary base per layer type) rather than megatron's stock local one."""
+        return self.norm_placement != "pre" or self.qk_layernorm_all_heads \
+            or self.norm_zero_centered or self.local_rotary_base is not None
 
     @property
     def expert_ffn_size(self) -> int:

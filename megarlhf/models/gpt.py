@@ -66,6 +66,7 @@ def transformer_config(model: ModelConfig, layout: Layout) -> TransformerConfig:
         no_rope_freq=[int(i in model.no_rope_layers) for i in range(model.num_layers)]
         if model.no_rope_layers else None,
         **window_fields(model),
+        softmax_scale=model.softmax_scale,
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std,
@@ -382,6 +383,14 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, layout:
         spec = block_spec(model_cfg, tcfg, vp_stage=vp_stage, pp_rank=pg_collection.pp.rank())
     else:
         spec = layer_spec(model_cfg)
+        if model_cfg.norm_zero_centered:  # the final norm Gemma's too
+            from megatron.core.transformer.transformer_block import (
+                TransformerBlockSubmodules, get_num_layers_to_build)
+            from megarlhf.models.post_norm import ZeroCenteredRMSNorm
+            spec = TransformerBlockSubmodules(
+                layer_specs=[spec] * get_num_layers_to_build(tcfg, vp_stage,
+                                                             pg_collection.pp.rank()),
+                layer_norm=ZeroCenteredRMSNorm)
     if post_process and speedups.enabled("positions") and not model_cfg.moe.enabled \
             and not model_cfg.mla.enabled \
             and cuts.mlp_cut_allowed(tcfg, spec):
@@ -412,6 +421,10 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, layout:
     )
     if model_cfg.rope_scaling.type == "llama3":
         _scale_llama3(model.rotary_pos_emb, model_cfg.rope_scaling)
+    if model_cfg.embedding_multiplier != 1.0 and pre_process:
+        multiplier = model_cfg.embedding_multiplier  # Gemma: sqrt(hidden), in the dtype
+        model.embedding.register_forward_hook(
+            lambda module, args, out: out * torch.tensor(multiplier, dtype=out.dtype))
     lora.attach(model, model_cfg)
     if model_cfg.mla.enabled:
         _gather_latents(model)

@@ -19,6 +19,7 @@ Layout facts (megatron-core):
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -31,7 +32,10 @@ LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                 "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}
+                "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM"}
+# Families whose local and global layers config.json's layer_types lists.
+LAYER_TYPED = ("olmo3", "gemma3_text")
 # OLMo 2 and 3: norms after the sublayers, queries and keys normalised over every head.
 POST_NORM = ("olmo2", "olmo3")
 # Where a mixture-of-experts family keeps its router and experts in a layer: (the MLP's
@@ -103,12 +107,13 @@ def model_overrides(hf: dict) -> dict:
                 num_attention_heads=heads,
                 num_query_groups=hf.get("num_key_value_heads") or heads,
                 head_dim=None if head_dim in (None, hidden // heads) else head_dim,
-                qk_layernorm=model_type in ("qwen3", "qwen3_moe", *POST_NORM)
+                qk_layernorm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", *POST_NORM)
                 or bool(hf.get("use_qk_norm")),
                 rotary_percent=float(partial_rotary(hf)), no_rope_layers=no_rope_layers(hf),
                 **window_overrides(hf),
                 **({"norm_placement": "post", "qk_layernorm_all_heads": True}
                    if model_type in POST_NORM else {}),
+                **(gemma_overrides(hf) if model_type == "gemma3_text" else {}),
                 ffn_hidden_size=need(hf, "intermediate_size"), **moe_overrides(hf),
                 max_position_embeddings=hf.get("max_position_embeddings", 4096),
                 **rope_overrides(hf), vocab_size=need(hf, "vocab_size"),
@@ -132,7 +137,7 @@ def window_overrides(hf: dict) -> dict:
     layer (:func:`sliding_window`), or OLMo 3's local and global layers - config.json's
     layer_types ('sliding_attention' layers see sliding_window positions,
     'full_attention' ones all); nothing for a family without windows."""
-    if hf.get("model_type") != "olmo3":
+    if hf.get("model_type") not in LAYER_TYPED:
         return {"sliding_window": sliding_window(hf)}
     layers = need(hf, "num_hidden_layers")
     types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention"
@@ -144,6 +149,29 @@ def window_overrides(hf: dict) -> dict:
     if len(full) == layers:
         return {}
     return {"sliding_window": need(hf, "sliding_window"), "full_attention_layers": full}
+
+
+def gemma_overrides(hf: dict) -> dict:
+    """Gemma 3's layer: sandwich norms, (1 + weight) norms, GeGLU, the embedding scaled by
+    sqrt(hidden), query_pre_attn_scalar, the local layers' own RoPE base (without the
+    global layers' scaling)."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ConversionError(f"config.json hidden_activation={act!r} is not supported "
+                              "(gelu_pytorch_tanh only)")
+    if hf.get("use_bidirectional_attention"):
+        raise ConversionError("config.json use_bidirectional_attention=true is not supported "
+                              "(causal attention only)")
+    local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ConversionError(f"config.json rope_parameters.sliding_attention.rope_type="
+                              f"{local['rope_type']!r} is not supported (default only)")
+    scalar = hf.get("query_pre_attn_scalar") or need(hf, "head_dim")
+    return {"norm_placement": "sandwich", "norm_zero_centered": True,
+            "activation": "gelu_tanh", "embedding_multiplier": need(hf, "hidden_size") ** 0.5,
+            "softmax_scale": scalar ** -0.5,
+            "local_rotary_base": float(local.get("rope_theta")
+                                       or hf.get("rope_local_base_freq") or 10000.0)}
 
 
 def no_rope_layers(hf: dict) -> list[int]:
@@ -298,7 +326,17 @@ def rope_overrides(hf: dict) -> dict:
     does not implement is refused naming the key."""
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     params = hf.get(key) or {}
-    if hf.get("model_type") == "olmo3":  # a rotary embedding per layer type
+    if hf.get("model_type") == "gemma3_text":  # the global layers' here; the local ones'
+        params = (hf.get("rope_parameters") or {}).get("full_attention") \
+            or hf.get("rope_scaling") or {}  # own base: gemma_overrides
+        key = "rope_parameters.full_attention" if hf.get("rope_parameters") else key
+        factor = params.get("factor") if params.get("rope_type", params.get("type")) \
+            == "linear" else None
+        if factor is not None and (factor <= 0 or 2 ** round(math.log2(factor)) != factor):
+            raise ConversionError(f"config.json {key}.factor={factor} is not supported for "
+                                  "gemma3_text: the local layers read positions back from the "
+                                  "global table, exactly only for a power-of-two factor")
+    elif hf.get("model_type") == "olmo3":  # a rotary embedding per layer type
         if key == "rope_scaling":
             raise ConversionError("config.json rope_scaling is not supported for olmo3: "
                                   "transformers applies it to the full-attention layers only "
@@ -349,7 +387,7 @@ def refuse_unsupported(hf: dict) -> None:
     implement: refused naming the key, before anything is written."""
     model_type = hf.get("model_type")
     act = hf.get("hidden_act", "silu")
-    if act != "silu":
+    if act != "silu" and model_type != "gemma3_text":  # its own: gemma_overrides
         raise ConversionError(f"config.json hidden_act={act!r} is not supported (silu only)")
     # GLM-4.5's attention_bias: biases on q, k and v (not o), as megatron's add_qkv_bias
     for key in ("mlp_bias",) if model_type == "glm4_moe" else ("attention_bias", "mlp_bias"):
@@ -376,7 +414,7 @@ def refuse_unsupported(hf: dict) -> None:
     if hf.get("use_sliding_window"):
         raise ConversionError("config.json use_sliding_window=true is not supported "
                               "(full attention only)")
-    allowed = ("full_attention", "sliding_attention") if model_type == "olmo3" \
+    allowed = ("full_attention", "sliding_attention") if model_type in LAYER_TYPED \
         else ("full_attention",)
     other = sorted({t for t in hf.get("layer_types") or () if t not in allowed})
     if other:
@@ -481,6 +519,15 @@ def layer_sources(model_type: str, i: int, m: dict) -> dict[str, Source]:
         sources = {
             out + "self_attention.post_layernorm.weight": checked(
                 p + "post_attention_layernorm.weight", (h,)),
+            out + "mlp.post_layernorm.weight": checked(p + "post_feedforward_layernorm.weight",
+                                                       (h,))}
+    elif m.get("norm_placement") == "sandwich":  # Gemma 3: before and after each sublayer
+        sources = {
+            out + "input_layernorm.weight": checked(p + "input_layernorm.weight", (h,)),
+            out + "self_attention.post_layernorm.weight": checked(
+                p + "post_attention_layernorm.weight", (h,)),
+            out + "pre_mlp_layernorm.weight": checked(p + "pre_feedforward_layernorm.weight",
+                                                      (h,)),
             out + "mlp.post_layernorm.weight": checked(p + "post_feedforward_layernorm.weight",
                                                        (h,))}
     else:
@@ -644,11 +691,15 @@ def hf_layer_tensors(model_type: str, m: dict, i: int, sd: dict[str, torch.Tenso
         return {k: v.contiguous() for k, v in out.items()}
     p = f"model.layers.{i}."
     a = p + "self_attn."
-    if m.get("norm_placement") == "post":
+    placement = m.get("norm_placement")
+    if placement in ("post", "sandwich"):
         out.update({
             p + "post_attention_layernorm.weight": sd[s + "self_attention.post_layernorm.weight"],
             p + "post_feedforward_layernorm.weight": sd[s + "mlp.post_layernorm.weight"]})
-    else:
+    if placement == "sandwich":
+        out.update({p + "input_layernorm.weight": sd[s + "input_layernorm.weight"],
+                    p + "pre_feedforward_layernorm.weight": sd[s + "pre_mlp_layernorm.weight"]})
+    elif placement != "post":
         out.update({
             p + "input_layernorm.weight": sd[s + "input_layernorm.weight"],
             p + "post_attention_layernorm.weight": sd[s + "pre_mlp_layernorm.weight"]})

@@ -70,7 +70,7 @@ def _layer(model: ModelConfig, tp: int, prefix: str, moe_layer: bool = False, ep
     out.append(ParamShape(f"{prefix}mlp.linear_fc2.weight", (h, model.ffn_size // tp)))
     if bias:
         out.append(ParamShape(f"{prefix}mlp.linear_fc2.bias", (h,)))
-    if post:
+    if model.norm_placement != "pre":  # OLMo 2, Gemma 3: the MLP's output norm
         out.append(ParamShape(f"{prefix}mlp.post_layernorm.weight", (h,)))
     return out + _adapters(model, tp, prefix + "mlp.", ("linear_fc1", "linear_fc2"))
 
@@ -114,7 +114,7 @@ def _attention(model: ModelConfig, tp: int, prefix: str, norm_bias: bool) -> lis
             out.append(ParamShape(a + f"{name}.weight", (kv,)))
             if norm_bias:
                 out.append(ParamShape(a + f"{name}.bias", (kv,)))
-    if model.norm_placement == "post":
+    if model.norm_placement != "pre":  # OLMo 2, Gemma 3: the attention's output norm
         out.append(ParamShape(a + "post_layernorm.weight", (h,)))
     return out
 

@@ -212,11 +212,12 @@ def resolve_impl(model: ModelConfig) -> str:
                 "TransformerEngine in megatron-core 0.16.1 (its CheckpointWithoutOutput "
                 "calls TransformerEngine's fp8 state); leave it out here, or use "
                 "granularity=full")
-    if model.norm_placement == "post" or model.qk_layernorm_all_heads:
+    if model.own_layer:
         if model.fp8.enabled:
             raise ValueError("model.fp8.enabled=true needs TransformerEngine's layers; "
-                             "OLMo 2's (model.norm_placement=post, "
-                             "model.qk_layernorm_all_heads) are megatron's local ones")
+                             "OLMo's and Gemma's (model.norm_placement, "
+                             "model.qk_layernorm_all_heads, model.norm_zero_centered, "
+                             "model.local_rotary_base) are built from megatron's local ones")
         return "local"
     if model.transformer_impl == "local":
         if model.fp8.enabled:
@@ -254,10 +255,9 @@ def layer_spec(model: ModelConfig) -> ModuleSpec:
         )
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
     spec = get_gpt_layer_local_spec(normalization=norm, qk_layernorm=model.qk_layernorm)
-    if model.norm_placement == "post" or model.qk_layernorm_all_heads:
+    if model.own_layer:
         from megarlhf.models.post_norm import post_norm_spec
-        spec = post_norm_spec(spec, post=model.norm_placement == "post",
-                              all_heads=model.qk_layernorm_all_heads)
+        spec = post_norm_spec(spec, model)
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     if speedups.enabled("linears"):
         linears.use_in_spec(spec)
@@ -332,6 +332,8 @@ def sequence_parallel_spec(spec, config, *, vp_stage: int | None, pp_rank: int):
 
 
 def activation(model: ModelConfig):
+    if model.activation == "gelu_tanh":  # Gemma's GeGLU (gelu_pytorch_tanh)
+        return functools.partial(F.gelu, approximate="tanh")
     if model.arch == "llama":
         return F.silu
     # HF GPT-2's "gelu_new" is the tanh approximation.

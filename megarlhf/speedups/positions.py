@@ -52,7 +52,7 @@ class CutLayer(TransformerLayer):
 
 def mlp_cut_allowed(config, layer_spec: ModuleSpec) -> bool:
     """Whether the last MLP may run at some positions only (see the module docstring)."""
-    return (issubclass(layer_spec.module, TransformerLayer)
+    return (isinstance(layer_spec, ModuleSpec) and issubclass(layer_spec.module, TransformerLayer)
             and layer_spec.submodules.mlp.module is MLP
             and not config.sequence_parallel and config.context_parallel_size == 1
             and config.recompute_granularity is None and not config.mtp_num_layers

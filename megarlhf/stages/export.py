@@ -26,7 +26,7 @@ from megarlhf.models.hf_mapping import TOKENIZER_FILES
 
 # The families transformers has a *ForSequenceClassification of (a value model's export).
 VALUE_HEADS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
-               "deepseek_v3", "smollm3", "phi3", "olmo2", "olmo3")
+               "deepseek_v3", "smollm3", "phi3", "olmo2", "olmo3", "gemma3_text")
 
 
 def hf_config(model_type: str, m: dict, role: str) -> dict:
@@ -91,6 +91,12 @@ def hf_config(model_type: str, m: dict, role: str) -> dict:
                        rope_parameters={t: {"rope_type": "default",
                                             "rope_theta": m["rotary_base"]}
                                         for t in ("sliding_attention", "full_attention")})
+        if model_type == "gemma3_text":  # its rotary settings per layer type instead
+            for key in ("hidden_act", "rope_theta", "rope_scaling"):
+                cfg.pop(key, None)
+            cfg.update(gemma_config(m))
+            if role == "value":
+                cfg["architectures"] = ["Gemma3TextForSequenceClassification"]
         if model_type == "smollm3":
             cfg.update(no_rope_layers=[int(i not in m["no_rope_layers"])
                                        for i in range(m["num_layers"])],
@@ -106,6 +112,30 @@ def hf_config(model_type: str, m: dict, role: str) -> dict:
     return cfg
 
 
+def gemma_config(m: dict) -> dict:
+    """config.json's Gemma 3 fields: its local and global layers' rotary settings, window
+    pattern, attention scale and activation (``model.*`` of a converted Gemma 3)."""
+    full = m["full_attention_layers"] if m["sliding_window"] else list(range(m["num_layers"]))
+    scaling = m.get("rope_scaling") or {}
+    glob = {"rope_type": "default", "rope_theta": m["rotary_base"]}
+    if scaling.get("type") == "linear":
+        glob = {"rope_type": "linear", "factor": scaling["factor"],
+                "rope_theta": m["rotary_base"]}
+    head = m["head_dim"] or m["hidden_size"] // m["num_attention_heads"]
+    scalar = (m["softmax_scale"] or head ** -0.5) ** -2  # an int in transformers' config
+    return {"hidden_activation": "gelu_pytorch_tanh", "head_dim": head,
+            "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6
+            else scalar,
+            "sliding_window": m["sliding_window"] or m["max_position_embeddings"],
+            "layer_types": ["full_attention" if i in full else "sliding_attention"
+                            for i in range(m["num_layers"])],
+            "rope_parameters": {"sliding_attention": {
+                "rope_type": "default", "rope_theta": m["local_rotary_base"] or
+                m["rotary_base"]}, "full_attention": glob},
+            "final_logit_softcapping": None, "attn_logit_softcapping": None,
+            "use_bidirectional_attention": False, "attention_bias": False}
+
+
 def refuse_inexpressible(model_type: str, model) -> None:
     """What the Hugging Face family cannot express (partial rotary, layers without RoPE,
     a router of another kind): refused naming the field."""
@@ -115,12 +145,20 @@ def refuse_inexpressible(model_type: str, model) -> None:
     if model.rotary_percent != 1 and model_type not in PARTIAL_ROTARY:
         raise ConversionError(f"model.rotary_percent={model.rotary_percent} cannot be written "
                               f"as {model_type} (its attention rotates whole heads)")
-    if model.sliding_window is not None and model_type != "olmo3" and (
+    if model.sliding_window is not None and model_type not in ("olmo3", "gemma3_text") and (
             model_type not in WINDOWED or model.full_attention_layers):
         raise ConversionError(f"model.sliding_window={model.sliding_window} (full attention "
                               f"in layers {model.full_attention_layers}) cannot be written as "
                               f"{model_type}" + (" (a window in every layer only)"
                                                  if model_type in WINDOWED else ""))
+    gemma = model.norm_placement == "sandwich" or model.norm_zero_centered \
+        or model.local_rotary_base is not None or model.embedding_multiplier != 1.0 \
+        or model.activation == "gelu_tanh" or model.softmax_scale is not None
+    if gemma != (model_type == "gemma3_text"):
+        raise ConversionError(f"--model-type {model_type} does not fit the checkpoint's "
+                              + ("Gemma 3 layer (model.norm_placement, norm_zero_centered, "
+                                 "activation, embedding_multiplier, softmax_scale, "
+                                 "local_rotary_base)" if gemma else "layer (not Gemma 3's)"))
     post = model.norm_placement == "post" or model.qk_layernorm_all_heads
     if post != (model_type in POST_NORM):
         raise ConversionError(f"--model-type {model_type} does not fit the checkpoint's "
@@ -250,9 +288,10 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
         "gpt2" if model_cfg.arch == "gpt2" else "deepseek_v3" if mla else
         ("glm4_moe" if model_cfg.moe.score_function == "sigmoid" else
          "qwen3_moe" if model_cfg.qk_layernorm else "mixtral") if moe else
-        "qwen3" if model_cfg.qk_layernorm else "qwen2" if model_cfg.qkv_bias else
+        "gemma3_text" if model_cfg.norm_zero_centered else
         ("olmo3" if model_cfg.sliding_window else "olmo2")
         if model_cfg.norm_placement == "post" else
+        "qwen3" if model_cfg.qk_layernorm else "qwen2" if model_cfg.qkv_bias else
         "smollm3" if model_cfg.no_rope_layers else
         "mistral" if model_cfg.sliding_window else "llama")
     if moe != (model_type in MOE_NAMES):

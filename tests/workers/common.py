@@ -25,14 +25,22 @@ MOE_FIELDS = (*QWEN3_FIELDS, "model.moe.num_experts=4", "model.moe.top_k=2",
 OLMO3_FIELDS = ("model.norm_placement=post", "model.qk_layernorm=true",
                 "model.qk_layernorm_all_heads=true", "model.sliding_window=6",
                 "model.full_attention_layers=[3]", "model.rotary_percent=0.5")
+# A Gemma-3-shaped one: sandwich and (1 + w) norms, GeGLU, a scaled embedding, a softmax
+# scale of its own, a window of 6 in layers 0-2 with a RoPE base of their own.
+GEMMA3_FIELDS = ("model.norm_placement=sandwich", "model.norm_zero_centered=true",
+                 "model.qk_layernorm=true", "model.activation=gelu_tanh",
+                 "model.embedding_multiplier=2.0", "model.softmax_scale=0.3",
+                 "model.sliding_window=6", "model.full_attention_layers=[3]",
+                 "model.local_rotary_base=100.0")
 FAMILIES = {"llama": ("llama", ()), "gpt2": ("gpt2", ()), "qwen3": ("llama", QWEN3_FIELDS),
-            "qwen3moe": ("llama", MOE_FIELDS), "olmo3": ("llama", OLMO3_FIELDS)}
+            "qwen3moe": ("llama", MOE_FIELDS), "olmo3": ("llama", OLMO3_FIELDS),
+            "gemma3": ("llama", GEMMA3_FIELDS)}
 
 
 def make_config(arch: str, tp: int, pp: int, *, vocab: int = 300, layers: int = 4,
                 hidden: int = 64, extra: tuple = ()):
     """A tiny model config; ``arch`` is a key of FAMILIES (llama, gpt2, qwen3, qwen3moe,
-    olmo3)."""
+    olmo3, gemma3)."""
     arch, fields = FAMILIES[arch]
     extra = (*fields, *extra)
     return load_config(None, [
