@@ -414,6 +414,11 @@ class ModelConfig:
                 f"must list distinct layers in 0..{self.num_layers - 1}")
         require(not self.qk_layernorm_all_heads or self.qk_layernorm,
                 "model.qk_layernorm_all_heads", True, "needs model.qk_layernorm=true")
+        for name in ("softmax_scale", "local_rotary_base"):
+            require(getattr(self, name) is None or getattr(self, name) > 0, f"model.{name}",
+                    getattr(self, name), "must be > 0 or null")
+        require(self.embedding_multiplier > 0, "model.embedding_multiplier",
+                self.embedding_multiplier, "must be > 0")
         require(self.local_rotary_base is None or self.sliding_window is not None,
                 "model.local_rotary_base", self.local_rotary_base,
                 "is the sliding-window layers' RoPE theta: set model.sliding_window")
