@@ -363,6 +363,13 @@ MUTANTS = [
            "    return (normed * weight.float()).to(x.dtype)",
            ("tests/test_convert.py::test_logprobs_match_transformers[tp1-gemma3]",),
            ()),
+    Mutant("sink_dropped_from_the_softmax", "model.attention_sinks (gpt-oss): the sink key "
+           "scores 0 instead of its head's sink",
+           "megarlhf/models/spec.py",
+           "    sink_key[..., -1] = 1",
+           "    sink_key[..., -1] = 0",
+           ("tests/test_convert.py::test_logprobs_match_transformers[tp1-gpt_oss]",),
+           ()),
     Mutant("sync_deadline_dropped", "rollout.placement.sync_timeout_minutes: a rollout rank "
            "waits for the weights with no deadline of its own",
            "megarlhf/rollout/remote.py",

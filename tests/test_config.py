@@ -301,9 +301,8 @@ def test_config_show_cli(tmp_path):
     (["rollout.decode_slots=4", "rollout.kv_cache_tokens=100"],
      "rollout.kv_cache_tokens=100 cannot hold one sequence: data.max_prompt_len (128) + "
      "rollout.max_new_tokens (32) - 1 = 159 positions"),
-    (["rollout.decode_slots=4", "rollout.kv_cache_tokens=1000", "model.rope_scaling.type=yarn",
-      "model.rope_scaling.factor=4", "model.rope_scaling.original_max_position_embeddings=64"],
-     "the paged KV cache, which cannot decode YaRN"),
+    (["rollout.decode_slots=4", "rollout.kv_cache_tokens=1000", "model.mla.kv_lora_rank=16"],
+     "the paged KV cache, which cannot decode multi-latent attention"),
     (["rollout.kv_cache=pages"], "rollout.kv_cache='pages' is invalid: must be 'paged' or 'columns'"),
     (["rollout.kv_block_tokens=0"], "rollout.kv_block_tokens=0 is invalid"),
 ])

@@ -26,19 +26,22 @@ FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gpt2": "g
             "deepseek_v3_yarn": "deepseek_v3", "glm4_moe": "glm4_moe", "smollm3": "smollm3",
             "smollm3_rm": "smollm3", "phi3": "phi3", "phi3_rm": "phi3",
             "mistral_window": "mistral", "olmo2": "olmo2", "olmo2_rm": "olmo2",
-            "olmo3": "olmo3", "gemma3": "gemma3_text", "gemma3_rm": "gemma3_text"}
+            "olmo3": "olmo3", "gemma3": "gemma3_text", "gemma3_rm": "gemma3_text",
+            "gpt_oss": "gpt_oss", "gpt_oss_rm": "gpt_oss"}
 # Mixtures of experts (4 experts, top 2): also at EP=2 (tests/workers/converted_models.py).
 MOE_ARCHS = [a for a, t in FAMILIES.items()
-             if t in ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")]
+             if t in ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")]
 ARCHS = list(FAMILIES)
 LM_ARCHS = [a for a in ARCHS if not a.endswith("_rm")]
 # The fast tier's families (converted together, once): a Llama, Qwen3's head size and q/k
 # norms, a mixture of experts, DeepSeek-V3's latent attention and grouped routing, GLM-4.5's
 # partial rotary and biases, Phi-3's fused projections and sliding window, OLMo 3's norms
 # (after the sublayers, q/k over all heads) and local/global layers, Gemma 3's (sandwich and
-# (1 + w) norms, GeGLU, a scaled embedding, a RoPE base per layer type), a value head. The extended tier adds every other family (tests/README.md, "Tiers").
+# (1 + w) norms, GeGLU, a scaled embedding, a RoPE base per layer type), gpt-oss's (sinks,
+# linear biases, stacked experts, the clamped SwiGLU, YaRN untruncated), a value head. The
+# extended tier adds every other family (tests/README.md, "Tiers").
 FAST_ARCHS = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "phi3", "olmo3",
-              "gemma3", "qwen3_rm")
+              "gemma3", "gpt_oss", "qwen3_rm")
 
 
 def tiered(archs):
@@ -177,6 +180,27 @@ def make_hf(arch, path):
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.normal_(0.0, 0.2)
+    elif arch in ("gpt_oss", "gpt_oss_rm"):
+        # gpt-oss: sliding-window (8) and full layers alternating, a sink per head, YaRN
+        # without truncation (factor 4 over an original context of 32), biases on q, k, v,
+        # o, the router and the experts, 4 experts (top 2) stacked with gate and up
+        # interleaved, the clamped SwiGLU - its limit lowered to 0.1 so that it clamps
+        # these small activations (gpt-oss's own is 7); sinks and biases randomised
+        config = transformers.GptOssConfig(
+            **{**common, "intermediate_size": 48}, head_dim=16, num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.1, pad_token_id=0,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                             "original_max_position_embeddings": 32})
+        assert config.layer_types == ["sliding_attention", "full_attention"] * 2
+        model = (transformers.GptOssForSequenceClassification if arch.endswith("_rm")
+                 else transformers.GptOssForCausalLM)(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("sinks"):
+                    p.normal_(0.0, 1.0)
+                elif name.endswith("bias"):
+                    p.normal_(0.0, 0.1)
     elif arch == "glm4_moe":
         # GLM-4.5: half of each head rotated (partial_rotary_factor 0.5), q/k/v biases
         # (randomised: transformers initialises them to zero), DeepSeek-V3's routing
@@ -275,7 +299,7 @@ def test_logprobs_match_transformers(converted, arch, layout):
         assert (ref.squeeze(-1) - torch.tensor(lp)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("arch", tiered(["phi3", "mistral_window", "olmo3", "gemma3"]))
+@pytest.mark.parametrize("arch", tiered(["phi3", "mistral_window", "olmo3", "gemma3", "gpt_oss"]))
 @pytest.mark.parametrize("layout", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
 def test_sliding_windows_in_a_packed_row_match_transformers(converted, arch, layout):
     """The four sequences packed into one row (megatron's THD format; a window of 8, the
@@ -338,12 +362,13 @@ def test_greedy_generation_matches_transformers(converted, arch):
         assert ref[0, len(prompt):].tolist() == tokens
 
 
-@pytest.mark.parametrize("arch", tiered(["phi3", "mistral_window", "olmo3", "gemma3"]))
+@pytest.mark.parametrize("arch", tiered(["phi3", "mistral_window", "olmo3", "gemma3", "gpt_oss"]))
 def test_sliding_windows_decode_alike_on_every_kv_cache(converted, arch):
     """A sliding window of 8 over 4 prompt + 32 new tokens, through megatron's inference
     context, decode slots on the columns cache and on the paged cache (blocks of 4): the
     greedy tokens transformers' generate gives. Catches a window missing from, or
-    misplaced in, any cache's decode step (the static batch's: the test above)."""
+    misplaced in, any cache's decode step (the static batch's: the test above); for
+    gpt-oss, its sinks and YaRN's angles there too."""
     from workers.converted_models import PROMPTS
     _, models, results = converted
     got = results[(arch, 1, 1)]["greedy_caches"]
@@ -407,7 +432,7 @@ def test_round_trip_is_bitwise(converted, arch):
     auto = (transformers.AutoModelForSequenceClassification if arch.endswith("_rm")
             else transformers.AutoModelForCausalLM)
     reloaded = auto.from_pretrained(back).eval()
-    assert type(reloaded).__name__.lower().startswith(model_type.replace("gpt2", "gpt2lm")[:4])
+    assert type(reloaded).__name__.lower().startswith(model_type.replace("_", "")[:4])
     # the exported config describes the same network: same outputs as the original
     from workers.converted_models import SEQS
     _, models, _ = converted
@@ -517,12 +542,20 @@ def test_bad_inputs(converted, tmp_path):
      "partial_rotary_factor=0.3125 is not supported: it rotates 5 of a head's 16 channels"),
     ({"model_type": "glm4_moe", "scoring_func": "softmax"},
      "scoring_func='softmax' is not supported (sigmoid only)"),
+    ({"model_type": "gpt_oss", "attention_bias": False},
+     "attention_bias=false is not supported for gpt_oss"),
+    ({"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}},
+     "quantization_config (mxfp4) is not supported: dequantise the checkpoint"),
+    ({"model_type": "gpt_oss", "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 32,
+                                                   "attention_factor": 1.2}},
+     "rope_parameters.attention_factor=1.2 is not supported for yarn"),
 ])
 def test_unsupported_options_are_refused_naming_the_key(converted, tmp_path, change, message):
     """Every option a family may carry that megarlhf does not implement: exit 2 before any
     work, the file and the key named, no output folder."""
     own = change.get("model_type") in ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe",
-                                       "gemma3_text")  # a family's own model, else Llama's
+                                       "gemma3_text", "gpt_oss")  # a family's own, else Llama's
     arch = {"gemma3_text": "gemma3"}.get(change.get("model_type"), change.get("model_type")) \
         if own else "llama"
     root, _, _ = converted.ensure(arch)
@@ -633,7 +666,8 @@ _checkpoint_tensors = checkpoint_tensors
 @pytest.mark.parametrize("arch, args", [
     ("llama3", ["--tp", "2"]), ("qwen3", ["--pp", "2"]), ("gpt2", ["--tp", "2"]),
     ("qwen3_rm", ["--role", "reward", "--pp", "2"]),
-    ("mistral_nemo", ["--role", "critic", "--tp", "2"])], ids=lambda x: str(x))
+    ("mistral_nemo", ["--role", "critic", "--tp", "2"]), ("gpt_oss", ["--tp", "2"])],
+    ids=lambda x: str(x))
 def test_streaming_conversion_equals_the_model_built_whole(converted, tmp_path, arch, args):
     """The default write (a meta-device model, each tensor made as it is written) gives
     the checkpoint of the model built whole and saved as a run saves it (--in-memory),
@@ -669,7 +703,7 @@ def _same_files(a, b):
 @pytest.mark.parametrize("arch, args", [
     ("llama3", []), ("mistral_nemo", ["--shard-layers", "1"]), ("gpt2", ["--shard-layers", "3"]),
     ("qwen2", []), ("qwen3_rm", ["--role", "reward"]), ("qwen3_moe", ["--shard-layers", "1"]),
-    ("mixtral", [])], ids=lambda x: str(x))
+    ("mixtral", []), ("gpt_oss", ["--shard-layers", "1"])], ids=lambda x: str(x))
 def test_streamed_export_writes_the_bytes_of_the_in_memory_export(converted, tmp_path, arch, args):
     """The default export (a meta-device model; each layer read from the checkpoint,
     converted and written to its place in the safetensors files) writes the same bytes as

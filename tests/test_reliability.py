@@ -58,6 +58,8 @@ UNBOUNDED = {
     "rollout.rewards.error_score": "a score, any sign (NaN too: it then reaches the trainer's "
                                   "non-finite guards, as tests/test_run_guards.py has it)",
     "model.rotary_base": "checked by megatron (> 0 is all it needs)",
+    "model.glu_linear_offset": "an offset added to the gated MLP's linear half, any sign "
+                               "(NaN and infinities refused)",
 }
 NUMERIC = [(n, h) for n, h in _sections() if _numeric(h) and not n.startswith("roles.")]
 

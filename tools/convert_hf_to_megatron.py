@@ -30,7 +30,7 @@ import sys
 import torch
 import yaml
 
-from megarlhf.models.hf_mapping import TOKENIZER_FILES
+from megarlhf.models.hf_mapping import TOKENIZER_FILES, ConversionError
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
            "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "BOOL": torch.bool,
@@ -75,7 +75,9 @@ class ShardReader:
     def has(self, key: str) -> bool:
         return key in self.weight_map
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, expert: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor ``key``; with ``expert`` (j, experts), only expert j's slice of a
+        tensor that stacks a layer's experts first (gpt-oss), its count checked."""
         if key not in self.weight_map:
             raise KeyError(f"HF checkpoint has no tensor '{key}'")
         shard = self.weight_map[key]
@@ -86,7 +88,14 @@ class ShardReader:
             # Opened for this tensor alone: the file is memory-mapped while open, and every
             # page read stays resident until it is closed (a whole shard, otherwise).
             with _opened(path) as f:
-                tensor = f.get_tensor(key)
+                if expert is None:
+                    tensor = f.get_tensor(key)
+                else:
+                    part = f.get_slice(key)
+                    _check_experts(key, part.get_shape(), expert)
+                    tensor = part[expert[0]].clone()  # its own memory, not a view
+        except ConversionError:
+            raise
         except Exception as err:  # safetensors raises its own error types
             raise ValueError(f"{path}: tensor '{key}' cannot be read ({err}); the file is "
                              "truncated or damaged") from None
@@ -96,9 +105,10 @@ class ShardReader:
                              f"of {tensor.numel()}; the file is damaged")
         return tensor
 
-    def meta(self, key: str) -> torch.Tensor:
-        """A storage-less tensor of ``key``'s shape and dtype, from the file's header (no
-        data read); recorded as consumed, as :meth:`get` does."""
+    def meta(self, key: str, expert: tuple[int, int] | None = None) -> torch.Tensor:
+        """A storage-less tensor of ``key``'s shape and dtype (of an expert's slice, as
+        :meth:`get`), from the file's header (no data read); recorded as consumed, as
+        :meth:`get` does."""
         if key not in self.weight_map:
             raise KeyError(f"HF checkpoint has no tensor '{key}'")
         shard = self.weight_map[key]
@@ -108,12 +118,23 @@ class ShardReader:
             self._open = {shard: _opened(path)}
         part = self._open[shard].get_slice(key)
         self.used.add(key)
-        return torch.empty(part.get_shape(), dtype=_DTYPES[part.get_dtype()], device="meta")
+        shape = part.get_shape()
+        if expert is not None:
+            _check_experts(key, shape, expert)
+            shape = shape[1:]
+        return torch.empty(shape, dtype=_DTYPES[part.get_dtype()], device="meta")
 
     def unused(self) -> list[str]:
         skipped = set(self.skipped)
         return sorted(k for k in self.weight_map if k not in self.used and k not in skipped
                       and not k.endswith(IGNORED_SUFFIXES))
+
+
+def _check_experts(key: str, shape: list[int], expert: tuple[int, int]) -> None:
+    """A stacked experts tensor holds the config's number of experts, first."""
+    if not shape or shape[0] != expert[1]:
+        raise ConversionError(f"shape mismatch for HF '{key}': {tuple(shape)}, config.json "
+                              f"implies {expert[1]} experts first")
 
 
 def non_finite(tensor: torch.Tensor, chunk: int = 1 << 22) -> int:
@@ -210,7 +231,10 @@ def _convert(hf_dir: str, out: str, final: str, tp: int, pp: int, role: str,
     model = {**model, "params_dtype": dtype}
     model_tree = {**model, "value_head_init": "normal"}
     parallel = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                **({"expert_model_parallel_size": ep} if ep > 1 else {})}
+                **({"expert_model_parallel_size": ep} if ep > 1 else {}),
+                # experts with biases (gpt-oss) stay whole on a rank at any TP
+                **({"expert_tensor_parallel_size": 1}
+                   if model.get("linear_bias") and model.get("moe") else {})}
     target_cfg = config_from_dict({"model": model_tree, "parallel": parallel})
     validate_layout(target_cfg, math.lcm(tp * pp, ep * pp))  # the layout must be possible
     cfg = config_from_dict({"model": model_tree})

@@ -30,6 +30,13 @@ class Layout:
     sp: bool = False
     cp: int = 1
 
+    @classmethod
+    def inference(cls, tp: int, model) -> "Layout":
+        """The rollout's layout for ``model``: TP ``tp``, no PP, the rest of the world DP
+        replicas; a mixture of experts with linear biases (gpt-oss) keeps each expert on
+        one rank (ETP=1: megatron-core splits no expert's biases)."""
+        return cls(tp=tp, etp=1 if model.moe.enabled and model.linear_bias else None)
+
     @property
     def expert_tp(self) -> int:
         """Tensor-parallel ranks per expert (``etp``; None: the layout's TP)."""

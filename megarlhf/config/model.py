@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -104,6 +105,9 @@ class RopeScalingConfig:
     (DeepSeek's form); null: 0.1 ln(factor) + 1."""
     mscale_all_dim: float | None = None
     """yarn: see mscale."""
+    truncate: bool = True
+    """yarn: the ramp's ends rounded to whole dimensions (transformers' truncate, true by
+    default); false keeps them fractional, as gpt-oss's config says."""
 
     def __post_init__(self):
         require(self.factor > 0, "model.rope_scaling.factor", self.factor, "must be > 0")
@@ -327,6 +331,24 @@ class ModelConfig:
     activation: Literal["silu", "gelu_tanh"] | None = None
     """The gated MLP's activation (llama): silu (SwiGLU) or gelu_tanh (GeGLU, Gemma's
     gelu_pytorch_tanh). None: the architecture's default (silu; gpt2's ungated GELU)."""
+    activation_alpha: float = 1.0
+    """The gated MLP's silu as x * sigmoid(alpha * x): 1 is silu itself; gpt-oss's experts
+    use 1.702 (its swiglu_alpha)."""
+    glu_clamp: float | None = None
+    """The gated MLP's inputs clamped before the gate: the activated half at most this, the
+    linear half within +-this (gpt-oss: 7, its swiglu_limit; megatron's
+    activation_func_clamp_value). None: no clamp."""
+    glu_linear_offset: float = 0.0
+    """Added to the gated MLP's linear half before the product (gpt-oss: 1: act(gate) *
+    (up + 1); megatron's glu_linear_offset)."""
+    linear_bias: bool = False
+    """Biases on every linear of a layer (llama): the query/key/value and output
+    projections, the MLP's, a router's and each expert's, as gpt-oss has them (megatron's
+    add_bias_linear; gpt2 always has them)."""
+    attention_sinks: bool = False
+    """A learned logit per query head that joins every query's softmax over the keys and
+    takes its share of the attention to no value (gpt-oss's sinks; megatron's
+    softmax_type='learnable')."""
     embedding_multiplier: float = 1.0
     """The word embeddings are multiplied by this before the first layer (Gemma:
     sqrt(hidden_size))."""
@@ -419,6 +441,22 @@ class ModelConfig:
                     getattr(self, name), "must be > 0 or null")
         require(self.embedding_multiplier > 0, "model.embedding_multiplier",
                 self.embedding_multiplier, "must be > 0")
+        require(self.activation_alpha > 0, "model.activation_alpha", self.activation_alpha,
+                "must be > 0")
+        require(self.glu_clamp is None or self.glu_clamp > 0, "model.glu_clamp",
+                self.glu_clamp, "must be > 0 or null")
+        require(math.isfinite(self.glu_linear_offset), "model.glu_linear_offset",
+                self.glu_linear_offset, "must be a finite number")
+        gated = self.arch == "llama" and self.activation in (None, "silu")
+        for name, default in (("activation_alpha", 1.0), ("glu_clamp", None),
+                              ("glu_linear_offset", 0.0)):
+            require(getattr(self, name) == default or gated, f"model.{name}",
+                    getattr(self, name), "shapes llama's SwiGLU: it needs model.arch=llama "
+                    "and model.activation silu (or null)")
+        require(not self.linear_bias or self.arch == "llama", "model.linear_bias", True,
+                "is for llama; gpt2's linears always have biases")
+        require(not self.attention_sinks or not self.mla.enabled, "model.attention_sinks",
+                True, "is not supported with multi-latent attention (model.mla.kv_lora_rank)")
         require(self.local_rotary_base is None or self.sliding_window is not None,
                 "model.local_rotary_base", self.local_rotary_base,
                 "is the sliding-window layers' RoPE theta: set model.sliding_window")
@@ -557,6 +595,8 @@ class ModelConfig:
 
     @property
     def qkv_bias(self) -> bool:
+        if self.linear_bias:  # megatron's add_bias_linear reaches linear_qkv too
+            return True
         if self.add_qkv_bias is not None:
             return self.add_qkv_bias
         return self.arch == "gpt2"

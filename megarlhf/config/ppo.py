@@ -424,7 +424,7 @@ class RolloutConfig:
     kv_cache: str = "paged"
     """The KV cache of decode slots. ``paged``: one pool of blocks every slot takes from as
     it grows and gives back when its prompt stops (rollout.kv_cache_tokens), attention over
-    the live tokens only - where the model allows it; multi-latent attention, YaRN,
+    the live tokens only - where the model allows it; multi-latent attention,
     TransformerEngine's attention and pipeline-parallel rollout layouts use ``columns``.
     ``columns``: megatron's static inference context, a row per slot as long as the whole
     schedule (the longest prompt + max_new_tokens x (prompts / slots + 1))."""

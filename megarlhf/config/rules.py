@@ -136,6 +136,8 @@ def check_context_parallel(where: str, model: ModelConfig, layout: Layout,
     for flag, what in ((model.mla.enabled, f"multi-latent attention ({model_name}.mla)"),
                        (model.sliding_window is not None,
                         f"sliding-window attention ({model_name}.sliding_window)"),
+                       (model.attention_sinks,
+                        f"attention sinks ({model_name}.attention_sinks)"),
                        (model.transformer_impl == "transformer_engine",
                         f"TransformerEngine's layers ({model_name}.transformer_impl)"),
                        (layout.vpp is not None,
@@ -236,6 +238,9 @@ def check_expert_layout(where: str, model: ModelConfig, layout: Layout,
             f"must divide {model_name}.moe.num_experts={experts}")
     require(model.expert_ffn_size % etp == 0, f"{where}.expert_tensor_parallel_size", etp,
             f"must divide the expert MLP width {model.expert_ffn_size} of {model_name}")
+    require(etp == 1 or not model.linear_bias, f"{where}.expert_tensor_parallel_size", etp,
+            f"must be 1 for {model_name}'s experts with biases ({model_name}.linear_bias, "
+            "gpt-oss): megatron-core splits no expert's biases over tensor-parallel ranks")
     if model.moe.shared_expert_ffn_hidden_size:
         require(model.moe.shared_expert_ffn_hidden_size % layout.tp == 0,
                 f"{where}.tensor_model_parallel_size", layout.tp,
@@ -407,8 +412,6 @@ def paged_kv_refusal(model: ModelConfig) -> str | None:
     (``inference.static_kv.unsupported``)."""
     if model.mla.enabled:
         return "multi-latent attention"
-    if model.rope_scaling.type == "yarn":
-        return "YaRN"
     if model.transformer_impl == "transformer_engine":
         return "TransformerEngine's attention"
     return None

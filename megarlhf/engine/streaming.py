@@ -60,7 +60,10 @@ class _ProducingPlanner(MCoreSavePlanner):
             if tuple(full.shape) != tuple(base.shape) or full.dtype != base.dtype:
                 raise RuntimeError(f"{name}: made {tuple(full.shape)} {full.dtype}, the model "
                                    f"holds {tuple(base.shape)} {base.dtype}")
-            self._last = (name, full.contiguous())
+            full = full.contiguous()
+            if full.storage_offset():  # a view into a larger tensor: as_strided below
+                full = full.clone()  # reads from the storage's start, as the meta's does
+            self._last = (name, full)
         return self._last[1].as_strided(meta.shape, meta.stride(), meta.storage_offset())
 
 

@@ -31,9 +31,8 @@ preemption by recomputation). Samples use per-prompt seeds, so neither changes t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from megarlhf.inference.static_kv import decode_pass, unsupported
+from megarlhf.inference.static_kv import decode_pass, rotary_table, unsupported
 from megarlhf.models.gpt import unwrap
 from megarlhf.models.spec import window_blocked
 
@@ -77,9 +76,7 @@ class PagedKV:
         outside = window_blocked(core.window, self.shared.query_position, k.shape[2])
         if outside is not None:  # a row's keys sit at its positions 0, 1, ...
             blocked = blocked | outside
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=~blocked,
-                                             scale=core.softmax_scale,
-                                             enable_gqa=core.groups != core.heads)
+        out = core.attend_allowed(q, k, v, ~blocked)
         return out.permute(2, 0, 1, 3).reshape(1, B, core.heads * core.value_dim)
 
 
@@ -111,8 +108,7 @@ class PagedDecoder:
         for core in self.cores:
             core.static_kv = PagedKV(self, blocks, block_tokens, core.groups, core.head_dim,
                                      core.value_dim, dtype, device)
-        rope = self.gpt.position_embedding_type == "rope"
-        self.rope = self.gpt.rotary_pos_emb(longest) if rope else None  # (longest, 1, 1, dim)
+        self.rope = rotary_table(self.gpt, longest)  # (longest, 1, 1, dim)
         self.dest_block = self.dest_offset = self.src_col = self.src_row = None
         self.gather = None
         self.query_position = None  # (B,) a decode step's positions (sliding windows)

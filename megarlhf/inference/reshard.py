@@ -76,10 +76,11 @@ def _tag(task_id: int | None) -> int:
     return 0 if task_id is None else int(task_id) % (2**31 - 1)
 
 
-def inference_layout(tp: int) -> RankLayout:
-    """The inference layout: TP = ``rollout.tensor_parallel_size``, no PP, the rest of the
-    world data-parallel replicas (validated by ``config.check_rollout_layout``)."""
-    return build_layout(Layout(tp=tp))
+def inference_layout(tp: int, model) -> RankLayout:
+    """The inference layout of ``model`` (the actor's): TP = ``rollout.tensor_parallel_size``,
+    no PP, the rest of the world data-parallel replicas (validated by
+    ``config.check_rollout_layout``; :meth:`Layout.inference`)."""
+    return build_layout(Layout.inference(tp, model))
 
 
 @cpu_backend.at_megatron()

@@ -17,15 +17,14 @@ layers') keeps its rotated keys and its values in fixed (B, groups, L, head) buf
 Everything a step reads is a buffer that lives as long as the decoder: the fed token and
 its position id, ``col``, the key mask (the generation's own, updated in place) - so the
 step can be captured as a CUDA graph. Not for mixture-of-experts layers (their token
-dispatch has data-dependent shapes), multi-latent attention or YaRN (attention modules of
-their own), TransformerEngine layers (their core attention is TE's) or pipeline stages:
+dispatch has data-dependent shapes), multi-latent attention (an attention module of its
+own), TransformerEngine layers (their core attention is TE's) or pipeline stages:
 :func:`unsupported` names the reason, and ``generate`` then uses megatron's context.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from megarlhf.models.gpt import unwrap
 from megarlhf.models.spec import window_blocked
@@ -42,7 +41,7 @@ def unsupported(model, experts: bool = False) -> str | None:
         return "mixture-of-experts layers (data-dependent token dispatch)"
     if config.multi_latent_attention:
         return "multi-latent attention"
-    if gpt.position_embedding_type not in ("rope", "learned_absolute", "none"):
+    if gpt.position_embedding_type not in ("rope", "yarn", "learned_absolute", "none"):
         return f"the {gpt.position_embedding_type!r} position embedding"
     if not (gpt.pre_process and gpt.post_process):
         return "a pipeline stage (the inference model has one)"
@@ -83,9 +82,7 @@ class StaticKV:
         outside = window_blocked(core.window, self.shared.col, self.k.shape[2])
         if outside is not None:  # the query's column is col in every row
             blocked = blocked | outside
-        out = F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=~blocked,
-                                             scale=core.softmax_scale,
-                                             enable_gqa=core.groups != core.heads)
+        out = core.attend_allowed(q, self.k, self.v, ~blocked)
         return out.permute(2, 0, 1, 3).reshape(1, out.shape[0], core.heads * core.value_dim)
 
 
@@ -111,8 +108,7 @@ class StaticDecoder:
         for core in self.cores:
             core.static_kv = StaticKV(self, B, L, core.groups, core.head_dim, core.value_dim,
                                       dtype, device)
-        rope = self.gpt.position_embedding_type == "rope"
-        self.rope = self.gpt.rotary_pos_emb(L) if rope else None  # (L, 1, 1, rotary dim)
+        self.rope = rotary_table(self.gpt, L)  # (L, 1, 1, rotary dim)
 
     def cache_bytes(self) -> int:
         """Bytes of the keys and values of every layer."""
@@ -159,6 +155,17 @@ class StaticDecoder:
         B, L = self.key_mask.shape
         blocked = (self.key_mask == 0).view(B, 1, 1, L)
         return decode_pass(self.gpt, self.token, self.position, rope, blocked, self.true_vocab)
+
+
+def rotary_table(gpt, length: int) -> torch.Tensor | None:
+    """The rotary angles of positions 0..length-1, (length, 1, 1, rotary dim), as the
+    model's forward computes them (YaRN's blended frequencies; its attention scales by the
+    concentration factor itself); None without a rotary embedding."""
+    if gpt.position_embedding_type == "rope":
+        return gpt.rotary_pos_emb(length)
+    if gpt.position_embedding_type == "yarn":
+        return gpt.rotary_pos_emb(length)[0]  # (angles, concentration factor)
+    return None
 
 
 def decode_pass(gpt, token: torch.Tensor, position: torch.Tensor, rope: torch.Tensor | None,

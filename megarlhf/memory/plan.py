@@ -118,7 +118,8 @@ class _PPOPlanner:
         self.S = self.P + self.T
         self.inference = dataclasses.replace(
             specs["actor"], name="inference",
-            layout=Layout(tp=rollout_tp or r.tensor_parallel_size), optimizer=None)
+            layout=Layout.inference(rollout_tp or r.tensor_parallel_size,
+                                    specs["actor"].model), optimizer=None)
         self.ema = dataclasses.replace(specs["actor"], name="ema", optimizer=None) \
             if ppo.ema_decay else None
         self.samples = ppo.rollout_batch_size * ppo.group_size

@@ -61,7 +61,10 @@ def transformer_config(model: ModelConfig, layout: Layout) -> TransformerConfig:
         layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=model.arch == "llama",
         activation_func=activation(model),
-        add_bias_linear=model.arch == "gpt2",
+        add_bias_linear=model.arch == "gpt2" or model.linear_bias,
+        glu_linear_offset=model.glu_linear_offset,
+        activation_func_clamp_value=model.glu_clamp,
+        softmax_type="learnable" if model.attention_sinks else "vanilla",
         add_qkv_bias=model.qkv_bias,
         no_rope_freq=[int(i in model.no_rope_layers) for i in range(model.num_layers)]
         if model.no_rope_layers else None,
@@ -159,7 +162,7 @@ def _yarn(config: TransformerConfig, scaling: RopeScalingConfig) -> None:
     config.yarn_beta_slow = scaling.beta_slow
     config.yarn_mscale = scaling.mscale if both else None
     config.yarn_mscale_all_dim = scaling.mscale_all_dim if both else None
-    config.yarn_correction_range_round_to_int = True  # transformers' truncate=true
+    config.yarn_correction_range_round_to_int = scaling.truncate  # transformers' truncate
 
 
 def _backend_is_nccl() -> bool:

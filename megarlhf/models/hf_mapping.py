@@ -33,9 +33,9 @@ LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                 "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
                 "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
-                "gemma3_text": "Gemma3ForCausalLM"}
+                "gemma3_text": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 # Families whose local and global layers config.json's layer_types lists.
-LAYER_TYPED = ("olmo3", "gemma3_text")
+LAYER_TYPED = ("olmo3", "gemma3_text", "gpt_oss")
 # OLMo 2 and 3: norms after the sublayers, queries and keys normalised over every head.
 POST_NORM = ("olmo2", "olmo3")
 # Where a mixture-of-experts family keeps its router and experts in a layer: (the MLP's
@@ -47,7 +47,9 @@ MOE_NAMES = {"qwen3_moe": ("mlp.", "gate.weight", "gate_proj.weight", "up_proj.w
              "deepseek_v3": ("mlp.", "gate.weight", "gate_proj.weight", "up_proj.weight",
                              "down_proj.weight"),
              "glm4_moe": ("mlp.", "gate.weight", "gate_proj.weight", "up_proj.weight",
-                          "down_proj.weight")}
+                          "down_proj.weight"),
+             # gpt-oss keeps a layer's experts in stacked tensors (gpt_oss_expert_sources)
+             "gpt_oss": ("mlp.", "router.weight", "", "", "")}
 # Families whose routers choose by sigmoid scores plus an expert bias, with shared experts
 # (DeepSeek-V3's MoE; GLM-4.5 has the same, under the same names).
 SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe")
@@ -114,12 +116,26 @@ def model_overrides(hf: dict) -> dict:
                 **({"norm_placement": "post", "qk_layernorm_all_heads": True}
                    if model_type in POST_NORM else {}),
                 **(gemma_overrides(hf) if model_type == "gemma3_text" else {}),
+                **(gpt_oss_overrides(hf) if model_type == "gpt_oss" else {}),
                 ffn_hidden_size=need(hf, "intermediate_size"), **moe_overrides(hf),
                 max_position_embeddings=hf.get("max_position_embeddings", 4096),
                 **rope_overrides(hf), vocab_size=need(hf, "vocab_size"),
                 norm_epsilon=hf.get("rms_norm_eps", 1e-6),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 add_qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias")))
+
+
+def gpt_oss_overrides(hf: dict) -> dict:
+    """gpt-oss's own ``model.*``: biases on every linear (attention's, the router's, the
+    experts'), a sink per head, and the experts' clamped SwiGLU - act(gate) with a sigmoid
+    gain of swiglu_alpha, both halves clamped at swiglu_limit, times (up + 1)."""
+    if not hf.get("attention_bias", True):
+        raise ConversionError("config.json attention_bias=false is not supported for gpt_oss "
+                              "(megatron's linear biases are on every linear or none; the "
+                              "router and experts have theirs)")
+    return {"linear_bias": True, "attention_sinks": True,
+            "activation_alpha": float(hf.get("swiglu_alpha", 1.702)),
+            "glu_clamp": float(hf.get("swiglu_limit", 7.0)), "glu_linear_offset": 1.0}
 
 
 def sliding_window(hf: dict) -> int | None:
@@ -208,7 +224,7 @@ def moe_overrides(hf: dict) -> dict:
     layers = need(hf, "num_hidden_layers")
     if model_type in SIGMOID_ROUTED:
         return {"moe": deepseek_moe(hf, layers)}
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "gpt_oss"):  # the top k of the logits, a softmax over them
         if hf.get("router_jitter_noise"):
             raise ConversionError(f"config.json router_jitter_noise="
                                   f"{hf['router_jitter_noise']} is not supported (0 only)")
@@ -278,10 +294,6 @@ def mla_overrides(hf: dict) -> dict:
     if hf.get("rope_interleave", True) is not True:
         raise ConversionError("config.json rope_interleave=false is not supported "
                               "(megatron's multi-latent attention rotates interleaved pairs)")
-    if hf.get("quantization_config"):
-        kind = (hf["quantization_config"] or {}).get("quant_method", "?")
-        raise ConversionError(f"config.json quantization_config ({kind}) is not supported: "
-                              "dequantise the checkpoint to bfloat16 first")
     return {"kv_lora_rank": need(hf, "kv_lora_rank"), "q_lora_rank": hf.get("q_lora_rank"),
             "qk_head_dim": need(hf, "qk_nope_head_dim"),
             "qk_pos_emb_head_dim": need(hf, "qk_rope_head_dim"),
@@ -366,11 +378,11 @@ def rope_overrides(hf: dict) -> dict:
                    "original_max_position_embeddings":
                        int(value("original_max_position_embeddings"))}
     elif kind == "yarn":
-        for name, wanted in (("attention_factor", None), ("truncate", True)):
-            if params.get(name, wanted) != wanted:
-                raise ConversionError(f"config.json {key}.{name}={params[name]!r} is not "
-                                      "supported for yarn")
+        if params.get("attention_factor") is not None:
+            raise ConversionError(f"config.json {key}.attention_factor="
+                                  f"{params['attention_factor']!r} is not supported for yarn")
         scaling = {"type": "yarn", "factor": float(value("factor")),
+                   "truncate": bool(params.get("truncate", True)),
                    "original_max_position_embeddings":
                        int(value("original_max_position_embeddings")),
                    "beta_fast": float(params.get("beta_fast") or 32.0),
@@ -389,8 +401,14 @@ def refuse_unsupported(hf: dict) -> None:
     act = hf.get("hidden_act", "silu")
     if act != "silu" and model_type != "gemma3_text":  # its own: gemma_overrides
         raise ConversionError(f"config.json hidden_act={act!r} is not supported (silu only)")
-    # GLM-4.5's attention_bias: biases on q, k and v (not o), as megatron's add_qkv_bias
-    for key in ("mlp_bias",) if model_type == "glm4_moe" else ("attention_bias", "mlp_bias"):
+    if hf.get("quantization_config"):
+        kind = (hf["quantization_config"] or {}).get("quant_method", "?")
+        raise ConversionError(f"config.json quantization_config ({kind}) is not supported: "
+                              "dequantise the checkpoint to bfloat16 first")
+    # GLM-4.5's attention_bias: biases on q, k and v (not o), as megatron's add_qkv_bias;
+    # gpt-oss's: on q, k, v and o (gpt_oss_overrides)
+    for key in ("mlp_bias",) if model_type in ("glm4_moe", "gpt_oss") \
+            else ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise ConversionError(f"config.json {key}=true is not supported for "
                                   f"model_type {model_type!r}")
@@ -556,10 +574,13 @@ def layer_sources(model_type: str, i: int, m: dict) -> dict[str, Source]:
         width = moe.get("ffn_hidden_size") or ffn
         mlp, router, gate, up, down = MOE_NAMES[model_type]
         sources[out + "mlp.router.weight"] = checked(p + mlp + router, (moe["num_experts"], h))
-        for j in range(moe["num_experts"]):
-            e, x = f"{p}{mlp}experts.{j}.", f"{out}mlp.experts.local_experts.{j}."
-            sources[x + "linear_fc1.weight"] = gated(e + gate, e + up, width)
-            sources[x + "linear_fc2.weight"] = checked(e + down, (h, width))
+        if model_type == "gpt_oss":  # its experts stacked, its biases and sinks
+            sources.update(gpt_oss_sources(p, out, m))
+        else:
+            for j in range(moe["num_experts"]):
+                e, x = f"{p}{mlp}experts.{j}.", f"{out}mlp.experts.local_experts.{j}."
+                sources[x + "linear_fc1.weight"] = gated(e + gate, e + up, width)
+                sources[x + "linear_fc2.weight"] = checked(e + down, (h, width))
         if model_type in SIGMOID_ROUTED:  # the bias that chooses; shared experts
             sources[out + "mlp.router.expert_bias"] = checked(
                 p + mlp + "gate.e_score_correction_bias", (moe["num_experts"],))
@@ -588,6 +609,63 @@ def layer_sources(model_type: str, i: int, m: dict) -> dict[str, Source]:
     if m.get("add_qkv_bias"):  # Qwen2, GLM-4.5
         sources[out + "self_attention.linear_qkv.bias"] = qkv("bias")
     return sources
+
+
+def gpt_oss_sources(p: str, out: str, m: dict) -> dict[str, Source]:
+    """gpt-oss's tensors beyond a Llama MoE layer's (``p``: HF layer prefix, ``out``:
+    megatron's): the output projection's and router's biases, the sinks, and the experts,
+    which HF stacks per layer - ``gate_up_proj`` (experts, hidden, 2 x width) with gate
+    and up interleaved in its columns (gate at even ones), ``down_proj`` (experts, width,
+    hidden), stored as (in, out) - each expert's slice read alone."""
+    heads, _, hd = _heads(m)
+    h, moe = m["hidden_size"], _moe(m)
+    experts = moe["num_experts"]
+    width = moe.get("ffn_hidden_size") or m["ffn_hidden_size"]
+    a, e = p + "self_attn.", p + "mlp.experts."
+
+    def checked(name: str, shape: tuple) -> Source:
+        return lambda get: _checked(get, name, shape)
+
+    sources = {out + "self_attention.linear_proj.bias": checked(a + "o_proj.bias", (h,)),
+               out + "self_attention.core_attention.softmax_offset": checked(a + "sinks",
+                                                                             (heads,)),
+               out + "mlp.router.bias": checked(p + "mlp.router.bias", (experts,))}
+    for j in range(experts):
+        x = f"{out}mlp.experts.local_experts.{j}."
+        sources.update({
+            x + "linear_fc1.weight": lambda get, j=j: _gate_then_up(_expert(
+                get, e + "gate_up_proj", j, (experts, h, 2 * width)).t()),
+            x + "linear_fc1.bias": lambda get, j=j: _gate_then_up(_expert(
+                get, e + "gate_up_proj_bias", j, (experts, 2 * width))),
+            x + "linear_fc2.weight": lambda get, j=j: _expert(
+                get, e + "down_proj", j, (experts, width, h)).t(),
+            x + "linear_fc2.bias": lambda get, j=j: _expert(get, e + "down_proj_bias", j,
+                                                            (experts, h))})
+    return sources
+
+
+def _expert(get: Callable[..., torch.Tensor], name: str, j: int, shape: tuple
+            ) -> torch.Tensor:
+    """Expert ``j``'s slice of the stacked HF tensor ``name`` of ``shape`` (experts
+    first), read alone: ``get(name, (j, experts))`` checks the stack's expert count."""
+    tensor = get(name, (j, shape[0]))
+    if tuple(tensor.shape) != tuple(shape[1:]):
+        raise ConversionError(f"shape mismatch for HF '{name}': an expert's slice is "
+                              f"{tuple(tensor.shape)}, config.json implies {shape[1:]}")
+    return tensor
+
+
+def _gate_then_up(rows: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's interleaved gate/up rows (gate, up, gate, up, ...) as megatron's fc1
+    holds them: [gate; up]."""
+    return torch.cat([rows[0::2], rows[1::2]])
+
+
+def _interleaved(fc1: torch.Tensor) -> torch.Tensor:
+    """megatron's [gate; up] rows interleaved as gpt-oss stores them (the inverse of
+    :func:`_gate_then_up`)."""
+    gate, up = fc1.chunk(2, dim=0)
+    return torch.stack([gate, up], dim=1).reshape(fc1.shape)
 
 
 def _mla(m: dict) -> dict:
@@ -713,7 +791,9 @@ def hf_layer_tensors(model_type: str, m: dict, i: int, sd: dict[str, torch.Tenso
         if model_type == "phi3":
             out[a + "qkv_proj.weight"] = torch.cat([out.pop(a + f"{x}_proj.weight")
                                                     for x in "qkv"])
-    if _is_moe_layer(m, i):
+    if model_type == "gpt_oss":
+        out.update(gpt_oss_tensors(m, p, s, sd))
+    elif _is_moe_layer(m, i):
         mlp, router, gate_name, up_name, down_name = MOE_NAMES[model_type]
         out[p + mlp + router] = sd[s + "mlp.router.weight"]
         for j in range(_moe(m)["num_experts"]):
@@ -742,6 +822,25 @@ def hf_layer_tensors(model_type: str, m: dict, i: int, sd: dict[str, torch.Tenso
         qb, kb, vb = _split_qkv(sd[s + "self_attention.linear_qkv.bias"], heads, groups, hd)
         out.update({a + "q_proj.bias": qb, a + "k_proj.bias": kb, a + "v_proj.bias": vb})
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def gpt_oss_tensors(m: dict, p: str, s: str, sd: dict[str, torch.Tensor]
+                    ) -> dict[str, torch.Tensor]:
+    """gpt-oss's HF tensors beyond attention's weights and norms (:func:`gpt_oss_sources`
+    read backwards): the biases, sinks, router and the stacked experts."""
+    x = [f"{s}mlp.experts.local_experts.{j}." for j in range(_moe(m)["num_experts"])]
+    a, e = p + "self_attn.", p + "mlp.experts."
+    return {
+        a + "o_proj.bias": sd[s + "self_attention.linear_proj.bias"],
+        a + "sinks": sd[s + "self_attention.core_attention.softmax_offset"],
+        p + "mlp.router.weight": sd[s + "mlp.router.weight"],
+        p + "mlp.router.bias": sd[s + "mlp.router.bias"],
+        e + "gate_up_proj": torch.stack([_interleaved(sd[y + "linear_fc1.weight"]).t()
+                                         for y in x]),
+        e + "gate_up_proj_bias": torch.stack([_interleaved(sd[y + "linear_fc1.bias"])
+                                              for y in x]),
+        e + "down_proj": torch.stack([sd[y + "linear_fc2.weight"].t() for y in x]),
+        e + "down_proj_bias": torch.stack([sd[y + "linear_fc2.bias"] for y in x])}
 
 
 def hf_outer_tensors(model_type: str, m: dict, sd: dict[str, torch.Tensor], vocab: int,

@@ -34,12 +34,13 @@ def _layer(model: ModelConfig, tp: int, prefix: str, moe_layer: bool = False, ep
     h = model.hidden_size
     gated = model.arch == "llama"
     fc1 = (2 if gated else 1) * model.ffn_size // tp
-    bias = model.arch == "gpt2"  # add_bias_linear; LayerNorm has a bias too
+    bias = model.arch == "gpt2" or model.linear_bias  # add_bias_linear
+    norm_bias = model.arch == "gpt2"  # LayerNorm's
     out: list[ParamShape] = []
 
     def norm(name: str) -> None:
         out.append(ParamShape(f"{prefix}{name}.weight", (h,)))
-        if bias:
+        if norm_bias:
             out.append(ParamShape(f"{prefix}{name}.bias", (h,)))
 
     post = model.norm_placement == "post"  # OLMo 2: norms on the sublayers' outputs
@@ -48,21 +49,32 @@ def _layer(model: ModelConfig, tp: int, prefix: str, moe_layer: bool = False, ep
     if model.mla.enabled:
         out += _mla(model, tp, prefix)
     else:
-        out += _attention(model, tp, prefix, norm_bias=bias)
+        out += _attention(model, tp, prefix, norm_bias=norm_bias)
         out += _adapters(model, tp, prefix + "self_attention.", ("linear_qkv", "linear_proj"))
     if not post:
         norm("pre_mlp_layernorm")
     if moe_layer:  # the router (whole on every rank), this rank's experts, shared experts
         moe, width = model.moe, model.expert_ffn_size // etp
         out.append(ParamShape(f"{prefix}mlp.router.weight", (moe.num_experts, h)))
+        if bias:
+            out.append(ParamShape(f"{prefix}mlp.router.bias", (moe.num_experts,)))
         for j in range(moe.num_experts // ep):
             e = f"{prefix}mlp.experts.local_experts.{j}."
-            out += [ParamShape(e + "linear_fc1.weight", (2 * width, h)),
-                    ParamShape(e + "linear_fc2.weight", (h, width))]
+            out.append(ParamShape(e + "linear_fc1.weight", (2 * width, h)))
+            if bias:
+                out.append(ParamShape(e + "linear_fc1.bias", (2 * width,)))
+            out.append(ParamShape(e + "linear_fc2.weight", (h, width)))
+            if bias:
+                out.append(ParamShape(e + "linear_fc2.bias", (h,)))
         if moe.shared_expert_ffn_hidden_size:
             shared = moe.shared_expert_ffn_hidden_size // tp
-            out += [ParamShape(f"{prefix}mlp.shared_experts.linear_fc1.weight", (2 * shared, h)),
-                    ParamShape(f"{prefix}mlp.shared_experts.linear_fc2.weight", (h, shared))]
+            e = f"{prefix}mlp.shared_experts."
+            out.append(ParamShape(e + "linear_fc1.weight", (2 * shared, h)))
+            if bias:
+                out.append(ParamShape(e + "linear_fc1.bias", (2 * shared,)))
+            out.append(ParamShape(e + "linear_fc2.weight", (h, shared)))
+            if bias:
+                out.append(ParamShape(e + "linear_fc2.bias", (h,)))
         return out
     out.append(ParamShape(f"{prefix}mlp.linear_fc1.weight", (fc1, h)))
     if bias:
@@ -100,8 +112,12 @@ def _attention(model: ModelConfig, tp: int, prefix: str, norm_bias: bool) -> lis
     qkv = (model.num_attention_heads + 2 * model.query_groups) * kv // tp
     attn = model.num_attention_heads * kv  # the attention's width (hidden unless head_dim)
     a = f"{prefix}self_attention."
-    out = [ParamShape(a + "linear_proj.weight", (h, attn // tp))]
-    if model.arch == "gpt2":  # a row-parallel layer's bias is whole on every TP rank
+    out = []
+    if model.attention_sinks:  # one per head, split over TP as the heads
+        out.append(ParamShape(a + "core_attention.softmax_offset",
+                              (model.num_attention_heads // tp,)))
+    out.append(ParamShape(a + "linear_proj.weight", (h, attn // tp)))
+    if model.arch == "gpt2" or model.linear_bias:  # a row-parallel bias: whole on each rank
         out.append(ParamShape(a + "linear_proj.bias", (h,)))
     out.append(ParamShape(a + "linear_qkv.weight", (qkv, h)))
     if model.qkv_bias:

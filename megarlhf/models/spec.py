@@ -16,7 +16,9 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.utils import (
+    is_layer_window_attention, make_sharded_tensors_for_checkpoint)
 
 from megarlhf import speedups
 from megarlhf.config import ModelConfig
@@ -60,9 +62,29 @@ class SDPACoreAttention(MegatronModule):
         window = config.window_size
         self.window = window[0] + 1 if window and is_layer_window_attention(
             window, config.window_attn_skip_freq, layer_number) else None
+        # attention sinks (model.attention_sinks): a learned logit per head in every
+        # query's softmax, attending to nothing; megatron's name, split over TP by head
+        self.softmax_offset = None
+        if config.softmax_type == "learnable":
+            self.softmax_offset = torch.nn.Parameter(torch.empty(self.heads,
+                                                                 dtype=config.params_dtype))
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+            if config.perform_initialization:
+                config.init_method(self.softmax_offset)
+        elif config.softmax_type != "vanilla":
+            raise ValueError(f"softmax_type={config.softmax_type!r}: the local attention "
+                             "takes 'vanilla' or 'learnable'")
         # a generation's fixed-shape KV cache while one decodes on it
         # (megarlhf.inference.static_kv); None otherwise
         self.static_kv = None
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """The sinks split over TP by head, as megatron's own attention saves them."""
+        if self.softmax_offset is None:
+            return {}
+        return make_sharded_tensors_for_checkpoint(
+            {"softmax_offset": self.softmax_offset}, prefix, {"softmax_offset": 0},
+            sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -70,7 +92,7 @@ class SDPACoreAttention(MegatronModule):
             return self.forward_packed(query, key, value, packed_seq_params)
         if self.cp_group is not None:
             sq = query.shape[0]
-            out = context.attention(self._attend_allowed, query.permute(1, 2, 0, 3),
+            out = context.attention(self.attend_allowed, query.permute(1, 2, 0, 3),
                                     key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
                                     self.cp_group, attention_mask)
             return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], self.heads * self.value_dim)
@@ -96,7 +118,7 @@ class SDPACoreAttention(MegatronModule):
                              "format: the local attention takes 'thd'")
         bounds = packed_seq_params.cu_seqlens_q.tolist()
         if self.cp_group is not None:  # the samples' bounds in the whole row
-            out = context.attention_packed(self._attend_allowed, query, key, value, bounds,
+            out = context.attention_packed(self.attend_allowed, query, key, value, bounds,
                                            self.cp_group)
             return out.reshape(out.shape[0], -1)
         outs = []
@@ -107,13 +129,20 @@ class SDPACoreAttention(MegatronModule):
             outs.append(out[0].permute(1, 0, 2).reshape(stop - start, -1))
         return torch.cat(outs)
 
-    def _attend_allowed(self, q, k, v, allowed) -> torch.Tensor:
-        """SDPA under ``allowed``: a boolean mask (True = may attend) or torch's causal bias;
-        each K/V group shared by its queries without copying."""
+    def attend_allowed(self, q, k, v, allowed) -> torch.Tensor:
+        """SDPA under ``allowed``: a boolean mask (True = may attend) or None; each K/V
+        group shared by its queries without copying. With sinks, each query's softmax has
+        its head's sink logit as one more key, of value zero: the sink key is a channel
+        the real keys leave at 0, the queries carry sink / scale there, and the sink's
+        score is the sink itself (scale * sink / scale * 1)."""
         dropout = self.dropout_p if self.training else 0.0
+        gqa = self.groups != self.heads
+        if self.softmax_offset is not None:
+            q, k, v, allowed = with_sinks(q, k, v, allowed, self.softmax_offset,
+                                          self.softmax_scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout,
                                               scale=self.softmax_scale,
-                                              enable_gqa=self.groups != self.heads)
+                                              enable_gqa=gqa)
 
     def attend(self, q, k, v, attention_mask, attn_mask_type=None) -> torch.Tensor:
         """The attention in SDPA's layout: q (B, heads, sq, hd), k and v (B, groups, sk,
@@ -124,7 +153,8 @@ class SDPACoreAttention(MegatronModule):
         causal = mask_type == AttnMaskType.causal and sq > 1
         # a window as long as the keys cuts nothing: the mask-free (flash) path stays open
         window = self.window if self.window is not None and self.window < sk else None
-        if causal and attention_mask is None and sq == sk and window is None:
+        if causal and attention_mask is None and sq == sk and window is None \
+                and self.softmax_offset is None:
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=self.dropout_p if self.training else 0.0,
                 scale=self.softmax_scale, enable_gqa=self.groups != self.heads)
@@ -132,7 +162,27 @@ class SDPACoreAttention(MegatronModule):
         if window is not None:
             band = _window(sq, sk, window, q.device)
             allowed = band if allowed is None else allowed & band
-        return self._attend_allowed(q, k, v, allowed)
+        return self.attend_allowed(q, k, v, allowed)
+
+
+def with_sinks(q, k, v, allowed, sinks: torch.Tensor, scale: float):
+    """(q, k, v, allowed) of attention with a sink per head (``sinks`` (heads,)) as SDPA
+    without sinks computes it: a first key, seen by every query, scoring each head's sink
+    and adding a zero value. q (B, heads, sq, d), k (B, groups, sk, d), v (B, groups, sk,
+    dv) and ``allowed`` ((.., sq, sk) bool, or None: all) -> q and k one channel wider,
+    sk + 1 keys."""
+    B, heads, sq, _ = q.shape
+    groups = k.shape[1]
+    column = (sinks.to(q.dtype) / scale).view(1, heads, 1, 1).expand(B, heads, sq, 1)
+    q = torch.cat([q, column], dim=-1)
+    sink_key = torch.zeros(B, groups, 1, k.shape[-1] + 1, dtype=k.dtype, device=k.device)
+    sink_key[..., -1] = 1
+    k = torch.cat([sink_key, F.pad(k, (0, 1))], dim=2)
+    v = torch.cat([v.new_zeros(B, groups, 1, v.shape[-1]), v], dim=2)
+    if allowed is None:
+        allowed = torch.ones(sq, k.shape[2] - 1, dtype=torch.bool, device=q.device)
+    seen = torch.ones(*allowed.shape[:-1], 1, dtype=torch.bool, device=allowed.device)
+    return q, k, v, torch.cat([seen, allowed], dim=-1)
 
 
 def _allowed(attention_mask, causal: bool, sq: int, sk: int, device):
@@ -334,7 +384,14 @@ def sequence_parallel_spec(spec, config, *, vp_stage: int | None, pp_rank: int):
 def activation(model: ModelConfig):
     if model.activation == "gelu_tanh":  # Gemma's GeGLU (gelu_pytorch_tanh)
         return functools.partial(F.gelu, approximate="tanh")
+    if model.arch == "llama" and model.activation_alpha != 1.0:  # gpt-oss's experts
+        return functools.partial(scaled_silu, alpha=model.activation_alpha)
     if model.arch == "llama":
         return F.silu
     # HF GPT-2's "gelu_new" is the tanh approximation.
     return functools.partial(F.gelu, approximate="tanh")
+
+
+def scaled_silu(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    """x * sigmoid(alpha * x): silu with a sigmoid gain (gpt-oss's 1.702)."""
+    return x * torch.sigmoid(x * alpha)

@@ -147,7 +147,7 @@ class PPOSession:
         reward = RewardSource(fn=reward_fn, decode=tokenizer.decode,
                               role=build_role(specs["reward"], seed=seed)
                               if "reward" in specs else None)
-        inf_layout = inference_layout(r.tensor_parallel_size)
+        inf_layout = inference_layout(r.tensor_parallel_size, specs["actor"].model)
         self.sampler = Sampler(r, self.actor, inf_layout,
                                build_inference_model(specs["actor"], inf_layout),
                                eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,

@@ -24,8 +24,9 @@ from megarlhf.engine.checkpoint import check_base, read_meta, resolve_checkpoint
 
 # Fields that decide the shapes of the weights: a config may not contradict the checkpoint.
 SHAPE_FIELDS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                "head_dim", "qk_layernorm",
-                "ffn_hidden_size", "vocab_size", "tie_word_embeddings", "add_qkv_bias")
+                "head_dim", "qk_layernorm", "qk_layernorm_all_heads", "norm_placement",
+                "ffn_hidden_size", "vocab_size", "tie_word_embeddings", "add_qkv_bias",
+                "linear_bias", "attention_sinks")
 # ``model.moe`` fields that define the network (the rest are training settings).
 MOE_SHAPE_FIELDS = ("num_experts", "top_k", "ffn_hidden_size", "shared_expert_ffn_hidden_size",
                     "score_function", "normalize_top_k", "top_k_scaling_factor", "expert_bias",

@@ -288,7 +288,7 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
     # a preemption signal is the training side's to act on (it saves, then says stop):
     # here it is only recorded and reported with the next batch
     install_handlers()
-    inf = inference_layout(cfg.rollout.tensor_parallel_size)
+    inf = inference_layout(cfg.rollout.tensor_parallel_size, actor_spec.model)
     model = build_inference_model(actor_spec, inf)
     sender = inf.tp_rank  # replica 0's TP rank j on the training side is job rank j
     bridge, rank = split.bridge, dist.get_rank()

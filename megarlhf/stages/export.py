@@ -26,7 +26,7 @@ from megarlhf.models.hf_mapping import TOKENIZER_FILES
 
 # The families transformers has a *ForSequenceClassification of (a value model's export).
 VALUE_HEADS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
-               "deepseek_v3", "smollm3", "phi3", "olmo2", "olmo3", "gemma3_text")
+               "deepseek_v3", "smollm3", "phi3", "olmo2", "olmo3", "gemma3_text", "gpt_oss")
 
 
 def hf_config(model_type: str, m: dict, role: str) -> dict:
@@ -67,7 +67,8 @@ def hf_config(model_type: str, m: dict, role: str) -> dict:
             cfg["rope_scaling"] = {"rope_type": "yarn", **{
                 k: scaling[k] for k in ("factor", "original_max_position_embeddings",
                                         "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-                if scaling.get(k) is not None}}
+                if scaling.get(k) is not None},
+                **({} if scaling.get("truncate", True) else {"truncate": False})}
         elif scaling.get("type") == "llama3":
             cfg["rope_scaling"] = {"rope_type": "llama3", **{
                 k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
@@ -101,6 +102,10 @@ def hf_config(model_type: str, m: dict, role: str) -> dict:
             cfg.update(no_rope_layers=[int(i not in m["no_rope_layers"])
                                        for i in range(m["num_layers"])],
                        use_sliding_window=False)
+        if model_type == "gpt_oss":  # its rotary settings in rope_parameters instead
+            for key in ("rope_theta", "rope_scaling"):
+                cfg.pop(key, None)
+            cfg.update(gpt_oss_config(m))
         if model_type == "glm4_moe":
             cfg.update(attention_bias=bool(m["add_qkv_bias"]),
                        partial_rotary_factor=m["rotary_percent"],
@@ -136,16 +141,34 @@ def gemma_config(m: dict) -> dict:
             "use_bidirectional_attention": False, "attention_bias": False}
 
 
+def gpt_oss_config(m: dict) -> dict:
+    """config.json's gpt-oss fields: its window pattern, rotary settings (in
+    rope_parameters, where transformers 5 reads them) and clamped SwiGLU."""
+    full = m["full_attention_layers"] if m["sliding_window"] else list(range(m["num_layers"]))
+    rope = {"rope_type": "default", "rope_theta": m["rotary_base"]}
+    scaling = m.get("rope_scaling") or {}
+    if scaling.get("type") == "yarn":
+        rope = {"rope_type": "yarn", "rope_theta": m["rotary_base"], **{
+            k: scaling[k] for k in ("factor", "original_max_position_embeddings",
+                                    "beta_fast", "beta_slow", "truncate")}}
+    return {"sliding_window": m["sliding_window"] or m["max_position_embeddings"],
+            "layer_types": ["full_attention" if i in full else "sliding_attention"
+                            for i in range(m["num_layers"])],
+            "rope_parameters": rope, "attention_bias": True,
+            "head_dim": m["head_dim"] or m["hidden_size"] // m["num_attention_heads"],
+            "swiglu_alpha": m["activation_alpha"], "swiglu_limit": m["glu_clamp"]}
+
+
 def refuse_inexpressible(model_type: str, model) -> None:
     """What the Hugging Face family cannot express (partial rotary, layers without RoPE,
     a router of another kind): refused naming the field."""
-    from megarlhf.models.hf_mapping import (PARTIAL_ROTARY, POST_NORM, SIGMOID_ROUTED,
-                                            WINDOWED, ConversionError)
+    from megarlhf.models.hf_mapping import (LAYER_TYPED, PARTIAL_ROTARY, POST_NORM,
+                                            SIGMOID_ROUTED, WINDOWED, ConversionError)
 
     if model.rotary_percent != 1 and model_type not in PARTIAL_ROTARY:
         raise ConversionError(f"model.rotary_percent={model.rotary_percent} cannot be written "
                               f"as {model_type} (its attention rotates whole heads)")
-    if model.sliding_window is not None and model_type not in ("olmo3", "gemma3_text") and (
+    if model.sliding_window is not None and model_type not in LAYER_TYPED and (
             model_type not in WINDOWED or model.full_attention_layers):
         raise ConversionError(f"model.sliding_window={model.sliding_window} (full attention "
                               f"in layers {model.full_attention_layers}) cannot be written as "
@@ -164,6 +187,18 @@ def refuse_inexpressible(model_type: str, model) -> None:
         raise ConversionError(f"--model-type {model_type} does not fit the checkpoint's "
                               + ("norms after the sublayers and over all heads (OLMo 2 / 3)"
                                  if post else "norms before the sublayers"))
+    oss = model.attention_sinks or model.linear_bias or model.activation_alpha != 1.0 \
+        or model.glu_clamp is not None or model.glu_linear_offset != 0.0
+    if oss != (model_type == "gpt_oss"):
+        raise ConversionError(f"--model-type {model_type} does not fit the checkpoint's "
+                              + ("gpt-oss layer (model.attention_sinks, linear_bias, "
+                                 "activation_alpha, glu_clamp, glu_linear_offset)" if oss
+                                 else "layer (not gpt-oss's)"))
+    if oss and not (model.attention_sinks and model.linear_bias and model.glu_clamp
+                    is not None and model.glu_linear_offset == 1.0):
+        raise ConversionError("gpt_oss needs model.attention_sinks=true, linear_bias=true, "
+                              "a glu_clamp and glu_linear_offset=1 together (its layer has "
+                              "all of them)")
     if model.no_rope_layers and model_type != "smollm3":
         raise ConversionError(f"model.no_rope_layers={model.no_rope_layers} cannot be "
                               f"written as {model_type} (RoPE in every layer)")
@@ -219,6 +254,8 @@ def hf_moe_config(model_type: str, m: dict) -> dict:
               "router_aux_loss_coef": moe["aux_loss_coeff"], "output_router_logits": False}
     if model_type == "mixtral":
         return {**common, "num_local_experts": moe["num_experts"], "router_jitter_noise": 0.0}
+    if model_type == "gpt_oss":
+        return {**common, "num_local_experts": moe["num_experts"]}
     return {**common, "num_experts": moe["num_experts"],
             "moe_intermediate_size": moe["ffn_hidden_size"] or m["ffn_hidden_size"],
             "norm_topk_prob": moe["normalize_top_k"], "decoder_sparse_step": 1,
@@ -287,6 +324,7 @@ def export_checkpoint(cfg: Config, out: str, ckpt: str, role_name: str | None = 
     model_type = model_type or meta["trainer"].get("hf_model_type") or (
         "gpt2" if model_cfg.arch == "gpt2" else "deepseek_v3" if mla else
         ("glm4_moe" if model_cfg.moe.score_function == "sigmoid" else
+         "gpt_oss" if model_cfg.attention_sinks else
          "qwen3_moe" if model_cfg.qk_layernorm else "mixtral") if moe else
         "gemma3_text" if model_cfg.norm_zero_centered else
         ("olmo3" if model_cfg.sliding_window else "olmo2")

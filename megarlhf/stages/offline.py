@@ -169,7 +169,7 @@ def gold_evaluator(cfg: Config, tokenizer):
 
     def evaluate(role) -> dict:
         if not built:
-            layout = inference_layout(r.tensor_parallel_size)
+            layout = inference_layout(r.tensor_parallel_size, role.spec.model)
             model = build_inference_model(role.spec, layout)
             built.update(layout=layout, model=model,
                          resharder=Resharder(role.chunks, model))

@@ -102,7 +102,7 @@ def run_generate(cfg: Config, tokenizer, *, input_path: str, output_path: str,
                           f"tokens, beyond the model's {spec.model.max_position_embeddings}")
     init_distributed(cfg)
     built = build_role(spec, seed=cfg.run.seed)
-    inf = inference_layout(cfg.rollout.tensor_parallel_size)
+    inf = inference_layout(cfg.rollout.tensor_parallel_size, spec.model)
     model = build_inference_model(spec, inf)
     Resharder(built.chunks, model)()
     r = cfg.rollout

@@ -36,7 +36,7 @@ def main():
     results = {}
     shapes_wrong: list[str] = []
     for arch in archs:
-        moe = "moe" in arch or "mixtral" in arch or "deepseek" in arch
+        moe = "moe" in arch or "mixtral" in arch or "deepseek" in arch or "gpt_oss" in arch
         layouts = [(1, 1)] if world == 1 else [(2, 1), (1, 2)] + ([(1, 1, 2)] if moe else [])
         for tp, pp, *ep in layouts:
             ep = ep[0] if ep else 1
