@@ -3,8 +3,9 @@ both architectures with grouped-query attention, a Qwen3-shaped llama (head size
 own, q/k norms, llama3 RoPE scaling), an OLMo-3-shaped one (norms after the sublayers, q/k
 over all heads, sliding windows in three of four layers, partial rotary) and a
 Gemma-3-shaped one (sandwich and (1 + w) norms, GeGLU, a scaled embedding, the local
-layers' own RoPE base), LM and value heads, temperature scaling; and the `megarlhf score`
-CLI at TP=1/PP=1, TP=2 and PP=2."""
+layers' own RoPE base), a gpt-oss-shaped one (sinks split over TP with the heads, biased
+experts, the clamped SwiGLU, windows, YaRN), LM and value heads, temperature scaling; and
+the `megarlhf score` CLI at TP=1/PP=1, TP=2 and PP=2."""
 
 import json
 import os
@@ -30,7 +31,7 @@ def layout_results(tmp_path_factory):
 
 
 LAYOUT_CASES = [(arch, role, tp, pp, vpp, temp)
-                for arch in ("llama", "gpt2", "qwen3", "olmo3", "gemma3")
+                for arch in ("llama", "gpt2", "qwen3", "olmo3", "gemma3", "gptoss")
                 for role in ("lm", "value")
                 for tp, pp, vpp in [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 2, 2)]
                 for temp in ((1.0, 0.7) if role == "lm" else (1.0,))]

@@ -429,6 +429,8 @@ def build_model(model_cfg: ModelConfig, *, kind: str, padded_vocab: int, layout:
         model.embedding.register_forward_hook(
             lambda module, args, out: out * torch.tensor(multiplier, dtype=out.dtype))
     lora.attach(model, model_cfg)
+    if model_cfg.linear_bias and model_cfg.moe.enabled:
+        moe.clone_biased_expert_outputs(model)
     if model_cfg.mla.enabled:
         _gather_latents(model)
     if tcfg.params_dtype != torch.float32:

@@ -93,6 +93,25 @@ def prepare_megatron() -> None:
         parallel_state._set_global_memory_buffer()
 
 
+def clone_biased_expert_outputs(model) -> None:
+    """megatron-core 0.16.1's expert MLP adds its second linear's bias in place
+    (``output += bias * probs``) to the output of that row-parallel linear, which is its
+    input returned as-is when the expert has one tensor-parallel rank - as biased experts
+    always have (gpt-oss, ``model.linear_bias``): autograd refuses the in-place change of a
+    custom function's view in a training pass. The output is copied first, in passes
+    that record gradients only."""
+    def cloned(module, args, output):
+        if not torch.is_grad_enabled():
+            return None
+        out, bias = output
+        return out.clone(), bias
+
+    for name, module in model.named_modules():
+        if name.endswith("linear_fc2") and ".experts." in f".{name}" \
+                and getattr(module, "bias", None) is not None:
+            module.register_forward_hook(cloned)
+
+
 _DROPS: dict[int, list[int]] = {}  # layer -> [dropped, routed] (token, expert) choices
 
 

@@ -32,15 +32,27 @@ GEMMA3_FIELDS = ("model.norm_placement=sandwich", "model.norm_zero_centered=true
                  "model.embedding_multiplier=2.0", "model.softmax_scale=0.3",
                  "model.sliding_window=6", "model.full_attention_layers=[3]",
                  "model.local_rotary_base=100.0")
+# A gpt-oss-shaped one: 4 experts (top 2) with biases on every linear, a sink per head, the
+# clamped SwiGLU (limit 0.5: these small activations reach it) with its +1 offset, windows
+# of 6 in layers 0 and 2, YaRN untruncated from an original context of 8; each expert
+# whole on one rank (ETP=1, as megatron-core needs for biased experts).
+GPT_OSS_FIELDS = ("model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=32",
+                  "model.moe.aux_loss_coeff=0", "model.linear_bias=true",
+                  "model.attention_sinks=true", "model.activation_alpha=1.702",
+                  "model.glu_clamp=0.5", "model.glu_linear_offset=1.0",
+                  "model.sliding_window=6", "model.full_attention_layers=[1,3]",
+                  "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4",
+                  "model.rope_scaling.original_max_position_embeddings=8",
+                  "model.rope_scaling.truncate=false", "parallel.expert_tensor_parallel_size=1")
 FAMILIES = {"llama": ("llama", ()), "gpt2": ("gpt2", ()), "qwen3": ("llama", QWEN3_FIELDS),
             "qwen3moe": ("llama", MOE_FIELDS), "olmo3": ("llama", OLMO3_FIELDS),
-            "gemma3": ("llama", GEMMA3_FIELDS)}
+            "gemma3": ("llama", GEMMA3_FIELDS), "gptoss": ("llama", GPT_OSS_FIELDS)}
 
 
 def make_config(arch: str, tp: int, pp: int, *, vocab: int = 300, layers: int = 4,
                 hidden: int = 64, extra: tuple = ()):
     """A tiny model config; ``arch`` is a key of FAMILIES (llama, gpt2, qwen3, qwen3moe,
-    olmo3, gemma3)."""
+    olmo3, gemma3, gptoss)."""
     arch, fields = FAMILIES[arch]
     extra = (*fields, *extra)
     return load_config(None, [

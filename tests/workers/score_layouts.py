@@ -77,7 +77,7 @@ def main():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     seqs = fixed_sequences(8)
     results = {}
-    for arch in ("llama", "gpt2", "qwen3", "olmo3", "gemma3"):  # common.FAMILIES
+    for arch in ("llama", "gpt2", "qwen3", "olmo3", "gemma3", "gptoss"):  # common.FAMILIES
         for role in ("lm", "value"):
             for tp, pp, vpp in LAYOUTS[world]:
                 extra = ["model.value_head_init=normal"]
@@ -89,7 +89,8 @@ def main():
                     rows = score_sequences(scorer, seqs, micro_batch_size=2,
                                            temperature=temperature)
                     results[(arch, role, tp, pp, vpp, temperature)] = rows
-                if arch in ("olmo3", "gemma3"):  # their MLP is megarlhf's: no cut to compare
+                if arch in ("olmo3", "gemma3", "gptoss"):  # no MLP cut to compare (OLMo's
+                    # and Gemma's MLP is megarlhf's; gpt-oss's experts are not cut)
                     continue
                 results[("response_only", arch, role, tp, pp, vpp)] = \
                     response_only_gap(scorer, seqs)
