@@ -304,6 +304,14 @@ def test_config_show_cli(tmp_path):
     (["rollout.decode_slots=4", "rollout.kv_cache_tokens=1000", "model.mla.kv_lora_rank=16"],
      "the paged KV cache, which cannot decode multi-latent attention"),
     (["rollout.kv_cache=pages"], "rollout.kv_cache='pages' is invalid: must be 'paged' or 'columns'"),
+    # on-policy distillation's settings without a teacher, or without their mode
+    (["ppo.teacher.kl_in=loss"], "ppo.teacher.kl_in has no effect with ppo.teacher.coef=0"),
+    (["ppo.teacher.coef=0.1", "ppo.teacher.loss_estimator=k3"],
+     "ppo.teacher.loss_estimator has no effect with ppo.teacher.kl_in=reward"),
+    (["ppo.teacher.coef=0.1", "ppo.teacher.task_reward=false", "ppo.reward_checkpoint=/rm"],
+     "ppo.teacher.task_reward=false scores nothing with the task's reward, but a reward "
+     "source is set"),
+    (["ppo.teacher.coef=-1"], "ppo.teacher.coef=-1.0 is invalid"),
     (["rollout.kv_block_tokens=0"], "rollout.kv_block_tokens=0 is invalid"),
 ])
 def test_ppo_settings_without_effect_are_errors(overrides, message):

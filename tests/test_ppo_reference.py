@@ -872,6 +872,13 @@ NOT_MATH = {
     "rollout.release_inference_weights": "memory only (test_memory)",
     "rollout.ref_cache_size": "a cache of the reference's log-probs: equal to scoring "
                               "again (test_ppo_modes)",
+    "ppo.teacher.coef": "on-policy distillation: test_on_policy_distill (the teacher's KL "
+                        "in the targets against a loop, for every estimator)",
+    "ppo.teacher.kl_in": "on-policy distillation (as ppo.teacher.coef; the loss term is "
+                         "ppo.kl.loss_coef's with the teacher's log-probs)",
+    "ppo.teacher.loss_estimator": "as ppo.teacher.kl_in",
+    "ppo.teacher.task_reward": "on-policy distillation: every score 0 "
+                               "(test_on_policy_distill)",
 }
 
 

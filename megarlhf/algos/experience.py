@@ -127,6 +127,10 @@ class Experience:
     # environment's (response_mask_BT, the trained tokens, has gaps there); None: the
     # response mask is both
     fed_mask_BT: torch.Tensor | None = None
+    # on-policy distillation (ppo.teacher): the teacher's log-probs of the sampled tokens
+    # and the per-token reverse KL to it, k1 (log p_old - log p_teacher); None without one
+    teacher_logprobs_BT: torch.Tensor | None = None
+    teacher_kl_BT: torch.Tensor | None = None
 
     @property
     def fed_BT(self) -> torch.Tensor:

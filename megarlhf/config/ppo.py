@@ -45,6 +45,37 @@ class KLConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class TeacherConfig:
+    """``ppo.teacher``: on-policy distillation. A frozen teacher (``roles.teacher``: its own
+    checkpoint - any size, the actor's tokenizer -, model, layout and offload) scores every
+    token the student (the actor) sampled, and the student is pulled towards it by the
+    per-token reverse KL, KL(student || teacher), estimated at the sampled token: k1 =
+    log p_student - log p_teacher (the student's old log-probs)."""
+
+    coef: float = 0.0
+    """Weight of the reverse KL to the teacher; 0: no teacher."""
+    kl_in: Literal["reward", "loss"] = "reward"
+    """reward: -coef x k1 joins the rewards, per token for gae and reinforce_pp and summed
+    over the response off the score for rloo and grpo (as the reference's KL does; with
+    gamma 1 a token's return is the KL still to come - the on-policy distillation of
+    GKD-style trainers with a policy gradient); loss: coef x the loss_estimator's KL of the
+    current student to the teacher joins the actor's loss (GKD's on-policy loss on the
+    sampled tokens)."""
+    loss_estimator: Literal["k1", "k2", "k3"] = "k2"
+    """kl_in=loss: the estimator (k2's gradient is the true reverse KL's)."""
+    task_reward: bool = True
+    """Keep the task's reward (the reward model or function) with the teacher's KL; false:
+    the teacher alone teaches (pure distillation: every score 0, no reward source)."""
+
+    def __post_init__(self):
+        require(self.coef >= 0, "ppo.teacher.coef", self.coef, "must be >= 0 (0: no teacher)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.coef > 0
+
+
+@dataclass(kw_only=True, frozen=True)
 class CorrectionConfig:
     """``ppo.correction``: weights and masks for tokens sampled by another policy than the
     one trained (these were ``ppo.behavior_weight_cap``, ``ppo.rollout_is_cap``,
@@ -278,6 +309,9 @@ class PPOConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     """The KL to the reference: in the reward, in the loss, and its coefficient's
     controller."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """On-policy distillation: the reverse KL to a teacher (roles.teacher) in the reward
+    or the loss."""
     clip_reward_value: float = 5.0
     """Reward-model score clip (DeepSpeed-Chat: 5)."""
     missing_stop_penalty: float | None = -1.0

@@ -363,9 +363,28 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
     programmatic = rollout.rewards.fn or rollout.rewards.url or rollout.environment.name
     which = "rollout.rewards.fn" if rollout.rewards.fn else "rollout.rewards.url" \
         if rollout.rewards.url else "rollout.environment.name"
-    if not reward_model and not programmatic and not planning:
+    teacher = ppo.teacher
+    if not reward_model and not programmatic and not planning and teacher.task_reward:
         raise ConfigError("set ppo.reward_checkpoint (or roles.reward.checkpoint), "
-                          "rollout.rewards.fn, rollout.rewards.url or rollout.environment.name")
+                          "rollout.rewards.fn, rollout.rewards.url or rollout.environment.name"
+                          " (or distil from a teacher alone: ppo.teacher.coef > 0 with "
+                          "ppo.teacher.task_reward=false)")
+    if not teacher.task_reward and (reward_model or programmatic):
+        raise ConfigError("ppo.teacher.task_reward=false scores nothing with the task's "
+                          "reward, but a reward source is set: remove it, or keep "
+                          "ppo.teacher.task_reward=true")
+    if not teacher.task_reward and not teacher.enabled:
+        raise ConfigError("ppo.teacher.task_reward=false needs a teacher: set "
+                          "ppo.teacher.coef > 0 and roles.teacher.checkpoint")
+    if teacher.enabled and roles.teacher.checkpoint is None and not planning:
+        raise ConfigError(f"ppo.teacher.coef={teacher.coef} needs the teacher's checkpoint: "
+                          "set roles.teacher.checkpoint")
+    for name in ("kl_in", "loss_estimator", "task_reward"):
+        if said("ppo.teacher", name) and not teacher.enabled:
+            raise ConfigError(f"ppo.teacher.{name} has no effect with ppo.teacher.coef=0")
+    if said("ppo.teacher", "loss_estimator") and teacher.kl_in != "loss":
+        raise ConfigError("ppo.teacher.loss_estimator has no effect with "
+                          "ppo.teacher.kl_in=reward")
     for name in ("max_turns", "max_observation_tokens", "tool_format"):
         if said("rollout.environment", name) and not rollout.environment.name:
             raise ConfigError(f"rollout.environment.{name} has no effect without "
@@ -398,8 +417,8 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
         if why is not None and written.fields(f"roles.{name}"):
             raise ConfigError(f"{_role_block(name, written)} is configured but this run has "
                               f"no {name} ({why}): remove roles.{name}")
-    check_roles(cfg, written, PPO_ROLES, "ppo")
-    for name in ("reference", "reward"):
+    check_roles(cfg, written, PPO_ROLES + (("teacher",) if teacher.enabled else ()), "ppo")
+    for name in ("reference", "reward", "teacher"):
         level = getattr(roles, name).offload
         if level not in (None, "none", "all"):
             raise ConfigError(f"roles.{name}.offload={level!r}: the {name} role is frozen "

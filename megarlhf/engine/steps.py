@@ -328,6 +328,8 @@ def make_policy_step(*, prompt_len: int, tp_group, true_vocab: int, temperature:
       sampler's ``rollout_logprobs``, capped by ``correction.behavior_weight_cap``);
     - minus ``entropy_coef`` x entropy;
     - plus ``kl.loss_coef`` x the KL estimate to the reference (GRPO's KL term);
+    - plus ``teacher.coef`` x the KL estimate to the teacher (``teacher.kl_in=loss``:
+      on-policy distillation's reverse KL, ``teacher.loss_estimator``);
     all over ``policy_mask`` (the response mask without the samples the mismatch correction
     rejected). A micro-batch with ``ptx_loss_mask`` is pretraining data instead
     (PPO-ptx): its next-token NLL, already scaled by ``ptx_scale`` so that the step's loss is
@@ -394,6 +396,12 @@ def make_policy_step(*, prompt_len: int, tp_group, true_vocab: int, temperature:
                 kl_total, _ = aggregate_parts(kl_BT, mask, ppo.loss_agg)
                 total = total + ppo.kl.loss_coef * kl_total
                 logs["kl_loss_sum"] = (kl_BT.detach() * mask).sum()
+            if ppo.teacher.enabled and ppo.teacher.kl_in == "loss":
+                kl_BT = kl_per_token(logprobs_BT, batch["teacher_logprobs"], mask,
+                                     ppo.teacher.loss_estimator)
+                kl_total, _ = aggregate_parts(kl_BT, mask, ppo.loss_agg)
+                total = total + ppo.teacher.coef * kl_total
+                logs["teacher_loss_sum"] = (kl_BT.detach() * mask).sum()
             logs["loss_sum"] = total.detach()
             return total, count.to(torch.int), logs
 

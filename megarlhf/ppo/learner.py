@@ -27,11 +27,14 @@ from megarlhf.algos.seeds import derive_seed
 
 def _fields(mb: algos.Experience) -> dict:
     """What the policy and value losses read of a micro-batch's samples, (B, T) each."""
-    return {"response_mask": mb.response_mask_BT.float(), "policy_mask": mb.policy_mask_BT,
-            "is_weights": mb.is_weights_BT, "old_logprobs": mb.old_logprobs_BT,
-            "rollout_logprobs": mb.rollout_logprobs_BT, "ref_logprobs": mb.ref_logprobs_BT,
-            "advantages": mb.advantages_BT, "old_values": mb.values_BT,
-            "returns": mb.returns_BT}
+    out = {"response_mask": mb.response_mask_BT.float(), "policy_mask": mb.policy_mask_BT,
+           "is_weights": mb.is_weights_BT, "old_logprobs": mb.old_logprobs_BT,
+           "rollout_logprobs": mb.rollout_logprobs_BT, "ref_logprobs": mb.ref_logprobs_BT,
+           "advantages": mb.advantages_BT, "old_values": mb.values_BT,
+           "returns": mb.returns_BT}
+    if mb.teacher_logprobs_BT is not None:  # ppo.teacher: the teacher's KL in the loss
+        out["teacher_logprobs"] = mb.teacher_logprobs_BT
+    return out
 
 
 def experience_batches(exp: algos.Experience, micro: int, pad_id: int,
@@ -152,6 +155,7 @@ class PolicyMetrics:
     approxkl: float
     entropy: float
     kl_loss: float | None = None  # ppo.kl.loss_coef
+    teacher_loss: float | None = None  # ppo.teacher.kl_in=loss: the KL to the teacher
     behavior_weight: float | None = None  # ppo.decoupled_loss
     behavior_capped_frac: float | None = None
     ptx_loss: float | None = None  # ppo.ptx_coef
@@ -186,6 +190,7 @@ class UpdateMetrics:
                         "ppo/policy/clipfrac": p.clipfrac, "ppo/policy/approxkl": p.approxkl,
                         "objective/entropy": p.entropy})
             optional = {"ppo/policy/kl_loss": p.kl_loss,
+                        "ppo/policy/teacher_loss": p.teacher_loss,
                         "ppo/policy/behavior_weight": p.behavior_weight,
                         "ppo/policy/behavior_capped_frac": p.behavior_capped_frac,
                         "ppo/ptx/loss": p.ptx_loss}
@@ -295,6 +300,8 @@ class Learner:
                 entropy=ratio(pol, "entropy_sum", "tokens"))
             if ppo.kl.loss_coef:
                 out.policy.kl_loss = ratio(pol, "kl_loss_sum", "tokens")
+            if ppo.teacher.enabled and ppo.teacher.kl_in == "loss":
+                out.policy.teacher_loss = ratio(pol, "teacher_loss_sum", "tokens")
             if ppo.decoupled_loss:
                 out.policy.behavior_weight = ratio(
                     pol, "behavior_weight_sum", "tokens") / max(

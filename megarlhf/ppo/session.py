@@ -147,6 +147,7 @@ class PPOSession:
         reward = RewardSource(fn=reward_fn, decode=tokenizer.decode,
                               role=build_role(specs["reward"], seed=seed)
                               if "reward" in specs else None)
+        teacher = build_role(specs["teacher"], seed=seed) if "teacher" in specs else None
         inf_layout = inference_layout(r.tensor_parallel_size, specs["actor"].model)
         self.sampler = Sampler(r, self.actor, inf_layout,
                                build_inference_model(specs["actor"], inf_layout),
@@ -160,7 +161,7 @@ class PPOSession:
                              micro_batch_size=r.forward_micro_batch_size
                              or ppo.micro_batch_size, max_tokens=forward_tokens,
                              ref_cache=SequenceCache(r.ref_cache_size)
-                             if r.ref_cache_size else None)
+                             if r.ref_cache_size else None, teacher=teacher)
         # rollout.placement.mode=split: the rollout ranks sample, this world scores and trains
         self.remote = RemoteRollout(r.placement, split, self.sampler) if split is not None else None
         self.maker = ExperienceMaker(ppo, r, self.sampler, self.scorer, remote=self.remote)
@@ -184,12 +185,12 @@ class PPOSession:
         self.tracker = MemoryTracker({
             "actor": self.actor, "critic": self.critic,
             "reference": None if specs["reference"].adapters_off else self.reference,
-            "reward": reward.role, "ema": self.ema_role,
+            "reward": reward.role, "teacher": teacher, "ema": self.ema_role,
             "inference": [self.sampler.inference_model]}) if cfg.logging.memory_metrics else None
         self.hooks = self.sampler.hooks = self.scorer.hooks = PhaseHooks(self.trained,
                                                                           self.tracker)
         built = {"actor": self.actor, "critic": self.critic, "reference": self.reference,
-                 "reward": reward.role}
+                 "reward": reward.role, "teacher": teacher}
         self.layouts = describe_layouts({k: v for k, v in built.items() if v is not None})
         for spec in specs.values():
             print0(f"[ppo] {spec.describe()}")

@@ -349,6 +349,18 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
             entry = read_meta(saved.path)["roles"]["reward"]
             specs["critic"] = dataclasses.replace(specs["critic"], head_affine=(
                 float(entry.get("score_gain", 1.0)), float(entry.get("score_bias", 0.0))))
+    if ppo.teacher.enabled:  # on-policy distillation: any size, the actor's vocabulary
+        teacher_ckpt = roles.teacher.checkpoint
+        saved = read(teacher_ckpt, ("policy", "actor", "teacher"), "roles.teacher.checkpoint")
+        model = _model_of("roles.teacher", saved, cfg.model,
+                          [precision, ("roles.teacher.model", roles.teacher.model, None)],
+                          written)
+        model = dataclasses.replace(model, lora=_saved_lora(saved))  # frozen
+        specs["teacher"] = _spec(cfg, name="teacher", kind="lm", where="roles.teacher",
+                                 saved=saved, model=model,
+                                 layout=roles.teacher.parallel.over(actor_layout,
+                                                                    model.moe.enabled),
+                                 world_size=world_size)
     specs = {name: dataclasses.replace(spec, offload="none" if spec.adapters_off else
                                        _offload_of(cfg, name, spec.trained))
              for name, spec in specs.items()}

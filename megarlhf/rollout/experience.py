@@ -140,6 +140,8 @@ class ExperienceMaker:
             values = self.scorer.values(gen) * mask
         else:
             values = torch.zeros_like(mask)
+        # on-policy distillation: the teacher scores the student's tokens
+        teacher_lp = self.scorer.teacher_logprobs(gen) * mask if ppo.teacher.enabled else None
         # 5. the learning targets and the mismatch correction (no megatron code: without
         # the CPU backend's mode)
         targets = algos.learning_targets(
@@ -151,7 +153,8 @@ class ExperienceMaker:
             gamma=ppo.gamma, lam=ppo.lam, group_size=ppo.group_size,
             whiten_advantages=ppo.whiten_advantages, group_norm=ppo.grpo_normalization,
             turn_rewards_BT=None if gen.env_rewards_BT is None
-            else gen.episode_rewards()[1])
+            else gen.episode_rewards()[1], teacher_logprobs_BT=teacher_lp,
+            teacher_coef=ppo.teacher.coef if ppo.teacher.kl_in == "reward" else 0.0)
         policy_mask, is_weights, corr = algos.mismatch_correction(
             old_lp, rollout_lp, mask, is_cap=ppo.correction.is_cap,
             mask_low=ppo.correction.mask_low, mask_high=ppo.correction.mask_high)
@@ -164,10 +167,12 @@ class ExperienceMaker:
             is_weights_BT=is_weights,
             routing_BLSK=routing, versions_BT=gen.versions_BT,
             fed_mask_BT=None if gen.observation_BT is None else gen.fed_mask_BT,
-            **targets)
+            teacher_logprobs_BT=teacher_lp, **targets)
         # 6. what it was
         metrics.update(rollout_metrics(exp, gen, has_stop, short, rollout_lp, old_lp,
                                        self.scorer.ref_cache))
+        if exp.teacher_kl_BT is not None:  # KL(student || teacher), k1, summed per response
+            metrics["objective/teacher_kl"] = float(exp.teacher_kl_BT.sum()) / len(exp)
         metrics["perf/padding_fraction/experience"] = self.scorer.take_padding_fraction()
         metrics["timing/experience"] = time.perf_counter() - t1
         return exp, gen, metrics
@@ -183,7 +188,9 @@ class ExperienceMaker:
         gen, has_stop = self.sampler.finalize(gen)
         ppo = self.ppo
         start = time.perf_counter()
-        scores = self.scorer.reward_scores(gen)
+        # (a teacher alone: ppo.teacher.task_reward=false, no task reward)
+        scores = self.scorer.reward_scores(gen) if ppo.teacher.task_reward \
+            else torch.zeros(gen.response_tokens_BT.shape[0])
         metrics["timing/reward"] = time.perf_counter() - start
         bad = int((~torch.isfinite(scores)).sum())
         metrics["rollout/nonfinite_scores"] = float(bad)

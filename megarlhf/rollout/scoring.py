@@ -196,13 +196,17 @@ class Scorer:
     hooks: RolloutHooks | None = None  # during_pass()
     max_tokens: int | None = None  # packed micro-batches of at most this many tokens
     padding: dict = field(default_factory=dict)  # token positions of the passes so far
+    teacher: Role | None = None  # on-policy distillation's (ppo.teacher)
 
     def __post_init__(self):
         self.ref_offloader = Offloader(self.reference.chunks, self._offloads(self.reference))
         self.rm_offloader = Offloader(self.reward.role.chunks if self.reward.role else [],
                                       self._offloads(self.reward.role))
+        self.teacher_offloader = Offloader(self.teacher.chunks if self.teacher else [],
+                                           self._offloads(self.teacher))
         self.ref_offloader.offload()
         self.rm_offloader.offload()
+        self.teacher_offloader.offload()
 
     @staticmethod
     def _offloads(role: Role | None) -> bool:
@@ -215,6 +219,7 @@ class Scorer:
         """Bring the reference and reward models back (e.g. before handing them elsewhere)."""
         self.ref_offloader.reload()
         self.rm_offloader.reload()
+        self.teacher_offloader.reload()
 
     def score(self, role: Role, gen: Generation, rows: list[int],
               routing: str | None = None) -> list[dict]:
@@ -308,6 +313,17 @@ class Scorer:
             scored = self.score(self.reference, gen, rows)
         self.ref_offloader.offload()
         for i, res in zip(rows, scored):
+            out[i] = res["logprobs"] * gen.fed_mask_BT[i]
+        return out
+
+    def teacher_logprobs(self, gen: Generation) -> torch.Tensor:
+        """(B, T) the teacher's log-probs of every token the student sampled (zero on
+        padding; ``ppo.teacher``), the teacher loaded for its pass and offloaded after it."""
+        out = torch.zeros(gen.response_tokens_BT.shape)
+        self.teacher_offloader.reload()
+        scored = self.score(self.teacher, gen, list(range(out.shape[0])))
+        self.teacher_offloader.offload()
+        for i, res in enumerate(scored):
             out[i] = res["logprobs"] * gen.fed_mask_BT[i]
         return out
 
