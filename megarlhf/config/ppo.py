@@ -56,11 +56,11 @@ class TeacherConfig:
     """Weight of the reverse KL to the teacher; 0: no teacher."""
     kl_in: Literal["reward", "loss"] = "reward"
     """reward: -coef x k1 joins the rewards, per token for gae and reinforce_pp and summed
-    over the response off the score for rloo and grpo (as the reference's KL does; with
-    gamma 1 a token's return is the KL still to come - the on-policy distillation of
-    GKD-style trainers with a policy gradient); loss: coef x the loss_estimator's KL of the
-    current student to the teacher joins the actor's loss (GKD's on-policy loss on the
-    sampled tokens)."""
+    over the response off the score for rloo and grpo (as the reference's KL does). With
+    reinforce_pp and ppo.gamma=0 each token's return is its own KL to the teacher; with
+    gamma 1 it is the KL still to come, which also favours shorter responses. loss: coef x
+    the loss_estimator's KL of the current student to the teacher joins the actor's loss
+    (on the sampled tokens)."""
     loss_estimator: Literal["k1", "k2", "k3"] = "k2"
     """kl_in=loss: the estimator (k2's gradient is the true reverse KL's)."""
     task_reward: bool = True

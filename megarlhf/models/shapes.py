@@ -43,6 +43,15 @@ def _layer(model: ModelConfig, tp: int, prefix: str, moe_layer: bool = False, ep
         if norm_bias:
             out.append(ParamShape(f"{prefix}{name}.bias", (h,)))
 
+    def mlp(p: str, fc1_rows: int, width: int) -> None:
+        """An MLP's (an expert's) two linears: fc1 of ``fc1_rows``, fc2 from ``width``."""
+        out.append(ParamShape(p + "linear_fc1.weight", (fc1_rows, h)))
+        if bias:
+            out.append(ParamShape(p + "linear_fc1.bias", (fc1_rows,)))
+        out.append(ParamShape(p + "linear_fc2.weight", (h, width)))
+        if bias:
+            out.append(ParamShape(p + "linear_fc2.bias", (h,)))
+
     post = model.norm_placement == "post"  # OLMo 2: norms on the sublayers' outputs
     if not post:
         norm("input_layernorm")
@@ -59,29 +68,12 @@ def _layer(model: ModelConfig, tp: int, prefix: str, moe_layer: bool = False, ep
         if bias:
             out.append(ParamShape(f"{prefix}mlp.router.bias", (moe.num_experts,)))
         for j in range(moe.num_experts // ep):
-            e = f"{prefix}mlp.experts.local_experts.{j}."
-            out.append(ParamShape(e + "linear_fc1.weight", (2 * width, h)))
-            if bias:
-                out.append(ParamShape(e + "linear_fc1.bias", (2 * width,)))
-            out.append(ParamShape(e + "linear_fc2.weight", (h, width)))
-            if bias:
-                out.append(ParamShape(e + "linear_fc2.bias", (h,)))
+            mlp(f"{prefix}mlp.experts.local_experts.{j}.", 2 * width, width)
         if moe.shared_expert_ffn_hidden_size:
             shared = moe.shared_expert_ffn_hidden_size // tp
-            e = f"{prefix}mlp.shared_experts."
-            out.append(ParamShape(e + "linear_fc1.weight", (2 * shared, h)))
-            if bias:
-                out.append(ParamShape(e + "linear_fc1.bias", (2 * shared,)))
-            out.append(ParamShape(e + "linear_fc2.weight", (h, shared)))
-            if bias:
-                out.append(ParamShape(e + "linear_fc2.bias", (h,)))
+            mlp(f"{prefix}mlp.shared_experts.", 2 * shared, shared)
         return out
-    out.append(ParamShape(f"{prefix}mlp.linear_fc1.weight", (fc1, h)))
-    if bias:
-        out.append(ParamShape(f"{prefix}mlp.linear_fc1.bias", (fc1,)))
-    out.append(ParamShape(f"{prefix}mlp.linear_fc2.weight", (h, model.ffn_size // tp)))
-    if bias:
-        out.append(ParamShape(f"{prefix}mlp.linear_fc2.bias", (h,)))
+    mlp(f"{prefix}mlp.", fc1, model.ffn_size // tp)
     if model.norm_placement != "pre":  # OLMo 2, Gemma 3: the MLP's output norm
         out.append(ParamShape(f"{prefix}mlp.post_layernorm.weight", (h,)))
     return out + _adapters(model, tp, prefix + "mlp.", ("linear_fc1", "linear_fc2"))

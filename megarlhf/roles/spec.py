@@ -310,17 +310,22 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
         layout=roles.reference.parallel.over(actor_layout, model.moe.enabled),
         world_size=world_size), actor_saved)
 
+    def frozen(name: str, kind: str, saved: SavedRole | None) -> RoleSpec:
+        """A frozen role of its own checkpoint (``saved``): its model with the precision
+        fields of ``model`` and ``roles.<name>.model`` on top (any size), its layout
+        ``roles.<name>.parallel`` on top of the actor's."""
+        own = getattr(roles, name)
+        model = _model_of(f"roles.{name}", saved, cfg.model,
+                          [precision, (f"roles.{name}.model", own.model, None)], written)
+        model = dataclasses.replace(model, lora=_saved_lora(saved))  # frozen
+        return _spec(cfg, name=name, kind=kind, where=f"roles.{name}", saved=saved,
+                     model=model, layout=own.parallel.over(actor_layout, model.moe.enabled),
+                     world_size=world_size)
+
     reward_saved = None
     if reward_ckpt is not None:
         reward_saved = read(reward_ckpt, ("reward",), "roles.reward.checkpoint")
-        model = _model_of("roles.reward", reward_saved, cfg.model,
-                          [precision, ("roles.reward.model", roles.reward.model, None)],
-                          written)
-        model = dataclasses.replace(model, lora=_saved_lora(reward_saved))  # frozen
-        specs["reward"] = _spec(cfg, name="reward", kind="value", where="roles.reward",
-                                saved=reward_saved, model=model,
-                                layout=roles.reward.parallel.over(actor_layout, model.moe.enabled),
-                                world_size=world_size)
+        specs["reward"] = frozen("reward", "value", reward_saved)
 
     if ppo.advantage_estimator == "gae":
         critic_ckpt = roles.critic.checkpoint
@@ -350,17 +355,8 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
             specs["critic"] = dataclasses.replace(specs["critic"], head_affine=(
                 float(entry.get("score_gain", 1.0)), float(entry.get("score_bias", 0.0))))
     if ppo.teacher.enabled:  # on-policy distillation: any size, the actor's vocabulary
-        teacher_ckpt = roles.teacher.checkpoint
-        saved = read(teacher_ckpt, ("policy", "actor", "teacher"), "roles.teacher.checkpoint")
-        model = _model_of("roles.teacher", saved, cfg.model,
-                          [precision, ("roles.teacher.model", roles.teacher.model, None)],
-                          written)
-        model = dataclasses.replace(model, lora=_saved_lora(saved))  # frozen
-        specs["teacher"] = _spec(cfg, name="teacher", kind="lm", where="roles.teacher",
-                                 saved=saved, model=model,
-                                 layout=roles.teacher.parallel.over(actor_layout,
-                                                                    model.moe.enabled),
-                                 world_size=world_size)
+        specs["teacher"] = frozen("teacher", "lm", read(
+            roles.teacher.checkpoint, ("policy", "actor", "teacher"), "roles.teacher.checkpoint"))
     specs = {name: dataclasses.replace(spec, offload="none" if spec.adapters_off else
                                        _offload_of(cfg, name, spec.trained))
              for name, spec in specs.items()}
