@@ -328,7 +328,7 @@ def reshard(s: dict) -> None:
     cfg = load_config(None, model_overrides(s) + [f"model.vocab_size={s['vocab']}"])
     start(cfg)
     actor = build_from_config(cfg, kind="lm", trained=True)
-    inference = build_inference_model(actor.spec, inference_layout(1))
+    inference = build_inference_model(actor.spec, inference_layout(1, actor.spec.model))
     resharder = Resharder(actor.chunks, inference)
     first = resharder()
     steady = sorted(resharder().seconds for _ in range(5))[2]

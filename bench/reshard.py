@@ -44,7 +44,7 @@ def worker(size: str) -> None:
             init_distributed(cfg)
         actor = build_from_config(cfg, kind="lm")
         layout, chunks = actor.layout, actor.chunks
-        inf = inference_layout(rtp)
+        inf = inference_layout(rtp, actor.spec.model)
         inf_model = build_inference_model(actor.spec, inf)
         resharder = Resharder(chunks, inf_model)
         first = resharder()

@@ -41,7 +41,7 @@ def case(name, tp, pp, rollout_tp, results, offload_variants=(True,)):
     reward = build_role_from(cfg, "value", seed_offset=3)
     reward.saved = {"score_gain": 0.5, "score_bias": 0.1}
     layout = actor.layout
-    inf_layout = inference_layout(rollout_tp)
+    inf_layout = inference_layout(rollout_tp, actor.spec.model)
     inf_model = build_inference_model(actor.spec, inf_layout)
     out = {}
     for variant in offload_variants:

@@ -128,7 +128,7 @@ def reshard_case(results: dict) -> None:
 
     cfg = make_config("llama", 1, 1, extra=("optimizer.lr=0.01",))
     actor = build(cfg, "lm", trained=True, seed_offset=5)
-    layout = inference_layout(1)
+    layout = inference_layout(1, actor.spec.model)
     inference = build_inference_model(actor.spec, layout)
     stats = Resharder(actor.chunks, inference)()
     seqs = fixed_sequences(4)
