@@ -83,6 +83,7 @@ def test_a_teacher_that_is_the_student_teaches_nothing(tiny_checkpoints, tmp_pat
     assert first["ppo/policy/teacher_loss"] == pytest.approx(0.0, abs=1e-7)
 
 
+@pytest.mark.extended
 def test_a_teacher_at_tp2_scores_as_in_one_process(tiny_checkpoints, tmp_path):
     """The teacher (the SFT policy's earlier checkpoint: another model than the student)
     at TP=2 while the student trains at TP=1 x DP=2: the first iteration's reverse KL to it
