@@ -120,25 +120,9 @@ class Episodes:
 
     def observation_tokens(self, ep: Episode, turn_text: str, stop_id: int,
                            obs: list[dict]) -> list[int]:
-        """The tokens after the model's stop token up to the next generation prompt: what
-        the template writes after the assistant's turn, the observation's messages and the
-        generation prompt."""
-        said = ep.messages + [{"role": "assistant", "content": turn_text}]
-        before = self.template.render(said, add_generation_prompt=False, tools=ep.tools)
-        after = self.template.render(said + obs, add_generation_prompt=True, tools=ep.tools)
-        if not after.startswith(before):
-            raise ValueError(f"the chat template {self.template.origin} does not render an "
-                             "observation as an extension of the conversation")
-        # the stop token as the template writes it: its decoded text, or its piece for a
-        # control token a decoder leaves out (sentencepiece's </s>)
-        stop_text = self.tokenizer.decode([stop_id]) or self.pieces[stop_id]
-        end = before.rfind(stop_text)
-        if end < 0:
-            raise ValueError(f"the chat template {self.template.origin} does not end the "
-                             f"assistant's turn with the token the model stopped with "
-                             f"({stop_text!r})")
-        ep.messages = said + obs
-        return self.tokenizer.encode(before[end + len(stop_text):] + after[len(before):])
+        """:func:`observation_tokens` of this sampler's template."""
+        return observation_tokens(self.template, self.tokenizer, self.pieces, ep, turn_text,
+                                  stop_id, obs)
 
     # -------------------------------------------------------------- the loop
 
@@ -227,28 +211,12 @@ class Episodes:
         the largest KV cache it took. One pass per cap on the new tokens: a row near
         data.max_seq_len samples no further than its room, the others their
         rollout.max_new_tokens."""
-        caps: dict[int, list[int]] = {}
-        for j in live:
-            room = self.data.max_seq_len - len(episodes[j])
-            caps.setdefault(min(params.max_new_tokens, room), []).append(j)
-        turns: dict[int, tuple[list[int], list[float]]] = {}
-        kv_bytes = 0
-        for cap, rows in sorted(caps.items()):
-            turn_params = dataclasses.replace(params, max_new_tokens=cap)
-            turn_stats: dict = {}
-            gen = generate(model, [episodes[j].prompt + episodes[j].tokens for j in rows],
-                           turn_params, eos_id=eos_id, pad_id=pad_id,
-                           true_vocab=true_vocab, stats=turn_stats,
-                           row_seeds=[derive_seed("turn", seed, indices[j], turn)
-                                      for j in rows])
-            kv_bytes = max(kv_bytes, turn_stats["kv_cache_bytes"])
-            for key in ("decode_slots", "idle_decode_slots"):
-                stats[key] = stats.get(key, 0) + turn_stats[key]
-            for b, j in enumerate(rows):
-                n = int(gen.fed_mask_BT[b].sum())
-                turns[j] = (gen.response_tokens_BT[b, :n].tolist(),
-                            gen.logprobs_BT[b, :n].tolist())
-        return turns, kv_bytes
+        caps = {j: min(params.max_new_tokens, self.data.max_seq_len - len(episodes[j]))
+                for j in live}
+        return sample_turns(model, {j: episodes[j].prompt + episodes[j].tokens for j in live},
+                            caps, {j: derive_seed("turn", seed, indices[j], turn) for j in live},
+                            params, eos_id=eos_id, pad_id=pad_id, true_vocab=true_vocab,
+                            stats=stats)
 
     def _cached_turn(self, cache: TurnCache, episodes: list[Episode], live: list[int],
                      indices: list[int], seed: int, turn: int, params: SamplingParams,
@@ -265,21 +233,7 @@ class Episodes:
         return turns, cache.cache_bytes()
 
     def _count(self, episodes: list[Episode], indices: list[int], stats: dict) -> None:
-        """The leader's episode counts into ``stats`` (see :func:`episode_metrics`)."""
-        stats["episodes"] = stats.get("episodes", 0) + len(episodes)
-        stats["turns"] = stats.get("turns", 0) + sum(ep.turns for ep in episodes)
-        stats["started"] = stats.get("started", 0) + sum(ep.turns > 0 for ep in episodes)
-        stats["env_done"] = stats.get("env_done", 0) + sum(ep.env_done for ep in episodes)
-        stats["observation_tokens"] = stats.get("observation_tokens", 0) \
-            + sum(ep.obs_tokens for ep in episodes)
-        stats["tool_errors"] = stats.get("tool_errors", 0) + sum(
-            ep.tool_errors for ep in episodes)
-        for ep, index in zip(episodes, indices):
-            if ep.failure is not None:
-                key = "timeouts" if ep.failure.kind == "timeout" else "failed"
-                stats[key] = stats.get(key, 0) + 1
-                stats.setdefault("first_failure", f"rollout.environment.name={self.path}: "
-                                 f"sample {index}: {ep.failure.message}")
+        count_episodes(episodes, indices, stats, f"rollout.environment.name={self.path}")
 
     def _step(self, episodes: list[Episode], stepped: list, turn: int, host,
               max_len: int) -> dict:
@@ -334,6 +288,49 @@ class Episodes:
         return Step(reward, tokens, StepEnd.GOES_ON)
 
 
+def observation_tokens(template, tokenizer, pieces: list[str], ep: Episode, turn_text: str,
+                       stop_id: int, obs: list[dict]) -> list[int]:
+    """The tokens after the model's stop token up to the next generation prompt: what
+    ``template`` writes after the assistant's turn, the observation's messages and the
+    generation prompt (``ep.messages`` moves on past them)."""
+    said = ep.messages + [{"role": "assistant", "content": turn_text}]
+    before = template.render(said, add_generation_prompt=False, tools=ep.tools)
+    after = template.render(said + obs, add_generation_prompt=True, tools=ep.tools)
+    if not after.startswith(before):
+        raise ValueError(f"the chat template {template.origin} does not render an "
+                         "observation as an extension of the conversation")
+    # the stop token as the template writes it: its decoded text, or its piece for a
+    # control token a decoder leaves out (sentencepiece's </s>)
+    stop_text = tokenizer.decode([stop_id]) or pieces[stop_id]
+    end = before.rfind(stop_text)
+    if end < 0:
+        raise ValueError(f"the chat template {template.origin} does not end the "
+                         f"assistant's turn with the token the model stopped with "
+                         f"({stop_text!r})")
+    ep.messages = said + obs
+    return tokenizer.encode(before[end + len(stop_text):] + after[len(before):])
+
+
+def count_episodes(episodes: list[Episode], indices: list[int], stats: dict,
+                   source: str) -> None:
+    """The leader's episode counts into ``stats`` (see :func:`episode_metrics`); the first
+    failure named with ``source`` (the environment or agent setting)."""
+    stats["episodes"] = stats.get("episodes", 0) + len(episodes)
+    stats["turns"] = stats.get("turns", 0) + sum(ep.turns for ep in episodes)
+    stats["started"] = stats.get("started", 0) + sum(ep.turns > 0 for ep in episodes)
+    stats["env_done"] = stats.get("env_done", 0) + sum(ep.env_done for ep in episodes)
+    stats["observation_tokens"] = stats.get("observation_tokens", 0) \
+        + sum(ep.obs_tokens for ep in episodes)
+    stats["tool_errors"] = stats.get("tool_errors", 0) + sum(
+        ep.tool_errors for ep in episodes)
+    for ep, index in zip(episodes, indices):
+        if ep.failure is not None:
+            key = "timeouts" if ep.failure.kind == "timeout" else "failed"
+            stats[key] = stats.get(key, 0) + 1
+            stats.setdefault("first_failure", f"{source}: sample {index}: "
+                             f"{ep.failure.message}")
+
+
 def _from_leader(group, obj):
     """The TP leader's ``obj`` on every TP rank of the replica (``group``)."""
     if group.size() == 1:
@@ -341,6 +338,35 @@ def _from_leader(group, obj):
     got = [obj]
     dist.broadcast_object_list(got, src=dist.get_global_rank(group, 0), group=group)
     return got[0]
+
+
+def sample_turns(model, seqs: dict[int, list[int]], caps: dict[int, int],
+                 seeds: dict[int, int], params: SamplingParams, *, eos_id: int, pad_id: int,
+                 true_vocab: int, stats: dict
+                 ) -> tuple[dict[int, tuple[list[int], list[float]]], int]:
+    """The next turn of each conversation ``seqs`` ({episode: its tokens so far}), at most
+    ``caps[episode]`` tokens drawn with ``seeds[episode]``: ({episode: (sampled tokens, their
+    log-probs)}, the largest KV cache it took). One static batch per cap; ``stats`` adds
+    the decode slots."""
+    by_cap: dict[int, list[int]] = {}
+    for j in seqs:
+        by_cap.setdefault(caps[j], []).append(j)
+    turns: dict[int, tuple[list[int], list[float]]] = {}
+    kv_bytes = 0
+    for cap, rows in sorted(by_cap.items()):
+        turn_params = dataclasses.replace(params, max_new_tokens=cap)
+        turn_stats: dict = {}
+        gen = generate(model, [seqs[j] for j in rows], turn_params, eos_id=eos_id,
+                       pad_id=pad_id, true_vocab=true_vocab, stats=turn_stats,
+                       row_seeds=[seeds[j] for j in rows])
+        kv_bytes = max(kv_bytes, turn_stats["kv_cache_bytes"])
+        for key in ("decode_slots", "idle_decode_slots"):
+            stats[key] = stats.get(key, 0) + turn_stats[key]
+        for b, j in enumerate(rows):
+            n = int(gen.fed_mask_BT[b].sum())
+            turns[j] = (gen.response_tokens_BT[b, :n].tolist(),
+                        gen.logprobs_BT[b, :n].tolist())
+    return turns, kv_bytes
 
 
 def _fail(ep: Episode, failure: Failure) -> None:
