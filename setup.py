@@ -21,14 +21,16 @@ INSTALL_REQUIRES = [
     "tqdm",
     "tensorboard",
     "matplotlib",
+    "fastapi",  # the agents' OpenAI-compatible endpoint (rollout.agent), on uvicorn
+    "uvicorn",
 ]
 
 EXTRAS = {
     "fp8": ["transformer-engine[pytorch]"],
     # transformers, trl and peft are oracles; trl's GRPOTrainer (bench/async_grpo.py)
-    # imports requests, which trl does not declare
+    # imports requests, which trl does not declare; openai is the agents' client
     "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers", "trl==1.12.0",
-             "peft==0.21.2", "requests"],
+             "peft==0.21.2", "requests", "openai"],
     "wandb": ["wandb"],
 }
 

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 def longest_ppo_sample(cfg: Config) -> int:
     """The longest sample a PPO run keeps: ``data.max_prompt_len`` +
-    ``rollout.max_new_tokens``, or an environment's episode, up to ``data.max_seq_len``."""
-    if cfg.rollout.environment.name:
+    ``rollout.max_new_tokens``, or an episode (an environment's or an agent's), up to ``data.max_seq_len``."""
+    if cfg.rollout.episodic:
         return cfg.data.max_seq_len
     return cfg.data.max_prompt_len + cfg.rollout.max_new_tokens

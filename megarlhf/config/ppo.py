@@ -265,6 +265,63 @@ class EnvironmentConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class AgentConfig:
+    """``rollout.agent``: episodes played by an agent program through an OpenAI-compatible
+    endpoint the rollout serves on loopback (docs/agents.md)."""
+
+    entry: str | None = None
+    """An agent as a Python function 'package.module:function(row, *, base_url, api_key,
+    model) -> reward or None', run in a process of its own per episode: it plays the data
+    row's episode by calling the OpenAI API at base_url (the official client, or any HTTP
+    client) and returns the episode's reward (None: rollout.rewards.fn or url scores it)."""
+    command: str | None = None
+    """An agent as a program, run per episode (split as a shell would split it, not run by
+    a shell) with OPENAI_BASE_URL, OPENAI_API_KEY, MEGARLHF_AGENT_MODEL and
+    MEGARLHF_AGENT_ROW (the row as JSON; also on its stdin) in its environment; the last
+    line it prints is the reward (a JSON number, or null for rollout.rewards.fn / url)."""
+    model_name: str = "policy"
+    """The model name the endpoint serves (a request for another gets 404,
+    model_not_found)."""
+    max_requests: int = 4
+    """Model requests per episode at most (as rollout.environment.max_turns counts turns);
+    the next one is answered with an error and the episode keeps what it has."""
+    tool_format: Literal["hermes", "llama3_json"] | None = None
+    """How the model writes tool calls: a chat reply's calls are parsed from its text and
+    returned as the API's tool_calls (a call that does not parse comes back as text and
+    counts in rollout/tool_call_errors). None: replies are text only."""
+    batch_wait_s: float = 0.05
+    """How long a request waits for the other agents' requests to batch with when some
+    agents are still busy elsewhere (their tools, their own code); a batch is sampled at
+    once when every running agent is waiting on the model."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.entry is not None or self.command is not None
+
+    @property
+    def name(self) -> str:
+        """The agent as the config names it, for messages."""
+        return f"rollout.agent.entry={self.entry}" if self.entry is not None else \
+            f"rollout.agent.command={self.command}"
+
+    def __post_init__(self):
+        require(self.max_requests >= 1, "rollout.agent.max_requests", self.max_requests,
+                "must be >= 1")
+        require(self.batch_wait_s >= 0, "rollout.agent.batch_wait_s", self.batch_wait_s,
+                "must be >= 0")
+        require(bool(self.model_name), "rollout.agent.model_name", self.model_name,
+                "must not be empty")
+        require(self.entry is None or self.command is None, "rollout.agent.entry",
+                self.entry, "and rollout.agent.command are two agents: choose one")
+        if self.entry is not None:
+            require(":" in self.entry, "rollout.agent.entry", self.entry,
+                    "must look like 'package.module:function'")
+        if self.command is not None:
+            require(bool(self.command.strip()), "rollout.agent.command", self.command,
+                    "must not be empty")
+
+
+@dataclass(kw_only=True, frozen=True)
 class PPOConfig:
     rollout_batch_size: int = 64
     """Prompts per PPO iteration (global, all data-parallel ranks)."""
@@ -494,6 +551,8 @@ class RolloutConfig:
     """Reward functions and servers: user code, run in worker processes."""
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     """Multi-turn episodes with an environment."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Episodes played by an agent program through an OpenAI-compatible endpoint."""
     offload_frozen_models: bool = True
     """Offload reference and reward models between their scoring passes (the default of
     roles.reference.offload / roles.reward.offload)."""
@@ -555,10 +614,16 @@ class RolloutConfig:
             require(self.rewards.fn is None and self.rewards.url is None,
                     "rollout.environment.name", env.name, "gives the rewards: unset "
                     "rollout.rewards.fn and rollout.rewards.url")
+            require(not self.agent.enabled, "rollout.environment.name", env.name,
+                    f"and {self.agent.name} are two sources of episodes: choose one")
+        if self.episodic:
+            source = "rollout.environment" if env.name is not None else "rollout.agent"
             require(self.stop_at_eos, "rollout.stop_at_eos", self.stop_at_eos,
-                    "must be true with rollout.environment (a turn ends at its stop token)")
-            require(self.decode_slots is None and not place.partial, "rollout.environment.name",
-                    env.name, "samples each turn as one static batch: unset "
+                    f"must be true with {source} (a turn ends at its stop token)")
+            field_name, value = ("rollout.environment.name", env.name) if env.name else \
+                self.agent.name.split("=", 1)
+            require(self.decode_slots is None and not place.partial, field_name, value,
+                    "samples each turn as one static batch: unset "
                     "rollout.decode_slots and rollout.placement.partial")
         require(self.temperature > 0, "rollout.temperature", self.temperature,
                 "must be > 0 (use rollout.greedy=true for argmax)")
@@ -575,3 +640,8 @@ class RolloutConfig:
                 self.forward_max_tokens_per_micro_batch, "must be >= 1, or null")
         require(self.ref_cache_size >= 0, "rollout.ref_cache_size", self.ref_cache_size,
                 "must be >= 0 (0 turns the reference log-prob cache off)")
+
+    @property
+    def episodic(self) -> bool:
+        """Multi-turn episodes (an environment's or an agent's) rather than prompts."""
+        return self.environment.name is not None or self.agent.enabled

@@ -333,7 +333,7 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
         raise ConfigError(f"ppo.overlong_buffer={ppo.overlong_buffer} must be below "
                          f"rollout.max_new_tokens={rollout.max_new_tokens}")
     longest = longest_ppo_sample(cfg)
-    sample = "data.max_seq_len (an environment's episode)" if rollout.environment.name \
+    sample = "data.max_seq_len (an episode)" if rollout.episodic \
         else "data.max_prompt_len + rollout.max_new_tokens"
     for field, budget in (("ppo.max_tokens_per_micro_batch", ppo.max_tokens_per_micro_batch),
                           ("rollout.forward_max_tokens_per_micro_batch",
@@ -360,14 +360,17 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
         raise ConfigError("the actor needs a checkpoint: set ppo.sft_checkpoint (or "
                           "roles.actor.checkpoint) to an SFT run's checkpoints")
     reward_model = roles.reward.checkpoint is not None
-    programmatic = rollout.rewards.fn or rollout.rewards.url or rollout.environment.name
+    agent = rollout.agent
+    programmatic = rollout.rewards.fn or rollout.rewards.url or rollout.environment.name \
+        or agent.enabled
     which = "rollout.rewards.fn" if rollout.rewards.fn else "rollout.rewards.url" \
-        if rollout.rewards.url else "rollout.environment.name"
+        if rollout.rewards.url else "rollout.environment.name" \
+        if rollout.environment.name else agent.name.split("=")[0]
     teacher = ppo.teacher
     if not reward_model and not programmatic and not planning and teacher.task_reward:
         raise ConfigError("set ppo.reward_checkpoint (or roles.reward.checkpoint), "
-                          "rollout.rewards.fn, rollout.rewards.url or rollout.environment.name"
-                          " (or distil from a teacher alone: ppo.teacher.coef > 0 with "
+                          "rollout.rewards.fn, rollout.rewards.url, rollout.environment.name "
+                          "or rollout.agent.entry (or distil from a teacher alone: ppo.teacher.coef > 0 with "
                           "ppo.teacher.task_reward=false)")
     if not teacher.task_reward and (reward_model or programmatic):
         raise ConfigError("ppo.teacher.task_reward=false scores nothing with the task's "
@@ -389,12 +392,24 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
         if said("rollout.environment", name) and not rollout.environment.name:
             raise ConfigError(f"rollout.environment.{name} has no effect without "
                               "rollout.environment.name")
-    if rollout.environment.name and rollout.routing_replay != "none":
-        raise ConfigError("rollout.routing_replay does not take rollout.environment.name yet (the "
+    for name in ("model_name", "max_requests", "tool_format", "batch_wait_s"):
+        if said("rollout.agent", name) and not agent.enabled:
+            raise ConfigError(f"rollout.agent.{name} has no effect without "
+                              "rollout.agent.entry or rollout.agent.command")
+    if agent.enabled and not (rollout.rewards.fn or rollout.rewards.url):
+        for name in ("workers", "batch"):
+            if said("rollout.rewards", name):
+                raise ConfigError(f"rollout.rewards.{name} has no effect with {agent.name} "
+                                  "and no rollout.rewards.fn or url: each episode's agent "
+                                  "runs in a process of its own")
+    source = "rollout.environment.name" if rollout.environment.name else \
+        agent.name.split("=")[0]
+    if rollout.episodic and rollout.routing_replay != "none":
+        raise ConfigError(f"rollout.routing_replay does not take {source} yet (the "
                           "turns' expert choices are not recorded)")
-    if rollout.environment.name and ppo.gold_reward_fn:
-        raise ConfigError("ppo.gold_reward_fn has no effect with rollout.environment.name: the "
-                          "evaluation plays the environment's episodes, and their return is "
+    if rollout.episodic and ppo.gold_reward_fn:
+        raise ConfigError(f"ppo.gold_reward_fn has no effect with {source}: the "
+                          "evaluation plays the episodes, and their return is "
                           "eval/gold_score")
     if reward_model and programmatic:
         raise ConfigError(f"both a reward-model checkpoint and {which} are set: choose one "

@@ -64,9 +64,11 @@ class ChatTemplate:
 
 
 def check_messages(messages, where: str, *, needs_assistant: bool,
-                   ends_with_assistant: bool = False) -> list[dict]:
-    """A conversation as a list of {role, content} with known roles and non-empty text;
-    errors name ``where`` (file, row, column) and the turn."""
+                   ends_with_assistant: bool = False, empty_assistant: bool = False
+                   ) -> list[dict]:
+    """A conversation as a list of {role, content} with known roles and non-empty text
+    (an assistant's may be empty with ``empty_assistant``: a model's turn as it was
+    sampled); errors name ``where`` (file, row, column) and the turn."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: a conversation must be a non-empty list of "
                          f"{{'role', 'content'}} messages, got {type(messages).__name__}")
@@ -84,7 +86,8 @@ def check_messages(messages, where: str, *, needs_assistant: bool,
                 raise ValueError(f"{turn} ({role}): only an assistant turn has tool_calls")
             from megarlhf.data.tools import check_tool_calls
             calls = check_tool_calls(calls, turn)
-        if not isinstance(content, str) or (not content.strip() and not calls):
+        if not isinstance(content, str) or (not content.strip() and not calls and not (
+                empty_assistant and role == "assistant")):
             raise ValueError(f"{turn} ({role}): empty content")
         out.append({"role": role, "content": content, **({"tool_calls": calls} if calls
                                                          else {})})

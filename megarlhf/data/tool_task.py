@@ -22,6 +22,7 @@ import os
 import random
 
 from megarlhf.data.synthetic import COLOURS, NOUNS, write_jsonl
+from megarlhf.data.tools import ToolCallError, error_observation, parse_tool_calls
 
 LOOKUP = {"type": "function", "function": {
     "name": "lookup", "description": "the colour of a noun",
@@ -78,6 +79,49 @@ class LookupEnv:
                             else f"no tool named {call['name']}"})
             return out, 0.0, False
         return [], float(turn["text"].strip() == self.answer), True
+
+
+def lookup_agent(row: dict, *, base_url: str, api_key: str, model: str) -> float:
+    """The tool task as an agent program plays it (``rollout.agent.entry``,
+    configs/demo/tool_agent.yaml): the OpenAI chat API over HTTP (the standard library's
+    client here; any client will do), the lookup tool answered as :class:`LookupEnv`
+    answers it, the reply without a call scored as its answer. A request the endpoint
+    refuses (the episode's turns or room are spent) ends the episode at 0."""
+    import urllib.error
+    import urllib.request
+
+    env = LookupEnv()
+    messages = env.reset(row)
+
+    def ask() -> dict | None:
+        body = json.dumps({"model": model, "messages": messages, "tools": env.tools})
+        request = urllib.request.Request(f"{base_url}/chat/completions", data=body.encode(),
+                                         headers={"Content-Type": "application/json",
+                                                  "Authorization": f"Bearer {api_key}"})
+        try:
+            with urllib.request.urlopen(request, timeout=600) as answer:
+                return json.loads(answer.read())["choices"][0]
+        except urllib.error.HTTPError as err:
+            if err.code == 400:  # no more turns in this episode
+                return None
+            raise
+
+    while (choice := ask()) is not None and choice["finish_reason"] != "length":
+        message = choice["message"]
+        calls = [{"name": c["function"]["name"],
+                  "arguments": json.loads(c["function"]["arguments"])}
+                 for c in message.get("tool_calls") or []]
+        try:  # a call the endpoint could not parse comes back as text
+            parse_tool_calls(message["content"] or "", "hermes")
+        except ToolCallError as err:  # answered as the environment path answers it
+            messages += [message, error_observation(err)]
+            continue
+        observation, reward, done = env.step({"text": message["content"] or "",
+                                              "tool_calls": calls})
+        if done:
+            return reward
+        messages += [message] + observation
+    return 0.0
 
 
 def sft_conversation(rng: random.Random, tool_share: float) -> dict:

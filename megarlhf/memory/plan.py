@@ -133,8 +133,9 @@ class _PPOPlanner:
         self._static: dict = {}
         # multi-turn episodes: the replica's cache kept across turns (speedups.turn_kv), or
         # a turn's static batch, a conversation of up to data.max_seq_len tokens
-        self.episode_columns = None if not r.environment.name else \
-            turn_kv.columns(cfg.data.max_seq_len) if speedups.chosen("turn_kv") \
+        self.episode_columns = None if not r.episodic else \
+            turn_kv.columns(cfg.data.max_seq_len) \
+            if speedups.chosen("turn_kv") and r.environment.name \
             else cfg.data.max_seq_len
 
     def rollout_kv(self, rows: int) -> float:

@@ -26,7 +26,7 @@ from megarlhf.roles.spec import batch_sizes, ppo_role_specs
 from megarlhf.roles.build import Role, build_role
 from megarlhf.parallel.launch import init_distributed, read_dist_env
 from megarlhf.parallel.placement import Split
-from megarlhf.rollout.episodes import Episodes
+from megarlhf.rollout.agents import episode_sampler
 from megarlhf.rollout.experience import ExperienceMaker, Sampled
 from megarlhf.inference.reshard import Resharder, build_inference_model, inference_layout
 from megarlhf.rollout.sampling import Sampler
@@ -118,8 +118,8 @@ class PPOSession:
         self.sizes = batch_sizes(cfg, specs, world)
         forward_tokens = forward_budget(cfg)
         self.cfg, self.tokenizer = cfg, tokenizer
-        # an environment's episodes start from data rows (its reset), else from prompts
-        read = (lambda path: episode_rows(path, cfg.data)) if r.environment.name else \
+        # episodes (an environment's, an agent's) start from data rows, else from prompts
+        read = (lambda path: episode_rows(path, cfg.data)) if r.episodic else \
             (lambda path: tokenize_dataset(path, "prompt", cfg.data, tokenizer))
         self.prompts = read(cfg.data.train_path)
         self.eval_prompts = read(cfg.data.eval_path) if cfg.data.eval_path else None
@@ -127,7 +127,9 @@ class PPOSession:
             if ds is not None:
                 print0(f"[ppo] {ds.report()}")
         # a programmatic reward: a function in worker processes, or a reward server
-        reward_fn = make_verifier(r.rewards, fn_path=r.rewards.fn) if r.rewards.fn else \
+        # (an agent's episodes are scored where they are played: rollout.agents)
+        reward_fn = None if r.agent.enabled else \
+            make_verifier(r.rewards, fn_path=r.rewards.fn) if r.rewards.fn else \
             make_verifier(r.rewards, url=r.rewards.url) if r.rewards.url else None
         self.ptx = PtxData(cfg, tokenizer, self.sizes["actor"].num_mini_batches) \
             if ppo.ptx_coef > 0 else None
@@ -154,8 +156,7 @@ class PPOSession:
                                eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                                release_inference=r.release_inference_weights,
                                end_ids=tokenizer.end_ids,
-                               episodes=Episodes(r.environment, r.rewards, cfg.data, tokenizer)
-                               if r.environment.name else None)
+                               episodes=episode_sampler(r, cfg.data, tokenizer))
         self.scorer = Scorer(r, self.actor, self.reference, reward, self.critic,
                              pad_id=tokenizer.pad_id,
                              micro_batch_size=r.forward_micro_batch_size

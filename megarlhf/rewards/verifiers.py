@@ -73,17 +73,17 @@ def _chunks(n: int, size: int) -> list[list[int]]:
     return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
 
-def load_reward_fn(path: str) -> Callable:
-    """``package.module:function`` -> the function."""
+def load_reward_fn(path: str, what: str = "reward function") -> Callable:
+    """``package.module:function`` -> the function (``what`` names it in errors)."""
     if ":" not in path:
-        raise ValueError(f"reward function {path!r} must look like 'package.module:function'")
+        raise ValueError(f"{what} {path!r} must look like 'package.module:function'")
     module, name = path.split(":", 1)
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as err:
-        raise ValueError(f"cannot import reward function {path!r}: {err}") from None
+        raise ValueError(f"cannot import {what} {path!r}: {err}") from None
     if not callable(fn):
-        raise ValueError(f"reward function {path!r} is not callable")
+        raise ValueError(f"{what} {path!r} is not callable")
     return fn
 
 

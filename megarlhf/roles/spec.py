@@ -272,7 +272,7 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
     actor_ckpt = roles.actor.checkpoint
     reward_ckpt = roles.reward.checkpoint
     if planning and reward_ckpt is None and cfg.rollout.rewards.fn is None \
-            and cfg.rollout.rewards.url is None and cfg.rollout.environment.name is None:
+            and cfg.rollout.rewards.url is None and not cfg.rollout.episodic:
         reward_ckpt = ""  # a reward model of the config's model
     actor_layout = roles.actor.parallel.over(cfg.parallel.layout)
     precision = ("model", cfg.model, PRECISION_FIELDS)

@@ -454,7 +454,7 @@ def episode_metrics(stats: dict, on_error: str) -> dict[str, float]:
         from megarlhf.parallel.gather import gather_objects
         first = next(m for m in gather_objects(stats.get("first_failure")) if m)
         raise RewardError(first + (" - and no episode of the batch reached its first turn: "
-                                   "the environment is broken" if broken else
+                                   "the environment (or agent) is broken" if broken else
                                    " (rollout.rewards.on_error=stop; set it to penalty to "
                                    "score such episodes rollout.rewards.error_score)"))
     n = max(got["episodes"], 1.0)

@@ -50,7 +50,8 @@ from megarlhf.models import lora, moe
 from megarlhf.parallel import signals, watchdog
 from megarlhf.parallel.placement import Split
 from megarlhf.parallel.signals import install_handlers
-from megarlhf.rollout.episodes import Episodes, episode_metrics
+from megarlhf.rollout.agents import episode_sampler
+from megarlhf.rollout.episodes import episode_metrics
 from megarlhf.inference.generate import Generation
 from megarlhf.inference.reshard import (build_inference_model, inference_layout,
                                       release_inference_weights)
@@ -318,8 +319,7 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
                         f"rank {sender} sent (SHA-256 {bytes(held).hex()[:16]} against "
                         f"{bytes(sent).hex()[:16]})")
 
-    episodes = Episodes(cfg.rollout.environment, cfg.rollout.rewards, cfg.data, tokenizer) \
-        if cfg.rollout.environment.name else None
+    episodes = episode_sampler(cfg.rollout, cfg.data, tokenizer)
     version, served = None, 0
     while True:
         with watchdog.phase("waiting for a request from the training ranks"):
@@ -327,6 +327,8 @@ def serve(cfg: Config, tokenizer, split: Split, actor_spec) -> int:
             dist.broadcast_object_list(got, src=0)
         request = got[0]
         if request["cmd"] == "stop":
+            if episodes is not None:
+                episodes.close()
             return served
         if request["sync"]:
             take_weights(request["version"])

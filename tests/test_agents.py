@@ -1,0 +1,242 @@
+"""Episodes played by agent programs through the rollout's OpenAI-compatible endpoint
+(``rollout.agent``, issue 62): the official ``openai`` client over real HTTP on loopback,
+episodes recorded as tokens and trained as an environment's, the API's error shapes, and
+agents that fail."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from conftest import WORKERS, run_cli
+from megarlhf.data.synthetic import COLOURS, NOUNS, write_jsonl
+from megarlhf.data.tool_task import write_tool_task
+
+ENV = {"PYTHONPATH": os.pathsep.join([WORKERS, os.environ.get("PYTHONPATH", "")])}
+AGENT = ["rollout.agent.entry=agents:by_row"]  # over configs/demo/tool_agent.yaml
+
+
+def answer_of(noun: str) -> str:
+    return COLOURS[(NOUNS.index(noun) + 1) % len(COLOURS)]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    """The tool task's tokenizer and a tiny SFT policy that calls the tool some of the
+    time (as tests/test_multiturn.py's), and rows naming the agent that plays each."""
+    tmp = tmp_path_factory.mktemp("agents")
+    files = write_tool_task(str(tmp / "task"), seed=0, num_sft=512)
+    run_cli("sft", "configs/demo/tool_sft.yaml", f"tokenizer.path={files['tokenizer']}",
+            f"data.train_path={files['sft']}", f"run.output_dir={tmp}",
+            "checkpoint.resume=false", "logging.progress_bar=false", "train.max_steps=120")
+    common = [f"tokenizer.path={files['tokenizer']}", "data.eval_path=null", f"ppo.sft_checkpoint={tmp}/tool-sft/checkpoints",
+              "checkpoint.resume=false", "logging.progress_bar=false",
+              "logging.sample_table_interval=0", "ppo.group_size=2", "optimizer.lr=1e-3"]
+    return {"tmp": tmp, "files": files, "common": common}
+
+
+def rows_file(task, name: str, agents: list[str]) -> str:
+    rows = [{"noun": NOUNS[i % len(NOUNS)], "answer": answer_of(NOUNS[i % len(NOUNS)]),
+             "agent": agent} for i, agent in enumerate(agents)]
+    return write_jsonl(str(task["tmp"] / f"{name}.jsonl"), rows)
+
+
+def ppo(task, name: str, rows: str, *extra: str, check: bool = True, env=None,
+        config: str = "tool_agent"):
+    """``megarlhf ppo`` on configs/demo/<config>.yaml: (the process, the run's folder, the
+    folder the agents wrote what they saw to)."""
+    out = task["tmp"] / name
+    dump = task["tmp"] / f"{name}_dump"
+    dump.mkdir(exist_ok=True)
+    proc = run_cli("ppo", f"configs/demo/{config}.yaml", *task["common"],
+                   f"data.train_path={rows}", f"run.output_dir={out}", *extra, check=check,
+                   env={**ENV, "AGENT_DUMP": str(dump), **(env or {})})
+    return proc, out / config.replace("_", "-"), dump
+
+
+def metrics(run) -> list[dict]:
+    return [json.loads(line) for line in open(run / "metrics.jsonl")]
+
+
+def queued(run, iteration: int) -> dict:
+    return torch.load(run / "checkpoints" / f"iter_{iteration:06d}" / "rollout_queue.pt",
+                      weights_only=True)["batches"][str(iteration)]["gen"]
+
+
+def dumps(folder) -> list[dict]:
+    return [json.load(open(path)) for path in sorted(glob.glob(str(folder / "*.json")))]
+
+
+STALE = ["ppo.num_iterations=2", "ppo.max_staleness=1", "checkpoint.save_interval=1",
+         "checkpoint.keep_last=2", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=16",
+         "ppo.micro_batch_size=8"]
+
+
+def test_an_agent_plays_the_episodes_an_environment_plays(task):
+    """The tool task played by the demo's agent program through the endpoint
+    (configs/demo/tool_agent.yaml: megarlhf.data.tool_task:lookup_agent, which answers
+    the tool as LookupEnv does) and by the environment itself (configs/demo/
+    tool_grpo.yaml), from the same policy and seed: the batch waiting in the checkpoint
+    is the same - prompts, every token, the masks of the model's and the environment's
+    tokens, the rewards at each token - and so is the training on it (losses within
+    1e-6). Catches re-tokenized turns or observations, a reply echoed back that is
+    rendered otherwise than the environment's turn, seeds that differ from the
+    environment path's, and a reward at the wrong token."""
+    rows = rows_file(task, "lookup_rows", ["lookup"] * 8)
+    _, env_run, _ = ppo(task, "as_env", rows, *STALE, config="tool_grpo")
+    _, agent_run, _ = ppo(task, "as_agent", rows, *STALE)
+    a, b = queued(env_run, 1), queued(agent_run, 1)
+    for key in ("prompt_tokens_BP", "prompt_mask_BP", "response_tokens_BT", "fed_mask_BT",
+                "observation_BT", "env_rewards_BT", "finished_B"):
+        assert torch.equal(a[key], b[key]), key
+    assert (a["logprobs_BT"] - b["logprobs_BT"]).abs().max() < 1e-5
+    assert float(b["observation_BT"].sum()) > 0  # tool answers among them
+    env_rows, agent_rows = metrics(env_run)[1:], metrics(agent_run)[1:]
+    for key in ("objective/score", "ppo/policy/loss", "objective/kl",
+                "rollout/turns_mean", "rollout/tool_call_errors"):
+        for x, y in zip(env_rows, agent_rows, strict=True):
+            assert x[key] == pytest.approx(y[key], abs=1e-6), key
+
+
+def _batch_rows(gen: dict) -> list[tuple[list[int], list[int], list[float], list[int], list]]:
+    """(prompt, response, sampler log-probs, observation mask, rewards) of each row."""
+    out = []
+    for i in range(gen["fed_mask_BT"].shape[0]):
+        n = int(gen["fed_mask_BT"][i].sum())
+        out.append((gen["prompt_tokens_BP"][i][gen["prompt_mask_BP"][i].bool()].tolist(),
+                    gen["response_tokens_BT"][i, :n].tolist(),
+                    gen["logprobs_BT"][i, :n].tolist(),
+                    gen["observation_BT"][i, :n].tolist(),
+                    gen["env_rewards_BT"][i, :n].tolist()))
+    return out
+
+
+def test_openai_clients_agents_that_misbehave_and_what_is_trained(task):
+    """Agents on the official openai client, one behaviour per row (tests/workers/
+    agents.py), rollout.rewards.on_error=penalty, a verifier for the agents that return
+    null. Checks, on the batch waiting in the checkpoint and what each agent wrote down:
+
+    - the API's error shapes: malformed JSON 400 (invalid_json), an unknown model 404
+      (model_not_found), stream=true 400, a rewritten history 400 (not_an_extension) -
+      each {"error": {"message", "type", "param", "code"}};
+    - a retried request gets the same tokens and the episode records it once;
+    - /v1/completions with a text prompt, a text extension and a token-id extension;
+    - every token and log-prob an agent received is the one the batch trains, each
+      request's prompt is the episode so far, and what the agent added is masked as
+      observation;
+    - rewards: the agent's at its last model token, the verifier's (the last turn's
+      length) for null, rollout.rewards.error_score for an agent that raised, rewrote its
+      history or went silent past rollout.rewards.timeout_s (killed), counted in
+      reward/failed and reward/timeouts.
+
+    Catches replies whose tokens or log-probs are not the trained ones, retries recorded
+    twice, extensions appended wrong, errors in another shape, and failures scored or
+    counted otherwise than the reward rules say."""
+    import transformers
+
+    kinds = ["probe", "complete", "rewrite", "silent", "crash", "unscored"]
+    rows = rows_file(task, "mixed_rows", kinds)
+    _, run, dump = ppo(task, "mixed", rows, *AGENT, "ppo.num_iterations=2",
+                       "ppo.max_staleness=1", "checkpoint.save_interval=1",
+                       "checkpoint.keep_last=2", "ppo.rollout_batch_size=6",
+                       "ppo.mini_batch_size=12", "ppo.micro_batch_size=4",
+                       "rollout.rewards.on_error=penalty", "rollout.rewards.timeout_s=4",
+                       "rollout.rewards.fn=agents:length_of_last_turn",
+                       "rollout.rewards.workers=1")
+    r = metrics(run)[1]
+    assert r["reward/failed"] == 2 * 2 and r["reward/timeouts"] == 2, r  # per group of 2
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=os.path.join(task["files"]["tokenizer"], "tokenizer.json"))
+    batch = _batch_rows(queued(run, 1))
+    assert len(batch) == 12
+    by_kind: dict[str, list] = {}
+    for row in batch:  # the row's noun says its agent (rows_file)
+        noun = re.search(r'colour of "(\w+)"', tok.decode(row[0])).group(1)
+        by_kind.setdefault(kinds[NOUNS.index(noun)], []).append(row)
+    assert sorted(len(v) for v in by_kind.values()) == [2] * 6
+    records = {}
+    for record in dumps(dump):
+        records.setdefault(record["row"]["agent"], []).append(record)
+    for kind in ("probe", "complete", "rewrite"):
+        assert len(records[kind]) == 2 * 2, kind  # the two rollouts' groups
+    # the API's errors
+    for record in records["probe"]:
+        errors = {e["what"]: e for e in record["errors"]}
+        want = {"malformed": (400, "invalid_json"), "unknown model": (404, "model_not_found"),
+                "stream": (400, None)}
+        for what, (status, code) in want.items():
+            body = errors[what]["body"]
+            body = body.get("error", body)  # the client hands over the inner object
+            assert errors[what]["status"] == status, (what, errors[what])
+            assert set(body) == {"message", "type", "param", "code"}, (what, body)
+            assert body["code"] == code and body["message"], (what, body)
+        first, retry = record["requests"][:2]  # a retry: the same answer (sampled again
+        # with the same seed in another batch: the log-probs to float noise)
+        assert (retry["prompt"], retry["tokens"]) == (first["prompt"], first["tokens"])
+        assert retry["logprobs"] == pytest.approx(first["logprobs"], abs=1e-5)
+    for record in records["rewrite"]:
+        assert record["errors"][0]["status"] == 400
+        body = record["errors"][0]["body"]
+        assert body.get("error", body)["code"] == "not_an_extension"
+    # what the agents received is what is trained (the second rollout's records)
+    assert any(len(rec["requests"]) == 3 for rec in records["probe"])
+    for kind in ("probe", "complete", "rewrite"):
+        for prompt, response, lps, obs, rewards in by_kind[kind]:
+            seq = prompt + response
+            mine = [rec for rec in records[kind] if
+                    rec["requests"][-1]["prompt"] + rec["requests"][-1]["tokens"] == seq]
+            assert mine, (kind, tok.decode(seq))
+            want_reward = -1.0 if kind == "rewrite" else mine[0]["reward"]
+            requests = mine[0]["requests"]
+            if kind == "probe":
+                requests = requests[1:]  # the retry replaced the first
+            covered = [0] * len(response)
+            for req in requests:
+                start = len(req["prompt"]) - len(prompt)
+                assert seq[:len(req["prompt"])] == req["prompt"]
+                assert response[start:start + len(req["tokens"])] == req["tokens"]
+                assert lps[start:start + len(req["tokens"])] == req["logprobs"]
+                for t in range(start, start + len(req["tokens"])):
+                    covered[t] = 1
+            assert [1 - c for c in covered] == obs  # the rest is the agents' own
+            last = max(t for t in range(len(obs)) if obs[t] == 0)
+            assert rewards[last] == want_reward and sum(rewards) == want_reward, kind
+            if kind == "complete" and len(requests) == 3:
+                one, two, three = requests
+                assert two["prompt"][:len(one["prompt"]) + len(one["tokens"])] == \
+                    one["prompt"] + one["tokens"]  # the stop token kept
+                assert three["prompt"] == two["prompt"] + two["tokens"] + one["prompt"][-3:]
+    assert any(len(rec["requests"]) == 3 for rec in records["complete"])
+    for kind in ("silent", "crash"):
+        for _, response, _, obs, rewards in by_kind[kind]:
+            assert sum(rewards) == -1.0 and response and not any(obs), kind
+    for prompt, response, _, obs, rewards in by_kind["unscored"]:
+        text = tok.decode(response[:-1] if response[-1] == tok.convert_tokens_to_ids(
+            "<|im_end|>") else response)
+        assert sum(rewards) == float(len(text)) and rewards[-1] == float(len(text))
+
+
+def test_an_agent_failure_stops_the_run_and_a_command_agent(task):
+    """rollout.on_error=stop (the default) with the agents as a command
+    (rollout.agent.command, tests/workers/agents.py run as a program: its own prints
+    before its reward line) that return null with no verifier, and that raise: the run
+    exits 2 naming the agent, the sample and why, with no traceback of megarlhf's own."""
+    import sys
+
+    rows = rows_file(task, "stop_rows", ["unscored", "crash"])
+    command = f"{sys.executable} {os.path.join(WORKERS, 'agents.py')}"
+    proc, run, _ = ppo(task, "stop", rows, f"rollout.agent.command={command}",
+                       "rollout.agent.entry=null", "ppo.num_iterations=1",
+                       "ppo.rollout_batch_size=2", "ppo.mini_batch_size=4",
+                       "ppo.micro_batch_size=4", check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"rollout.agent.command={command}: sample 0: the agent returned no reward " \
+           "(null)" in proc.stderr, proc.stderr[-3000:]
+    assert "rollout.rewards.on_error=stop" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (run / "metrics.jsonl").exists() or len(metrics(run)) <= 1
