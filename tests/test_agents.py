@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from conftest import WORKERS, run_cli
+from conftest import WORKERS, run_cli, torchrun
 from megarlhf.data.synthetic import COLOURS, NOUNS, write_jsonl
 from megarlhf.data.tool_task import write_tool_task
 
@@ -240,3 +240,34 @@ def test_an_agent_failure_stops_the_run_and_a_command_agent(task):
     assert "rollout.rewards.on_error=stop" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (run / "metrics.jsonl").exists() or len(metrics(run)) <= 1
+
+
+@pytest.mark.extended
+def test_rollout_tp2_two_replicas_and_split_placement_play_the_same_agent_episodes(task):
+    """Two processes - the rollout at TP=2 (the leader serves the endpoint and hands each
+    batch of requests to its peer), two TP=1 replicas (an endpoint each, their own rows)
+    and split placement (the rollout rank serves, the other trains) - against one
+    process: the same episodes (score, turns, observation and response tokens exactly)
+    and the same update (losses to float noise). Catches TP peers fed other requests,
+    replicas that play other rows or seeds, and an agent rollout that only works
+    colocated."""
+    rows = rows_file(task, "layout_rows", ["lookup"] * 8)
+    args = ["configs/demo/tool_agent.yaml", *task["common"], f"data.train_path={rows}",
+            "ppo.num_iterations=1"]
+    one = task["tmp"] / "agent_layout1"
+    run_cli("ppo", *args, f"run.output_dir={one}", env=ENV)
+    ref = metrics(one / "tool-agent")[1]
+    assert ref["rollout/turns_mean"] > 1
+    for name, extra in (("tp2", ["rollout.tensor_parallel_size=2",
+                                 "parallel.tensor_model_parallel_size=2"]),
+                        ("dp2", ["ppo.micro_batch_size=4"]),
+                        ("split", ["rollout.placement.mode=split",
+                                   "rollout.placement.ranks=1"])):
+        out = task["tmp"] / f"agent_layout_{name}"
+        torchrun(["ppo", *args, f"run.output_dir={out}", *extra], 2, env=ENV)
+        got = metrics(out / "tool-agent")[1]
+        for key in ("objective/score", "rollout/turns_mean",
+                    "rollout/observation_tokens_mean", "rollout/response_len_mean"):
+            assert got[key] == ref[key], (name, key)
+        for key in ("ppo/policy/loss", "objective/kl", "objective/entropy"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (name, key)

@@ -313,6 +313,27 @@ def test_config_show_cli(tmp_path):
      "source is set"),
     (["ppo.teacher.coef=-1"], "ppo.teacher.coef=-1.0 is invalid"),
     (["rollout.kv_block_tokens=0"], "rollout.kv_block_tokens=0 is invalid"),
+    # an agent's episodes: one source of them, its settings only with it
+    (["rollout.agent.entry=a.b:f", "rollout.environment.name=a.b:Env"],
+     "and rollout.agent.entry=a.b:f are two sources of episodes"),
+    (["rollout.agent.entry=a.b:f", "rollout.agent.command=python x.py"],
+     "rollout.agent.command are two agents"),
+    (["rollout.agent.entry=abc"], "must look like 'package.module:function'"),
+    (["rollout.agent.max_requests=3"], "rollout.agent.max_requests has no effect without "
+                                       "rollout.agent.entry or rollout.agent.command"),
+    (["rollout.agent.tool_format=hermes"], "rollout.agent.tool_format has no effect"),
+    (["rollout.agent.entry=a.b:f", "rollout.rewards.workers=4"],
+     "rollout.rewards.workers has no effect with rollout.agent.entry=a.b:f and no "
+     "rollout.rewards.fn or url"),
+    (["rollout.agent.entry=a.b:f", "rollout.decode_slots=4"],
+     "rollout.agent.entry='a.b:f' is invalid: samples each turn as one static batch"),
+    (["rollout.agent.entry=a.b:f", "rollout.stop_at_eos=false"],
+     "must be true with rollout.agent"),
+    (["rollout.agent.entry=a.b:f", "rollout.routing_replay=r3"],
+     "rollout.routing_replay does not take rollout.agent.entry yet"),
+    (["rollout.agent.entry=a.b:f", "ppo.reward_checkpoint=/rm"],
+     "both a reward-model checkpoint and rollout.agent.entry are set"),
+    (["rollout.agent.batch_wait_s=-1"], "rollout.agent.batch_wait_s=-1.0 is invalid"),
 ])
 def test_ppo_settings_without_effect_are_errors(overrides, message):
     from megarlhf.config import check_ppo
@@ -340,7 +361,12 @@ def test_ppo_settings_that_do_something_pass():
             ["ppo.correction.is_cap=2", "ppo.correction.mask_low=0.5", "ppo.correction.mask_high=2"],
             ["ppo.ptx_coef=0.5", "data.ptx_path=x.jsonl", "ppo.ptx_batch_size=8"],
             ["ppo.advantage_estimator=rloo", "ppo.group_size=2", "ppo.dynamic_sampling=true",
-             "ppo.max_sampling_rounds=3", "ppo.overlong_buffer=8", "ppo.overlong_penalty=0.5"]):
+             "ppo.max_sampling_rounds=3", "ppo.overlong_buffer=8", "ppo.overlong_penalty=0.5"],
+            # an agent, its verifier for the episodes it leaves unscored
+            ["ppo.advantage_estimator=grpo", "ppo.group_size=2",
+             "rollout.agent.command=python agent.py", "rollout.agent.max_requests=2",
+             "rollout.agent.tool_format=hermes", "rollout.rewards.fn=a.b:score",
+             "rollout.rewards.workers=1"]):
         check_ppo(*read_config(None, overrides), planning=True)
     assert not load_config(None, ["ppo.advantage_estimator=grpo",
                                   "ppo.group_size=2"]).ppo.kl_reward_on

@@ -862,6 +862,14 @@ NOT_MATH = {
     "rollout.environment.max_turns": "multi-turn (as rollout.environment.name)",
     "rollout.environment.max_observation_tokens": "multi-turn (as rollout.environment.name)",
     "rollout.environment.tool_format": "multi-turn (as rollout.environment.name)",
+    "rollout.agent.entry": "multi-turn played by an agent: test_agents (the same episodes "
+                           "and training as the environment's)",
+    "rollout.agent.command": "multi-turn (as rollout.agent.entry): test_agents",
+    "rollout.agent.model_name": "the endpoint's model name: test_agents",
+    "rollout.agent.max_requests": "multi-turn (as rollout.environment.max_turns): test_agents",
+    "rollout.agent.tool_format": "multi-turn (as rollout.environment.tool_format): test_agents",
+    "rollout.agent.batch_wait_s": "which requests share a batch, not what is sampled (per-row "
+                                  "seeds)",
     "rollout.offload_frozen_models": "where weights live: test_memory (offload changes "
                                      "nothing)",
     "rollout.forward_micro_batch_size": "slicing of the scoring passes (test_experience)",
