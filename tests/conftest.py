@@ -212,6 +212,23 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def tool_sft(tmp_path_factory):
+    """The tool task (``megarlhf.data.tool_task``: tokenizer with a ChatML template, SFT
+    conversations, rows) and a tiny SFT policy trained on it for 120 steps, which calls the
+    lookup tool some of the time: {"tmp": the folder, "files": the task's files,
+    "checkpoints": the SFT run's checkpoints}. One per test worker, shared by
+    test_multiturn, test_agents and test_judge (their runs' folder names differ)."""
+    from megarlhf.data.tool_task import write_tool_task
+
+    tmp = tmp_path_factory.mktemp("tool_task")
+    files = write_tool_task(str(tmp / "task"), seed=0, num_sft=512)
+    run_cli("sft", "configs/demo/tool_sft.yaml", f"tokenizer.path={files['tokenizer']}",
+            f"data.train_path={files['sft']}", f"run.output_dir={tmp}",
+            "checkpoint.resume=false", "logging.progress_bar=false", "train.max_steps=120")
+    return {"tmp": tmp, "files": files, "checkpoints": str(tmp / "tool-sft" / "checkpoints")}
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
     """The synthetic task, a tiny SFT policy with checkpoints at steps 3 and 6 and a tiny
     reward model: (folder, task files, the CLI arguments every run shares).

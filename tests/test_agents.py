@@ -15,7 +15,6 @@ import torch
 
 from conftest import WORKERS, run_cli, torchrun
 from megarlhf.data.synthetic import COLOURS, NOUNS, write_jsonl
-from megarlhf.data.tool_task import write_tool_task
 
 ENV = {"PYTHONPATH": os.pathsep.join([WORKERS, os.environ.get("PYTHONPATH", "")])}
 AGENT = ["rollout.agent.entry=agents:by_row"]  # over configs/demo/tool_agent.yaml
@@ -26,18 +25,14 @@ def answer_of(noun: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    """The tool task's tokenizer and a tiny SFT policy that calls the tool some of the
-    time (as tests/test_multiturn.py's), and rows naming the agent that plays each."""
-    tmp = tmp_path_factory.mktemp("agents")
-    files = write_tool_task(str(tmp / "task"), seed=0, num_sft=512)
-    run_cli("sft", "configs/demo/tool_sft.yaml", f"tokenizer.path={files['tokenizer']}",
-            f"data.train_path={files['sft']}", f"run.output_dir={tmp}",
-            "checkpoint.resume=false", "logging.progress_bar=false", "train.max_steps=120")
-    common = [f"tokenizer.path={files['tokenizer']}", "data.eval_path=null", f"ppo.sft_checkpoint={tmp}/tool-sft/checkpoints",
-              "checkpoint.resume=false", "logging.progress_bar=false",
-              "logging.sample_table_interval=0", "ppo.group_size=2", "optimizer.lr=1e-3"]
-    return {"tmp": tmp, "files": files, "common": common}
+def task(tool_sft):
+    """The tool task's tokenizer and tiny SFT policy (conftest.tool_sft), and the
+    arguments every run here shares."""
+    common = [f"tokenizer.path={tool_sft['files']['tokenizer']}", "data.eval_path=null",
+              f"ppo.sft_checkpoint={tool_sft['checkpoints']}", "checkpoint.resume=false",
+              "logging.progress_bar=false", "logging.sample_table_interval=0",
+              "ppo.group_size=2", "optimizer.lr=1e-3"]
+    return {"tmp": tool_sft["tmp"], "files": tool_sft["files"], "common": common}
 
 
 def rows_file(task, name: str, agents: list[str]) -> str:
@@ -145,7 +140,7 @@ def test_openai_clients_agents_that_misbehave_and_what_is_trained(task):
                        "ppo.max_staleness=1", "checkpoint.save_interval=1",
                        "checkpoint.keep_last=2", "ppo.rollout_batch_size=6",
                        "ppo.mini_batch_size=12", "ppo.micro_batch_size=4",
-                       "rollout.rewards.on_error=penalty", "rollout.rewards.timeout_s=4",
+                       "rollout.rewards.on_error=penalty", "rollout.rewards.timeout_s=8",
                        "rollout.rewards.fn=agents:length_of_last_turn",
                        "rollout.rewards.workers=1")
     r = metrics(run)[1]

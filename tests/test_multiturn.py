@@ -26,16 +26,12 @@ def answer_of(noun: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def task(tmp_path_factory):
+def task(tool_sft):
     """The tool task, its rows with a colour the test can compute, and a tiny SFT policy
-    that calls the tool some of the time."""
-    tmp = tmp_path_factory.mktemp("multiturn")
-    files = write_tool_task(str(tmp / "task"), seed=0, num_sft=512)
+    that calls the tool some of the time (conftest.tool_sft)."""
+    tmp, files = tool_sft["tmp"], dict(tool_sft["files"])
     rows = [{"noun": n, "answer": answer_of(n)} for n in NOUNS]
     files["rows"] = write_jsonl(str(tmp / "task" / "known_rows.jsonl"), rows)
-    run_cli("sft", "configs/demo/tool_sft.yaml", f"tokenizer.path={files['tokenizer']}",
-            f"data.train_path={files['sft']}", f"run.output_dir={tmp}",
-            "checkpoint.resume=false", "logging.progress_bar=false", "train.max_steps=120")
     common = ["configs/demo/tool_grpo.yaml", f"tokenizer.path={files['tokenizer']}",
               f"data.train_path={files['rows']}", "data.eval_path=null",
               f"ppo.sft_checkpoint={tmp}/tool-sft/checkpoints", "checkpoint.resume=false",

@@ -9,8 +9,9 @@ from megarlhf.config.loader import (
 from megarlhf.config.model import (FP8Config, LoRAConfig, MLAConfig, ModelConfig, MoEConfig,
                                    RecomputeConfig, RopeScalingConfig, padded_vocab_size)
 from megarlhf.config.parallel import ParallelConfig, RoleParallelConfig
-from megarlhf.config.ppo import (AgentConfig, CorrectionConfig, EnvironmentConfig, KLConfig,
-                                 PlacementConfig, PPOConfig, RewardsConfig, RolloutConfig)
+from megarlhf.config.ppo import (AgentConfig, CorrectionConfig, EnvironmentConfig, JudgeConfig,
+                                 KLConfig, PlacementConfig, PPOConfig, RewardsConfig,
+                                 RolloutConfig)
 from megarlhf.config.roles import RoleConfig, RolesConfig
 from megarlhf.config.rules import (
     check_launch, check_model_layout, check_placement, check_ppo, check_precision, check_roles,
@@ -27,6 +28,6 @@ __all__ = [
     "parse_overrides", "validate_layout", "RoleConfig", "RoleParallelConfig", "RolesConfig",
     "check_model_layout", "check_placement", "check_precision", "check_rollout_layout", "overlay",
     "section_from_dict", "check_ppo", "check_roles", "check_supervised", "check_section", "check_launch", "ALIASES",
-    "Loaded", "read_config", "Written", "AgentConfig", "CorrectionConfig", "EnvironmentConfig", "KLConfig",
+    "Loaded", "read_config", "Written", "AgentConfig", "CorrectionConfig", "EnvironmentConfig", "JudgeConfig", "KLConfig",
     "PlacementConfig", "RecomputeConfig", "RewardsConfig", "paged_kv_refusal",
 ]

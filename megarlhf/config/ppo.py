@@ -322,6 +322,55 @@ class AgentConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class JudgeConfig:
+    """``rollout.judge``: a model that reads each sample and writes a verdict, parsed into
+    its score (a generative reward model; docs/ppo.md, "A judge model as the reward")."""
+
+    template: str | None = None
+    """The judge's prompt, with {prompt} and {response} replaced by the sample's decoded
+    prompt and response (without its stop token); the model of roles.judge.checkpoint
+    answers it greedily. None: no judge."""
+    chat: bool = True
+    """Render the template's text as the user's message of the tokenizer's chat template,
+    with its generation prompt; false: the text is the judge's prompt as it is."""
+    pattern: str = r"(-?\d+(?:\.\d+)?)"
+    """A regular expression whose first group, at its last match in the verdict, is the
+    score: a number, or with labels a key of labels. A verdict it does not match is a
+    failed reward call (rollout.rewards.on_error)."""
+    labels: dict[str, float] | None = None
+    """Scores of the words the pattern captures (e.g. {yes: 1, no: 0}); a word not here
+    is a failed call. None: the captured text is read as a number."""
+    max_new_tokens: int = 64
+    """The longest verdict."""
+    log_verdicts: int = 8
+    """The first this many samples' verdicts of every batch are appended to the run's
+    judge_verdicts.jsonl (prompt, response, verdict, score or error); 0: none."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.template is not None
+
+    def __post_init__(self):
+        import re
+
+        require(self.max_new_tokens >= 1, "rollout.judge.max_new_tokens",
+                self.max_new_tokens, "must be >= 1")
+        require(self.log_verdicts >= 0, "rollout.judge.log_verdicts", self.log_verdicts,
+                "must be >= 0 (0: none)")
+        try:
+            groups = re.compile(self.pattern).groups
+        except re.error as err:
+            groups = None
+            require(False, "rollout.judge.pattern", self.pattern,
+                    f"is not a regular expression ({err})")
+        require(groups >= 1, "rollout.judge.pattern", self.pattern,
+                "needs a group, (...), around the score")
+        if self.template is not None:
+            require("{response}" in self.template, "rollout.judge.template", self.template,
+                    "must contain {response} (the sample the judge reads)")
+
+
+@dataclass(kw_only=True, frozen=True)
 class PPOConfig:
     rollout_batch_size: int = 64
     """Prompts per PPO iteration (global, all data-parallel ranks)."""
@@ -553,6 +602,8 @@ class RolloutConfig:
     """Multi-turn episodes with an environment."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Episodes played by an agent program through an OpenAI-compatible endpoint."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """A judge model (roles.judge) whose verdicts are the reward."""
     offload_frozen_models: bool = True
     """Offload reference and reward models between their scoring passes (the default of
     roles.reference.offload / roles.reward.offload)."""

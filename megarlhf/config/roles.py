@@ -66,3 +66,8 @@ class RolesConfig:
     or its alias distill.teacher_checkpoint)."""
     reward: RoleConfig = field(default_factory=RoleConfig)
     """The frozen reward model (unless ``rollout.rewards.fn`` is set)."""
+    judge: RoleConfig = field(default_factory=RoleConfig)
+    """The frozen judge of ``rollout.judge`` (a language model with the run's tokenizer,
+    any size): it generates its verdicts at TP ``roles.judge.parallel.
+    tensor_model_parallel_size`` (default rollout.tensor_parallel_size), the rest of the
+    world data-parallel replicas."""

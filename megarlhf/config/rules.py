@@ -30,7 +30,7 @@ from megarlhf.config.tree import Config
 from megarlhf.config.written import Written
 
 PPO_ROLES = ("actor", "critic", "reference", "reward")
-ROLES = (*PPO_ROLES, "teacher")
+ROLES = (*PPO_ROLES, "teacher", "judge")
 
 
 # ------------------------------------------------------------------ within one section
@@ -360,17 +360,34 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
         raise ConfigError("the actor needs a checkpoint: set ppo.sft_checkpoint (or "
                           "roles.actor.checkpoint) to an SFT run's checkpoints")
     reward_model = roles.reward.checkpoint is not None
-    agent = rollout.agent
-    programmatic = rollout.rewards.fn or rollout.rewards.url or rollout.environment.name \
-        or agent.enabled
-    which = "rollout.rewards.fn" if rollout.rewards.fn else "rollout.rewards.url" \
-        if rollout.rewards.url else "rollout.environment.name" \
-        if rollout.environment.name else agent.name.split("=")[0]
+    agent, judge = rollout.agent, rollout.judge
+    sources = [name for name, on in (
+        ("rollout.rewards.fn", rollout.rewards.fn), ("rollout.rewards.url", rollout.rewards.url),
+        ("rollout.environment.name", rollout.environment.name),
+        (agent.name.split("=")[0], agent.enabled), ("rollout.judge.template", judge.enabled))
+        if on]
+    programmatic = bool(sources)
+    which = sources[0] if sources else None
+    if judge.enabled and len(sources) > 1:
+        raise ConfigError(f"rollout.judge.template and {sources[0]} are two reward sources: "
+                          "choose one")
+    for name in ("chat", "pattern", "labels", "max_new_tokens", "log_verdicts"):
+        if said("rollout.judge", name) and not judge.enabled:
+            raise ConfigError(f"rollout.judge.{name} has no effect without "
+                              "rollout.judge.template")
+    if judge.enabled and roles.judge.checkpoint is None and not planning:
+        raise ConfigError("rollout.judge.template needs the judge's checkpoint: set "
+                          "roles.judge.checkpoint")
+    for name in sorted(written.fields("roles.judge.parallel") - {"tensor_model_parallel_size"}):
+        raise ConfigError(f"roles.judge.parallel.{name} has no effect: the judge generates "
+                          "its verdicts at tensor parallelism only "
+                          "(roles.judge.parallel.tensor_model_parallel_size), the rest of the "
+                          "world data-parallel replicas")
     teacher = ppo.teacher
     if not reward_model and not programmatic and not planning and teacher.task_reward:
         raise ConfigError("set ppo.reward_checkpoint (or roles.reward.checkpoint), "
-                          "rollout.rewards.fn, rollout.rewards.url, rollout.environment.name "
-                          "or rollout.agent.entry (or distil from a teacher alone: ppo.teacher.coef > 0 with "
+                          "rollout.rewards.fn, rollout.rewards.url, rollout.environment.name, "
+                          "rollout.agent.entry or rollout.judge.template (or distil from a teacher alone: ppo.teacher.coef > 0 with "
                           "ppo.teacher.task_reward=false)")
     if not teacher.task_reward and (reward_model or programmatic):
         raise ConfigError("ppo.teacher.task_reward=false scores nothing with the task's "
@@ -432,8 +449,9 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
         if why is not None and written.fields(f"roles.{name}"):
             raise ConfigError(f"{_role_block(name, written)} is configured but this run has "
                               f"no {name} ({why}): remove roles.{name}")
-    check_roles(cfg, written, PPO_ROLES + (("teacher",) if teacher.enabled else ()), "ppo")
-    for name in ("reference", "reward", "teacher"):
+    check_roles(cfg, written, PPO_ROLES + (("teacher",) if teacher.enabled else ())
+                + (("judge",) if judge.enabled else ()), "ppo")
+    for name in ("reference", "reward", "teacher", "judge"):
         level = getattr(roles, name).offload
         if level not in (None, "none", "all"):
             raise ConfigError(f"roles.{name}.offload={level!r}: the {name} role is frozen "

@@ -10,6 +10,7 @@ Each iteration reads as numbered stages:
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import torch
@@ -27,6 +28,7 @@ from megarlhf.roles.build import Role, build_role
 from megarlhf.parallel.launch import init_distributed, read_dist_env
 from megarlhf.parallel.placement import Split
 from megarlhf.rollout.agents import episode_sampler
+from megarlhf.rollout.judge import make_judge
 from megarlhf.rollout.experience import ExperienceMaker, Sampled
 from megarlhf.inference.reshard import Resharder, build_inference_model, inference_layout
 from megarlhf.rollout.sampling import Sampler
@@ -146,9 +148,13 @@ class PPOSession:
         self.reference = Role(specs["reference"], self.actor.layout, self.actor.chunks,
                               source="the actor, adapters off") \
             if specs["reference"].adapters_off else build_role(specs["reference"], seed=seed)
+        judge = make_judge(r.judge, r.rewards, build_role(specs["judge"], seed=seed),
+                           tokenizer, log_dir=os.path.join(cfg.run.output_dir, cfg.run.name),
+                           add_bos=cfg.tokenizer.add_bos) \
+            if "judge" in specs else None
         reward = RewardSource(fn=reward_fn, decode=tokenizer.decode,
                               role=build_role(specs["reward"], seed=seed)
-                              if "reward" in specs else None)
+                              if "reward" in specs else None, judge=judge)
         teacher = build_role(specs["teacher"], seed=seed) if "teacher" in specs else None
         inf_layout = inference_layout(r.tensor_parallel_size, specs["actor"].model)
         self.sampler = Sampler(r, self.actor, inf_layout,

@@ -357,13 +357,24 @@ def ppo_role_specs(cfg: Config, world_size: int, tokenizer: dict | None = None, 
     if ppo.teacher.enabled:  # on-policy distillation: any size, the actor's vocabulary
         specs["teacher"] = frozen("teacher", "lm", read(
             roles.teacher.checkpoint, ("policy", "actor", "teacher"), "roles.teacher.checkpoint"))
+    if cfg.rollout.judge.enabled:  # a judge: any size, the run's tokenizer, generating
+        saved = read(roles.judge.checkpoint, ("policy", "actor", "judge"),
+                     "roles.judge.checkpoint")
+        model = _model_of("roles.judge", saved, cfg.model,
+                          [precision, ("roles.judge.model", roles.judge.model, None)], written)
+        model = dataclasses.replace(model, lora=_saved_lora(saved))
+        tp = roles.judge.parallel.tensor_model_parallel_size or rollout_tp
+        specs["judge"] = _spec(cfg, name="judge", kind="lm", where="roles.judge", saved=saved,
+                               model=model, layout=Layout.inference(tp, model),
+                               world_size=world_size)
     specs = {name: dataclasses.replace(spec, offload="none" if spec.adapters_off else
                                        _offload_of(cfg, name, spec.trained))
              for name, spec in specs.items()}
     _check_vocab(specs, tokenizer)
     longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-    for spec in specs.values():
-        check_positions(spec, longest, "data.max_prompt_len + rollout.max_new_tokens")
+    for spec in specs.values():  # (the judge's prompts are checked as they come)
+        if spec.name != "judge":
+            check_positions(spec, longest, "data.max_prompt_len + rollout.max_new_tokens")
     # Dropout makes the ratio's numerator and denominator come from different networks.
     return {name: dataclasses.replace(spec, model=dataclasses.replace(
                 spec.model, hidden_dropout=0.0, attention_dropout=0.0))

@@ -364,20 +364,24 @@ class _Play:
             raise Refused(400, str(err)) from None
         if ep.failure is None and ep.turns and said == st.request:
             restore(ep, st, st.snapshot)  # a retry: the last turn sampled again
-        elif st.ends is not None:
+        elif st.ends is not None and (ep.failure is not None or not ep.turns):
             raise Refused(400, f"the episode takes no more turns: {st.ends}",
                           "episode_ended")
-        elif st.kind is not None and request.kind != st.kind:
-            raise Refused(400, f"a {request.kind} request in an episode of {st.kind} "
-                               "requests: an episode is one conversation", fails=True)
         elif not ep.turns:
             self._start(ep, st, request.kind, said)
         else:
+            if request.kind != st.kind:
+                raise Refused(400, f"a {request.kind} request in an episode of {st.kind} "
+                                   "requests: an episode is one conversation", fails=True)
+            added = self._added(ep, st, said)  # (a rewritten history fails, ended or not)
+            if st.ends is not None:
+                raise Refused(400, f"the episode takes no more turns: {st.ends}",
+                              "episode_ended")
             if ep.turns >= self.agent.max_requests:
                 raise Refused(400, f"the episode has had its rollout.agent.max_requests="
                                    f"{self.agent.max_requests} turns", "episode_ended",
                               ends="rollout.agent.max_requests")
-            obs = self._observation(ep, st, said)
+            obs = self._observation(ep, st, added)
             if len(ep) + len(obs) >= self.data.max_seq_len:
                 raise Refused(400, f"the conversation would pass data.max_seq_len="
                                    f"{self.data.max_seq_len} tokens with room for a turn",
@@ -412,11 +416,10 @@ class _Play:
                                f"{self.data.max_prompt_len}", "context_length_exceeded",
                           fails=True)
 
-    def _observation(self, ep: Episode, st: AgentState, said) -> list[int]:
-        """The tokens a later request adds after the last turn's stop token, or
-        :class:`Refused` (failing the episode) when it does not extend the episode."""
-        tok = self.owner.tokenizer
-        text, stop_id = st.turn
+    def _added(self, ep: Episode, st: AgentState, said):
+        """What a later request adds to the episode - the observation's messages (chat),
+        text, or token ids - or :class:`Refused` (failing the episode) when it does not
+        extend the episode."""
         if st.kind == "chat":
             messages, tools = said
             last, _ = st.request
@@ -424,18 +427,14 @@ class _Play:
             if tools == ep.tools and messages[:n] == last and len(messages) > n + 1 \
                     and same_reply(messages[n], st.reply) \
                     and all(m["role"] in OBSERVATION_ROLES for m in messages[n + 1:]):
-                try:
-                    return observation_tokens(self.owner.template, tok, self.owner.pieces, ep,
-                                              text, stop_id, messages[n + 1:])
-                except ValueError as err:
-                    raise Refused(400, str(err), fails=True) from None
+                return messages[n + 1:]
             raise Refused(400, "the messages do not extend the episode's conversation (the "
                                "messages of the last request, the reply it got, then tool, "
                                "user or system messages, with the same tools), nor repeat "
                                "the last request: an episode is trained as one token "
                                "sequence", "not_an_extension", fails=True)
         if isinstance(said, str) and isinstance(st.said, str) and said.startswith(st.said):
-            return tok.encode(said[len(st.said):]) if len(said) > len(st.said) else []
+            return said[len(st.said):]
         seq = ep.prompt + ep.tokens
         if isinstance(said, list) and said[:len(seq)] == seq:
             return said[len(seq):]
@@ -443,6 +442,20 @@ class _Play:
                            "completion it got, then more), nor repeat the last request: an "
                            "episode is trained as one token sequence", "not_an_extension",
                       fails=True)
+
+    def _observation(self, ep: Episode, st: AgentState, added) -> list[int]:
+        """The tokens of what a request added, after the last turn's stop token: chat
+        messages as the template renders them, text encoded, token ids as they are."""
+        if st.kind == "chat":
+            text, stop_id = st.turn
+            try:
+                return observation_tokens(self.owner.template, self.owner.tokenizer,
+                                          self.owner.pieces, ep, text, stop_id, added)
+            except ValueError as err:
+                raise Refused(400, str(err), fails=True) from None
+        if isinstance(added, str):
+            return self.owner.tokenizer.encode(added) if added else []
+        return added
 
     # -------------------------------------------------------------- the answers
 

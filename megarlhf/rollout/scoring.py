@@ -162,13 +162,14 @@ class RewardSource:
 
     role: Role | None = None
     fn: Callable | None = None
-    decode: Callable | None = None  # token ids -> text, for ``fn``
+    decode: Callable | None = None  # token ids -> text, for ``fn`` and ``judge``
     counts: dict = field(default_factory=dict)  # fn's failures since take_counts
+    judge: Callable | None = None  # a judge model (rollout.judge), called on every rank
 
     def take_counts(self) -> dict[str, float]:
         """``reward/failed`` and ``reward/timeouts`` since the last call (a programmatic
-        reward only); counting starts again."""
-        if self.fn is None:
+        reward or a judge only); counting starts again."""
+        if self.fn is None and self.judge is None:
             return {}
         out = {"reward/failed": 0.0, "reward/timeouts": 0.0, **self.counts}
         self.counts = {}
@@ -333,6 +334,13 @@ class Scorer:
         B = gen.response_tokens_BT.shape[0]
         if gen.env_rewards_BT is not None:  # an environment's (rollout.environment.name)
             return gen.episode_rewards()[0]
+        if self.reward.judge is not None:  # every rank: the judge generates at its layout,
+            # and every rank reads the same verdicts (a stop is raised on all of them)
+            scores, counts = self.reward.judge([decode_sample(gen, r, self.reward.decode)
+                                                for r in range(B)])
+            for key, value in counts.items():
+                self.reward.counts[key] = self.reward.counts.get(key, 0.0) + value
+            return torch.tensor(scores)
         if self.reward.fn is not None:  # rank 0 calls it, every rank gets the scores
             got: list = [None]
             if dist.get_rank() == 0:
