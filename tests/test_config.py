@@ -334,6 +334,27 @@ def test_config_show_cli(tmp_path):
     (["rollout.agent.entry=a.b:f", "ppo.reward_checkpoint=/rm"],
      "both a reward-model checkpoint and rollout.agent.entry are set"),
     (["rollout.agent.batch_wait_s=-1"], "rollout.agent.batch_wait_s=-1.0 is invalid"),
+    # a judge: one reward source, its role and settings only with it
+    (["rollout.judge.template=rate {response}", "ppo.reward_checkpoint=/rm"],
+     "both a reward-model checkpoint and rollout.judge.template are set"),
+    (["rollout.judge.template=rate {response}", "rollout.rewards.fn=a.b:f"],
+     "rollout.judge.template and rollout.rewards.fn are two reward sources"),
+    (["rollout.judge.template=rate it"], "must contain {response}"),
+    (["rollout.judge.template=rate {response}", "rollout.judge.pattern=[0-9]+"],
+     "needs a group, (...), around the score"),
+    (["rollout.judge.template=rate {response}", "rollout.judge.pattern=(["],
+     "is not a regular expression"),
+    (["rollout.judge.labels={yes: 1}"], "rollout.judge.labels has no effect without "
+                                        "rollout.judge.template"),
+    (["roles.judge.checkpoint=/j"], "roles.judge is configured but ppo has no judge role"),
+    (["rollout.judge.template=rate {response}", "roles.judge.checkpoint=/j",
+      "roles.judge.parallel.pipeline_model_parallel_size=2"],
+     "roles.judge.parallel.pipeline_model_parallel_size has no effect: the judge generates"),
+    (["rollout.judge.template=rate {response}", "roles.judge.checkpoint=/j",
+      "ppo.critic_init=sft", "roles.judge.offload=optimizer"],
+     "roles.judge.offload='optimizer': the judge role is frozen"),
+    (["rollout.judge.template=rate {response}", "rollout.judge.max_new_tokens=0"],
+     "rollout.judge.max_new_tokens=0 is invalid"),
 ])
 def test_ppo_settings_without_effect_are_errors(overrides, message):
     from megarlhf.config import check_ppo
@@ -366,7 +387,11 @@ def test_ppo_settings_that_do_something_pass():
             ["ppo.advantage_estimator=grpo", "ppo.group_size=2",
              "rollout.agent.command=python agent.py", "rollout.agent.max_requests=2",
              "rollout.agent.tool_format=hermes", "rollout.rewards.fn=a.b:score",
-             "rollout.rewards.workers=1"]):
+             "rollout.rewards.workers=1"],
+            ["ppo.advantage_estimator=grpo", "ppo.group_size=2",
+             "rollout.judge.template=Rate {response} from 0 to 9", "roles.judge.checkpoint=/j",
+             "rollout.judge.labels={good: 1, bad: 0}", "rollout.judge.chat=false",
+             "roles.judge.parallel.tensor_model_parallel_size=2", "roles.judge.offload=all"]):
         check_ppo(*read_config(None, overrides), planning=True)
     assert not load_config(None, ["ppo.advantage_estimator=grpo",
                                   "ppo.group_size=2"]).ppo.kl_reward_on

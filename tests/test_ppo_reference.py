@@ -862,6 +862,13 @@ NOT_MATH = {
     "rollout.environment.max_turns": "multi-turn (as rollout.environment.name)",
     "rollout.environment.max_observation_tokens": "multi-turn (as rollout.environment.name)",
     "rollout.environment.tool_format": "multi-turn (as rollout.environment.name)",
+    "rollout.judge.template": "the reward's source (a judge model): test_judge against "
+                              "transformers, one sample at a time",
+    "rollout.judge.chat": "the judge's prompt (as rollout.judge.template): test_judge",
+    "rollout.judge.pattern": "the judge's parse (as rollout.judge.template): test_judge",
+    "rollout.judge.labels": "the judge's parse (as rollout.judge.template): test_judge",
+    "rollout.judge.max_new_tokens": "the judge's verdict length: test_judge",
+    "rollout.judge.log_verdicts": "a log of the verdicts, not the math",
     "rollout.agent.entry": "multi-turn played by an agent: test_agents (the same episodes "
                            "and training as the environment's)",
     "rollout.agent.command": "multi-turn (as rollout.agent.entry): test_agents",

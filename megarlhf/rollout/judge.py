@@ -44,7 +44,10 @@ class JudgeSource:
     def __init__(self, cfg: JudgeConfig, role: Role, tokenizer, *, eos_id: int, pad_id: int,
                  end_ids: tuple[int, ...] = (), log_dir: str | None = None,
                  add_bos: bool = False):
-        self.cfg, self.role, self.tokenizer = cfg, role, tokenizer
+        self.role, self.tokenizer = role, tokenizer
+        self.text, self.chat, self.labels = cfg.template, cfg.chat, cfg.labels
+        self.max_new_tokens, self.log_verdicts = cfg.max_new_tokens, cfg.log_verdicts
+        self.pattern_text = cfg.pattern
         self.add_bos = add_bos  # a text prompt's BOS (tokenizer.add_bos); a chat template
         # writes its own
         self.eos_id, self.pad_id = eos_id, pad_id
@@ -64,8 +67,8 @@ class JudgeSource:
 
     def prompt(self, prompt: str, response: str) -> list[int]:
         """The judge's prompt for one sample, as tokens."""
-        text = self.cfg.template.replace("{prompt}", prompt).replace("{response}", response)
-        if self.cfg.chat:
+        text = self.text.replace("{prompt}", prompt).replace("{response}", response)
+        if self.chat:
             return self.tokenizer.encode(self.template.render(
                 [{"role": "user", "content": text}], add_generation_prompt=True))
         return self.tokenizer.encode(text, add_bos=self.add_bos)
@@ -75,14 +78,14 @@ class JudgeSource:
         matches = list(self.pattern.finditer(verdict))
         if not matches:
             return Failure("error", f"the judge's verdict {verdict[:120]!r} does not match "
-                                    f"rollout.judge.pattern={self.cfg.pattern!r}")
+                                    f"rollout.judge.pattern={self.pattern_text!r}")
         word = matches[-1].group(1)
-        if self.cfg.labels is not None:
-            if word not in self.cfg.labels:
+        if self.labels is not None:
+            if word not in self.labels:
                 return Failure("error", f"the judge's verdict {verdict[:120]!r} gives "
                                         f"{word!r}, which is not one of rollout.judge.labels "
-                                        f"({', '.join(self.cfg.labels)})")
-            return float(self.cfg.labels[word])
+                                        f"({', '.join(self.labels)})")
+            return float(self.labels[word])
         try:
             value = float(word)
         except (TypeError, ValueError):
@@ -113,7 +116,7 @@ class JudgeSource:
         for tokens, ok, verdict in zip(prompts, fits, verdicts):
             out.append(self.read(verdict) if ok else Failure(
                 "error", f"the judge's prompt is {len(tokens)} tokens: with "
-                         f"rollout.judge.max_new_tokens={self.cfg.max_new_tokens} it passes "
+                         f"rollout.judge.max_new_tokens={self.max_new_tokens} it passes "
                          f"the judge's max_position_embeddings="
                          f"{self.role.spec.model.max_position_embeddings}"))
         self._log(pairs, verdicts, out)
@@ -124,11 +127,11 @@ class JudgeSource:
         """The first rollout.judge.log_verdicts verdicts, appended on rank 0."""
         import torch.distributed as dist
 
-        if self.log_path is None or not self.cfg.log_verdicts or dist.get_rank() != 0:
+        if self.log_path is None or not self.log_verdicts or dist.get_rank() != 0:
             return
         with open(self.log_path, "a") as f:
             for i, ((prompt, response), verdict, value) in enumerate(
-                    zip(pairs[:self.cfg.log_verdicts], verdicts, values)):
+                    zip(pairs[:self.log_verdicts], verdicts, values)):
                 failed = isinstance(value, Failure)
                 f.write(json.dumps({"call": self.calls, "sample": i, "prompt": prompt,
                                     "response": response, "verdict": verdict,
