@@ -370,6 +370,28 @@ MUTANTS = [
            "    sink_key[..., -1] = 0",
            ("tests/test_convert.py::test_logprobs_match_transformers[tp1-gpt_oss]",),
            ()),
+    Mutant("agent_retry_recorded_twice", "rollout.agent: a retried request is sampled after "
+           "the turn it repeats instead of replacing it",
+           "megarlhf/rollout/agents.py",
+           "            restore(ep, st, st.snapshot)  # a retry: the last turn sampled again",
+           "            pass  # a retry: the last turn sampled again",
+           ("tests/test_agents.py::"
+            "test_openai_clients_agents_that_misbehave_and_what_is_trained",),
+           ()),
+    Mutant("agent_reply_keeps_its_stop_token", "rollout.agent: a chat reply's text decoded "
+           "with its stop token, so the turn is rendered otherwise than the model wrote it",
+           "megarlhf/rollout/agents.py",
+           "            text = self.owner.tokenizer.decode(sampled[:-1] if stopped else sampled)",
+           "            text = self.owner.tokenizer.decode(sampled)",
+           ("tests/test_agents.py::test_an_agent_plays_the_episodes_an_environment_plays",),
+           ()),
+    Mutant("judge_reads_the_first_match", "rollout.judge: the score read at the pattern's "
+           "first match in the verdict, not its last",
+           "megarlhf/rollout/judge.py",
+           "        word = matches[-1].group(1)",
+           "        word = matches[0].group(1)",
+           ("tests/test_judge.py::test_the_judges_scores_equal_a_plain_loop",),
+           ()),
     Mutant("sync_deadline_dropped", "rollout.placement.sync_timeout_minutes: a rollout rank "
            "waits for the weights with no deadline of its own",
            "megarlhf/rollout/remote.py",

@@ -111,6 +111,26 @@ def _batch_rows(gen: dict) -> list[tuple[list[int], list[int], list[float], list
     return out
 
 
+def _covers(record: dict, kind: str, prompt: list[int], response: list[int],
+            lps: list[float]) -> list[int] | None:
+    """The observation mask an agent's record implies for a batch row (1 where none of its
+    requests' sampled tokens are), or None when a request's prompt is not the episode so
+    far or its tokens and log-probs are not the row's."""
+    requests = record["requests"][1:] if kind == "probe" else record["requests"]  # the
+    # probe's second request is a retry of its first: it replaced it
+    seq = prompt + response
+    covered = [0] * len(response)
+    for req in requests:
+        start, n = len(req["prompt"]) - len(prompt), len(req["tokens"])
+        if seq[:len(req["prompt"])] != req["prompt"] or response[start:start + n] != \
+                req["tokens"] or lps[start:start + n] != req["logprobs"]:
+            return None
+        covered[start:start + n] = [1] * n
+    if len(prompt) + len(covered) != len(requests[-1]["prompt"]) + len(requests[-1]["tokens"]):
+        return None
+    return [1 - c for c in covered]
+
+
 def test_openai_clients_agents_that_misbehave_and_what_is_trained(task):
     """Agents on the official openai client, one behaviour per row (tests/workers/
     agents.py), rollout.rewards.on_error=penalty, a verifier for the agents that return
@@ -121,44 +141,48 @@ def test_openai_clients_agents_that_misbehave_and_what_is_trained(task):
       each {"error": {"message", "type", "param", "code"}};
     - a retried request gets the same tokens and the episode records it once;
     - /v1/completions with a text prompt, a text extension and a token-id extension;
+    - chat with tools: the model's calls come back as the API's tool_calls, and the
+      agent's tool messages continue the episode;
     - every token and log-prob an agent received is the one the batch trains, each
       request's prompt is the episode so far, and what the agent added is masked as
       observation;
     - rewards: the agent's at its last model token, the verifier's (the last turn's
-      length) for null, rollout.rewards.error_score for an agent that raised, rewrote its
-      history or went silent past rollout.rewards.timeout_s (killed), counted in
-      reward/failed and reward/timeouts.
+      length) for null, rollout.rewards.error_score for an agent that raised or rewrote
+      its history, counted in reward/failed.
 
     Catches replies whose tokens or log-probs are not the trained ones, retries recorded
     twice, extensions appended wrong, errors in another shape, and failures scored or
     counted otherwise than the reward rules say."""
     import transformers
 
-    kinds = ["probe", "complete", "rewrite", "silent", "crash", "unscored"]
+    kinds = ["probe", "complete", "rewrite", "crash", "unscored", "lookup", "lookup", "lookup"]
     rows = rows_file(task, "mixed_rows", kinds)
     _, run, dump = ppo(task, "mixed", rows, *AGENT, "ppo.num_iterations=2",
                        "ppo.max_staleness=1", "checkpoint.save_interval=1",
-                       "checkpoint.keep_last=2", "ppo.rollout_batch_size=6",
-                       "ppo.mini_batch_size=12", "ppo.micro_batch_size=4",
-                       "rollout.rewards.on_error=penalty", "rollout.rewards.timeout_s=8",
+                       "checkpoint.keep_last=2", "ppo.rollout_batch_size=8",
+                       "ppo.mini_batch_size=16", "ppo.micro_batch_size=8",
+                       "rollout.rewards.on_error=penalty",
                        "rollout.rewards.fn=agents:length_of_last_turn",
                        "rollout.rewards.workers=1")
     r = metrics(run)[1]
-    assert r["reward/failed"] == 2 * 2 and r["reward/timeouts"] == 2, r  # per group of 2
+    assert r["reward/failed"] == 2 * 2 and r["reward/timeouts"] == 0, r  # per group of 2
     tok = transformers.PreTrainedTokenizerFast(
         tokenizer_file=os.path.join(task["files"]["tokenizer"], "tokenizer.json"))
     batch = _batch_rows(queued(run, 1))
-    assert len(batch) == 12
+    assert len(batch) == 16
     by_kind: dict[str, list] = {}
     for row in batch:  # the row's noun says its agent (rows_file)
         noun = re.search(r'colour of "(\w+)"', tok.decode(row[0])).group(1)
         by_kind.setdefault(kinds[NOUNS.index(noun)], []).append(row)
-    assert sorted(len(v) for v in by_kind.values()) == [2] * 6
+    assert sorted(len(v) for v in by_kind.values()) == [2] * 5 + [6]
     records = {}
     for record in dumps(dump):
         records.setdefault(record["row"]["agent"], []).append(record)
     for kind in ("probe", "complete", "rewrite"):
         assert len(records[kind]) == 2 * 2, kind  # the two rollouts' groups
+    # tool calls through the client: parsed into tool_calls, answered, continued
+    assert any(req["finish"] == "tool_calls" and len(rec["requests"]) > 1
+               for rec in records["lookup"] for req in rec["requests"]), records["lookup"]
     # the API's errors
     for record in records["probe"]:
         errors = {e["what"]: e for e in record["errors"]}
@@ -180,55 +204,56 @@ def test_openai_clients_agents_that_misbehave_and_what_is_trained(task):
         assert body.get("error", body)["code"] == "not_an_extension"
     # what the agents received is what is trained (the second rollout's records)
     assert any(len(rec["requests"]) == 3 for rec in records["probe"])
-    for kind in ("probe", "complete", "rewrite"):
+    for kind in ("probe", "complete", "rewrite", "lookup"):
         for prompt, response, lps, obs, rewards in by_kind[kind]:
-            seq = prompt + response
-            mine = [rec for rec in records[kind] if
-                    rec["requests"][-1]["prompt"] + rec["requests"][-1]["tokens"] == seq]
-            assert mine, (kind, tok.decode(seq))
-            want_reward = -1.0 if kind == "rewrite" else mine[0]["reward"]
-            requests = mine[0]["requests"]
-            if kind == "probe":
-                requests = requests[1:]  # the retry replaced the first
-            covered = [0] * len(response)
-            for req in requests:
-                start = len(req["prompt"]) - len(prompt)
-                assert seq[:len(req["prompt"])] == req["prompt"]
-                assert response[start:start + len(req["tokens"])] == req["tokens"]
-                assert lps[start:start + len(req["tokens"])] == req["logprobs"]
-                for t in range(start, start + len(req["tokens"])):
-                    covered[t] = 1
-            assert [1 - c for c in covered] == obs  # the rest is the agents' own
+            # the record of this episode: its requests cover the model's tokens exactly
+            # (two episodes of a group may be the same tokens, their log-probs from other
+            # batches: the one whose log-probs are these)
+            found = [rec for rec in records[kind]
+                     if _covers(rec, kind, prompt, response, lps) == obs]
+            assert found, (kind, tok.decode(prompt + response))
+            want_reward = -1.0 if kind == "rewrite" else found[0]["reward"]
             last = max(t for t in range(len(obs)) if obs[t] == 0)
             assert rewards[last] == want_reward and sum(rewards) == want_reward, kind
+            requests = found[0]["requests"]
             if kind == "complete" and len(requests) == 3:
                 one, two, three = requests
                 assert two["prompt"][:len(one["prompt"]) + len(one["tokens"])] == \
                     one["prompt"] + one["tokens"]  # the stop token kept
                 assert three["prompt"] == two["prompt"] + two["tokens"] + one["prompt"][-3:]
     assert any(len(rec["requests"]) == 3 for rec in records["complete"])
-    for kind in ("silent", "crash"):
-        for _, response, _, obs, rewards in by_kind[kind]:
-            assert sum(rewards) == -1.0 and response and not any(obs), kind
+    for _, response, _, obs, rewards in by_kind["crash"]:
+        assert sum(rewards) == -1.0 and response and not any(obs)
     for prompt, response, _, obs, rewards in by_kind["unscored"]:
         text = tok.decode(response[:-1] if response[-1] == tok.convert_tokens_to_ids(
             "<|im_end|>") else response)
         assert sum(rewards) == float(len(text)) and rewards[-1] == float(len(text))
 
 
-def test_an_agent_failure_stops_the_run_and_a_command_agent(task):
-    """rollout.on_error=stop (the default) with the agents as a command
-    (rollout.agent.command, tests/workers/agents.py run as a program: its own prints
-    before its reward line) that return null with no verifier, and that raise: the run
-    exits 2 naming the agent, the sample and why, with no traceback of megarlhf's own."""
+def test_silent_and_unscored_agents_and_a_stop_with_a_command_agent(task):
+    """The agents as a command (rollout.agent.command: tests/workers/agents.py run as a
+    program, its own print before its reward line), on the standard library's client so
+    they start at once. rollout.rewards.on_error=penalty: an agent silent past
+    rollout.rewards.timeout_s is killed and counted in reward/timeouts, one that returns
+    null with no verifier fails (reward/failed), and both score error_score. on_error=stop:
+    the run exits 2 naming the agent, the sample and why, with no traceback of megarlhf's
+    own. Catches a hung agent that holds the rollout, a null reward taken as 0, and
+    failures that stop or score otherwise than the rules say."""
     import sys
 
-    rows = rows_file(task, "stop_rows", ["unscored", "crash"])
     command = f"{sys.executable} {os.path.join(WORKERS, 'agents.py')}"
-    proc, run, _ = ppo(task, "stop", rows, f"rollout.agent.command={command}",
-                       "rollout.agent.entry=null", "ppo.num_iterations=1",
-                       "ppo.rollout_batch_size=2", "ppo.mini_batch_size=4",
-                       "ppo.micro_batch_size=4", check=False)
+    small = [f"rollout.agent.command={command}", "rollout.agent.entry=null",
+             "ppo.num_iterations=1", "ppo.rollout_batch_size=2", "ppo.mini_batch_size=4",
+             "ppo.micro_batch_size=4"]
+    rows = rows_file(task, "silent_rows", ["silent", "unscored"])
+    _, run, _ = ppo(task, "silent", rows, *small, "rollout.rewards.on_error=penalty",
+                    "rollout.rewards.timeout_s=3", "rollout.rewards.error_score=-2")
+    r = metrics(run)[1]
+    assert (r["reward/timeouts"], r["reward/failed"]) == (2, 2), r
+    assert r["objective/score"] == -2.0
+    rows = rows_file(task, "stop_rows", ["unscored"])
+    proc, run, _ = ppo(task, "stop", rows, *small, "ppo.rollout_batch_size=1",
+                       "ppo.mini_batch_size=2", "ppo.micro_batch_size=2", check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"rollout.agent.command={command}: sample 0: the agent returned no reward " \
            "(null)" in proc.stderr, proc.stderr[-3000:]

@@ -98,6 +98,7 @@ MOE = ["model.num_layers=2", "model.moe.num_experts=4", "model.moe.top_k=2",
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_mixture_of_experts_at_cp2_ep2_follows_one_process(tiny_checkpoints, tmp_path):
     """A mixture of experts with its experts split over the two CP ranks (CP=2 x EP=2):
     three SFT steps (padded rows, whose lengths split without lengthening, so every router

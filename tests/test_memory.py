@@ -265,6 +265,7 @@ def test_plan_command_sizes_an_8b_run_and_suggests_layouts():
         in bad.stdout
 
 
+@pytest.mark.extended
 def test_plan_search_lists_the_cheapest_layouts_that_fit():
     """``--search`` lists layouts even when the config fits (exit 0), cheapest first:
     fewest model-parallel ranks, sequence parallelism at TP > 1, and a smaller micro-batch

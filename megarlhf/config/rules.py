@@ -333,7 +333,8 @@ def check_ppo(cfg: Config, written: Written, *, planning: bool = False) -> None:
         raise ConfigError(f"ppo.overlong_buffer={ppo.overlong_buffer} must be below "
                          f"rollout.max_new_tokens={rollout.max_new_tokens}")
     longest = longest_ppo_sample(cfg)
-    sample = "data.max_seq_len (an episode)" if rollout.episodic \
+    sample = "data.max_seq_len (an environment's episode)" if rollout.environment.name \
+        else "data.max_seq_len (an agent's episode)" if rollout.agent.enabled \
         else "data.max_prompt_len + rollout.max_new_tokens"
     for field, budget in (("ppo.max_tokens_per_micro_batch", ppo.max_tokens_per_micro_batch),
                           ("rollout.forward_max_tokens_per_micro_batch",
