@@ -19,10 +19,12 @@ from megarlhf.engine.metrics import read_metrics
 pytestmark = pytest.mark.slow
 
 # The tool task's SFT policy judges the policy's answers: asked the colour of the answer,
-# it answers a colour (or calls the tool, whose key is a word too); the first three
-# colours score 0, 1, 2, any other last word is a verdict that does not parse.
+# it answers a colour or calls the tool (a verdict whose first word is "tool_call" and
+# whose last, here, is "key"). The first colour scores 0 and "key" 5; any other last word
+# is a verdict that does not parse - so reading the first match instead fails calls
+# that parse.
 TEMPLATE = 'colour of "{response}" ?'
-LABELS = {colour: float(i) for i, colour in enumerate(COLOURS[:3])}
+LABELS = {COLOURS[0]: 0.0, "key": 5.0}
 
 
 @pytest.fixture(scope="module")
