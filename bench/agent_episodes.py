@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -26,17 +25,7 @@ sys.path.insert(0, ROOT)
 
 from megarlhf.data.tool_task import write_tool_task  # noqa: E402
 from megarlhf.engine.metrics import read_metrics  # noqa: E402
-
-
-def megarlhf(args: list[str]) -> float:
-    start = time.time()
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.run([sys.executable, "-m", "megarlhf.cli", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"failed: megarlhf {' '.join(args)}\n{proc.stdout[-2000:]}\n"
-                 f"{proc.stderr[-4000:]}")
-    return time.time() - start
+from common import run_megarlhf  # noqa: E402
 
 
 def main() -> None:
@@ -48,13 +37,13 @@ def main() -> None:
     tool = write_tool_task(os.path.join(args.out, "tool-task"), seed=0)
     common = [f"tokenizer.path={tool['tokenizer']}", f"run.output_dir={args.out}",
               "checkpoint.resume=false", "logging.progress_bar=false"]
-    megarlhf(["sft", "configs/demo/tool_sft.yaml", f"data.train_path={tool['sft']}", *common,
+    run_megarlhf(["sft", "configs/demo/tool_sft.yaml", f"data.train_path={tool['sft']}", *common,
               f"train.max_steps={args.sft_steps}"])
     lines = [f"# bench/agent_episodes.py --iterations {args.iterations} --sft-steps "
              f"{args.sft_steps} ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs)"]
     for config, name in (("tool_grpo", "environment in the trainer"),
                          ("tool_agent", "agent program via the endpoint")):
-        seconds = megarlhf(["ppo", f"configs/demo/{config}.yaml",
+        seconds = run_megarlhf(["ppo", f"configs/demo/{config}.yaml",
                             f"data.train_path={tool['rows']}",
                             f"data.eval_path={tool['eval_rows']}",
                             f"ppo.sft_checkpoint={args.out}/tool-sft/checkpoints",

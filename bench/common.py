@@ -100,3 +100,17 @@ def convert(hf_dir: str, out: str, *extra: str) -> None:
                           text=True, env=child_env())
     if proc.returncode:
         raise SystemExit(f"conversion failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def run_megarlhf(args: list[str]) -> float:
+    """``megarlhf ARGS`` in a process of its own from the repository (one thread unless
+    OMP_NUM_THREADS says otherwise); its seconds, or the end of the bench with its output
+    when it fails."""
+    start = time.time()
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.run([sys.executable, "-m", "megarlhf.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"failed: megarlhf {' '.join(args)}\n{proc.stdout[-2000:]}\n"
+                 f"{proc.stderr[-4000:]}")
+    return time.time() - start

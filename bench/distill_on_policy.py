@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -31,20 +30,10 @@ sys.path.insert(0, ROOT)
 
 from megarlhf.data.synthetic import write_task  # noqa: E402
 from megarlhf.engine.metrics import read_metrics  # noqa: E402
+from common import run_megarlhf  # noqa: E402
 
 STUDENT = ("model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2",
            "model.num_query_groups=1")
-
-
-def megarlhf(args: list[str]) -> float:
-    start = time.time()
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.run([sys.executable, "-m", "megarlhf.cli", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"failed: megarlhf {' '.join(args)}\n{proc.stdout[-2000:]}\n"
-                 f"{proc.stderr[-4000:]}")
-    return time.time() - start
 
 
 def gold(out: str, name: str, step: int) -> float:
@@ -71,14 +60,15 @@ def main() -> None:
               "checkpoint.resume=false", "logging.progress_bar=false",
               "logging.tensorboard=false"]
     times = {}
-    times["teacher"] = megarlhf(["sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}",
-                                 "train.num_epochs=4", "run.name=teacher", *common])
-    times["student start"] = megarlhf([
+    times["teacher"] = run_megarlhf(["sft", "configs/sft_tiny.yaml",
+                                     f"data.train_path={task['sft']}", "train.num_epochs=4",
+                                     "run.name=teacher", *common])
+    times["student start"] = run_megarlhf([
         "sft", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}", *STUDENT,
         f"train.max_steps={args.student_steps}", "checkpoint.save_interval=0",
         "run.name=student-start", *common])
     steps = 4 * args.iterations
-    times["offline"] = megarlhf([
+    times["offline"] = run_megarlhf([
         "distill", "configs/sft_tiny.yaml", f"data.train_path={task['sft']}", *STUDENT,
         f"checkpoint.load={out}/student-start/checkpoints",
         f"distill.teacher_checkpoint={out}/teacher/checkpoints", f"train.max_steps={steps}",
@@ -93,7 +83,7 @@ def main() -> None:
                f"data.train_path={task['prompts']}", f"data.eval_path={task['eval_prompts']}"]
 
     def ppo(name: str, start: str, iterations: int) -> float:
-        return megarlhf(["ppo", "configs/demo/ppo.yaml", f"ppo.sft_checkpoint={start}",
+        return run_megarlhf(["ppo", "configs/demo/ppo.yaml", f"ppo.sft_checkpoint={start}",
                          *teacher, f"ppo.num_iterations={iterations}",
                          f"ppo.eval_interval={iterations}", f"run.name={name}", *common])
 
