@@ -92,8 +92,8 @@ def test_an_agent_plays_the_episodes_an_environment_plays(task):
     assert (a["logprobs_BT"] - b["logprobs_BT"]).abs().max() < 1e-5
     assert float(b["observation_BT"].sum()) > 0  # tool answers among them
     env_rows, agent_rows = metrics(env_run)[1:], metrics(agent_run)[1:]
-    for key in ("objective/score", "ppo/policy/loss", "objective/kl",
-                "rollout/turns_mean", "rollout/tool_call_errors"):
+    for key in ("objective/score", "ppo/policy/loss", "objective/kl", "ppo/policy/approxkl",
+                "ppo/policy/clipfrac", "rollout/turns_mean", "rollout/tool_call_errors"):
         for x, y in zip(env_rows, agent_rows, strict=True):
             assert x[key] == pytest.approx(y[key], abs=1e-6), key
 

@@ -112,6 +112,8 @@ def test_the_judges_scores_equal_a_plain_loop(judged):
     metrics = [r for r in read_metrics(str(run)) if "objective/score" in r][0]
     assert metrics["reward/failed"] == sum(s == -5.0 for s in scores)
     assert metrics["objective/score"] == pytest.approx(sum(scores) / len(scores), abs=1e-6)
+    # one epoch of one mini-batch: the update at the old policy moves nothing
+    assert metrics["ppo/policy/approxkl"] == 0 and metrics["ppo/policy/clipfrac"] == 0
 
 
 def test_a_verdict_that_does_not_parse_stops_the_run(judged):
