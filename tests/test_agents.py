@@ -269,11 +269,12 @@ def test_rollout_tp2_two_replicas_and_split_placement_play_the_same_agent_episod
     and split placement (the rollout rank serves, the other trains) - against one
     process: the same episodes (score, turns, observation and response tokens exactly)
     and the same update (losses to float noise). Catches TP peers fed other requests,
-    replicas that play other rows or seeds, and an agent rollout that only works
-    colocated."""
+    replicas that play other rows or seeds, an agent rollout that only works colocated,
+    and agents that inherit torchrun's process-group settings (the openai client's
+    agents, tests/workers/agents.py:lookup, write down what they saw)."""
     rows = rows_file(task, "layout_rows", ["lookup"] * 8)
     args = ["configs/demo/tool_agent.yaml", *task["common"], f"data.train_path={rows}",
-            "ppo.num_iterations=1"]
+            "ppo.num_iterations=1", *AGENT]
     one = task["tmp"] / "agent_layout1"
     run_cli("ppo", *args, f"run.output_dir={one}", env=ENV)
     ref = metrics(one / "tool-agent")[1]
@@ -284,10 +285,17 @@ def test_rollout_tp2_two_replicas_and_split_placement_play_the_same_agent_episod
                         ("split", ["rollout.placement.mode=split",
                                    "rollout.placement.ranks=1"])):
         out = task["tmp"] / f"agent_layout_{name}"
-        torchrun(["ppo", *args, f"run.output_dir={out}", *extra], 2, env=ENV)
+        dump = task["tmp"] / f"agent_layout_{name}_dump"
+        dump.mkdir(exist_ok=True)
+        torchrun(["ppo", *args, f"run.output_dir={out}", *extra], 2,
+                 env={**ENV, "AGENT_DUMP": str(dump)})
         got = metrics(out / "tool-agent")[1]
         for key in ("objective/score", "rollout/turns_mean",
                     "rollout/observation_tokens_mean", "rollout/response_len_mean"):
             assert got[key] == ref[key], (name, key)
         for key in ("ppo/policy/loss", "objective/kl", "objective/entropy"):
             assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (name, key)
+        # the agents did not inherit the trainer's process group (torchrun's settings)
+        records = dumps(dump)
+        assert len(records) == 16 and all(not any(r["trainer_env"].values())
+                                           for r in records), name

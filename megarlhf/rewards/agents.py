@@ -4,9 +4,10 @@ it prints (a reward, or null).
 
 ``rollout.agent.entry`` runs ``python -m megarlhf.rewards.agent_worker package.module:fn``;
 ``rollout.agent.command`` runs the user's program. Each process gets a session of its own
-(a Ctrl-C or a Slurm signal for the trainer is not its), stdout and stderr in files (a
-chatty agent cannot fill a pipe and stall), and is killed with its children when the
-rollout ends or it is silent too long (:mod:`megarlhf.rollout.agents` keeps the time).
+(a Ctrl-C or a Slurm signal for the trainer is not its), the trainer's environment without
+its process-group settings, stdout and stderr in files (a chatty agent cannot fill a pipe
+and stall), and is killed with its children when the rollout ends or it is silent too long
+(:mod:`megarlhf.rollout.agents` keeps the time).
 """
 
 from __future__ import annotations
@@ -39,6 +40,20 @@ def agent_argv(agent: AgentConfig) -> list[str]:
     return argv
 
 
+# The trainer's process-group settings: an agent that starts torch.distributed, torchrun
+# or an inference server of its own must not join the trainer's job.
+TRAINER_ONLY = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "ROLE_NAME")
+
+
+def agent_environment() -> dict[str, str]:
+    """The trainer's environment without its process-group settings (``TRAINER_ONLY``,
+    ``TORCHELASTIC_*``)."""
+    return {k: v for k, v in os.environ.items()
+            if k not in TRAINER_ONLY and not k.startswith("TORCHELASTIC_")}
+
+
 def reward_of(line: str) -> float | None | Failure:
     """An agent's last line: a finite number, null (another source scores the episode),
     or a failure saying what it was instead."""
@@ -64,7 +79,8 @@ class AgentProcess:
         row_file.write(json.dumps(row).encode())
         row_file.seek(0)
         self.proc = subprocess.Popen(argv, stdin=row_file, stdout=self.out, stderr=self.err,
-                                     env={**os.environ, **env}, start_new_session=True)
+                                     env={**agent_environment(), **env},
+                                     start_new_session=True)
         self.result: float | None | Failure = ...  # ... until it ends
 
     @property

@@ -20,7 +20,9 @@ class Log:
     """What an agent saw, written to AGENT_DUMP/<pid>.json as it goes."""
 
     def __init__(self, row: dict):
-        self.data = {"row": row, "requests": [], "errors": [], "reward": None}
+        self.data = {"row": row, "requests": [], "errors": [], "reward": None,
+                     "trainer_env": {k: os.environ.get(k) for k in (
+                         "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}}
 
     def reply(self, response, kind: str) -> None:
         choice = response.choices[0]
