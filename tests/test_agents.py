@@ -157,29 +157,31 @@ def test_openai_clients_agents_that_misbehave_and_what_is_trained(task):
 
     kinds = ["probe", "complete", "rewrite", "crash", "unscored", "lookup", "lookup", "lookup"]
     rows = rows_file(task, "mixed_rows", kinds)
+    # one episode per row (REINFORCE++: no groups), each agent a process of its own
     _, run, dump = ppo(task, "mixed", rows, *AGENT, "ppo.num_iterations=2",
                        "ppo.max_staleness=1", "checkpoint.save_interval=1",
                        "checkpoint.keep_last=2", "ppo.rollout_batch_size=8",
-                       "ppo.mini_batch_size=16", "ppo.micro_batch_size=8",
+                       "ppo.advantage_estimator=reinforce_pp", "ppo.group_size=1",
+                       "ppo.mini_batch_size=8", "ppo.micro_batch_size=8",
                        "rollout.rewards.on_error=penalty",
                        "rollout.rewards.fn=agents:length_of_last_turn",
                        "rollout.rewards.workers=1")
     r = metrics(run)[1]
-    assert r["reward/failed"] == 2 * 2 and r["reward/timeouts"] == 0, r  # per group of 2
+    assert r["reward/failed"] == 2 and r["reward/timeouts"] == 0, r  # rewrite, crash
     tok = transformers.PreTrainedTokenizerFast(
         tokenizer_file=os.path.join(task["files"]["tokenizer"], "tokenizer.json"))
     batch = _batch_rows(queued(run, 1))
-    assert len(batch) == 16
+    assert len(batch) == 8
     by_kind: dict[str, list] = {}
     for row in batch:  # the row's noun says its agent (rows_file)
         noun = re.search(r'colour of "(\w+)"', tok.decode(row[0])).group(1)
         by_kind.setdefault(kinds[NOUNS.index(noun)], []).append(row)
-    assert sorted(len(v) for v in by_kind.values()) == [2] * 5 + [6]
+    assert sorted(len(v) for v in by_kind.values()) == [1] * 5 + [3]
     records = {}
     for record in dumps(dump):
         records.setdefault(record["row"]["agent"], []).append(record)
     for kind in ("probe", "complete", "rewrite"):
-        assert len(records[kind]) == 2 * 2, kind  # the two rollouts' groups
+        assert len(records[kind]) == 2, kind  # the two rollouts' episodes
     # tool calls through the client: parsed into tool_calls, answered, continued
     assert any(req["finish"] == "tool_calls" and len(rec["requests"]) > 1
                for rec in records["lookup"] for req in rec["requests"]), records["lookup"]
