@@ -202,8 +202,8 @@ class AgentEpisodes:
             play = _Play(self, rows, indices, seed, params, eos_id, true_vocab)
             try:
                 while (batch := play.next_batch()) is not None:
-                    _from_leader(group, {j: want for j, (_, want) in batch.items()})
-                    turns, turn_kv = _sample(model, batch, **sample)
+                    wants = _from_leader(group, {j: want for j, (_, want) in batch.items()})
+                    turns, turn_kv = _sample(model, wants, **sample)
                     kv_bytes = max(kv_bytes, turn_kv)
                     play.answer(batch, turns)
             finally:
@@ -213,8 +213,7 @@ class AgentEpisodes:
             count_episodes(episodes, indices, stats, self.agent.name)
         else:
             while (wants := _from_leader(group, None)) is not None:
-                kv_bytes = max(kv_bytes, _sample(model, {j: (None, w) for j, w in
-                                                         wants.items()}, **sample)[1])
+                kv_bytes = max(kv_bytes, _sample(model, wants, **sample)[1])
             episodes = None
         episodes = _from_leader(group, episodes)
         stats["kv_cache_bytes"] = kv_bytes
@@ -227,9 +226,8 @@ class AgentEpisodes:
         return self.verifier.source.map(pairs)
 
 
-def _sample(model, batch: dict, **kw) -> tuple[dict, int]:
-    """The batch's turns ({episode: (request, (tokens, cap, seed))})."""
-    wants = {j: want for j, (_, want) in batch.items()}
+def _sample(model, wants: dict, **kw) -> tuple[dict, int]:
+    """The turns of ``wants`` ({episode: (tokens, cap, seed)})."""
     return sample_turns(model, {j: w[0] for j, w in wants.items()},
                         {j: w[1] for j, w in wants.items()},
                         {j: w[2] for j, w in wants.items()}, **kw)
@@ -309,7 +307,9 @@ class _Play:
                                                 f"{self.timeout_s:g} s: killed"))
 
     def _answer(self, request: Request, status: int, body: dict) -> None:
-        self.states[request.episode].last_active = time.monotonic()
+        j = request.episode
+        if j < len(self.states) and self.states[j].key == request.key:  # (not a stale one's)
+            self.states[j].last_active = time.monotonic()
         if not request.answer.done():
             request.answer.set_result((status, body))
 
