@@ -74,6 +74,7 @@ _ppo = tiny_ppo_args
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_sft_and_ppo_at_cp2_follow_one_process(tiny_checkpoints, tmp_path):
     """SFT (three steps, packed micro-batches: the default) and PPO (two iterations: the
     experience passes of the actor, reference, reward model and critic at CP=2, the
